@@ -1,0 +1,188 @@
+//! Building and running the server: the shared state, the router, the listener, and graceful
+//! shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{
+    Config, LiveSettings, StartupError, load_settings, parse_listen_url, require_development,
+};
+use crate::labs;
+use crate::store::Store;
+
+/// How long in-flight requests and background work may run on after a shutdown signal.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// What every handler can reach. Cheap to clone: everything inside is shared.
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Store,
+    pub config: Arc<Config>,
+    /// Cancelled when shutdown begins; background work watches it.
+    pub shutdown: CancellationToken,
+    /// Background tasks that shutdown waits for (bounded by [`SHUTDOWN_GRACE`]).
+    pub tasks: TaskTracker,
+    pub http: labs::http::HttpLab,
+    pub cache: labs::cache::CacheLab,
+    pub security: labs::security::SecurityLab,
+    pub privacy: labs::privacy::PrivacyLab,
+    pub worker: labs::worker::WorkerLab,
+}
+
+/// What a lab may use while it builds its state.
+pub struct StartupContext<'a> {
+    pub config: &'a Config,
+    pub store: &'a Store,
+    /// The settings file's content, already validated.
+    pub settings: &'a LiveSettings,
+    pub shutdown: &'a CancellationToken,
+    pub tasks: &'a TaskTracker,
+}
+
+/// The server, bound and ready: [`Application::port`] is the real port even for `:0`.
+pub struct Application {
+    listener: TcpListener,
+    address: SocketAddr,
+    router: Router,
+    state: AppState,
+}
+
+impl Application {
+    /// Checks the environment and the address, loads the settings, opens the database and binds
+    /// the listener. Every refusal is a [`StartupError`] with one readable line.
+    pub async fn build(config: Config) -> Result<Application, StartupError> {
+        require_development(&config.environment)?;
+        let requested = parse_listen_url(&config.urls)?;
+        let settings = load_settings(&config.settings)?;
+        let store = Store::open(&config.database, config.synchronous).map_err(|error| {
+            StartupError::Database {
+                path: config.database.display().to_string(),
+                reason: error.to_string(),
+            }
+        })?;
+        let listener = TcpListener::bind(requested)
+            .await
+            .map_err(|error| StartupError::Bind {
+                address: requested.to_string(),
+                reason: error.to_string(),
+            })?;
+        let address = listener.local_addr().map_err(|error| StartupError::Bind {
+            address: requested.to_string(),
+            reason: error.to_string(),
+        })?;
+
+        let shutdown = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        let context = StartupContext {
+            config: &config,
+            store: &store,
+            settings: &settings,
+            shutdown: &shutdown,
+            tasks: &tasks,
+        };
+        let state = AppState {
+            http: labs::http::HttpLab::new(&context)?,
+            cache: labs::cache::CacheLab::new(&context)?,
+            security: labs::security::SecurityLab::new(&context)?,
+            privacy: labs::privacy::PrivacyLab::new(&context)?,
+            worker: labs::worker::WorkerLab::new(&context)?,
+            store,
+            config: Arc::new(config),
+            shutdown,
+            tasks,
+        };
+        let router = router(state.clone());
+        Ok(Application {
+            listener,
+            address,
+            router,
+            state,
+        })
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    pub fn port(&self) -> u16 {
+        self.address.port()
+    }
+
+    /// The root URL clients use, e.g. `http://127.0.0.1:5080`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Serves until `stop` resolves, then stops accepting, lets in-flight requests and background
+    /// work finish (at most [`SHUTDOWN_GRACE`] each) and closes the store.
+    pub async fn run_until_stopped(
+        self,
+        stop: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let Application {
+            listener,
+            address,
+            router,
+            state,
+        } = self;
+        println!("Now listening on: http://{address}");
+        println!("Database: {}", state.store.path().display());
+        println!("Application started. Press Ctrl+C to shut down.");
+
+        let shutdown = state.shutdown.clone();
+        let signalled = shutdown.clone();
+        let server = axum::serve(
+            listener,
+            router.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move {
+            stop.await;
+            println!("Application is shutting down...");
+            signalled.cancel();
+        });
+        let served = tokio::select! {
+            served = server => served,
+            // Graceful shutdown waits for in-flight requests without a bound; give it one.
+            () = async { shutdown.cancelled().await; tokio::time::sleep(SHUTDOWN_GRACE).await } => Ok(()),
+        };
+        state.shutdown.cancel();
+        state.tasks.close();
+        let _ = tokio::time::timeout(SHUTDOWN_GRACE, state.tasks.wait()).await;
+        state.store.shutdown().await;
+        served
+    }
+}
+
+/// Every lab's routes on one router, wrapped in the security lab's middleware.
+pub fn router(state: AppState) -> Router {
+    let routes = Router::new()
+        .route("/live", get(live))
+        .merge(labs::ordered::routes())
+        .merge(labs::sql::routes())
+        .merge(labs::messaging::routes())
+        .merge(labs::http::routes())
+        .merge(labs::cache::routes())
+        .merge(labs::security::routes())
+        .merge(labs::privacy::routes())
+        .merge(labs::worker::routes())
+        .merge(labs::contracts::routes())
+        .merge(labs::pipeline::routes())
+        .with_state(state.clone());
+    labs::security::wrap(routes, &state)
+}
+
+async fn live() -> &'static str {
+    "live"
+}

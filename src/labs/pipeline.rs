@@ -1,0 +1,9 @@
+//! The pipeline lab (not built yet).
+
+use axum::Router;
+
+use crate::app::AppState;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+}

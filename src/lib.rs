@@ -1,0 +1,14 @@
+//! production-lab: a Development-only loopback server that reproduces the "production
+//! contracts" teaching lab over real HTTP and real SQLite rows.
+
+pub mod app;
+pub mod config;
+pub mod error;
+pub mod labs;
+pub mod ordering;
+pub mod practice;
+pub mod schema;
+pub mod store;
+
+pub use app::{AppState, Application};
+pub use config::Config;

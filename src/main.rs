@@ -1,0 +1,146 @@
+//! The `production-lab` command line. It only parses arguments and hands over to the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use production_lab::config::{self, Config, Synchronous};
+use production_lab::{Application, practice};
+
+#[derive(Parser)]
+#[command(
+    name = "production-lab",
+    version,
+    about = "A Development-only loopback lab of production contracts"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the lab server on a loopback address.
+    Serve(ServeArgs),
+    /// Run the ordering policy over a progression of SEQUENCE:AMOUNT deliveries.
+    Practice(PracticeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// The one http://HOST:PORT to listen on; port 0 picks a free port. Loopback only.
+    #[arg(long, default_value = config::DEFAULT_URLS)]
+    urls: String,
+    /// The SQLite file (created if missing). Default: a fresh file in the temp directory.
+    #[arg(long, alias = "Production:DatabasePath")]
+    database: Option<PathBuf>,
+    /// The runtime settings file.
+    #[arg(long, default_value = "runtime-settings.json")]
+    settings: PathBuf,
+    /// Must be Development: the fixture exposes fault controls.
+    #[arg(long, env = "LAB_ENVIRONMENT", default_value = "Production")]
+    environment: String,
+    /// The one proxy whose X-Forwarded-For/-Proto are believed.
+    #[arg(long, alias = "Production:Proxy", default_value_t = config::DEFAULT_KNOWN_PROXY)]
+    known_proxy: std::net::IpAddr,
+    /// Allowed Host names, ';'-separated, or * for any.
+    #[arg(long, alias = "AllowedHosts", default_value = "*")]
+    allowed_hosts: String,
+    /// SQLite synchronous mode of the write connection.
+    #[arg(long, value_enum, default_value = "full")]
+    synchronous: Synchronous,
+}
+
+#[derive(Args)]
+struct PracticeArgs {
+    /// The aggregate's last applied sequence before the first delivery.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    last: i64,
+    /// Deliveries as SEQUENCE:AMOUNT (default: the lesson's 2:1 1:1 2:-1 3:1 2:1).
+    #[arg(allow_negative_numbers = true)]
+    steps: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    // A panic is a bug; still, the user sees one line, not a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("production-lab: internal error: {info}")
+    }));
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("production-lab: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::Practice(args) => {
+            let steps = if args.steps.is_empty() {
+                practice::LESSON_PROGRESSION.to_vec()
+            } else {
+                args.steps
+                    .iter()
+                    .map(|step| practice::parse_step(step))
+                    .collect::<Result<_, _>>()?
+            };
+            for line in practice::run(args.last, &steps) {
+                println!("{line}");
+            }
+            Ok(())
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("LAB_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = Config {
+        urls: args.urls,
+        database: args.database.unwrap_or_else(config::default_database_path),
+        settings: args.settings,
+        environment: args.environment,
+        known_proxy: args.known_proxy,
+        allowed_hosts: args.allowed_hosts,
+        synchronous: args.synchronous,
+    };
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let application = Application::build(config).await?;
+        application
+            .run_until_stopped(shutdown_signal())
+            .await
+            .context("the server failed")
+    })
+}
+
+/// Resolves on Ctrl+C (SIGINT) or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {},
+        () = terminate => {},
+    }
+}

@@ -1,0 +1,1 @@
+//! Tests of the cache lab (none yet: the lab is not built).

@@ -1,0 +1,309 @@
+//! The one way tests start the server: in process on an ephemeral loopback port with a fresh
+//! database file and a copy of the settings file, or as a child process of the real binary.
+// Each lab's tests use a different part of these helpers.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use production_lab::{Application, Config};
+use serde_json::Value;
+use tempfile::TempDir;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The settings every test server starts with: the seed's values.
+pub const SEED_SETTINGS: &str =
+    r#"{"Live":{"Label":"initial","Maximum":3,"Secret":"classroom-not-a-secret"}}"#;
+
+/// A server running inside the test process.
+pub struct TestApp {
+    /// The root URL, e.g. `http://127.0.0.1:41234`.
+    pub address: String,
+    pub port: u16,
+    pub client: reqwest::Client,
+    pub database: PathBuf,
+    pub settings: PathBuf,
+    /// Keeps the database and settings files alive for the test's duration.
+    pub dir: TempDir,
+    stop: CancellationToken,
+    server: JoinHandle<std::io::Result<()>>,
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("test HTTP client")
+}
+
+/// A fresh server on a fresh database.
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(|_| {}).await
+}
+
+/// A fresh server whose configuration the test adjusts first.
+pub async fn spawn_app_with(configure: impl FnOnce(&mut Config)) -> TestApp {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let settings = dir.path().join("runtime-settings.json");
+    std::fs::write(&settings, SEED_SETTINGS).expect("write settings");
+    let mut config = Config::for_tests(dir.path().join("lab.db"), settings);
+    configure(&mut config);
+    start(dir, config).await
+}
+
+async fn start(dir: TempDir, config: Config) -> TestApp {
+    let database = config.database.clone();
+    let settings = config.settings.clone();
+    let application = Application::build(config).await.expect("server starts");
+    let port = application.port();
+    let address = application.url();
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(application.run_until_stopped(stop.clone().cancelled_owned()));
+    TestApp {
+        address,
+        port,
+        client: client(),
+        database,
+        settings,
+        dir,
+        stop,
+        server,
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.address, path)
+    }
+
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.client
+            .get(self.url(path))
+            .send()
+            .await
+            .expect("GET reaches the server")
+    }
+
+    pub async fn post(&self, path: &str) -> reqwest::Response {
+        self.client
+            .post(self.url(path))
+            .send()
+            .await
+            .expect("POST reaches the server")
+    }
+
+    pub async fn post_json(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .expect("POST reaches the server")
+    }
+
+    /// Posts a raw body with the given content type.
+    pub async fn post_raw(&self, path: &str, content_type: &str, body: &str) -> reqwest::Response {
+        self.client
+            .post(self.url(path))
+            .header("content-type", content_type)
+            .body(body.to_owned())
+            .send()
+            .await
+            .expect("POST reaches the server")
+    }
+
+    /// A connection of the test's own to the server's database file, for reading the rows.
+    pub fn db(&self) -> rusqlite::Connection {
+        let connection = rusqlite::Connection::open(&self.database).expect("open test database");
+        connection
+            .busy_timeout(Duration::from_secs(5))
+            .expect("busy timeout");
+        connection
+    }
+
+    /// Counts rows with a query returning one integer.
+    pub fn scalar(&self, sql: &str) -> i64 {
+        self.db()
+            .query_row(sql, [], |row| row.get(0))
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    /// Stops the server gracefully and waits for it, keeping the files.
+    pub async fn stop(self) -> (TempDir, Config) {
+        self.stop.cancel();
+        self.server
+            .await
+            .expect("server task")
+            .expect("server stops cleanly");
+        let config = Config::for_tests(self.database, self.settings);
+        (self.dir, config)
+    }
+
+    /// Stops this server and starts a new one on the same database file.
+    pub async fn restart(self) -> TestApp {
+        let (dir, config) = self.stop().await;
+        start(dir, config).await
+    }
+}
+
+/// Asserts a 400 problem+json response and returns its body.
+pub async fn assert_bad_request(response: reqwest::Response) -> Value {
+    assert_eq!(
+        response.status(),
+        400,
+        "expected 400 for a request-shape error"
+    );
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    assert!(
+        content_type.starts_with("application/problem+json"),
+        "content type was {content_type}"
+    );
+    let body: Value = response.json().await.expect("problem body is JSON");
+    assert_eq!(body["status"], 400);
+    assert!(
+        body["detail"].as_str().is_some_and(|d| !d.is_empty()),
+        "the problem says what is wrong: {body}"
+    );
+    body
+}
+
+/// Reads a response as (status, JSON body).
+pub async fn status_and_json(response: reqwest::Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    let text = response.text().await.expect("body");
+    let body = if text.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("body {text:?} is not JSON: {e}"))
+    };
+    (status, body)
+}
+
+/// The built `production-lab` binary.
+pub fn binary() -> &'static str {
+    env!("CARGO_BIN_EXE_production-lab")
+}
+
+/// A `production-lab` command with a clean environment for the lab's own variables.
+pub fn command() -> Command {
+    let mut command = Command::new(binary());
+    command.env_remove("LAB_ENVIRONMENT").env_remove("LAB_LOG");
+    command
+}
+
+/// The server as a child process; killed when dropped.
+pub struct ServerProcess {
+    pub child: Child,
+    pub address: String,
+    /// Everything the process printed to stdout after the listening line, collected by a thread.
+    pub stdout_rest: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl ServerProcess {
+    /// Starts `serve --urls http://127.0.0.1:0 --environment Development` on `database`, with
+    /// `settings` and any extra arguments, and waits for its listening line.
+    pub fn start(database: &Path, settings: &Path, extra: &[&str]) -> ServerProcess {
+        let mut child = command()
+            .arg("serve")
+            .args([
+                "--urls",
+                "http://127.0.0.1:0",
+                "--environment",
+                "Development",
+            ])
+            .arg("--database")
+            .arg(database)
+            .arg("--settings")
+            .arg(settings)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn the server binary");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let address = loop {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    if let Some(address) = line.strip_prefix("Now listening on: ") {
+                        break address.trim().to_owned();
+                    }
+                }
+                _ => {
+                    let output = child
+                        .wait_with_output()
+                        .expect("wait for the failed server");
+                    panic!(
+                        "the server exited before listening: {}",
+                        String::from_utf8_lossy(&output.stderr)
+                    );
+                }
+            }
+        };
+        let stdout_rest = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = stdout_rest.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                if let Ok(mut sink) = sink.lock() {
+                    sink.push(line);
+                }
+            }
+        });
+        ServerProcess {
+            child,
+            address,
+            stdout_rest,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.address, path)
+    }
+
+    /// Sends a signal to the process (unix).
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} failed");
+    }
+
+    /// Waits up to `timeout` for the process to exit.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A temp dir holding a seed settings file, for process tests.
+pub fn settings_dir() -> (TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let settings = dir.path().join("runtime-settings.json");
+    std::fs::write(&settings, SEED_SETTINGS).expect("write settings");
+    (dir, settings)
+}

@@ -1,0 +1,16 @@
+//! The one integration-test binary: every test talks to a real server over loopback HTTP with a
+//! fresh SQLite file. One module per lab.
+
+mod helpers;
+
+mod cache;
+mod contracts;
+mod http;
+mod messaging;
+mod ordered;
+mod pipeline;
+mod privacy;
+mod security;
+mod sql;
+mod startup;
+mod worker;

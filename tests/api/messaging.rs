@@ -1,0 +1,1 @@
+//! Tests of the messaging lab (none yet: the lab is not built).

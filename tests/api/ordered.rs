@@ -1,0 +1,286 @@
+//! The lesson: `POST /ordered/apply` and `GET /ordered/state` over real HTTP and real rows.
+
+use serde_json::{Value, json};
+
+use crate::helpers::{TestApp, assert_bad_request, spawn_app, status_and_json};
+
+fn delivery(message_id: &str, sequence: i64, amount: i64) -> Value {
+    json!({"messageId": message_id, "aggregateId": "demo", "sequence": sequence, "amount": amount})
+}
+
+async fn apply(app: &TestApp, message_id: &str, sequence: i64, amount: i64) -> (u16, Value) {
+    status_and_json(
+        app.post_json("/ordered/apply", &delivery(message_id, sequence, amount))
+            .await,
+    )
+    .await
+}
+
+async fn state(app: &TestApp) -> Value {
+    status_and_json(app.get("/ordered/state").await).await.1
+}
+
+#[tokio::test]
+async fn the_lesson_progression_quarantines_poison_without_advancing() {
+    let app = spawn_app().await;
+
+    assert_eq!(
+        apply(&app, "m-2", 2, 1).await,
+        (409, json!({"outcome": "gap", "expected": 1}))
+    );
+    assert_eq!(
+        apply(&app, "m-1", 1, 1).await,
+        (200, json!({"outcome": "applied", "sequence": 1}))
+    );
+    assert_eq!(
+        apply(&app, "poison-2", 2, -1).await,
+        (422, json!({"outcome": "quarantined", "expected": 2}))
+    );
+    assert_eq!(
+        apply(&app, "m-3", 3, 1).await,
+        (409, json!({"outcome": "gap", "expected": 2}))
+    );
+    assert_eq!(
+        apply(&app, "corrected-2", 2, 1).await,
+        (200, json!({"outcome": "applied", "sequence": 2}))
+    );
+    assert_eq!(
+        state(&app).await,
+        json!({"applied": 2, "deadletters": 1, "last": 2})
+    );
+
+    let db = app.db();
+    let mut inbox = db
+        .prepare("SELECT message_id, payload FROM ordered_inbox ORDER BY message_id")
+        .unwrap();
+    let rows: Vec<(String, String)> = inbox
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            (
+                "corrected-2".to_owned(),
+                r#"{"AggregateId":"demo","Sequence":2,"Amount":1}"#.to_owned()
+            ),
+            (
+                "m-1".to_owned(),
+                r#"{"AggregateId":"demo","Sequence":1,"Amount":1}"#.to_owned()
+            ),
+        ]
+    );
+    let aggregate: (String, i64, i64) = db
+        .query_row("SELECT * FROM aggregate_state", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .unwrap();
+    assert_eq!(aggregate, ("demo".to_owned(), 2, 2));
+    let dead: (String, String) = db
+        .query_row("SELECT message_id, reason FROM deadletters", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    assert_eq!(dead, ("poison-2".to_owned(), "negative amount".to_owned()));
+}
+
+#[tokio::test]
+async fn an_exact_replay_changes_nothing() {
+    let app = spawn_app().await;
+    assert_eq!(apply(&app, "m-1", 1, 5).await.0, 200);
+    let before = state(&app).await;
+    assert_eq!(
+        apply(&app, "m-1", 1, 5).await,
+        (200, json!({"outcome": "replay"}))
+    );
+    assert_eq!(state(&app).await, before);
+    assert_eq!(app.scalar("SELECT total FROM aggregate_state"), 5);
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 1);
+}
+
+#[tokio::test]
+async fn a_reused_id_with_another_payload_is_a_payload_conflict() {
+    let app = spawn_app().await;
+    assert_eq!(apply(&app, "m-1", 1, 5).await.0, 200);
+    assert_eq!(
+        apply(&app, "m-1", 1, 6).await,
+        (409, json!({"outcome": "payload conflict"}))
+    );
+    assert_eq!(
+        apply(&app, "m-1", 2, 5).await,
+        (409, json!({"outcome": "payload conflict"}))
+    );
+    assert_eq!(app.scalar("SELECT total FROM aggregate_state"), 5);
+    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 1);
+}
+
+#[tokio::test]
+async fn a_new_id_with_an_old_sequence_is_stale_and_writes_nothing() {
+    let app = spawn_app().await;
+    assert_eq!(apply(&app, "m-1", 1, 1).await.0, 200);
+    assert_eq!(apply(&app, "m-2", 2, 1).await.0, 200);
+    assert_eq!(
+        apply(&app, "late-1", 1, 1).await,
+        (409, json!({"outcome": "stale", "expected": 3}))
+    );
+    assert_eq!(
+        apply(&app, "late-2", 2, -1).await,
+        (409, json!({"outcome": "stale", "expected": 3}))
+    );
+    assert_eq!(
+        state(&app).await,
+        json!({"applied": 2, "deadletters": 0, "last": 2})
+    );
+}
+
+#[tokio::test]
+async fn a_gap_writes_no_rows_at_all() {
+    let app = spawn_app().await;
+    assert_eq!(apply(&app, "m-5", 5, 1).await.0, 409);
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM aggregate_state"), 0);
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 0);
+}
+
+#[tokio::test]
+async fn a_quarantined_id_resent_is_quarantined_again_with_one_row() {
+    let app = spawn_app().await;
+    assert_eq!(apply(&app, "poison", 1, -1).await.0, 422);
+    assert_eq!(
+        apply(&app, "poison", 1, -1).await,
+        (422, json!({"outcome": "quarantined", "expected": 1}))
+    );
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 1);
+    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 0);
+}
+
+#[tokio::test]
+async fn pascal_case_property_names_bind_like_camel_case() {
+    let app = spawn_app().await;
+    let (status, body) = status_and_json(
+        app.post_json(
+            "/ordered/apply",
+            &json!({"MessageId": "m-1", "AggregateId": "demo", "Sequence": 1, "Amount": 3}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, body),
+        (200, json!({"outcome": "applied", "sequence": 1}))
+    );
+}
+
+#[tokio::test]
+async fn every_request_shape_error_is_a_400_problem_never_422() {
+    let app = spawn_app().await;
+    let invalid = [
+        json!({"messageId": "", "aggregateId": "demo", "sequence": 1, "amount": 1}),
+        json!({"messageId": "   ", "aggregateId": "demo", "sequence": 1, "amount": 1}),
+        json!({"messageId": "x".repeat(21), "aggregateId": "demo", "sequence": 1, "amount": 1}),
+        json!({"messageId": null, "aggregateId": "demo", "sequence": 1, "amount": 1}),
+        json!({"messageId": "m", "aggregateId": "other", "sequence": 1, "amount": 1}),
+        json!({"messageId": "m", "sequence": 1, "amount": 1}),
+        json!({"messageId": "m", "aggregateId": "demo", "sequence": 0, "amount": 1}),
+        json!({"messageId": "m", "aggregateId": "demo", "sequence": 11, "amount": 1}),
+        json!({"messageId": "m", "aggregateId": "demo", "amount": 1}),
+        json!({"messageId": "m", "aggregateId": "demo", "sequence": 1}),
+        json!({"messageId": "m", "aggregateId": "demo", "sequence": "1", "amount": 1}),
+        json!({"messageId": "m", "aggregateId": "demo", "sequence": 1.5, "amount": 1}),
+        json!({"messageId": "m", "aggregateId": "demo", "sequence": 1, "amount": 3_000_000_000i64}),
+        json!({"messageId": 7, "aggregateId": "demo", "sequence": 1, "amount": 1}),
+        json!([1, 2]),
+    ];
+    for body in &invalid {
+        let problem = assert_bad_request(app.post_json("/ordered/apply", body).await).await;
+        assert_eq!(problem["title"], "Bad Request", "{body}");
+    }
+    assert_bad_request(
+        app.post_raw("/ordered/apply", "application/json", r#"{"messageId":"m","#)
+            .await,
+    )
+    .await;
+    assert_bad_request(
+        app.post_raw(
+            "/ordered/apply",
+            "text/plain",
+            &delivery("m", 1, 1).to_string(),
+        )
+        .await,
+    )
+    .await;
+    // A message id of exactly 20 characters is valid.
+    assert_eq!(apply(&app, &"x".repeat(20), 1, 1).await.0, 200);
+    // Nothing else was written by the rejected requests.
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 1);
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 0);
+}
+
+#[tokio::test]
+async fn sixteen_ids_racing_for_one_sequence_apply_exactly_once() {
+    let app = spawn_app().await;
+    let racers = (0..16).map(|i| {
+        let app = &app;
+        async move { apply(app, &format!("racer-{i}"), 1, 1).await }
+    });
+    let results = futures_util::future::join_all(racers).await;
+    let applied = results.iter().filter(|(status, _)| *status == 200).count();
+    assert_eq!(applied, 1, "{results:?}");
+    for (status, body) in &results {
+        assert!(
+            *status == 200 || (*status == 409 && body["outcome"] == "stale"),
+            "unexpected answer {status} {body}"
+        );
+    }
+    assert_eq!(
+        state(&app).await,
+        json!({"applied": 1, "deadletters": 0, "last": 1})
+    );
+    assert_eq!(app.scalar("SELECT total FROM aggregate_state"), 1);
+}
+
+#[tokio::test]
+async fn sixteen_identical_deliveries_at_once_leave_one_row() {
+    let app = spawn_app().await;
+    // First wave: nobody has applied it yet, so exactly one applies and the rest replay.
+    let first = futures_util::future::join_all((0..16).map(|_| apply(&app, "same", 1, 4))).await;
+    assert_eq!(
+        first.iter().filter(|r| r.1["outcome"] == "applied").count(),
+        1
+    );
+    assert_eq!(
+        first.iter().filter(|r| r.1["outcome"] == "replay").count(),
+        15
+    );
+    assert!(first.iter().all(|r| r.0 == 200), "{first:?}");
+    // Second wave: all replays.
+    let second = futures_util::future::join_all((0..16).map(|_| apply(&app, "same", 1, 4))).await;
+    assert!(
+        second
+            .iter()
+            .all(|r| *r == (200, json!({"outcome": "replay"}))),
+        "{second:?}"
+    );
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 1);
+    assert_eq!(app.scalar("SELECT total FROM aggregate_state"), 4);
+}
+
+#[tokio::test]
+async fn state_survives_a_restart_on_the_same_file() {
+    let app = spawn_app().await;
+    assert_eq!(apply(&app, "m-1", 1, 1).await.0, 200);
+    assert_eq!(apply(&app, "poison", 2, -1).await.0, 422);
+    let app = app.restart().await;
+    assert_eq!(
+        state(&app).await,
+        json!({"applied": 1, "deadletters": 1, "last": 1})
+    );
+    assert_eq!(
+        apply(&app, "m-1", 1, 1).await,
+        (200, json!({"outcome": "replay"}))
+    );
+    assert_eq!(
+        apply(&app, "m-2", 2, 1).await,
+        (200, json!({"outcome": "applied", "sequence": 2}))
+    );
+}

@@ -1,0 +1,1 @@
+//! Tests of the security lab (none yet: the lab is not built).

@@ -1,0 +1,170 @@
+//! The command line: refusals, the listening line, graceful shutdown, `/live`, `practice`.
+
+use std::time::Duration;
+
+use crate::helpers::{ServerProcess, client, command, settings_dir, spawn_app};
+
+/// Runs `serve` with the given arguments (plus a temp database) and expects a refusal.
+fn refused(args: &[&str], environment: Option<&str>) -> String {
+    let (dir, settings) = settings_dir();
+    let mut command = command();
+    command
+        .arg("serve")
+        .arg("--database")
+        .arg(dir.path().join("lab.db"))
+        .args(args);
+    if !args.contains(&"--settings") {
+        command.arg("--settings").arg(&settings);
+    }
+    if let Some(environment) = environment {
+        command.env("LAB_ENVIRONMENT", environment);
+    }
+    let output = command.output().expect("run the binary");
+    assert!(
+        !output.status.success(),
+        "the server should refuse {args:?}"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(
+        stderr.trim().lines().count(),
+        1,
+        "one readable line, not a backtrace: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+#[test]
+fn serve_refuses_to_start_outside_development() {
+    let by_default = refused(&["--urls", "http://127.0.0.1:0"], None);
+    assert!(
+        by_default.contains("Production") && by_default.contains("only in Development"),
+        "{by_default}"
+    );
+    let staging = refused(&["--urls", "http://127.0.0.1:0"], Some("Staging"));
+    assert!(staging.contains("'Staging'"), "{staging}");
+    let flag = refused(
+        &[
+            "--urls",
+            "http://127.0.0.1:0",
+            "--environment",
+            "Production",
+        ],
+        Some("Development"),
+    );
+    assert!(flag.contains("fault controls"), "{flag}");
+}
+
+#[test]
+fn serve_refuses_to_bind_anything_but_loopback() {
+    for url in ["http://0.0.0.0:0", "http://192.168.1.10:0", "http://[::]:0"] {
+        let message = refused(&["--urls", url], Some("Development"));
+        assert!(message.contains("loopback"), "{url}: {message}");
+    }
+}
+
+#[test]
+fn serve_refuses_missing_or_invalid_settings_naming_the_file_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("absent.json");
+    let message = refused(
+        &[
+            "--urls",
+            "http://127.0.0.1:0",
+            "--settings",
+            missing.to_str().unwrap(),
+        ],
+        Some("Development"),
+    );
+    assert!(message.contains("absent.json"), "{message}");
+
+    for (content, field) in [
+        (r#"{"Live":{"Label":"  ","Maximum":3}}"#, "Label"),
+        (r#"{"Live":{"Label":"x","Maximum":0}}"#, "Maximum"),
+        (r#"{"Live":{"Label":"x","Maximum":11}}"#, "Maximum"),
+        (r#"{"Live":{"Label":"x""#, "JSON"),
+    ] {
+        let path = dir.path().join("bad.json");
+        std::fs::write(&path, content).unwrap();
+        let message = refused(
+            &[
+                "--urls",
+                "http://127.0.0.1:0",
+                "--settings",
+                path.to_str().unwrap(),
+            ],
+            Some("Development"),
+        );
+        assert!(
+            message.contains("bad.json") && message.contains(field),
+            "{content}: {message}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_listening_line_names_the_real_port_and_live_answers() {
+    let (dir, settings) = settings_dir();
+    let server = ServerProcess::start(&dir.path().join("lab.db"), &settings, &[]);
+    assert!(server.address.starts_with("http://127.0.0.1:"));
+    assert!(!server.address.ends_with(":0"), "{}", server.address);
+    let response = client().get(server.url("/live")).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    assert_eq!(response.text().await.unwrap(), "live");
+}
+
+#[test]
+fn sigterm_and_sigint_shut_down_gracefully_with_exit_code_zero() {
+    for signal in ["TERM", "INT"] {
+        let (dir, settings) = settings_dir();
+        let mut server = ServerProcess::start(&dir.path().join("lab.db"), &settings, &[]);
+        server.signal(signal);
+        let status = server
+            .wait_timeout(Duration::from_secs(10))
+            .expect("the server exits after the signal");
+        assert_eq!(status.code(), Some(0), "SIG{signal}");
+    }
+}
+
+#[tokio::test]
+async fn in_process_servers_answer_live() {
+    let app = spawn_app().await;
+    assert_eq!(app.get("/live").await.text().await.unwrap(), "live");
+}
+
+fn practice(args: &[&str]) -> (bool, String, String) {
+    let output = command().arg("practice").args(args).output().unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn practice_prints_the_lesson_exactly() {
+    let (ok, stdout, _) = practice(&[]);
+    assert!(ok);
+    assert_eq!(stdout, "gap:1\napplied:1\nquarantined\ngap:2\napplied:2\n");
+}
+
+#[test]
+fn practice_takes_a_progression_and_a_starting_last() {
+    let (ok, stdout, _) = practice(&["3:1", "1:1", "3:1", "2:1", "3:1"]);
+    assert!(ok);
+    assert_eq!(stdout, "gap:1\napplied:1\ngap:2\napplied:2\napplied:3\n");
+
+    let (ok, stdout, _) = practice(&["--last", "4", "5:-1", "4:1", "5:2"]);
+    assert!(ok);
+    assert_eq!(stdout, "quarantined\nstale:5\napplied:5\n");
+
+    let (ok, _, stderr) = practice(&["2"]);
+    assert!(!ok);
+    assert!(stderr.contains("SEQUENCE:AMOUNT"), "{stderr}");
+}

@@ -1,0 +1,1 @@
+//! Tests of the worker lab (none yet: the lab is not built).
