@@ -4,6 +4,7 @@
 pub mod app;
 pub mod config;
 pub mod error;
+pub mod etag;
 pub mod labs;
 pub mod ordering;
 pub mod practice;
