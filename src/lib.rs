@@ -10,6 +10,7 @@ pub mod ordering;
 pub mod practice;
 pub mod schema;
 pub mod store;
+pub mod verify;
 
 pub use app::{AppState, Application};
 pub use config::Config;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use production_lab::config::{self, Config, Synchronous};
-use production_lab::{Application, practice};
+use production_lab::{Application, practice, verify};
 
 #[derive(Parser)]
 #[command(
@@ -25,6 +25,8 @@ enum Command {
     Serve(ServeArgs),
     /// Run the ordering policy over a progression of SEQUENCE:AMOUNT deliveries.
     Practice(PracticeArgs),
+    /// Verify the consumer contracts of a fresh fixture over real HTTP.
+    VerifyBase(VerifyBaseArgs),
 }
 
 #[derive(Args)]
@@ -50,6 +52,12 @@ struct ServeArgs {
     /// SQLite synchronous mode of the write connection.
     #[arg(long, value_enum, default_value = "full")]
     synchronous: Synchronous,
+}
+
+#[derive(Args)]
+struct VerifyBaseArgs {
+    /// The fixture's root, e.g. http://127.0.0.1:5080/ (http, loopback, no path or user info).
+    url: String,
 }
 
 #[derive(Args)]
@@ -91,6 +99,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             for line in practice::run(args.last, &steps) {
                 println!("{line}");
             }
+            Ok(())
+        }
+        Command::VerifyBase(args) => {
+            println!("{}", verify::run(&args.url)?);
             Ok(())
         }
     }

@@ -1,9 +1,577 @@
-//! The messaging lab (not built yet).
+//! Messaging: a transactional outbox whose events are handed out under short leases fenced by a
+//! generation, and an idempotent inbox that applies a message's effect once.
+//!
+//! - `POST /outbox/orders?failBeforeCommit=` writes the order row and its outbox event together.
+//! - `POST /outbox/claim/{owner}` leases the oldest claimable event to `one` or `two` for 500 ms.
+//! - `POST /outbox/ack/{id}/{owner}?generation=N` marks it sent only for the current lease holder.
+//! - `POST /inbox/apply?failBeforeCommit=` applies `demo` once; an identical redelivery is a replay.
+//! - `GET /messaging/counts` shows the rows behind all of it.
+//!
+//! Every read-check-write runs in one `Store::write` closure: the single writer serialises them, so
+//! two owners can never lease the same event generation and two deliveries never both apply.
 
-use axum::Router;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Router, extract};
+use rusqlite::{OptionalExtension, params};
+use serde::{Deserialize, Deserializer};
+use serde_json::json;
 
 use crate::app::AppState;
+use crate::error::{AppError, Json, Path, Query, RequestBody, json_response};
+use crate::store::{StoreError, is_constraint};
 
 pub fn routes() -> Router<AppState> {
     Router::new()
+        .route("/messaging/counts", get(counts))
+        .route("/outbox/orders", post(create_order))
+        .route("/outbox/claim/{owner}", post(claim))
+        .route("/outbox/ack/{id}/{owner}", post(ack))
+        .route("/inbox/apply", post(apply_inbox))
+}
+
+/// How long a claim holds an event before another owner may take it over.
+pub const LEASE_MILLIS: i64 = 500;
+/// The one order and the one inbox message the classroom fixture accepts.
+const CLASSROOM_ID: &str = "demo";
+/// The two relay owners that may claim events.
+const OWNERS: [&str; 2] = ["one", "two"];
+const MAX_QUANTITY: i32 = 10;
+const MAX_AMOUNT: i32 = 10;
+const MAX_PAYLOAD: usize = 50;
+
+/// `?failBeforeCommit=true` (the seed's fault switch). Anything but true/false is a 400.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct FaultQuery {
+    #[serde(default, deserialize_with = "optional_flag")]
+    fail_before_commit: Option<bool>,
+}
+
+/// Reads an optional boolean query value the way ASP.NET binds `bool?`: `true`/`false` in any
+/// letter case; an empty value counts as absent.
+pub(crate) fn optional_flag<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<bool>, D::Error> {
+    let text = Option::<String>::deserialize(deserializer)?;
+    match text.as_deref().map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(value) if value.eq_ignore_ascii_case("true") => Ok(Some(true)),
+        Some(value) if value.eq_ignore_ascii_case("false") => Ok(Some(false)),
+        Some(value) => Err(serde::de::Error::custom(format!(
+            "expected true or false, got {value:?}"
+        ))),
+    }
+}
+
+/// Milliseconds since the Unix epoch, the unit of `outbox.lease_until`.
+fn now_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| i64::try_from(elapsed.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// The length .NET reports for a string (UTF-16 code units), which the seed's limits count.
+fn dotnet_length(text: &str) -> usize {
+    text.encode_utf16().count()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Outbox: create an order with its event
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CreateOrder {
+    order_id: Option<String>,
+    quantity: i32,
+}
+
+impl RequestBody for CreateOrder {
+    const FIELDS: &'static [&'static str] = &["orderId", "quantity"];
+}
+
+/// Why an order was not created: answered as the seed answers each.
+#[derive(Debug, thiserror::Error)]
+enum CreateOrderError {
+    /// The order or its event already exists (a constraint violation).
+    #[error("Order or event identity already exists")]
+    IdentityExists,
+    #[error(transparent)]
+    App(#[from] AppError),
+}
+
+impl From<StoreError> for CreateOrderError {
+    fn from(error: StoreError) -> Self {
+        CreateOrderError::App(error.into())
+    }
+}
+
+impl From<rusqlite::Error> for CreateOrderError {
+    fn from(error: rusqlite::Error) -> Self {
+        if is_constraint(&error) {
+            CreateOrderError::IdentityExists
+        } else {
+            CreateOrderError::App(error.into())
+        }
+    }
+}
+
+impl IntoResponse for CreateOrderError {
+    fn into_response(self) -> Response {
+        match self {
+            CreateOrderError::IdentityExists => json_response(
+                StatusCode::CONFLICT,
+                json!({"error": CreateOrderError::IdentityExists.to_string()}),
+            ),
+            CreateOrderError::App(error) => error.into_response(),
+        }
+    }
+}
+
+async fn create_order(
+    State(state): State<AppState>,
+    Query(fault): Query<FaultQuery>,
+    Json(input): Json<CreateOrder>,
+) -> Result<Response, CreateOrderError> {
+    if input.order_id.as_deref() != Some(CLASSROOM_ID) {
+        return Err(AppError::bad_request(format!(
+            "orderId must be \"{CLASSROOM_ID}\": the classroom fixture owns one order"
+        ))
+        .into());
+    }
+    if !(1..=MAX_QUANTITY).contains(&input.quantity) {
+        return Err(
+            AppError::bad_request(format!("quantity must be from 1 to {MAX_QUANTITY}")).into(),
+        );
+    }
+    let quantity = input.quantity;
+    let fail_before_commit = fault.fail_before_commit == Some(true);
+    state
+        .store
+        .write(move |connection| {
+            // The order and the event that announces it commit together or not at all.
+            connection.execute(
+                "INSERT INTO orders(order_id, quantity) VALUES (?1, ?2)",
+                params![CLASSROOM_ID, quantity],
+            )?;
+            connection.execute(
+                "INSERT INTO outbox(event_key, aggregate_id, sequence, payload)
+                 VALUES (?1, ?2, 1, ?3)",
+                params![
+                    format!("order-{CLASSROOM_ID}-v1"),
+                    CLASSROOM_ID,
+                    format!("quantity:{quantity}")
+                ],
+            )?;
+            if fail_before_commit {
+                return Err(CreateOrderError::App(AppError::problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Controlled pre-commit failure",
+                )));
+            }
+            Ok(())
+        })
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        [(header::LOCATION, format!("/outbox/orders/{CLASSROOM_ID}"))],
+        extract::Json(json!({"orderId": CLASSROOM_ID, "quantity": quantity})),
+    )
+        .into_response())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Outbox: claim and acknowledge under a lease
+
+/// One leased event, as the claim answers it.
+#[derive(Debug, serde::Serialize)]
+struct Claimed {
+    id: i64,
+    payload: String,
+    attempts: i64,
+    owner: String,
+}
+
+async fn claim(
+    State(state): State<AppState>,
+    Path(owner): Path<String>,
+) -> Result<Response, AppError> {
+    if !OWNERS.contains(&owner.as_str()) {
+        return Err(AppError::bad_request(format!(
+            "owner must be \"{}\" or \"{}\"",
+            OWNERS[0], OWNERS[1]
+        )));
+    }
+    let claimed = state
+        .store
+        .write(move |connection| {
+            // The clock is read when the work runs on the writer, not when the request arrived:
+            // a lease is measured from the moment it is granted.
+            let now = now_millis();
+            connection
+                .query_row(
+                    "UPDATE outbox
+                     SET owner = ?1, lease_until = ?2, attempts = attempts + 1
+                     WHERE id = (SELECT id FROM outbox
+                                 WHERE status = 'pending'
+                                   AND (lease_until IS NULL OR lease_until <= ?3)
+                                 ORDER BY id LIMIT 1)
+                     RETURNING id, payload, attempts",
+                    params![owner, now + LEASE_MILLIS, now],
+                    |row| {
+                        Ok(Claimed {
+                            id: row.get(0)?,
+                            payload: row.get(1)?,
+                            attempts: row.get(2)?,
+                            owner: owner.clone(),
+                        })
+                    },
+                )
+                .optional()
+                .map_err(AppError::from)
+        })
+        .await?;
+    Ok(match claimed {
+        Some(claimed) => (StatusCode::OK, extract::Json(claimed)).into_response(),
+        None => StatusCode::NO_CONTENT.into_response(),
+    })
+}
+
+#[derive(Debug, Deserialize)]
+struct AckQuery {
+    /// The `attempts` value the claim returned: the fencing token of that lease.
+    generation: i64,
+}
+
+async fn ack(
+    State(state): State<AppState>,
+    Path((id, owner)): Path<(i64, String)>,
+    Query(AckQuery { generation }): Query<AckQuery>,
+) -> Result<Response, AppError> {
+    let changed = state
+        .store
+        .write(move |connection| {
+            connection
+                .execute(
+                    "UPDATE outbox SET status = 'sent'
+                     WHERE id = ?1 AND owner = ?2 AND status = 'pending'
+                       AND lease_until > ?3 AND attempts = ?4",
+                    params![id, owner, now_millis(), generation],
+                )
+                .map_err(AppError::from)
+        })
+        .await?;
+    Ok(if changed == 1 {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        json_response(
+            StatusCode::CONFLICT,
+            json!({"error": "Lease is not currently owned"}),
+        )
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inbox
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct InboxInput {
+    message_id: Option<String>,
+    payload: Option<String>,
+    amount: i32,
+}
+
+impl RequestBody for InboxInput {
+    const FIELDS: &'static [&'static str] = &["messageId", "payload", "amount"];
+}
+
+/// A valid delivery of the classroom message.
+struct InboxDelivery {
+    /// What two deliveries must share to be the same message, exactly as the seed stores it.
+    canonical: String,
+    amount: i32,
+}
+
+impl InboxInput {
+    fn validate(self) -> Result<InboxDelivery, AppError> {
+        if self.message_id.as_deref() != Some(CLASSROOM_ID) {
+            return Err(AppError::bad_request(format!(
+                "messageId must be \"{CLASSROOM_ID}\": the classroom fixture owns one message"
+            )));
+        }
+        let payload = self.payload.unwrap_or_default();
+        if payload.trim().is_empty() || dotnet_length(&payload) > MAX_PAYLOAD {
+            return Err(AppError::bad_request(format!(
+                "payload must be 1 to {MAX_PAYLOAD} characters and not blank"
+            )));
+        }
+        if !(1..=MAX_AMOUNT).contains(&self.amount) {
+            return Err(AppError::bad_request(format!(
+                "amount must be from 1 to {MAX_AMOUNT}"
+            )));
+        }
+        let canonical = dotnet_json::ObjectWriter::new()
+            .string("Payload", &payload)
+            .integer("Amount", i64::from(self.amount))
+            .finish();
+        Ok(InboxDelivery {
+            canonical,
+            amount: self.amount,
+        })
+    }
+}
+
+enum InboxOutcome {
+    Applied,
+    Replay,
+    PayloadConflict,
+}
+
+async fn apply_inbox(
+    State(state): State<AppState>,
+    Query(fault): Query<FaultQuery>,
+    Json(input): Json<InboxInput>,
+) -> Result<Response, AppError> {
+    let delivery = input.validate()?;
+    let fail_before_commit = fault.fail_before_commit == Some(true);
+    let outcome = state
+        .store
+        .write(move |connection| {
+            let prior: Option<String> = connection
+                .query_row(
+                    "SELECT payload FROM inbox WHERE message_id = ?1",
+                    [CLASSROOM_ID],
+                    |row| row.get(0),
+                )
+                .optional()?;
+            if let Some(prior) = prior {
+                return Ok(if prior == delivery.canonical {
+                    InboxOutcome::Replay
+                } else {
+                    InboxOutcome::PayloadConflict
+                });
+            }
+            // The identity row and the effect commit together: a redelivery finds the row and
+            // adds nothing.
+            connection.execute(
+                "INSERT INTO inbox(message_id, payload) VALUES (?1, ?2)",
+                params![CLASSROOM_ID, delivery.canonical],
+            )?;
+            connection.execute(
+                "UPDATE effects SET total = total + ?1 WHERE id = 1",
+                [delivery.amount],
+            )?;
+            if fail_before_commit {
+                return Err(AppError::problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Controlled inbox failure",
+                ));
+            }
+            Ok(InboxOutcome::Applied)
+        })
+        .await?;
+    Ok(match outcome {
+        InboxOutcome::Applied => json_response(StatusCode::OK, json!({"replay": false})),
+        InboxOutcome::Replay => json_response(StatusCode::OK, json!({"replay": true})),
+        InboxOutcome::PayloadConflict => {
+            json_response(StatusCode::CONFLICT, json!({"error": "Payload conflict"}))
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counts
+
+async fn counts(
+    State(state): State<AppState>,
+) -> Result<extract::Json<serde_json::Value>, AppError> {
+    let (orders, outbox, inbox, effects) = state
+        .store
+        .read(|connection| {
+            connection
+                .query_row(
+                    "SELECT (SELECT COUNT(*) FROM orders),
+                            (SELECT COUNT(*) FROM outbox),
+                            (SELECT COUNT(*) FROM inbox),
+                            (SELECT total FROM effects WHERE id = 1)",
+                    [],
+                    |row| {
+                        Ok((
+                            row.get::<_, i64>(0)?,
+                            row.get::<_, i64>(1)?,
+                            row.get::<_, i64>(2)?,
+                            row.get::<_, Option<i64>>(3)?.unwrap_or(0),
+                        ))
+                    },
+                )
+                .map_err(AppError::from)
+        })
+        .await?;
+    Ok(extract::Json(json!({
+        "orders": orders,
+        "outbox": outbox,
+        "inbox": inbox,
+        "effects": effects,
+    })))
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// JSON text exactly as .NET's `System.Text.Json` serializer writes it with default options, for
+/// payloads the seed stores and later compares byte for byte.
+///
+/// serde_json escapes only what JSON requires; the .NET default encoder also escapes every
+/// non-ASCII character and the HTML-sensitive `" & ' + < >` and backtick, as `\uXXXX` with
+/// uppercase hex (`"` too: `\u0022`, not `\"`). Storing serde_json's spelling would make a
+/// database shared with the original lab see a replay as a conflict.
+pub mod dotnet_json {
+    use std::fmt::Write as _;
+
+    /// Writes one flat JSON object, property by property, in the order given (as .NET writes an
+    /// anonymous type's members in declaration order).
+    #[derive(Debug)]
+    pub struct ObjectWriter {
+        text: String,
+    }
+
+    impl Default for ObjectWriter {
+        fn default() -> Self {
+            ObjectWriter::new()
+        }
+    }
+
+    impl ObjectWriter {
+        pub fn new() -> Self {
+            ObjectWriter {
+                text: String::from("{"),
+            }
+        }
+
+        pub fn string(mut self, name: &str, value: &str) -> Self {
+            self.name(name);
+            write_string(&mut self.text, value);
+            self
+        }
+
+        pub fn integer(mut self, name: &str, value: i64) -> Self {
+            self.name(name);
+            // Writing to a String cannot fail.
+            let _ = write!(self.text, "{value}");
+            self
+        }
+
+        pub fn finish(mut self) -> String {
+            self.text.push('}');
+            self.text
+        }
+
+        fn name(&mut self, name: &str) {
+            if self.text.len() > 1 {
+                self.text.push(',');
+            }
+            write_string(&mut self.text, name);
+            self.text.push(':');
+        }
+    }
+
+    /// Appends `value` as a quoted JSON string with System.Text.Json's default escaping.
+    pub fn write_string(out: &mut String, value: &str) {
+        out.push('"');
+        for character in value.chars() {
+            match character {
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                '\\' => out.push_str("\\\\"),
+                '"' | '&' | '\'' | '+' | '<' | '>' | '`' => escape_utf16(out, character),
+                ' '..='~' => out.push(character),
+                // Control characters, DEL and everything outside ASCII.
+                _ => escape_utf16(out, character),
+            }
+        }
+        out.push('"');
+    }
+
+    /// `\uXXXX` per UTF-16 code unit (a surrogate pair for characters beyond the BMP).
+    fn escape_utf16(out: &mut String, character: char) {
+        let mut units = [0u16; 2];
+        for unit in character.encode_utf16(&mut units) {
+            let _ = write!(out, "\\u{unit:04X}");
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        fn string(value: &str) -> String {
+            let mut out = String::new();
+            write_string(&mut out, value);
+            out
+        }
+
+        #[test]
+        fn plain_ascii_is_written_as_is() {
+            assert_eq!(string("hello world/ok!~"), r#""hello world/ok!~""#);
+        }
+
+        #[test]
+        fn html_sensitive_characters_become_uppercase_unicode_escapes() {
+            assert_eq!(
+                string(r#"<a href="x">'&'+`</a>"#),
+                r#""\u003Ca href=\u0022x\u0022\u003E\u0027\u0026\u0027\u002B\u0060\u003C/a\u003E""#
+            );
+        }
+
+        #[test]
+        fn short_escapes_are_used_where_json_has_them() {
+            assert_eq!(string("a\\b\n\r\t\u{8}\u{c}"), r#""a\\b\n\r\t\b\f""#);
+        }
+
+        #[test]
+        fn other_control_characters_and_del_are_unicode_escapes() {
+            assert_eq!(string("\u{0}\u{1f}\u{7f}"), r#""\u0000\u001F\u007F""#);
+        }
+
+        #[test]
+        fn non_ascii_is_escaped_per_utf16_code_unit() {
+            assert_eq!(string("é"), r#""\u00E9""#);
+            assert_eq!(string("ü€"), r#""\u00FC\u20AC""#);
+            assert_eq!(string("😀"), r#""\uD83D\uDE00""#);
+        }
+
+        #[test]
+        fn objects_keep_member_order_and_names() {
+            let text = ObjectWriter::new()
+                .string("Payload", "hello")
+                .integer("Amount", 2)
+                .finish();
+            assert_eq!(text, r#"{"Payload":"hello","Amount":2}"#);
+            let receipt = ObjectWriter::new()
+                .integer("Quantity", 1)
+                .string("condition", "\"v1\",W/\"v2\"")
+                .finish();
+            assert_eq!(
+                receipt,
+                r#"{"Quantity":1,"condition":"\u0022v1\u0022,W/\u0022v2\u0022"}"#
+            );
+            assert_eq!(ObjectWriter::new().finish(), "{}");
+        }
+
+        #[test]
+        fn the_output_is_json_that_reads_back_to_the_input() {
+            let original = "<tag> & \"quotes\" + 'ticks' `code` é 😀 \u{1}\n";
+            let text = string(original);
+            let parsed: String = serde_json::from_str(&text).unwrap();
+            assert_eq!(parsed, original);
+        }
+    }
 }

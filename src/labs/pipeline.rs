@@ -1,9 +1,245 @@
-//! The pipeline lab (not built yet).
+//! The idempotent conditional pipeline: `POST /pipeline?failAfterCommit=` updates document 1 only
+//! when `If-Match` names its current version, and records an idempotency receipt and an outbox
+//! event in the same transaction, so a retry of a lost success is answered from the receipt
+//! instead of being applied twice. `GET /pipeline/state` shows the rows behind it.
+//!
+//! The order of the checks is the contract: body, idempotency key, `If-Match` syntax, `If-Match`
+//! presence; then, inside one write, the receipt (replay or conflict), the tag (412), the write.
 
-use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Router, extract};
+use rusqlite::{OptionalExtension, params};
+use serde::Deserialize;
+use serde_json::json;
 
 use crate::app::AppState;
+use crate::error::{AppError, Json, Query, RequestBody, json_response};
+use crate::etag::{IfMatchCondition, if_match, version_etag, version_etag_value};
+use crate::labs::messaging::{dotnet_json, optional_flag};
+use crate::store::is_constraint;
 
 pub fn routes() -> Router<AppState> {
     Router::new()
+        .route("/pipeline", post(run_pipeline))
+        .route("/pipeline/state", get(pipeline_state))
+}
+
+/// The idempotency keys the classroom fixture accepts.
+const REQUEST_KEYS: [&str; 2] = ["demo", "second"];
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
+const MAX_QUANTITY: i32 = 10;
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PipelineInput {
+    quantity: i32,
+}
+
+impl RequestBody for PipelineInput {
+    const FIELDS: &'static [&'static str] = &["quantity"];
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PipelineQuery {
+    #[serde(default, deserialize_with = "optional_flag")]
+    fail_after_commit: Option<bool>,
+}
+
+/// A request that passed every check that needs no database.
+struct PipelineRequest {
+    request_id: &'static str,
+    quantity: i32,
+    condition: IfMatchCondition,
+    /// The receipt's payload, exactly as the seed stores it: what a retry must repeat.
+    receipt: String,
+}
+
+/// What the write decided.
+enum PipelineOutcome {
+    Applied {
+        version: i64,
+    },
+    Replay {
+        version: i64,
+    },
+    /// The key was used before with another request, or the document moved on since.
+    ReceiptConflict,
+    Stale {
+        current: i64,
+    },
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Result<&'static str, AppError> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let key = match (values.next(), values.next()) {
+        (Some(value), None) => value.to_str().ok(),
+        _ => None,
+    };
+    key.and_then(|key| REQUEST_KEYS.iter().copied().find(|known| *known == key))
+        .ok_or_else(|| {
+            AppError::bad_request(format!(
+                "send one Idempotency-Key header: \"{}\" or \"{}\"",
+                REQUEST_KEYS[0], REQUEST_KEYS[1]
+            ))
+        })
+}
+
+fn validate(input: PipelineInput, headers: &HeaderMap) -> Result<PipelineRequest, AppError> {
+    if !(1..=MAX_QUANTITY).contains(&input.quantity) {
+        return Err(AppError::bad_request(format!(
+            "quantity must be from 1 to {MAX_QUANTITY}"
+        )));
+    }
+    let request_id = idempotency_key(headers)?;
+    let condition = if_match(headers)
+        .map_err(|error| AppError::bad_request(error.to_string()))?
+        .ok_or_else(|| AppError::Problem {
+            status: StatusCode::PRECONDITION_REQUIRED,
+            title: "Precondition Required".to_owned(),
+            detail: Some(
+                "send If-Match with the document's current entity tag (see GET /pipeline/state)"
+                    .to_owned(),
+            ),
+        })?;
+    let receipt = dotnet_json::ObjectWriter::new()
+        .integer("Quantity", i64::from(input.quantity))
+        .string("condition", condition.canonical())
+        .finish();
+    Ok(PipelineRequest {
+        request_id,
+        quantity: input.quantity,
+        condition,
+        receipt,
+    })
+}
+
+/// The receipt check, the tag check and the write, on one snapshot: two requests carrying the
+/// same tag cannot both pass, and a retry cannot slip in between a success and its receipt.
+fn decide_and_write(
+    connection: &rusqlite::Connection,
+    request: &PipelineRequest,
+) -> Result<PipelineOutcome, AppError> {
+    let saved: Option<(String, i64)> = connection
+        .query_row(
+            "SELECT payload, result_version FROM pipeline_requests WHERE request_id = ?1",
+            [request.request_id],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .optional()?;
+    let current: i64 =
+        connection.query_row("SELECT version FROM documents WHERE id = 1", [], |row| {
+            row.get(0)
+        })?;
+    if let Some((payload, version)) = saved {
+        return Ok(if payload == request.receipt && version == current {
+            PipelineOutcome::Replay { version }
+        } else {
+            PipelineOutcome::ReceiptConflict
+        });
+    }
+    if !request.condition.passes(&version_etag(current)) {
+        return Ok(PipelineOutcome::Stale { current });
+    }
+    let next = current + 1;
+    connection.execute(
+        "UPDATE documents SET body = ?1, version = ?2 WHERE id = 1 AND version = ?3",
+        params![format!("quantity:{}", request.quantity), next, current],
+    )?;
+    let recorded = connection
+        .execute(
+            "INSERT INTO pipeline_requests(request_id, payload, result_version) VALUES (?1, ?2, ?3)",
+            params![request.request_id, request.receipt, next],
+        )
+        .and_then(|_| {
+            connection.execute(
+                "INSERT INTO outbox(event_key, aggregate_id, sequence, payload)
+                 VALUES (?1, 'document-1', ?2, ?3)",
+                params![format!("document-1-v{next}"), next, request.receipt],
+            )
+        });
+    match recorded {
+        Ok(_) => Ok(PipelineOutcome::Applied { version: next }),
+        // Returning an error rolls the document update back with it.
+        Err(error) if is_constraint(&error) => Err(AppError::problem(
+            StatusCode::CONFLICT,
+            format!("A receipt or an event for version {next} already exists"),
+        )),
+        Err(error) => Err(error.into()),
+    }
+}
+
+async fn run_pipeline(
+    State(state): State<AppState>,
+    Query(query): Query<PipelineQuery>,
+    headers: HeaderMap,
+    Json(input): Json<PipelineInput>,
+) -> Result<Response, AppError> {
+    let request = validate(input, &headers)?;
+    let outcome = state
+        .store
+        .write(move |connection| decide_and_write(connection, &request))
+        .await?;
+    Ok(match outcome {
+        PipelineOutcome::Applied { .. } if query.fail_after_commit == Some(true) => {
+            // Committed, but the caller is told otherwise: an exact retry finds the receipt.
+            return Err(AppError::problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Controlled lost-success response after commit",
+            ));
+        }
+        PipelineOutcome::Applied { version } => (
+            StatusCode::OK,
+            [(header::ETAG, version_etag_value(version))],
+            extract::Json(json!({"version": version, "replay": false})),
+        )
+            .into_response(),
+        PipelineOutcome::Replay { version } => {
+            json_response(StatusCode::OK, json!({"version": version, "replay": true}))
+        }
+        PipelineOutcome::ReceiptConflict => json_response(
+            StatusCode::CONFLICT,
+            json!({"error": "Request changed or the saved receipt is no longer current"}),
+        ),
+        PipelineOutcome::Stale { current } => {
+            return Err(AppError::Problem {
+                status: StatusCode::PRECONDITION_FAILED,
+                title: "Precondition Failed".to_owned(),
+                detail: Some(format!(
+                    "If-Match does not match the document's current entity tag \"v{current}\""
+                )),
+            });
+        }
+    })
+}
+
+async fn pipeline_state(
+    State(state): State<AppState>,
+) -> Result<extract::Json<serde_json::Value>, AppError> {
+    let (version, requests, events) = state
+        .store
+        .read(|connection| {
+            connection
+                .query_row(
+                    "SELECT (SELECT version FROM documents WHERE id = 1),
+                            (SELECT COUNT(*) FROM pipeline_requests),
+                            (SELECT COUNT(*) FROM outbox)",
+                    [],
+                    |row| {
+                        Ok((
+                            row.get::<_, i64>(0)?,
+                            row.get::<_, i64>(1)?,
+                            row.get::<_, i64>(2)?,
+                        ))
+                    },
+                )
+                .map_err(AppError::from)
+        })
+        .await?;
+    Ok(extract::Json(
+        json!({"version": version, "requests": requests, "events": events}),
+    ))
 }
