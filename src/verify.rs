@@ -218,6 +218,22 @@ async fn expect_effect(
     }
 }
 
+/// An error with its causes, e.g. "error sending request: client error (Connect): Connection
+/// refused": reqwest's own message alone does not say why.
+fn describe(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
 struct Verifier {
     client: Client,
     base: Url,
@@ -243,7 +259,7 @@ impl Verifier {
             .get(url.clone())
             .send()
             .await
-            .map_err(|error| check(number, name, format!("GET {url}: {error}")))?;
+            .map_err(|error| check(number, name, format!("GET {url}: {}", describe(&error))))?;
         let status = response.status();
         if !status.is_success() {
             return Err(check(number, name, format!("GET {url} answered {status}")));
@@ -251,7 +267,7 @@ impl Verifier {
         let text = response
             .text()
             .await
-            .map_err(|error| check(number, name, format!("GET {url}: {error}")))?;
+            .map_err(|error| check(number, name, format!("GET {url}: {}", describe(&error))))?;
         serde_json::from_str(&text).map_err(|error| {
             check(
                 number,
@@ -274,7 +290,7 @@ impl Verifier {
             .post(url.clone())
             .send()
             .await
-            .map_err(|error| check(number, name, format!("POST {url}: {error}")))?;
+            .map_err(|error| check(number, name, format!("POST {url}: {}", describe(&error))))?;
         match response.status() {
             StatusCode::SERVICE_UNAVAILABLE => Ok(()),
             status => Err(check(

@@ -388,10 +388,17 @@ async fn apply_inbox(
 // ---------------------------------------------------------------------------------------------
 // Counts
 
-async fn counts(
-    State(state): State<AppState>,
-) -> Result<extract::Json<serde_json::Value>, AppError> {
-    let (orders, outbox, inbox, effects) = state
+/// The rows behind the lab, members in the seed's order.
+#[derive(Debug, serde::Serialize)]
+struct Counts {
+    orders: i64,
+    outbox: i64,
+    inbox: i64,
+    effects: i64,
+}
+
+async fn counts(State(state): State<AppState>) -> Result<extract::Json<Counts>, AppError> {
+    let counts = state
         .store
         .read(|connection| {
             connection
@@ -402,23 +409,18 @@ async fn counts(
                             (SELECT total FROM effects WHERE id = 1)",
                     [],
                     |row| {
-                        Ok((
-                            row.get::<_, i64>(0)?,
-                            row.get::<_, i64>(1)?,
-                            row.get::<_, i64>(2)?,
-                            row.get::<_, Option<i64>>(3)?.unwrap_or(0),
-                        ))
+                        Ok(Counts {
+                            orders: row.get(0)?,
+                            outbox: row.get(1)?,
+                            inbox: row.get(2)?,
+                            effects: row.get::<_, Option<i64>>(3)?.unwrap_or(0),
+                        })
                     },
                 )
                 .map_err(AppError::from)
         })
         .await?;
-    Ok(extract::Json(json!({
-        "orders": orders,
-        "outbox": outbox,
-        "inbox": inbox,
-        "effects": effects,
-    })))
+    Ok(extract::Json(counts))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Router, extract};
 use rusqlite::{OptionalExtension, params};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::app::AppState;
@@ -56,6 +56,13 @@ struct PipelineRequest {
     condition: IfMatchCondition,
     /// The receipt's payload, exactly as the seed stores it: what a retry must repeat.
     receipt: String,
+}
+
+/// A success or a replay, members in the seed's order: `{"version":2,"replay":false}`.
+#[derive(Debug, Serialize)]
+struct PipelineAnswer {
+    version: i64,
+    replay: bool,
 }
 
 /// What the write decided.
@@ -194,12 +201,20 @@ async fn run_pipeline(
         PipelineOutcome::Applied { version } => (
             StatusCode::OK,
             [(header::ETAG, version_etag_value(version))],
-            extract::Json(json!({"version": version, "replay": false})),
+            extract::Json(PipelineAnswer {
+                version,
+                replay: false,
+            }),
         )
             .into_response(),
-        PipelineOutcome::Replay { version } => {
-            json_response(StatusCode::OK, json!({"version": version, "replay": true}))
-        }
+        PipelineOutcome::Replay { version } => (
+            StatusCode::OK,
+            extract::Json(PipelineAnswer {
+                version,
+                replay: true,
+            }),
+        )
+            .into_response(),
         PipelineOutcome::ReceiptConflict => json_response(
             StatusCode::CONFLICT,
             json!({"error": "Request changed or the saved receipt is no longer current"}),
@@ -216,10 +231,18 @@ async fn run_pipeline(
     })
 }
 
+/// The rows behind the pipeline, members in the seed's order.
+#[derive(Debug, Serialize)]
+struct PipelineState {
+    version: i64,
+    requests: i64,
+    events: i64,
+}
+
 async fn pipeline_state(
     State(state): State<AppState>,
-) -> Result<extract::Json<serde_json::Value>, AppError> {
-    let (version, requests, events) = state
+) -> Result<extract::Json<PipelineState>, AppError> {
+    let pipeline = state
         .store
         .read(|connection| {
             connection
@@ -229,17 +252,15 @@ async fn pipeline_state(
                             (SELECT COUNT(*) FROM outbox)",
                     [],
                     |row| {
-                        Ok((
-                            row.get::<_, i64>(0)?,
-                            row.get::<_, i64>(1)?,
-                            row.get::<_, i64>(2)?,
-                        ))
+                        Ok(PipelineState {
+                            version: row.get(0)?,
+                            requests: row.get(1)?,
+                            events: row.get(2)?,
+                        })
                     },
                 )
                 .map_err(AppError::from)
         })
         .await?;
-    Ok(extract::Json(
-        json!({"version": version, "requests": requests, "events": events}),
-    ))
+    Ok(extract::Json(pipeline))
 }
