@@ -66,15 +66,18 @@ pub fn problem_response(status: StatusCode, title: &str, detail: Option<&str>) -
         .into_response()
 }
 
-/// RFC 9110's section for a status: 15.5.x for 4xx, 15.6.x for 5xx.
+/// RFC 9110's section for a status: 15.5.x for 4xx, 15.6.x for 5xx (15.5 / 15.6 for codes it
+/// does not define).
 fn section(status: StatusCode) -> String {
     let code = status.as_u16();
     match code {
         400..=417 => format!("5.{}", code - 399),
-        421..=422 => format!("5.{}", code - 403),
-        426 => "5.20".to_owned(),
+        418 => "5.19".to_owned(),
+        421..=422 => format!("5.{}", code - 401),
+        426 => "5.22".to_owned(),
         500..=505 => format!("6.{}", code - 499),
-        _ => format!("{}", code / 100),
+        // Codes RFC 9110 does not define (428, 429 come from RFC 6585): the class's section.
+        _ => format!("{}", code / 100 + 1),
     }
 }
 
@@ -243,6 +246,17 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
+    }
+
+    #[test]
+    fn problem_types_point_at_the_status_class() {
+        assert_eq!(section(StatusCode::BAD_REQUEST), "5.1");
+        assert_eq!(section(StatusCode::CONFLICT), "5.10");
+        assert_eq!(section(StatusCode::PRECONDITION_FAILED), "5.13");
+        assert_eq!(section(StatusCode::UNPROCESSABLE_ENTITY), "5.21");
+        assert_eq!(section(StatusCode::PRECONDITION_REQUIRED), "5");
+        assert_eq!(section(StatusCode::TOO_MANY_REQUESTS), "5");
+        assert_eq!(section(StatusCode::SERVICE_UNAVAILABLE), "6.4");
     }
 
     #[test]
