@@ -74,7 +74,8 @@ fn section(status: StatusCode) -> String {
         421..=422 => format!("5.{}", code - 403),
         426 => "5.20".to_owned(),
         500..=505 => format!("6.{}", code - 499),
-        _ => format!("{}", code / 100),
+        // The class's own section: 15.3 for 2xx … 15.5 for 4xx, 15.6 for 5xx.
+        _ => format!("{}", code / 100 + 1),
     }
 }
 
@@ -243,6 +244,15 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
+    }
+
+    #[test]
+    fn problem_types_point_at_the_status_or_its_class() {
+        assert_eq!(section(StatusCode::PRECONDITION_FAILED), "5.13");
+        assert_eq!(section(StatusCode::SERVICE_UNAVAILABLE), "6.4");
+        // 428 is not an RFC 9110 status: its class, Client Error (15.5), not Redirection (15.4).
+        assert_eq!(section(StatusCode::PRECONDITION_REQUIRED), "5");
+        assert_eq!(section(StatusCode::LOOP_DETECTED), "6");
     }
 
     #[test]
