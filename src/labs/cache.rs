@@ -185,12 +185,19 @@ async fn read_shared(State(state): State<AppState>) -> Result<Response, AppError
     Ok(axum::Json(view).into_response())
 }
 
+/// The counters, in the contract's property order.
+#[derive(Serialize)]
+struct CacheStats {
+    reads: u64,
+    factories: u64,
+}
+
 async fn stats(State(state): State<AppState>) -> Response {
     let probe = &state.cache.probe;
-    axum::Json(serde_json::json!({
-        "reads": probe.reads.load(Ordering::SeqCst),
-        "factories": probe.factories.load(Ordering::SeqCst),
-    }))
+    axum::Json(CacheStats {
+        reads: probe.reads.load(Ordering::SeqCst),
+        factories: probe.factories.load(Ordering::SeqCst),
+    })
     .into_response()
 }
 

@@ -275,15 +275,26 @@ async fn set_gate(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+#[derive(Serialize)]
+struct QueueState {
+    capacity: usize,
+    queued: usize,
+    gate: &'static str,
+}
+
 /// For learners filling the queue: how many items wait, of how many, and the gate's position.
 async fn queue_state(State(state): State<AppState>) -> Response {
     let queue = &state.worker.queue;
-    let queued = queue.max_capacity().saturating_sub(queue.capacity());
-    axum::Json(serde_json::json!({
-        "capacity": queue.max_capacity(),
-        "queued": queued,
-        "gate": if state.worker.gate.is_open() { "open" } else { "closed" },
-    }))
+    axum::Json(QueueState {
+        capacity: queue.max_capacity(),
+        // Permits come back when the worker takes an item, so this counts only waiting items.
+        queued: queue.max_capacity().saturating_sub(queue.capacity()),
+        gate: if state.worker.gate.is_open() {
+            "open"
+        } else {
+            "closed"
+        },
+    })
     .into_response()
 }
 
