@@ -51,7 +51,7 @@ impl From<rusqlite::Error> for AppError {
 /// Builds a problem+json response like ASP.NET's `Results.Problem`.
 pub fn problem_response(status: StatusCode, title: &str, detail: Option<&str>) -> Response {
     let mut body = json!({
-        "type": format!("https://tools.ietf.org/html/rfc9110#section-15.{}", section(status)),
+        "type": problem_type(status),
         "title": title,
         "status": status.as_u16(),
     });
@@ -66,18 +66,21 @@ pub fn problem_response(status: StatusCode, title: &str, detail: Option<&str>) -
         .into_response()
 }
 
-/// RFC 9110's section for a status: 15.5.x for 4xx, 15.6.x for 5xx (15.5 / 15.6 for codes it
-/// does not define).
-fn section(status: StatusCode) -> String {
+/// The `type` URI ASP.NET would link: the status's own section of RFC 9110 (15.5.x for 4xx,
+/// 15.6.x for 5xx), RFC 6585 for the statuses it defines, else the status class's section.
+fn problem_type(status: StatusCode) -> String {
     let code = status.as_u16();
+    let rfc9110 =
+        |section: String| format!("https://tools.ietf.org/html/rfc9110#section-15.{section}");
     match code {
-        400..=417 => format!("5.{}", code - 399),
-        418 => "5.19".to_owned(),
-        421..=422 => format!("5.{}", code - 401),
-        426 => "5.22".to_owned(),
-        500..=505 => format!("6.{}", code - 499),
-        // Codes RFC 9110 does not define (428, 429 come from RFC 6585): the class's section.
-        _ => format!("{}", code / 100 + 1),
+        400..=417 => rfc9110(format!("5.{}", code - 399)),
+        421..=422 => rfc9110(format!("5.{}", code - 401)),
+        426 => rfc9110("5.22".to_owned()),
+        428 => "https://tools.ietf.org/html/rfc6585#section-3".to_owned(),
+        429 => "https://tools.ietf.org/html/rfc6585#section-4".to_owned(),
+        431 => "https://tools.ietf.org/html/rfc6585#section-5".to_owned(),
+        500..=505 => rfc9110(format!("6.{}", code - 499)),
+        _ => rfc9110(format!("{}", code / 100 + 1)),
     }
 }
 
@@ -249,14 +252,22 @@ mod tests {
     }
 
     #[test]
-    fn problem_types_point_at_the_status_class() {
-        assert_eq!(section(StatusCode::BAD_REQUEST), "5.1");
-        assert_eq!(section(StatusCode::CONFLICT), "5.10");
-        assert_eq!(section(StatusCode::PRECONDITION_FAILED), "5.13");
-        assert_eq!(section(StatusCode::UNPROCESSABLE_ENTITY), "5.21");
-        assert_eq!(section(StatusCode::PRECONDITION_REQUIRED), "5");
-        assert_eq!(section(StatusCode::TOO_MANY_REQUESTS), "5");
-        assert_eq!(section(StatusCode::SERVICE_UNAVAILABLE), "6.4");
+    fn problem_types_link_the_status_own_section() {
+        let type_of = |code: u16| problem_type(StatusCode::from_u16(code).unwrap());
+        let rfc9110 = "https://tools.ietf.org/html/rfc9110#section-15.";
+        assert_eq!(type_of(400), format!("{rfc9110}5.1"));
+        assert_eq!(type_of(409), format!("{rfc9110}5.10"));
+        assert_eq!(type_of(412), format!("{rfc9110}5.13"));
+        assert_eq!(type_of(421), format!("{rfc9110}5.20"));
+        assert_eq!(type_of(422), format!("{rfc9110}5.21"));
+        assert_eq!(type_of(426), format!("{rfc9110}5.22"));
+        assert_eq!(type_of(500), format!("{rfc9110}6.1"));
+        assert_eq!(type_of(503), format!("{rfc9110}6.4"));
+        assert_eq!(type_of(451), format!("{rfc9110}5"));
+        assert_eq!(
+            type_of(429),
+            "https://tools.ietf.org/html/rfc6585#section-4"
+        );
     }
 
     #[test]

@@ -1,20 +1,567 @@
-//! The cache lab (not built yet).
+//! The cache lab: a catalog row read through an in-process cache and invalidated only after its
+//! write has committed, and a shared value whose concurrent callers all wait on one factory run
+//! (stampede protection), with a lab gate that holds the factory so the stampede can be watched.
+//!
+//! Routes: `GET|POST /cache/catalog`, `GET /cache/shared`, `GET /cache/stats`,
+//! `POST /lab/cache/gate/{close|open}`, `POST /lab/cache/reset`.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, Shared};
+use moka::future::Cache;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::app::{AppState, StartupContext};
 use crate::config::StartupError;
+use crate::error::{AppError, Json, Path, Query, RequestBody};
+use crate::store::Store;
 
-/// The cache lab's own state.
+/// How long a loaded value stays fresh, as the seed's one-minute expiration.
+pub const TIME_TO_LIVE: Duration = Duration::from_secs(60);
+/// The longest catalog name, counted in UTF-16 code units as .NET counts string length.
+const MAX_NAME: usize = 30;
+
+/// The cache lab's own state: two read-through entries, their counters and the factory gate.
 #[derive(Clone)]
-pub struct CacheLab {}
+pub struct CacheLab {
+    catalog: CoalescedEntry<CatalogView>,
+    shared: CoalescedEntry<SharedView>,
+    probe: Arc<CacheProbe>,
+}
 
 impl CacheLab {
-    pub fn new(_context: &StartupContext<'_>) -> Result<Self, StartupError> {
-        Ok(CacheLab {})
+    pub fn new(context: &StartupContext<'_>) -> Result<Self, StartupError> {
+        Ok(CacheLab {
+            catalog: CoalescedEntry::new(context.tasks.clone(), context.shutdown.clone()),
+            shared: CoalescedEntry::new(context.tasks.clone(), context.shutdown.clone()),
+            probe: Arc::new(CacheProbe::default()),
+        })
     }
+}
+
+/// What the lab counts: catalog rows read by the factory, and shared-factory runs.
+#[derive(Default)]
+struct CacheProbe {
+    reads: AtomicU64,
+    factories: AtomicU64,
+    gate: LabGate,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct CatalogView {
+    name: String,
+    version: i64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SharedView {
+    value: &'static str,
+    generation: u64,
 }
 
 pub fn routes() -> Router<AppState> {
     Router::new()
+        .route("/cache/catalog", get(read_catalog).post(write_catalog))
+        .route("/cache/shared", get(read_shared))
+        .route("/cache/stats", get(stats))
+        .route("/lab/cache/gate/{action}", post(set_gate))
+        .route("/lab/cache/reset", post(reset))
+}
+
+async fn read_catalog(State(state): State<AppState>) -> Result<Response, AppError> {
+    let lab = &state.cache;
+    let store = state.store.clone();
+    let probe = lab.probe.clone();
+    let view = lab
+        .catalog
+        .get_or_load(move || load_catalog(store, probe))
+        .await?;
+    Ok(axum::Json(view).into_response())
+}
+
+/// The catalog factory: one counted read of the row.
+async fn load_catalog(store: Store, probe: Arc<CacheProbe>) -> Result<CatalogView, LoadFailure> {
+    probe.reads.fetch_add(1, Ordering::SeqCst);
+    store
+        .read(|connection| {
+            connection
+                .query_row(
+                    "SELECT name, version FROM catalog_cache WHERE id = 1",
+                    [],
+                    |row| {
+                        Ok(CatalogView {
+                            name: row.get(0)?,
+                            version: row.get(1)?,
+                        })
+                    },
+                )
+                .map_err(AppError::from)
+        })
+        .await
+        .map_err(|error: AppError| {
+            tracing::error!(target: "production_lab::cache", %error, "catalog load failed");
+            LoadFailure::Unavailable
+        })
+}
+
+#[derive(Debug, Deserialize)]
+struct CatalogInput {
+    name: Option<String>,
+}
+
+impl RequestBody for CatalogInput {
+    const FIELDS: &'static [&'static str] = &["name"];
+}
+
+async fn write_catalog(
+    State(state): State<AppState>,
+    Query(query): Query<Vec<(String, String)>>,
+    Json(input): Json<CatalogInput>,
+) -> Result<Response, AppError> {
+    let fail_before_commit = query_flag(&query, "failBeforeCommit")?;
+    let name = input.name.unwrap_or_default();
+    if name.trim().is_empty() || name.encode_utf16().count() > MAX_NAME {
+        return Err(AppError::bad_request(format!(
+            "name must be 1 to {MAX_NAME} characters and not blank"
+        )));
+    }
+    state
+        .store
+        .write(move |connection| {
+            let changed = connection.execute(
+                "UPDATE catalog_cache SET name = ?1, version = version + 1 WHERE id = 1",
+                [&name],
+            )?;
+            if changed != 1 {
+                return Err(AppError::problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "The catalog row is missing",
+                ));
+            }
+            if fail_before_commit {
+                // Err rolls back this work's savepoint: the row and the cached value stay as they were.
+                return Err(AppError::problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Controlled cache-write rollback",
+                ));
+            }
+            Ok(())
+        })
+        .await?;
+    // Only now is the new row durable, so only now may the cached copy go.
+    state.cache.catalog.invalidate().await;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn read_shared(State(state): State<AppState>) -> Result<Response, AppError> {
+    let probe = state.cache.probe.clone();
+    let view = state
+        .cache
+        .shared
+        .get_or_load(move || async move {
+            let generation = probe.factories.fetch_add(1, Ordering::SeqCst) + 1;
+            probe.gate.passed().await;
+            Ok(SharedView {
+                value: "shared",
+                generation,
+            })
+        })
+        .await?;
+    Ok(axum::Json(view).into_response())
+}
+
+/// The counters, in the contract's property order.
+#[derive(Serialize)]
+struct CacheStats {
+    reads: u64,
+    factories: u64,
+}
+
+async fn stats(State(state): State<AppState>) -> Response {
+    let probe = &state.cache.probe;
+    axum::Json(CacheStats {
+        reads: probe.reads.load(Ordering::SeqCst),
+        factories: probe.factories.load(Ordering::SeqCst),
+    })
+    .into_response()
+}
+
+async fn set_gate(
+    State(state): State<AppState>,
+    Path(action): Path<String>,
+) -> Result<Response, AppError> {
+    state.cache.probe.gate.apply(&action)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn reset(State(state): State<AppState>) -> Response {
+    state.cache.shared.invalidate().await;
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// Reads an optional boolean query parameter the way ASP.NET binds `bool?`: the name in any
+/// case, `true`/`false` in any case, an empty value as absent. Anything else is a 400.
+fn query_flag(query: &[(String, String)], name: &str) -> Result<bool, AppError> {
+    let mut values = query
+        .iter()
+        .filter(|(key, _)| key.eq_ignore_ascii_case(name))
+        .map(|(_, value)| value.trim());
+    let value = values.next();
+    if values.next().is_some() {
+        return Err(AppError::bad_request(format!(
+            "query parameter '{name}' is given more than once"
+        )));
+    }
+    match value {
+        None | Some("") => Ok(false),
+        Some(value) if value.eq_ignore_ascii_case("true") => Ok(true),
+        Some(value) if value.eq_ignore_ascii_case("false") => Ok(false),
+        Some(value) => Err(AppError::bad_request(format!(
+            "query parameter '{name}' must be true or false, not '{value}'"
+        ))),
+    }
+}
+
+/// A lab switch that holds work until it is opened again. Open at start.
+#[derive(Clone)]
+pub struct LabGate {
+    open: Arc<watch::Sender<bool>>,
+}
+
+impl Default for LabGate {
+    fn default() -> Self {
+        LabGate {
+            open: Arc::new(watch::Sender::new(true)),
+        }
+    }
+}
+
+impl LabGate {
+    /// Applies the path's action: `close` or `open` (exactly); anything else is a 400.
+    pub fn apply(&self, action: &str) -> Result<(), AppError> {
+        match action {
+            "close" => self.open.send_replace(false),
+            "open" => self.open.send_replace(true),
+            other => {
+                return Err(AppError::bad_request(format!(
+                    "gate action must be 'close' or 'open', not '{other}'"
+                )));
+            }
+        };
+        Ok(())
+    }
+
+    pub fn is_open(&self) -> bool {
+        *self.open.borrow()
+    }
+
+    /// Resolves once the gate is open (at once if it already is).
+    pub async fn passed(&self) {
+        let mut open = self.open.subscribe();
+        // Err only if the sender is gone, and `self` holds it.
+        let _ = open.wait_for(|open| *open).await;
+    }
+}
+
+/// Why a read-through value could not be produced. Never cached: the next caller tries again.
+#[derive(Debug, Clone, thiserror::Error)]
+enum LoadFailure {
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("the value could not be loaded")]
+    Unavailable,
+    #[error("the value's factory panicked")]
+    Panicked,
+}
+
+impl From<LoadFailure> for AppError {
+    fn from(failure: LoadFailure) -> Self {
+        let title = match failure {
+            LoadFailure::ShuttingDown => "The server is shutting down",
+            LoadFailure::Unavailable | LoadFailure::Panicked => "The value could not be loaded",
+        };
+        AppError::problem(StatusCode::SERVICE_UNAVAILABLE, title)
+    }
+}
+
+type FlightResult<V> = Result<V, LoadFailure>;
+
+/// One logical cache entry, read through a moka cache whose concurrent callers share one factory
+/// run.
+///
+/// Two gaps in plain `try_get_with` are closed here (see the moka row of the crate notes):
+/// - If the caller that runs the init future disconnects, moka lets the next waiter run its own
+///   init. So the factory runs as a task of its own (a *flight*, tracked for shutdown) and every
+///   init future only joins the flight of its epoch: a disconnect neither cancels the run nor
+///   starts a second one. The flight also inserts its value itself, so a value finished while no
+///   caller was waiting is not lost.
+/// - `invalidate` cannot stop a running factory from inserting its value afterwards. So the moka
+///   key is an *epoch* that every invalidation moves on: a late value lands under an epoch
+///   nobody reads any more, and the next read starts a fresh flight.
+struct CoalescedEntry<V> {
+    cache: Cache<u64, V>,
+    epoch: Arc<AtomicU64>,
+    flight: Arc<Mutex<Option<Flight<V>>>>,
+    flight_ids: Arc<AtomicU64>,
+    tasks: TaskTracker,
+    shutdown: CancellationToken,
+}
+
+// By hand: a derive would require `V: Clone` for the handle itself.
+impl<V> Clone for CoalescedEntry<V> {
+    fn clone(&self) -> Self {
+        CoalescedEntry {
+            cache: self.cache.clone(),
+            epoch: self.epoch.clone(),
+            flight: self.flight.clone(),
+            flight_ids: self.flight_ids.clone(),
+            tasks: self.tasks.clone(),
+            shutdown: self.shutdown.clone(),
+        }
+    }
+}
+
+/// A running factory: the epoch it loads for and its result, shared by every caller that joins.
+struct Flight<V> {
+    id: u64,
+    epoch: u64,
+    result: Shared<BoxFuture<'static, FlightResult<V>>>,
+}
+
+impl<V> CoalescedEntry<V>
+where
+    V: Clone + Send + Sync + 'static,
+{
+    fn new(tasks: TaskTracker, shutdown: CancellationToken) -> Self {
+        CoalescedEntry {
+            cache: Cache::builder().time_to_live(TIME_TO_LIVE).build(),
+            epoch: Arc::new(AtomicU64::new(0)),
+            flight: Arc::new(Mutex::new(None)),
+            flight_ids: Arc::new(AtomicU64::new(0)),
+            tasks,
+            shutdown,
+        }
+    }
+
+    /// The cached value, or the result of the one factory run that all concurrent callers share.
+    async fn get_or_load<F, Fut>(&self, factory: F) -> FlightResult<V>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = FlightResult<V>> + Send + 'static,
+    {
+        let epoch = self.epoch.load(Ordering::SeqCst);
+        self.cache
+            .try_get_with(epoch, self.join_or_start(epoch, factory))
+            .await
+            .map_err(|failure| (*failure).clone())
+    }
+
+    /// Drops the cached value; the next read starts a new factory run even if one is running now.
+    async fn invalidate(&self) {
+        let previous = self.epoch.fetch_add(1, Ordering::SeqCst);
+        self.cache.invalidate(&previous).await;
+    }
+
+    /// moka's init future: joins the running flight of this epoch, or starts one.
+    async fn join_or_start<F, Fut>(&self, epoch: u64, factory: F) -> FlightResult<V>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = FlightResult<V>> + Send + 'static,
+    {
+        if let Some(running) = self.running_flight(epoch) {
+            return running.await;
+        }
+        // A flight of this epoch may have finished (and inserted) between moka's own look-up and
+        // here; only moka's single init runner for the key starts flights, so this check holds.
+        if let Some(value) = self.cache.get(&epoch).await {
+            return Ok(value);
+        }
+        self.start_flight(epoch, factory).await
+    }
+
+    fn running_flight(&self, epoch: u64) -> Option<Shared<BoxFuture<'static, FlightResult<V>>>> {
+        let slot = self.flight.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.as_ref()
+            .filter(|flight| flight.epoch == epoch)
+            .map(|flight| flight.result.clone())
+    }
+
+    fn start_flight<F, Fut>(
+        &self,
+        epoch: u64,
+        factory: F,
+    ) -> Shared<BoxFuture<'static, FlightResult<V>>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = FlightResult<V>> + Send + 'static,
+    {
+        let mut slot = self.flight.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(flight) = slot.as_ref().filter(|flight| flight.epoch == epoch) {
+            return flight.result.clone();
+        }
+        let id = self.flight_ids.fetch_add(1, Ordering::SeqCst);
+        let work = factory();
+        let entry = self.clone();
+        // Spawned while the slot is locked, so the flight cannot finish (and clear the slot)
+        // before it has been stored there.
+        let task = self.tasks.spawn(async move {
+            let result = tokio::select! {
+                () = entry.shutdown.cancelled() => Err(LoadFailure::ShuttingDown),
+                outcome = AssertUnwindSafe(work).catch_unwind() => {
+                    outcome.unwrap_or(Err(LoadFailure::Panicked))
+                }
+            };
+            if let Ok(value) = &result
+                && entry.epoch.load(Ordering::SeqCst) == epoch
+            {
+                entry.cache.insert(epoch, value.clone()).await;
+            }
+            entry.finish_flight(id);
+            result
+        });
+        let result = async move { task.await.unwrap_or(Err(LoadFailure::Panicked)) }
+            .boxed()
+            .shared();
+        *slot = Some(Flight {
+            id,
+            epoch,
+            result: result.clone(),
+        });
+        result
+    }
+
+    /// Clears the slot if it still holds this flight (a newer epoch may have replaced it).
+    fn finish_flight(&self, id: u64) {
+        let mut slot = self.flight.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.as_ref().is_some_and(|flight| flight.id == id) {
+            *slot = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
+        items
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn the_fault_flag_binds_like_a_nullable_bool() {
+        let flag = |items: &[(&str, &str)]| query_flag(&pairs(items), "failBeforeCommit");
+        assert!(!flag(&[]).unwrap());
+        assert!(!flag(&[("failBeforeCommit", "")]).unwrap());
+        assert!(flag(&[("failBeforeCommit", "true")]).unwrap());
+        assert!(flag(&[("FAILBEFORECOMMIT", "True")]).unwrap());
+        assert!(!flag(&[("failBeforeCommit", "false")]).unwrap());
+        assert!(!flag(&[("other", "true")]).unwrap());
+        assert!(flag(&[("failBeforeCommit", "yes")]).is_err());
+        assert!(flag(&[("failBeforeCommit", "1")]).is_err());
+        assert!(flag(&[("failBeforeCommit", "true"), ("failBeforeCommit", "false")]).is_err());
+    }
+
+    #[test]
+    fn the_gate_knows_only_close_and_open() {
+        let gate = LabGate::default();
+        assert!(gate.is_open());
+        gate.apply("close").unwrap();
+        assert!(!gate.is_open());
+        assert!(gate.apply("Close").is_err());
+        assert!(gate.apply("shut").is_err());
+        assert!(!gate.is_open());
+        gate.apply("open").unwrap();
+        assert!(gate.is_open());
+    }
+
+    #[tokio::test]
+    async fn an_invalidation_during_a_running_factory_forces_a_new_run() {
+        let entry: CoalescedEntry<u64> =
+            CoalescedEntry::new(TaskTracker::new(), CancellationToken::new());
+        let runs = Arc::new(AtomicU64::new(0));
+        let gate = LabGate::default();
+        gate.apply("close").unwrap();
+        let load = |entry: CoalescedEntry<u64>| {
+            let runs = runs.clone();
+            let gate = gate.clone();
+            async move {
+                entry
+                    .get_or_load(move || async move {
+                        let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        gate.passed().await;
+                        Ok(run)
+                    })
+                    .await
+            }
+        };
+        let first = tokio::spawn(load(entry.clone()));
+        while runs.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        entry.invalidate().await;
+        gate.apply("open").unwrap();
+        assert_eq!(first.await.unwrap().unwrap(), 1);
+        // The first run finished after the invalidation: its value must not be served.
+        assert_eq!(load(entry.clone()).await.unwrap(), 2);
+        assert_eq!(load(entry.clone()).await.unwrap(), 2);
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_caller_neither_stops_the_flight_nor_starts_another() {
+        let entry: CoalescedEntry<u64> =
+            CoalescedEntry::new(TaskTracker::new(), CancellationToken::new());
+        let runs = Arc::new(AtomicU64::new(0));
+        let gate = LabGate::default();
+        gate.apply("close").unwrap();
+        let load = |entry: CoalescedEntry<u64>| {
+            let runs = runs.clone();
+            let gate = gate.clone();
+            async move {
+                entry
+                    .get_or_load(move || async move {
+                        let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        gate.passed().await;
+                        Ok(run)
+                    })
+                    .await
+            }
+        };
+        // The first caller runs moka's init future; the second waits behind it.
+        let runner = tokio::spawn(load(entry.clone()));
+        while runs.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        let waiter = tokio::spawn(load(entry.clone()));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        runner.abort();
+        assert!(runner.await.unwrap_err().is_cancelled());
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        gate.apply("open").unwrap();
+        assert_eq!(waiter.await.unwrap().unwrap(), 1);
+        assert_eq!(load(entry.clone()).await.unwrap(), 1);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
 }
