@@ -7,8 +7,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
-use crate::helpers::{TestApp, assert_bad_request, client, spawn_app, status_and_json};
-use crate::worker::{InProcessServer, poll_until};
+use crate::helpers::{TestApp, assert_bad_request, client, poll_until, spawn_app, status_and_json};
 
 async fn stats(app: &TestApp) -> Value {
     status_and_json(app.get("/cache/stats").await).await.1
@@ -274,7 +273,7 @@ async fn gate_actions_other_than_close_and_open_are_400() {
 
 #[tokio::test]
 async fn shutdown_releases_a_caller_held_at_the_gate() {
-    let server = InProcessServer::start().await;
+    let server = spawn_app().await;
     let client = client();
     let closed = client
         .post(server.url("/lab/cache/gate/close"))
@@ -297,7 +296,8 @@ async fn shutdown_releases_a_caller_held_at_the_gate() {
     )
     .await;
 
-    let state = server.stop().await;
+    let state = server.state.clone();
+    server.stop().await;
 
     let (status, problem) = waiting.await.expect("caller task");
     assert_eq!(status, 503, "{problem}");

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use production_lab::{Application, Config};
+use production_lab::{AppState, Application, Config};
 use serde_json::Value;
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
@@ -26,6 +26,8 @@ pub struct TestApp {
     pub client: reqwest::Client,
     pub database: PathBuf,
     pub settings: PathBuf,
+    /// The server's shared state, for lab evidence a test watches (and reads after a stop).
+    pub state: AppState,
     /// Keeps the database and settings files alive for the test's duration.
     pub dir: TempDir,
     stop: CancellationToken,
@@ -61,6 +63,7 @@ async fn start(dir: TempDir, config: Config) -> TestApp {
     let application = Application::build(config).await.expect("server starts");
     let port = application.port();
     let address = application.url();
+    let state = application.state().clone();
     let stop = CancellationToken::new();
     let server = tokio::spawn(application.run_until_stopped(stop.clone().cancelled_owned()));
     TestApp {
@@ -69,6 +72,7 @@ async fn start(dir: TempDir, config: Config) -> TestApp {
         client: client(),
         database,
         settings,
+        state,
         dir,
         stop,
         server,
@@ -148,6 +152,24 @@ impl TestApp {
         let (dir, config) = self.stop().await;
         start(dir, config).await
     }
+}
+
+/// Polls `probe` until `done` holds, for at most about ten seconds, and returns the last value.
+pub async fn poll_until<T, F, Fut>(what: &str, mut probe: F, done: impl Fn(&T) -> bool) -> T
+where
+    T: std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let mut last = probe().await;
+    for _ in 0..400 {
+        if done(&last) {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        last = probe().await;
+    }
+    panic!("{what}: never reached; last seen {last:?}");
 }
 
 /// Asserts a 400 problem+json response and returns its body.

@@ -5,14 +5,10 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use production_lab::labs::http::HttpLab;
-use production_lab::{Application, Config};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
-use tokio_util::sync::CancellationToken;
 
-use crate::helpers::{
-    SEED_SETTINGS, TestApp, assert_bad_request, client, spawn_app, status_and_json,
-};
+use crate::helpers::{TestApp, assert_bad_request, client, spawn_app, status_and_json};
 
 /// The document row as stored: (body, version).
 fn document_row(app: &TestApp) -> (String, i64) {
@@ -346,38 +342,6 @@ async fn without_arming_the_pause_header_does_nothing() {
     assert_bad_request(bad).await;
 }
 
-/// A server in this process whose http lab state the test can watch.
-struct ProbedServer {
-    _dir: tempfile::TempDir,
-    database: std::path::PathBuf,
-    address: String,
-    lab: HttpLab,
-    stop: CancellationToken,
-    server: tokio::task::JoinHandle<std::io::Result<()>>,
-}
-
-async fn spawn_probed_server() -> ProbedServer {
-    let dir = tempfile::tempdir().unwrap();
-    let settings = dir.path().join("runtime-settings.json");
-    std::fs::write(&settings, SEED_SETTINGS).unwrap();
-    let database = dir.path().join("lab.db");
-    let application = Application::build(Config::for_tests(database.clone(), settings))
-        .await
-        .expect("server starts");
-    let lab = application.state().http.clone();
-    let address = application.url();
-    let stop = CancellationToken::new();
-    let server = tokio::spawn(application.run_until_stopped(stop.clone().cancelled_owned()));
-    ProbedServer {
-        _dir: dir,
-        database,
-        address,
-        lab,
-        stop,
-        server,
-    }
-}
-
 async fn wait_for_parked(lab: &HttpLab, expected: usize) {
     for _ in 0..500 {
         if lab.parked_writers() == expected {
@@ -393,7 +357,7 @@ async fn wait_for_parked(lab: &HttpLab, expected: usize) {
 
 #[tokio::test]
 async fn a_parked_writer_whose_client_disconnects_is_abandoned() {
-    let server = spawn_probed_server().await;
+    let server = spawn_app().await;
     let http = client();
     let arm = http
         .post(format!("{}/lab/condition/arm", server.address))
@@ -412,9 +376,9 @@ async fn a_parked_writer_whose_client_disconnects_is_abandoned() {
         body.len()
     );
     socket.write_all(request.as_bytes()).await.unwrap();
-    wait_for_parked(&server.lab, 1).await;
+    wait_for_parked(&server.state.http, 1).await;
     drop(socket);
-    wait_for_parked(&server.lab, 0).await;
+    wait_for_parked(&server.state.http, 0).await;
 
     // Releasing now lets nobody through: the abandoned write never reaches the store.
     let release = http
@@ -435,8 +399,7 @@ async fn a_parked_writer_whose_client_disconnects_is_abandoned() {
         .unwrap();
     assert_eq!(row, ("kept".to_owned(), 2));
 
-    server.stop.cancel();
-    server.server.await.unwrap().unwrap();
+    server.stop().await;
 }
 
 #[tokio::test]

@@ -3,80 +3,11 @@
 //! item, and a shutdown that answers everything still queued.
 
 use std::collections::HashSet;
-use std::future::Future;
-use std::time::Duration;
 
-use production_lab::{AppState, Application, Config};
 use serde_json::{Value, json};
-use tempfile::TempDir;
 use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
-use crate::helpers::{
-    SEED_SETTINGS, TestApp, assert_bad_request, client, spawn_app, status_and_json,
-};
-
-/// Polls `probe` until `done` holds, for at most about ten seconds, and returns the last value.
-pub async fn poll_until<T, F, Fut>(what: &str, mut probe: F, done: impl Fn(&T) -> bool) -> T
-where
-    T: std::fmt::Debug,
-    F: FnMut() -> Fut,
-    Fut: Future<Output = T>,
-{
-    let mut last = probe().await;
-    for _ in 0..400 {
-        if done(&last) {
-            return last;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-        last = probe().await;
-    }
-    panic!("{what}: never reached; last seen {last:?}");
-}
-
-/// A server whose shared state the test keeps, to read the counters after it has stopped.
-pub struct InProcessServer {
-    pub address: String,
-    pub state: AppState,
-    stop: CancellationToken,
-    server: JoinHandle<std::io::Result<()>>,
-    _dir: TempDir,
-}
-
-impl InProcessServer {
-    pub async fn start() -> InProcessServer {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let settings = dir.path().join("runtime-settings.json");
-        std::fs::write(&settings, SEED_SETTINGS).expect("write settings");
-        let config = Config::for_tests(dir.path().join("lab.db"), settings);
-        let application = Application::build(config).await.expect("server starts");
-        let address = application.url();
-        let state = application.state().clone();
-        let stop = CancellationToken::new();
-        let server = tokio::spawn(application.run_until_stopped(stop.clone().cancelled_owned()));
-        InProcessServer {
-            address,
-            state,
-            stop,
-            server,
-            _dir: dir,
-        }
-    }
-
-    pub fn url(&self, path: &str) -> String {
-        format!("{}{}", self.address, path)
-    }
-
-    /// Stops the server gracefully and waits until it has fully stopped.
-    pub async fn stop(self) -> AppState {
-        self.stop.cancel();
-        self.server
-            .await
-            .expect("server task")
-            .expect("server stops cleanly");
-        self.state
-    }
-}
+use crate::helpers::{TestApp, assert_bad_request, client, poll_until, spawn_app, status_and_json};
 
 async fn evidence_at(client: &reqwest::Client, url: &str) -> Value {
     status_and_json(
@@ -310,7 +241,7 @@ async fn a_client_that_disconnects_cancels_its_item_and_the_scope_is_still_dispo
 
 #[tokio::test]
 async fn shutdown_answers_the_held_and_queued_items_and_disposes_every_scope() {
-    let server = InProcessServer::start().await;
+    let server = spawn_app().await;
     let client = client();
     let url = server.address.clone();
     let closed = client
@@ -337,7 +268,8 @@ async fn shutdown_answers_the_held_and_queued_items_and_disposes_every_scope() {
     )
     .await;
 
-    let state = server.stop().await;
+    let state = server.state.clone();
+    server.stop().await;
 
     for post in std::iter::once(held).chain(queued) {
         let (status, problem) = post.await.expect("post task");
