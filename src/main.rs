@@ -115,32 +115,36 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
+        // Before the listening line: a signal sent right after it must find the handlers.
+        let stop = shutdown_signal().context("cannot listen for shutdown signals")?;
         let application = Application::build(config).await?;
         application
-            .run_until_stopped(shutdown_signal())
+            .run_until_stopped(stop)
             .await
             .context("the server failed")
     })
 }
 
-/// Resolves on Ctrl+C (SIGINT) or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// Installs the SIGINT and SIGTERM handlers now and resolves on the first signal. Installing
+/// them only when the returned future is first polled would leave a window after the listening
+/// line in which a signal still has its default, fatal action.
+#[cfg(unix)]
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {},
+            _ = terminate.recv() => {},
         }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = interrupt => {},
-        () = terminate => {},
-    }
+    })
+}
+
+/// Resolves on Ctrl+C.
+#[cfg(not(unix))]
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }
