@@ -442,7 +442,10 @@ async fn every_unpaired_submission_is_refused() {
     let mine = new_session(&app).await;
     let theirs = new_session(&app).await;
     let forged = "A".repeat(43);
-    let cases: [(&str, Option<&str>, Option<&str>); 7] = [
+    // The request token is well-formed as a cookie token too; echoing it in both places is not
+    // a pair, because a pair needs the server's key.
+    let token_as_cookie = format!("ProductionLab.Csrf={}", mine.token);
+    let cases: [(&str, Option<&str>, Option<&str>); 8] = [
         ("no token", Some(&mine.cookie), None),
         ("no cookie", None, Some(&mine.token)),
         ("neither", None, None),
@@ -454,8 +457,13 @@ async fn every_unpaired_submission_is_refused() {
             Some(&theirs.token),
         ),
         (
-            "token sent as the cookie",
+            "malformed cookie",
             Some("ProductionLab.Csrf=x"),
+            Some(&mine.token),
+        ),
+        (
+            "the request token as both cookie and header",
+            Some(&token_as_cookie),
             Some(&mine.token),
         ),
     ];
