@@ -81,6 +81,8 @@ pub enum StartupError {
     Database { path: String, reason: String },
     #[error("cannot listen on {address}: {reason}")]
     Bind { address: String, reason: String },
+    #[error("invalid --allowed-hosts '{value}': {reason}")]
+    AllowedHosts { value: String, reason: String },
 }
 
 pub fn require_development(environment: &str) -> Result<(), StartupError> {
