@@ -163,9 +163,7 @@ pub fn revoke(path: &Path, name: &str) -> Result<Revocation, OperatorError> {
 /// The active operator a token belongs to.
 pub fn authenticate(connection: &Connection, token: &str) -> rusqlite::Result<Option<String>> {
     connection
-        .prepare_cached(
-            "SELECT name FROM operators WHERE token_hash = ?1 AND revoked_at IS NULL",
-        )?
+        .prepare_cached("SELECT name FROM operators WHERE token_hash = ?1 AND revoked_at IS NULL")?
         .query_row([token_hash(token)], |row| row.get(0))
         .optional()
 }

@@ -93,7 +93,9 @@ pub enum Outcome {
         superseded: Vec<String>,
     },
     /// The same id with the same payload was applied before; nothing changed.
-    Replay { original: AppliedRecord },
+    Replay {
+        original: AppliedRecord,
+    },
     /// The id is known with a different payload; nothing changed.
     PayloadConflict,
     Gap {
@@ -198,7 +200,13 @@ pub fn apply(
                 mark_waiting(connection, &message.aggregate_id, door, now)?;
             }
             let detail = json!({"expected": expected});
-            record_observation(connection, &message.subject(), now, Observation::Gap, &detail)?;
+            record_observation(
+                connection,
+                &message.subject(),
+                now,
+                Observation::Gap,
+                &detail,
+            )?;
             Ok(Outcome::Gap { expected })
         }
         Decision::Stale { expected } => {
@@ -212,9 +220,14 @@ pub fn apply(
             )?;
             Ok(Outcome::Stale { expected })
         }
-        Decision::Quarantine { expected, reason } => {
-            quarantine(connection, message, &payload, expected, reason.as_str(), now)
-        }
+        Decision::Quarantine { expected, reason } => quarantine(
+            connection,
+            message,
+            &payload,
+            expected,
+            reason.as_str(),
+            now,
+        ),
         Decision::Apply { sequence } => {
             let blocked = state.as_ref().is_some_and(|state| state.is("blocked"));
             apply_next(connection, message, &payload, sequence, blocked, now)

@@ -337,7 +337,9 @@ fn perform(
 
 fn operator_is_active(connection: &Connection, name: &str) -> rusqlite::Result<bool> {
     connection
-        .prepare_cached("SELECT EXISTS(SELECT 1 FROM operators WHERE name = ?1 AND revoked_at IS NULL)")?
+        .prepare_cached(
+            "SELECT EXISTS(SELECT 1 FROM operators WHERE name = ?1 AND revoked_at IS NULL)",
+        )?
         .query_row([name], |row| row.get(0))
 }
 

@@ -95,19 +95,17 @@ pub fn record_observation(
     observation: Observation,
     detail: &Value,
 ) -> rusqlite::Result<()> {
-    let number: i64 = connection
-        .prepare_cached(OBSERVATION_INSERT)?
-        .query_row(
-            params![
-                subject.aggregate_id,
-                at,
-                observation.as_str(),
-                subject.sequence,
-                subject.message_id,
-                detail_text(detail),
-            ],
-            |row| row.get(0),
-        )?;
+    let number: i64 = connection.prepare_cached(OBSERVATION_INSERT)?.query_row(
+        params![
+            subject.aggregate_id,
+            at,
+            observation.as_str(),
+            subject.sequence,
+            subject.message_id,
+            detail_text(detail),
+        ],
+        |row| row.get(0),
+    )?;
     if number > OBSERVATIONS_KEPT {
         connection
             .prepare_cached(OBSERVATION_PRUNE)?
@@ -202,7 +200,9 @@ mod tests {
               ORDER BY observation_no DESC LIMIT ?2",
         );
         assert!(
-            insert.iter().any(|d| d.contains("ix_timeline_observations")),
+            insert
+                .iter()
+                .any(|d| d.contains("ix_timeline_observations")),
             "{insert:?}"
         );
         assert!(insert.iter().all(|d| !d.starts_with("SCAN")), "{insert:?}");

@@ -18,14 +18,15 @@ use crate::app::AppState;
 use crate::error::{AppError, Json, Path, Query, RequestBody, json_response, parse_body};
 use crate::operators;
 use crate::ordering::clock;
-use crate::ordering::resolution::{
-    Action, ResolutionError, ResolutionRequest, Resolved, resolve,
-};
+use crate::ordering::resolution::{Action, ResolutionError, ResolutionRequest, Resolved, resolve};
 use crate::ordering::views::{self, ResolutionRecord};
 
 pub(super) fn routes() -> Router<AppState> {
     Router::new()
-        .route("/deadletters/{message_id}/resolution", post(resolve_dead_letter))
+        .route(
+            "/deadletters/{message_id}/resolution",
+            post(resolve_dead_letter),
+        )
         .route("/resolutions", get(audit_trail))
 }
 
@@ -83,15 +84,13 @@ impl ResolutionInput {
                 ));
             }
             ("replace", replacement @ Value::Object(_)) => {
-                let replacement: ReplacementInput = parse_body(
-                    replacement.to_string().as_bytes(),
-                )
-                .map_err(|error| match error {
-                    AppError::BadRequest(detail) => {
-                        AppError::bad_request(format!("replacement: {detail}"))
-                    }
-                    other => other,
-                })?;
+                let replacement: ReplacementInput = parse_body(replacement.to_string().as_bytes())
+                    .map_err(|error| match error {
+                        AppError::BadRequest(detail) => {
+                            AppError::bad_request(format!("replacement: {detail}"))
+                        }
+                        other => other,
+                    })?;
                 validate_message_id("replacement.messageId", &replacement.message_id)?;
                 Action::Replace {
                     message_id: replacement.message_id,
