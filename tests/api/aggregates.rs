@@ -263,6 +263,42 @@ async fn a_quarantined_id_resent_unchanged_is_quarantined_again_with_a_growing_o
 }
 
 #[tokio::test]
+async fn concurrent_deliveries_at_the_general_door_apply_once_and_count_every_observation() {
+    let app = spawn_app().await;
+    let racers = futures_util::future::join_all((0..16).map(|i| {
+        let app = &app;
+        async move { deliver(app, "race", &format!("racer-{i}"), 1, 1).await }
+    }))
+    .await;
+    assert_eq!(
+        racers.iter().filter(|(status, _)| *status == 200).count(),
+        1,
+        "{racers:?}"
+    );
+    assert!(
+        racers
+            .iter()
+            .all(|(status, body)| *status == 200 || body["outcome"] == "stale"),
+        "{racers:?}"
+    );
+    // The same poison sixteen times at once: one row, every delivery counted.
+    let poison =
+        futures_util::future::join_all((0..16).map(|_| deliver(&app, "race", "poison", 2, -1)))
+            .await;
+    assert!(
+        poison.iter().all(|(status, _)| *status == 422),
+        "{poison:?}"
+    );
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 1);
+    assert_eq!(app.scalar("SELECT observations FROM deadletters"), 16);
+    assert_eq!(
+        app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'quarantined'"),
+        1
+    );
+    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 1);
+}
+
+#[tokio::test]
 async fn a_corrected_message_under_a_new_id_supersedes_the_open_dead_letter() {
     let app = spawn_app().await;
     blocked_aggregate(&app).await;
