@@ -6,6 +6,7 @@ pub mod config;
 pub mod error;
 pub mod etag;
 pub mod labs;
+pub mod operators;
 pub mod ordering;
 pub mod practice;
 pub mod schema;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use production_lab::config::{self, Config, Synchronous};
-use production_lab::{Application, practice, verify};
+use production_lab::{Application, operators, practice, verify};
 
 #[derive(Parser)]
 #[command(
@@ -27,6 +27,40 @@ enum Command {
     Practice(PracticeArgs),
     /// Verify the consumer contracts of a fresh fixture over real HTTP.
     VerifyBase(VerifyBaseArgs),
+    /// Manage the operators allowed to resolve dead letters.
+    Operator {
+        #[command(subcommand)]
+        command: OperatorCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum OperatorCommand {
+    /// Register an operator and print their new token once (only its hash is stored).
+    Add {
+        /// 1..64 letters, digits, '.', '_', '-' or '@'.
+        name: String,
+        #[command(flatten)]
+        database: OperatorDatabase,
+    },
+    /// List operators with their created and revoked times (never tokens).
+    List {
+        #[command(flatten)]
+        database: OperatorDatabase,
+    },
+    /// Revoke an operator: their token stops working at once.
+    Revoke {
+        name: String,
+        #[command(flatten)]
+        database: OperatorDatabase,
+    },
+}
+
+#[derive(Args)]
+struct OperatorDatabase {
+    /// The server's SQLite file (it must exist).
+    #[arg(long, alias = "Production:DatabasePath")]
+    database: PathBuf,
 }
 
 #[derive(Args)]
@@ -105,7 +139,39 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", verify::run(&args.url)?);
             Ok(())
         }
+        Command::Operator { command } => operator(command),
     }
+}
+
+fn operator(command: OperatorCommand) -> anyhow::Result<()> {
+    match command {
+        OperatorCommand::Add { name, database } => {
+            let token = operators::add(&database.database, &name)?;
+            // The token alone on stdout, so that a script can capture it; the advice on stderr.
+            println!("{token}");
+            eprintln!(
+                "operator '{name}' added; this token is shown only once: send it as Authorization: Bearer TOKEN"
+            );
+        }
+        OperatorCommand::List { database } => {
+            for record in operators::list(&database.database)? {
+                let state = match &record.revoked_at {
+                    Some(revoked_at) => format!("revoked {revoked_at}"),
+                    None => "active".to_owned(),
+                };
+                println!("{}\tcreated {}\t{state}", record.name, record.created_at);
+            }
+        }
+        OperatorCommand::Revoke { name, database } => {
+            let revocation = operators::revoke(&database.database, &name)?;
+            if revocation.already {
+                println!("{name} was already revoked at {}", revocation.revoked_at);
+            } else {
+                println!("{name} revoked at {}", revocation.revoked_at);
+            }
+        }
+    }
+    Ok(())
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {

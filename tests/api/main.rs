@@ -3,6 +3,7 @@
 
 mod helpers;
 
+mod aggregates;
 mod cache;
 mod contracts;
 mod http;

@@ -1,5 +1,6 @@
 //! The lesson's classroom door: `POST /ordered/apply` for the one aggregate `demo`, sequences
-//! 1..10, and `GET /ordered/state`.
+//! 1..10, and `GET /ordered/state`. Same engine and tables as the general door; the seed's bodies,
+//! statuses and identity rule.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -13,7 +14,7 @@ use crate::app::AppState;
 use crate::error::{AppError, Json, RequestBody, json_response};
 use crate::ordering::{OrderedMessage, Outcome, apply_ordered};
 
-pub fn routes() -> Router<AppState> {
+pub(super) fn routes() -> Router<AppState> {
     Router::new()
         .route("/ordered/apply", post(apply))
         .route("/ordered/state", get(state))
@@ -33,7 +34,7 @@ impl RequestBody for OrderedInput {
     const FIELDS: &'static [&'static str] = &["messageId", "aggregateId", "sequence", "amount"];
 }
 
-const CLASSROOM_AGGREGATE: &str = "demo";
+pub(super) const CLASSROOM_AGGREGATE: &str = "demo";
 const MAX_MESSAGE_ID: usize = 20;
 const MAX_SEQUENCE: i32 = 10;
 
@@ -80,11 +81,11 @@ async fn apply(
 /// The seed's exact status codes and bodies for each outcome.
 fn classroom_response(outcome: &Outcome) -> Response {
     match outcome {
-        Outcome::Applied { sequence } => json_response(
+        Outcome::Applied { sequence, .. } => json_response(
             StatusCode::OK,
             json!({"outcome": "applied", "sequence": sequence}),
         ),
-        Outcome::Replay => json_response(StatusCode::OK, json!({"outcome": "replay"})),
+        Outcome::Replay { .. } => json_response(StatusCode::OK, json!({"outcome": "replay"})),
         Outcome::PayloadConflict => {
             json_response(StatusCode::CONFLICT, json!({"outcome": "payload conflict"}))
         }
@@ -103,6 +104,9 @@ fn classroom_response(outcome: &Outcome) -> Response {
     }
 }
 
+/// The classroom aggregate's counts and last sequence. The seed took `MAX(last_sequence)` over
+/// every aggregate, which was the same thing while `demo` was the only one; now that the general
+/// door serves any aggregate, all three numbers describe `demo` alone.
 async fn state(
     State(state): State<AppState>,
 ) -> Result<extract::Json<serde_json::Value>, AppError> {
@@ -110,19 +114,19 @@ async fn state(
         .store
         .read(|connection| {
             connection
-                .query_row(
-                    "SELECT (SELECT COUNT(*) FROM ordered_inbox),
-                            (SELECT COUNT(*) FROM deadletters),
-                            (SELECT COALESCE(MAX(last_sequence), 0) FROM aggregate_state)",
-                    [],
-                    |row| {
-                        Ok((
-                            row.get::<_, i64>(0)?,
-                            row.get::<_, i64>(1)?,
-                            row.get::<_, i64>(2)?,
-                        ))
-                    },
-                )
+                .prepare_cached(
+                    "SELECT (SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = ?1),
+                            (SELECT COUNT(*) FROM deadletters WHERE aggregate_id = ?1),
+                            COALESCE((SELECT last_sequence FROM aggregate_state
+                                       WHERE aggregate_id = ?1), 0)",
+                )?
+                .query_row([CLASSROOM_AGGREGATE], |row| {
+                    Ok((
+                        row.get::<_, i64>(0)?,
+                        row.get::<_, i64>(1)?,
+                        row.get::<_, i64>(2)?,
+                    ))
+                })
                 .map_err(AppError::from)
         })
         .await?;

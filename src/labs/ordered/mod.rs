@@ -1,0 +1,162 @@
+//! Ordered delivery, two doors onto one engine ([`crate::ordering`]):
+//!
+//! - [`classroom`]: the lesson's `POST /ordered/apply` and `GET /ordered/state`, unchanged;
+//! - [`aggregates`]: the general inbox `POST /aggregates/{id}/messages` for any aggregate, with
+//!   verdicts that say what the caller can do, and the evidence (aggregate state, blocked/waiting
+//!   inventory, timeline, dead letters);
+//! - [`resolution`]: operator-approved poison resolution and its audit trail.
+
+mod aggregates;
+mod classroom;
+mod resolution;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use crate::app::AppState;
+use crate::error::AppError;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .merge(classroom::routes())
+        .merge(aggregates::routes())
+        .merge(resolution::routes())
+}
+
+/// The largest sequence the general door accepts: 2^53, the largest integer every JSON client
+/// represents exactly.
+pub const MAX_SEQUENCE: i64 = 1 << 53;
+const MAX_AGGREGATE_ID: usize = 64;
+const MAX_MESSAGE_ID: usize = 100;
+/// Rows a list answers with when the caller gives no `limit`, and the most it may ask for.
+const DEFAULT_LIMIT: i64 = 100;
+const MAX_LIMIT: i64 = 1000;
+
+/// An aggregate id: 1..64 characters of `A-Za-z0-9._:-`.
+fn validate_aggregate_id(name: &str, aggregate_id: &str) -> Result<(), AppError> {
+    let valid = !aggregate_id.is_empty()
+        && aggregate_id.len() <= MAX_AGGREGATE_ID
+        && aggregate_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'));
+    if valid {
+        Ok(())
+    } else {
+        Err(AppError::bad_request(format!(
+            "{name} must be 1 to {MAX_AGGREGATE_ID} characters of A-Z, a-z, 0-9, '.', '_', ':' or '-'"
+        )))
+    }
+}
+
+/// A message id: 1..100 characters, not blank, no control characters.
+fn validate_message_id(name: &str, message_id: &str) -> Result<(), AppError> {
+    let length = message_id.chars().count();
+    let valid = (1..=MAX_MESSAGE_ID).contains(&length)
+        && !message_id.trim().is_empty()
+        && !message_id.chars().any(char::is_control);
+    if valid {
+        Ok(())
+    } else {
+        Err(AppError::bad_request(format!(
+            "{name} must be 1 to {MAX_MESSAGE_ID} characters, not blank, without control characters"
+        )))
+    }
+}
+
+fn validate_sequence(name: &str, sequence: i64, minimum: i64) -> Result<(), AppError> {
+    if (minimum..=MAX_SEQUENCE).contains(&sequence) {
+        Ok(())
+    } else {
+        Err(AppError::bad_request(format!(
+            "{name} must be a whole number from {minimum} to {MAX_SEQUENCE} (2^53)"
+        )))
+    }
+}
+
+fn validate_limit(limit: Option<i64>) -> Result<i64, AppError> {
+    let limit = limit.unwrap_or(DEFAULT_LIMIT);
+    if (1..=MAX_LIMIT).contains(&limit) {
+        Ok(limit)
+    } else {
+        Err(AppError::bad_request(format!(
+            "limit must be from 1 to {MAX_LIMIT}"
+        )))
+    }
+}
+
+fn validate_after(after: Option<i64>) -> Result<i64, AppError> {
+    match after {
+        None => Ok(0),
+        Some(after) if after >= 0 => Ok(after),
+        Some(_) => Err(AppError::bad_request("after must be 0 or more")),
+    }
+}
+
+/// A problem+json answer with extension members (e.g. a 409's `current` state).
+fn problem_with(status: StatusCode, title: &str, detail: &str, extensions: Value) -> Response {
+    let mut body = json!({
+        "type": problem_type(status),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    if let (Some(body), Value::Object(extensions)) = (body.as_object_mut(), extensions) {
+        body.extend(extensions);
+    }
+    (
+        status,
+        [(axum::http::header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// RFC 9110's section for the statuses this lab answers with extensions.
+fn problem_type(status: StatusCode) -> String {
+    let section = match status.as_u16() {
+        code @ 400..=417 => format!("5.{}", code - 399),
+        code @ 421..=422 => format!("5.{}", code - 403),
+        code => format!("{}", code / 100),
+    };
+    format!("https://tools.ietf.org/html/rfc9110#section-15.{section}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aggregate_ids_are_short_and_url_safe() {
+        for good in ["a", "acct-1", "tenant:42.orders_x", &"z".repeat(64)] {
+            assert!(validate_aggregate_id("aggregateId", good).is_ok(), "{good}");
+        }
+        for bad in ["", "has space", "slash/x", "ü", &"z".repeat(65)] {
+            assert!(validate_aggregate_id("aggregateId", bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn message_ids_count_characters_not_bytes() {
+        assert!(validate_message_id("messageId", &"é".repeat(100)).is_ok());
+        assert!(validate_message_id("messageId", &"é".repeat(101)).is_err());
+        assert!(validate_message_id("messageId", " ").is_err());
+        assert!(validate_message_id("messageId", "a\nb").is_err());
+    }
+
+    #[test]
+    fn sequences_stop_at_two_to_the_fifty_third() {
+        assert!(validate_sequence("sequence", MAX_SEQUENCE, 1).is_ok());
+        assert!(validate_sequence("sequence", MAX_SEQUENCE + 1, 1).is_err());
+        assert!(validate_sequence("sequence", 0, 1).is_err());
+    }
+
+    #[test]
+    fn conflict_problems_link_their_rfc_section() {
+        assert_eq!(
+            problem_type(StatusCode::CONFLICT),
+            "https://tools.ietf.org/html/rfc9110#section-15.5.10"
+        );
+    }
+}

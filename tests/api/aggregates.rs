@@ -1,0 +1,1022 @@
+//! The general ordered inbox: `POST /aggregates/{id}/messages`, the evidence routes, operator
+//! tokens from the CLI and the audited poison resolution, over real HTTP and real rows.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use crate::helpers::{
+    TestApp, assert_bad_request, command, spawn_app, spawn_app_with, status_and_json,
+};
+
+async fn deliver(
+    app: &TestApp,
+    aggregate: &str,
+    message_id: &str,
+    sequence: i64,
+    amount: i64,
+) -> (u16, Value) {
+    let body = json!({"messageId": message_id, "sequence": sequence, "amount": amount});
+    status_and_json(
+        app.post_json(&format!("/aggregates/{aggregate}/messages"), &body)
+            .await,
+    )
+    .await
+}
+
+async fn get(app: &TestApp, path: &str) -> (u16, Value) {
+    status_and_json(app.get(path).await).await
+}
+
+async fn resolve(
+    app: &TestApp,
+    token: Option<&str>,
+    dead_letter: &str,
+    body: &Value,
+) -> (u16, Value) {
+    resolve_at(
+        app,
+        token,
+        &format!("/deadletters/{dead_letter}/resolution"),
+        body,
+    )
+    .await
+}
+
+async fn resolve_at(app: &TestApp, token: Option<&str>, path: &str, body: &Value) -> (u16, Value) {
+    let mut request = app.client.post(app.url(path)).json(body);
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    status_and_json(request.send().await.expect("POST reaches the server")).await
+}
+
+fn skip(expected_last: i64, reason: &str) -> Value {
+    json!({"action": "skip", "expectedLast": expected_last, "reason": reason})
+}
+
+fn replace(expected_last: i64, message_id: &str, amount: i64) -> Value {
+    json!({
+        "action": "replace",
+        "expectedLast": expected_last,
+        "reason": "customer confirmed the amount",
+        "replacement": {"messageId": message_id, "amount": amount},
+    })
+}
+
+/// Runs `production-lab operator ARGS --database PATH` as a process.
+fn operator_command(args: &[&str], database: &Path) -> std::process::Output {
+    command()
+        .arg("operator")
+        .args(args)
+        .arg("--database")
+        .arg(database)
+        .output()
+        .expect("run the operator command")
+}
+
+/// Registers an operator through the CLI and returns the token it printed.
+fn add_operator(app: &TestApp, name: &str) -> String {
+    let output = operator_command(&["add", name], &app.database);
+    assert!(
+        output.status.success(),
+        "operator add failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let token = String::from_utf8(output.stdout).expect("utf-8 token");
+    let token = token.trim().to_owned();
+    assert_eq!(token.lines().count(), 1, "stdout is the token alone");
+    token
+}
+
+/// An aggregate `a` at last 1 (total 5) with the poison `poison-2` quarantined at sequence 2.
+async fn blocked_aggregate(app: &TestApp) {
+    assert_eq!(deliver(app, "a", "m-1", 1, 5).await.0, 200);
+    assert_eq!(deliver(app, "a", "poison-2", 2, -1).await.0, 422);
+}
+
+fn dead_letter_status(app: &TestApp, message_id: &str) -> String {
+    app.db()
+        .query_row(
+            "SELECT status FROM deadletters WHERE message_id = ?1",
+            [message_id],
+            |row| row.get(0),
+        )
+        .expect("the dead letter row")
+}
+
+/// Every row of the tables a resolution could touch, to prove that nothing changed.
+fn ordering_rows(app: &TestApp) -> Vec<String> {
+    let db = app.db();
+    let mut rows = Vec::new();
+    for table in [
+        "aggregate_state",
+        "ordered_inbox",
+        "deadletters",
+        "aggregate_timeline",
+        "resolutions",
+    ] {
+        let mut statement = db.prepare(&format!("SELECT * FROM {table}")).unwrap();
+        let columns = statement.column_count();
+        let mut query = statement.query([]).unwrap();
+        while let Some(row) = query.next().unwrap() {
+            let values: Vec<String> = (0..columns)
+                .map(|i| format!("{:?}", row.get_ref(i).unwrap()))
+                .collect();
+            rows.push(format!("{table}: {}", values.join("|")));
+        }
+    }
+    rows
+}
+
+#[tokio::test]
+async fn many_aggregates_interleaved_keep_their_own_sequences() {
+    let app = spawn_app().await;
+    let steps = [
+        ("acct-1", "a1", 1, 10, 200),
+        ("acct-2", "b1", 1, 1, 200),
+        ("acct-1", "a3", 3, 1, 409),
+        ("tenant:9.x", "c1", 1, 7, 200),
+        ("acct-2", "b2", 2, 2, 200),
+        ("acct-1", "a2", 2, 20, 200),
+        ("acct-1", "a3", 3, 1, 200),
+        ("acct-2", "b3", 3, 3, 200),
+    ];
+    for (aggregate, id, sequence, amount, status) in steps {
+        let (got, body) = deliver(&app, aggregate, id, sequence, amount).await;
+        assert_eq!(got, status, "{aggregate} {id}: {body}");
+    }
+    for (aggregate, last, total) in [("acct-1", 3, 31), ("acct-2", 3, 6), ("tenant:9.x", 1, 7)] {
+        let (status, view) = get(&app, &format!("/aggregates/{aggregate}")).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            (
+                view["last"].as_i64(),
+                view["total"].as_i64(),
+                view["expected"].as_i64()
+            ),
+            (Some(last), Some(total), Some(last + 1)),
+            "{view}"
+        );
+        assert_eq!(view["status"], "flowing");
+    }
+    // The inbox rows carry their aggregate and sequence, backed by the canonical payload.
+    let db = app.db();
+    let row: (String, i64, i64, String) = db
+        .query_row(
+            "SELECT aggregate_id, sequence, amount, payload FROM ordered_inbox WHERE message_id = 'a2'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        row,
+        (
+            "acct-1".to_owned(),
+            2,
+            20,
+            r#"{"AggregateId":"acct-1","Sequence":2,"Amount":20}"#.to_owned()
+        )
+    );
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 7);
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM aggregate_state"), 3);
+}
+
+#[tokio::test]
+async fn each_verdict_says_what_the_caller_can_do() {
+    let app = spawn_app().await;
+    let (status, applied) = deliver(&app, "acct", "m-1", 1, 4).await;
+    assert_eq!(status, 200);
+    assert_eq!(applied["outcome"], "applied");
+    assert_eq!(applied["last"], 1);
+    assert_eq!(applied["sequence"], 1);
+    assert_eq!(applied["total"], 4);
+    assert_eq!(applied["superseded"], json!([]));
+
+    let (status, replay) = deliver(&app, "acct", "m-1", 1, 4).await;
+    assert_eq!(status, 200);
+    assert_eq!(replay["outcome"], "replay");
+    assert_eq!(replay["original"]["outcome"], "applied");
+    assert_eq!(replay["original"]["sequence"], 1);
+    assert!(replay["original"]["appliedAt"].is_string(), "{replay}");
+
+    let (status, gap) = deliver(&app, "acct", "m-3", 3, 1).await;
+    assert_eq!(status, 409);
+    assert_eq!(gap["outcome"], "gap");
+    assert_eq!(gap["expected"], 2);
+    assert_eq!(gap["retryable"], true);
+    assert!(
+        gap["action"].as_str().unwrap().contains("sequence 2"),
+        "{gap}"
+    );
+
+    let (status, stale) = deliver(&app, "acct", "late-1", 1, 1).await;
+    assert_eq!(status, 409);
+    assert_eq!(stale["outcome"], "stale");
+    assert_eq!(stale["expected"], 2);
+    assert_eq!(stale["retryable"], false);
+
+    let (status, conflict) = deliver(&app, "acct", "m-1", 1, 5).await;
+    assert_eq!(status, 409);
+    assert_eq!(conflict["outcome"], "payload conflict");
+    assert_eq!(conflict["retryable"], false);
+
+    let (status, quarantined) = deliver(&app, "acct", "poison-2", 2, -1).await;
+    assert_eq!(status, 422);
+    assert_eq!(quarantined["outcome"], "quarantined");
+    assert_eq!(quarantined["reason"], "negative amount");
+    assert_eq!(quarantined["expected"], 2);
+    assert_eq!(quarantined["retryable"], false);
+    assert_eq!(quarantined["resolution"]["requiresOperator"], true);
+    assert_eq!(quarantined["deadLetter"]["status"], "open");
+    assert_eq!(quarantined["deadLetter"]["observations"], 1);
+
+    // Only the apply changed state.
+    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 1);
+    assert_eq!(app.scalar("SELECT total FROM aggregate_state"), 4);
+}
+
+#[tokio::test]
+async fn a_quarantined_id_resent_unchanged_is_quarantined_again_with_a_growing_observation_count() {
+    let app = spawn_app().await;
+    blocked_aggregate(&app).await;
+    for observations in 2..=3 {
+        let (status, body) = deliver(&app, "a", "poison-2", 2, -1).await;
+        assert_eq!(status, 422, "{body}");
+        assert_eq!(body["outcome"], "quarantined");
+        assert_eq!(body["deadLetter"]["observations"], observations);
+    }
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 1);
+    assert_eq!(
+        app.scalar("SELECT observations FROM deadletters WHERE message_id = 'poison-2'"),
+        3
+    );
+    // The same id with other content is not a correction: the id never changes meaning.
+    let (status, body) = deliver(&app, "a", "poison-2", 2, 1).await;
+    assert_eq!(
+        (status, body["outcome"].clone()),
+        (409, json!("payload conflict"))
+    );
+    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 1);
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 1);
+    assert_eq!(dead_letter_status(&app, "poison-2"), "open");
+}
+
+#[tokio::test]
+async fn concurrent_deliveries_at_the_general_door_apply_once_and_count_every_observation() {
+    let app = spawn_app().await;
+    let racers = futures_util::future::join_all((0..16).map(|i| {
+        let app = &app;
+        async move { deliver(app, "race", &format!("racer-{i}"), 1, 1).await }
+    }))
+    .await;
+    assert_eq!(
+        racers.iter().filter(|(status, _)| *status == 200).count(),
+        1,
+        "{racers:?}"
+    );
+    assert!(
+        racers
+            .iter()
+            .all(|(status, body)| *status == 200 || body["outcome"] == "stale"),
+        "{racers:?}"
+    );
+    // The same poison sixteen times at once: one row, every delivery counted.
+    let poison =
+        futures_util::future::join_all((0..16).map(|_| deliver(&app, "race", "poison", 2, -1)))
+            .await;
+    assert!(
+        poison.iter().all(|(status, _)| *status == 422),
+        "{poison:?}"
+    );
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 1);
+    assert_eq!(app.scalar("SELECT observations FROM deadletters"), 16);
+    assert_eq!(
+        app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'quarantined'"),
+        1
+    );
+    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 1);
+}
+
+#[tokio::test]
+async fn a_corrected_message_under_a_new_id_supersedes_the_open_dead_letter() {
+    let app = spawn_app().await;
+    blocked_aggregate(&app).await;
+    let (status, body) = deliver(&app, "a", "m-3", 3, 1).await;
+    assert_eq!((status, body["expected"].clone()), (409, json!(2)));
+    let (status, body) = deliver(&app, "a", "corrected-2", 2, 1).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["superseded"], json!(["poison-2"]));
+    assert_eq!(deliver(&app, "a", "m-3", 3, 1).await.0, 200);
+
+    let (_, listed) = get(&app, "/deadletters?status=superseded").await;
+    let letters = listed["deadLetters"].as_array().unwrap();
+    assert_eq!(letters.len(), 1, "{listed}");
+    assert_eq!(letters[0]["messageId"], "poison-2");
+    assert_eq!(letters[0]["supersededBy"], "corrected-2");
+    assert_eq!(letters[0]["sequence"], 2);
+    assert_eq!(
+        letters[0]["payload"],
+        json!({"AggregateId": "a", "Sequence": 2, "Amount": -1})
+    );
+    assert!(letters[0]["closedAt"].is_string());
+    let (_, open) = get(&app, "/deadletters?status=open").await;
+    assert_eq!(open["deadLetters"], json!([]));
+    // Kept, not deleted.
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 1);
+}
+
+#[tokio::test]
+async fn blocked_and_waiting_aggregates_are_listed_oldest_first() {
+    let app = spawn_app().await;
+    assert_eq!(deliver(&app, "first-blocked", "p1", 1, -1).await.0, 422);
+    assert_eq!(deliver(&app, "waiting", "w2", 2, 1).await.0, 409);
+    assert_eq!(deliver(&app, "second-blocked", "p2", 1, -1).await.0, 422);
+    assert_eq!(deliver(&app, "flowing", "f1", 1, 1).await.0, 200);
+    // A gap on a blocked aggregate leaves it blocked: the open dead letter is what it needs.
+    assert_eq!(deliver(&app, "first-blocked", "later", 3, 1).await.0, 409);
+
+    let (status, blocked) = get(&app, "/aggregates?status=blocked").await;
+    assert_eq!(status, 200);
+    let names: Vec<&str> = blocked["aggregates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["aggregateId"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["first-blocked", "second-blocked"]);
+    let first = &blocked["aggregates"][0];
+    assert_eq!(first["openDeadLetters"], 1);
+    assert_eq!(first["expected"], 1);
+    assert!(
+        first["ageSeconds"].as_i64().is_some_and(|age| age >= 0),
+        "{first}"
+    );
+    assert!(first["since"].is_string());
+
+    let (_, waiting) = get(&app, "/aggregates?status=waiting").await;
+    assert_eq!(
+        waiting["aggregates"].as_array().unwrap().len(),
+        1,
+        "{waiting}"
+    );
+    assert_eq!(waiting["aggregates"][0]["aggregateId"], "waiting");
+
+    let (status, view) = get(&app, "/aggregates/first-blocked").await;
+    assert_eq!(status, 200);
+    assert_eq!(view["status"], "blocked");
+    assert_eq!(view["openDeadLetters"][0]["messageId"], "p1");
+
+    // The predecessor arrives: the waiting aggregate flows again and leaves the inventory.
+    assert_eq!(deliver(&app, "waiting", "w1", 1, 1).await.0, 200);
+    let (_, waiting) = get(&app, "/aggregates?status=waiting").await;
+    assert_eq!(waiting["aggregates"], json!([]));
+    let (_, view) = get(&app, "/aggregates/waiting").await;
+    assert_eq!(view["status"], "flowing");
+
+    let (status, problem) = get(&app, "/aggregates/nobody").await;
+    assert_eq!(status, 404, "{problem}");
+    assert_bad_request(app.get("/aggregates?status=stuck").await).await;
+    assert_bad_request(app.get("/aggregates").await).await;
+}
+
+#[tokio::test]
+async fn rejection_observations_are_bounded_per_aggregate_while_state_events_stay() {
+    let app = spawn_app().await;
+    assert_eq!(deliver(&app, "busy", "m-1", 1, 1).await.0, 200);
+    for i in 0..130 {
+        assert_eq!(deliver(&app, "busy", &format!("g-{i}"), 5, 1).await.0, 409);
+    }
+    assert_eq!(
+        app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'busy' AND observation_no IS NOT NULL"),
+        100
+    );
+    assert_eq!(
+        app.scalar(
+            "SELECT MIN(observation_no) FROM aggregate_timeline WHERE aggregate_id = 'busy'"
+        ),
+        31
+    );
+    let (_, page) = get(&app, "/aggregates/busy/timeline?limit=1000").await;
+    let events = page["events"].as_array().unwrap();
+    assert_eq!(events.len(), 101);
+    assert_eq!(events[0]["kind"], "applied");
+    assert_eq!(events[0]["observation"], false);
+    assert_eq!(events[1]["kind"], "gap");
+    assert_eq!(events[1]["messageId"], "g-30");
+    assert_eq!(events[100]["messageId"], "g-129");
+    assert_eq!(page["next"], Value::Null);
+}
+
+#[tokio::test]
+async fn the_timeline_tells_the_story_in_order_and_pages() {
+    let app = spawn_app().await;
+    deliver(&app, "story", "m-1", 1, 1).await;
+    deliver(&app, "story", "m-3", 3, 1).await;
+    deliver(&app, "story", "poison-2", 2, -1).await;
+    deliver(&app, "story", "poison-2", 2, -1).await;
+    deliver(&app, "story", "fix-2", 2, 2).await;
+    deliver(&app, "story", "late", 1, 1).await;
+    deliver(&app, "story", "m-1", 1, 9).await;
+
+    let (status, page) = get(&app, "/aggregates/story/timeline").await;
+    assert_eq!(status, 200);
+    let kinds: Vec<&str> = page["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|event| event["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "applied",
+            "gap",
+            "quarantined",
+            "quarantined again",
+            "applied",
+            "superseded",
+            "stale",
+            "payload conflict"
+        ]
+    );
+    let superseded = &page["events"][5];
+    assert_eq!(superseded["messageId"], "poison-2");
+    assert_eq!(superseded["detail"]["by"], "fix-2");
+
+    let (_, first) = get(&app, "/aggregates/story/timeline?limit=3").await;
+    assert_eq!(first["events"].as_array().unwrap().len(), 3);
+    let next = first["next"].as_i64().expect("a next page");
+    let (_, second) = get(
+        &app,
+        &format!("/aggregates/story/timeline?after={next}&limit=3"),
+    )
+    .await;
+    assert_eq!(second["events"][0]["kind"], "quarantined again");
+    assert_bad_request(app.get("/aggregates/story/timeline?limit=0").await).await;
+    assert_bad_request(app.get("/aggregates/story/timeline?after=x").await).await;
+}
+
+#[tokio::test]
+async fn every_request_shape_error_at_the_general_door_is_a_400_problem() {
+    let app = spawn_app().await;
+    let post = |path: String, body: Value| {
+        let app = &app;
+        async move { app.post_json(&path, &body).await }
+    };
+    let ok = json!({"messageId": "m", "sequence": 1, "amount": 1});
+    for aggregate in ["has space", &"x".repeat(65), "%C3%BC", "a%2Fb"] {
+        assert_bad_request(post(format!("/aggregates/{aggregate}/messages"), ok.clone()).await)
+            .await;
+    }
+    let bodies = [
+        json!({"messageId": "", "sequence": 1, "amount": 1}),
+        json!({"messageId": "  ", "sequence": 1, "amount": 1}),
+        json!({"messageId": "x".repeat(101), "sequence": 1, "amount": 1}),
+        json!({"messageId": null, "sequence": 1, "amount": 1}),
+        json!({"sequence": 1, "amount": 1}),
+        json!({"messageId": "m", "sequence": 0, "amount": 1}),
+        json!({"messageId": "m", "sequence": 9_007_199_254_740_993i64, "amount": 1}),
+        json!({"messageId": "m", "sequence": 1.5, "amount": 1}),
+        json!({"messageId": "m", "sequence": "1", "amount": 1}),
+        json!({"messageId": "m", "sequence": 1, "amount": 2_147_483_648i64}),
+        json!({"messageId": "m", "sequence": 1}),
+        json!({"messageId": "m", "sequence": 1, "amount": 1, "aggregateId": "other"}),
+        json!([1]),
+    ];
+    for body in bodies {
+        let problem =
+            assert_bad_request(post("/aggregates/acct/messages".to_owned(), body.clone()).await)
+                .await;
+        assert_eq!(problem["title"], "Bad Request", "{body}");
+    }
+    assert_bad_request(
+        app.post_raw("/aggregates/acct/messages", "text/plain", &ok.to_string())
+            .await,
+    )
+    .await;
+    for path in [
+        "/deadletters?status=lost",
+        "/deadletters?aggregateId=a%20b",
+        "/deadletters?limit=1001",
+        "/resolutions?after=-1",
+        "/aggregates/a%20b",
+    ] {
+        assert_bad_request(app.get(path).await).await;
+    }
+    // The edges are valid: 100-character ids, sequence 2^53, the 32-bit extremes, a matching
+    // body aggregateId, and 64-character aggregate ids.
+    let edge = "z".repeat(64);
+    let (status, body) = status_and_json(
+        post(
+            format!("/aggregates/{edge}/messages"),
+            json!({"messageId": "é".repeat(100), "sequence": 1, "amount": i32::MIN, "aggregateId": edge}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(status, 422, "{body}");
+    let (status, body) = deliver(
+        &app,
+        "big",
+        "huge",
+        9_007_199_254_740_992,
+        i64::from(i32::MAX),
+    )
+    .await;
+    assert_eq!((status, body["expected"].clone()), (409, json!(1)));
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 0);
+}
+
+#[tokio::test]
+async fn both_doors_share_one_identity_and_one_set_of_rows() {
+    let app = spawn_app().await;
+    let classroom = json!({"messageId": "m-1", "aggregateId": "demo", "sequence": 1, "amount": 1});
+    assert_eq!(
+        app.post_json("/ordered/apply", &classroom).await.status(),
+        200
+    );
+    let (status, body) = deliver(&app, "demo", "m-1", 1, 1).await;
+    assert_eq!((status, body["outcome"].clone()), (200, json!("replay")));
+    // Message ids are global: the same id on another aggregate is another payload.
+    let (status, body) = deliver(&app, "other", "m-1", 1, 1).await;
+    assert_eq!(
+        (status, body["outcome"].clone()),
+        (409, json!("payload conflict"))
+    );
+
+    // A classroom quarantine fills the lifecycle columns, and the general door sees it.
+    let poison =
+        json!({"messageId": "poison-2", "aggregateId": "demo", "sequence": 2, "amount": -1});
+    assert_eq!(app.post_json("/ordered/apply", &poison).await.status(), 422);
+    assert_eq!(app.post_json("/ordered/apply", &poison).await.status(), 422);
+    let row: (String, i64, String, String, i64) = app
+        .db()
+        .query_row(
+            "SELECT aggregate_id, sequence, payload, status, observations FROM deadletters",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        row,
+        (
+            "demo".to_owned(),
+            2,
+            r#"{"AggregateId":"demo","Sequence":2,"Amount":-1}"#.to_owned(),
+            "open".to_owned(),
+            2
+        )
+    );
+    let (_, view) = get(&app, "/aggregates/demo").await;
+    assert_eq!(view["status"], "blocked");
+    let (status, body) = deliver(&app, "demo", "poison-2", 2, -1).await;
+    assert_eq!(
+        (status, body["deadLetter"]["observations"].clone()),
+        (422, json!(3))
+    );
+
+    // /ordered/state describes the classroom aggregate only, however far others have gone.
+    for sequence in 1..=5 {
+        assert_eq!(
+            deliver(&app, "far", &format!("far-{sequence}"), sequence, 1)
+                .await
+                .0,
+            200
+        );
+    }
+    let (_, state) = get(&app, "/ordered/state").await;
+    assert_eq!(state, json!({"applied": 1, "deadletters": 1, "last": 1}));
+}
+
+#[tokio::test]
+async fn the_operator_cli_prints_a_token_once_and_keeps_only_its_hash() {
+    let app = spawn_app().await;
+    let token = add_operator(&app, "alice");
+    assert!(token.len() >= 43, "32 random bytes, base64url: {token}");
+    let stored: String = app
+        .db()
+        .query_row(
+            "SELECT token_hash FROM operators WHERE name = 'alice'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(stored.len(), 64);
+    assert!(!stored.contains(&token));
+    let dump = std::fs::read(&app.database).unwrap();
+    assert!(!dump.windows(token.len()).any(|w| w == token.as_bytes()));
+
+    add_operator(&app, "bob");
+    let duplicate = operator_command(&["add", "alice"], &app.database);
+    assert!(!duplicate.status.success());
+    assert!(String::from_utf8_lossy(&duplicate.stderr).contains("already exists"));
+
+    let revoked = operator_command(&["revoke", "bob"], &app.database);
+    assert!(revoked.status.success());
+    let listed = operator_command(&["list"], &app.database);
+    assert!(listed.status.success());
+    let listing = String::from_utf8(listed.stdout).unwrap();
+    let lines: Vec<&str> = listing.lines().collect();
+    assert_eq!(lines.len(), 2, "{listing}");
+    assert!(
+        lines[0].starts_with("alice\t") && lines[0].ends_with("active"),
+        "{listing}"
+    );
+    assert!(
+        lines[1].starts_with("bob\t") && lines[1].contains("revoked"),
+        "{listing}"
+    );
+    assert!(!listing.contains(&token));
+
+    let missing = operator_command(&["list"], &app.dir.path().join("typo.db"));
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("does not exist"));
+}
+
+#[tokio::test]
+async fn resolution_without_an_operator_token_is_401_and_changes_nothing() {
+    let app = spawn_app().await;
+    blocked_aggregate(&app).await;
+    let before = ordering_rows(&app);
+
+    let (status, problem) = resolve(&app, None, "poison-2", &skip(1, "why")).await;
+    assert_eq!(status, 401);
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("production-lab operator add NAME --database PATH"),
+        "{problem}"
+    );
+
+    let token = add_operator(&app, "alice");
+    for credential in [None, Some("not-a-token")] {
+        let (status, problem) = resolve(&app, credential, "poison-2", &skip(1, "why")).await;
+        assert_eq!(status, 401, "{problem}");
+        assert_eq!(problem["title"], "Operator authentication required");
+        assert!(!problem["detail"].as_str().unwrap().contains("operator add"));
+    }
+    // Authority comes before the body: a broken body without a token is still a 401.
+    let response = app
+        .client
+        .post(app.url("/deadletters/poison-2/resolution"))
+        .header("content-type", "application/json")
+        .body("{")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    assert!(response.headers().contains_key("www-authenticate"));
+
+    // A revoked operator's token stops working.
+    assert!(
+        operator_command(&["revoke", "alice"], &app.database)
+            .status
+            .success()
+    );
+    let (status, _) = resolve(&app, Some(&token), "poison-2", &skip(1, "why")).await;
+    assert_eq!(status, 401);
+    assert_eq!(ordering_rows(&app), before);
+}
+
+#[tokio::test]
+async fn replace_applies_the_replacement_and_only_then_is_the_next_sequence_eligible() {
+    let app = spawn_app().await;
+    let token = add_operator(&app, "alice");
+    blocked_aggregate(&app).await;
+    // Not before: sequence 3 is a gap while 2 is quarantined.
+    assert_eq!(deliver(&app, "a", "m-3", 3, 1).await.0, 409);
+
+    let (status, resolved) = resolve(&app, Some(&token), "poison-2", &replace(1, "fix-2", 2)).await;
+    assert_eq!(status, 200, "{resolved}");
+    assert_eq!(resolved["outcome"], "resolved");
+    assert_eq!(resolved["dryRun"], false);
+    assert_eq!(resolved["action"], "replace");
+    assert_eq!(resolved["operator"], "alice");
+    assert_eq!(resolved["sequence"], 2);
+    assert_eq!(resolved["before"], json!({"last": 1, "total": 5}));
+    assert_eq!(resolved["after"], json!({"last": 2, "total": 7}));
+    assert_eq!(
+        resolved["replacement"],
+        json!({"messageId": "fix-2", "amount": 2})
+    );
+
+    // The replacement is an applied message like any other; the dead letter is resolved.
+    let (sequence, payload): (i64, String) = app
+        .db()
+        .query_row(
+            "SELECT sequence, payload FROM ordered_inbox WHERE message_id = 'fix-2'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        (sequence, payload.as_str()),
+        (2, r#"{"AggregateId":"a","Sequence":2,"Amount":2}"#)
+    );
+    assert_eq!(dead_letter_status(&app, "poison-2"), "resolved");
+    let (_, letters) = get(&app, "/deadletters?status=resolved&aggregateId=a").await;
+    let resolution = &letters["deadLetters"][0]["resolution"];
+    assert_eq!(resolution["operator"], "alice");
+    assert_eq!(resolution["action"], "replace");
+    assert_eq!(resolution["reason"], "customer confirmed the amount");
+    assert_eq!(resolution["replacementMessageId"], "fix-2");
+    assert!(resolution["resolvedAt"].is_string());
+
+    // After: sequence 3 applies.
+    assert_eq!(deliver(&app, "a", "m-3", 3, 1).await.0, 200);
+    // The poison itself, resent, is still quarantined, and says no operator is needed now.
+    let (status, body) = deliver(&app, "a", "poison-2", 2, -1).await;
+    assert_eq!(status, 422);
+    assert_eq!(body["deadLetter"]["status"], "resolved");
+    assert_eq!(body["resolution"]["requiresOperator"], false);
+
+    let (_, trail) = get(&app, "/resolutions").await;
+    let records = trail["resolutions"].as_array().unwrap();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0]["messageId"], "poison-2");
+    assert_eq!(records[0]["before"]["last"], 1);
+    assert_eq!(records[0]["after"]["last"], 2);
+    let (_, timeline) = get(&app, "/aggregates/a/timeline").await;
+    let kinds: Vec<&str> = timeline["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "applied",
+            "quarantined",
+            "gap",
+            "applied",
+            "resolved",
+            "applied",
+            "quarantined again"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn skip_records_an_explicit_skip_with_zero_effect_and_advances_by_one() {
+    let app = spawn_app().await;
+    let token = add_operator(&app, "alice");
+    blocked_aggregate(&app).await;
+    let (status, resolved) = resolve(
+        &app,
+        Some(&token),
+        "poison-2",
+        &skip(1, "order was cancelled upstream"),
+    )
+    .await;
+    assert_eq!(status, 200, "{resolved}");
+    assert_eq!(resolved["before"], json!({"last": 1, "total": 5}));
+    assert_eq!(resolved["after"], json!({"last": 2, "total": 5}));
+    assert_eq!(resolved["replacement"], Value::Null);
+    // No message was applied at sequence 2: the skip is its own event, not an inbox row.
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 1);
+    assert_eq!(
+        app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'skipped' AND sequence = 2 AND message_id = 'poison-2'"),
+        1
+    );
+    assert_eq!(deliver(&app, "a", "late-2", 2, 1).await.0, 409);
+    let (status, applied) = deliver(&app, "a", "m-3", 3, 1).await;
+    assert_eq!((status, applied["total"].clone()), (200, json!(6)));
+    let (_, view) = get(&app, "/aggregates/a").await;
+    assert_eq!(view["status"], "flowing");
+    assert_eq!(view["openDeadLetters"], json!([]));
+}
+
+#[tokio::test]
+async fn two_operators_racing_with_the_same_expected_last_resolve_exactly_once() {
+    let app = spawn_app().await;
+    let alice = add_operator(&app, "alice");
+    let bob = add_operator(&app, "bob");
+    blocked_aggregate(&app).await;
+    let alice_body = replace(1, "alice-fix", 3);
+    let bob_body = skip(1, "bob thinks it is a duplicate");
+    let (first, second) = tokio::join!(
+        resolve(&app, Some(&alice), "poison-2", &alice_body),
+        resolve(&app, Some(&bob), "poison-2", &bob_body),
+    );
+    let mut statuses = [first.0, second.0];
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 409], "{first:?} {second:?}");
+    let (winner, loser) = if first.0 == 200 {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    assert_eq!(loser.1["current"]["aggregate"]["last"], 2, "{}", loser.1);
+    assert_eq!(loser.1["current"]["deadLetter"]["status"], "resolved");
+    assert_eq!(
+        loser.1["current"]["deadLetter"]["resolution"]["operator"],
+        winner.1["operator"]
+    );
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM resolutions"), 1);
+    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 2);
+}
+
+#[tokio::test]
+async fn an_identical_repeat_answers_the_original_result_and_a_different_one_conflicts() {
+    let app = spawn_app().await;
+    let token = add_operator(&app, "alice");
+    blocked_aggregate(&app).await;
+    let body = replace(1, "fix-2", 2);
+    let (status, original) = resolve(&app, Some(&token), "poison-2", &body).await;
+    assert_eq!(status, 200);
+    let rows = ordering_rows(&app);
+    let (status, repeated) = resolve(&app, Some(&token), "poison-2", &body).await;
+    assert_eq!((status, &repeated), (200, &original));
+    assert_eq!(ordering_rows(&app), rows);
+
+    let mut other = body.clone();
+    other["reason"] = json!("a different story");
+    let (status, problem) = resolve(&app, Some(&token), "poison-2", &other).await;
+    assert_eq!(status, 409, "{problem}");
+    assert_eq!(problem["title"], "The dead letter is already resolved");
+    assert_eq!(problem["current"]["aggregate"]["last"], 2);
+    // Another operator sending the same body is not a repeat of alice's decision.
+    let bob = add_operator(&app, "bob");
+    assert_eq!(resolve(&app, Some(&bob), "poison-2", &body).await.0, 409);
+    assert_eq!(ordering_rows(&app), rows);
+}
+
+#[tokio::test]
+async fn a_dry_run_reports_the_resulting_state_and_writes_nothing() {
+    let app = spawn_app().await;
+    let token = add_operator(&app, "alice");
+    blocked_aggregate(&app).await;
+    let before = ordering_rows(&app);
+    let path = "/deadletters/poison-2/resolution?dryRun=true";
+    let (status, rehearsal) = resolve_at(&app, Some(&token), path, &replace(1, "fix-2", 2)).await;
+    assert_eq!(status, 200, "{rehearsal}");
+    assert_eq!(rehearsal["outcome"], "dry run");
+    assert_eq!(rehearsal["dryRun"], true);
+    assert_eq!(rehearsal["resolutionId"], Value::Null);
+    assert_eq!(rehearsal["after"], json!({"last": 2, "total": 7}));
+    assert_eq!(ordering_rows(&app), before);
+    // A dry run runs the real checks too.
+    let (status, refused) = resolve_at(&app, Some(&token), path, &replace(1, "m-1", 2)).await;
+    assert_eq!(status, 409, "{refused}");
+    let (status, _) = resolve_at(&app, Some(&token), path, &replace(1, "fix-2", -3)).await;
+    assert_eq!(status, 422);
+    assert_eq!(ordering_rows(&app), before);
+
+    let (status, real) = resolve(&app, Some(&token), "poison-2", &replace(1, "fix-2", 2)).await;
+    assert_eq!(status, 200);
+    assert_eq!(real["after"], rehearsal["after"]);
+    assert_eq!(real["before"], rehearsal["before"]);
+    assert!(real["resolutionId"].is_i64());
+}
+
+#[tokio::test]
+async fn resolution_preconditions_refuse_with_the_current_state() {
+    let app = spawn_app().await;
+    let token = add_operator(&app, "alice");
+    blocked_aggregate(&app).await;
+    let before = ordering_rows(&app);
+
+    let (status, problem) = resolve(&app, Some(&token), "poison-2", &skip(0, "stale view")).await;
+    assert_eq!(status, 409, "{problem}");
+    assert_eq!(problem["current"]["aggregate"]["last"], 1);
+    assert_eq!(problem["current"]["deadLetter"]["status"], "open");
+
+    let (status, _) = resolve(&app, Some(&token), "nobody", &skip(1, "x")).await;
+    assert_eq!(status, 404);
+
+    // The replacement must be a new, valid message.
+    let (status, problem) = resolve(&app, Some(&token), "poison-2", &replace(1, "fix-2", -1)).await;
+    assert_eq!(
+        (status, problem["title"].clone()),
+        (422, json!("The replacement would be quarantined"))
+    );
+    let (status, _) = resolve(&app, Some(&token), "poison-2", &replace(1, "poison-2", 1)).await;
+    assert_eq!(status, 409);
+    let (status, _) = resolve(&app, Some(&token), "poison-2", &replace(1, "m-1", 5)).await;
+    assert_eq!(status, 409);
+
+    for bad in [
+        json!({"action": "undo", "expectedLast": 1, "reason": "x"}),
+        json!({"action": "skip", "expectedLast": 1, "reason": "  "}),
+        json!({"action": "skip", "expectedLast": -1, "reason": "x"}),
+        json!({"action": "skip", "reason": "x"}),
+        json!({"action": "replace", "expectedLast": 1, "reason": "x"}),
+        json!({"action": "replace", "expectedLast": 1, "reason": "x", "replacement": {"messageId": "f"}}),
+        json!({"action": "skip", "expectedLast": 1, "reason": "x", "replacement": {"messageId": "f", "amount": 1}}),
+    ] {
+        let response = app
+            .client
+            .post(app.url("/deadletters/poison-2/resolution"))
+            .bearer_auth(&token)
+            .json(&bad)
+            .send()
+            .await
+            .unwrap();
+        assert_bad_request(response).await;
+    }
+    assert_eq!(ordering_rows(&app), before);
+
+    // A superseded dead letter cannot be resolved.
+    assert_eq!(deliver(&app, "a", "corrected-2", 2, 1).await.0, 200);
+    let (status, problem) = resolve(&app, Some(&token), "poison-2", &skip(2, "too late")).await;
+    assert_eq!(status, 409);
+    assert_eq!(problem["title"], "The dead letter is not open");
+    assert_eq!(
+        problem["current"]["deadLetter"]["supersededBy"],
+        "corrected-2"
+    );
+}
+
+/// The seed's schema exactly as the original lab created it, with rows written its way.
+fn seed_database(path: &Path) {
+    let db = rusqlite::Connection::open(path).unwrap();
+    // Migration 1 is the seed's Initialize script verbatim; run it the way the seed did, without
+    // ever setting user_version.
+    db.execute_batch("PRAGMA journal_mode=WAL;").unwrap();
+    db.execute_batch(production_lab::schema::MIGRATIONS[0])
+        .unwrap();
+    db.execute_batch(
+        "         INSERT INTO aggregate_state VALUES('demo',0,0);
+         INSERT INTO ordered_inbox VALUES('m-1','{\"AggregateId\":\"demo\",\"Sequence\":1,\"Amount\":1}');
+         UPDATE aggregate_state SET last_sequence=1,total=total+1 WHERE aggregate_id='demo';
+         INSERT OR IGNORE INTO deadletters VALUES('poison-2','negative amount');
+         INSERT INTO ordered_inbox VALUES('corrected-2','{\"AggregateId\":\"demo\",\"Sequence\":2,\"Amount\":1}');
+         UPDATE aggregate_state SET last_sequence=2,total=total+1 WHERE aggregate_id='demo';",
+    )
+    .unwrap();
+    let version: i64 = db
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 0);
+}
+
+#[tokio::test]
+async fn a_seed_schema_database_opens_and_upgrades_in_place() {
+    let seed_dir = tempfile::tempdir().unwrap();
+    let path = seed_dir.path().join("owned-production.db");
+    seed_database(&path);
+    let database = path.clone();
+    let app = spawn_app_with(move |config| config.database = database).await;
+
+    assert_eq!(app.scalar("PRAGMA user_version"), 2);
+    // The seed's rows keep their values and gain the backfilled columns.
+    let (_, state) = get(&app, "/ordered/state").await;
+    assert_eq!(state, json!({"applied": 2, "deadletters": 1, "last": 2}));
+    assert_eq!(app.scalar("SELECT value FROM counters WHERE id = 1"), 10);
+    let backfilled: Vec<(String, String, i64, i64)> = {
+        let db = app.db();
+        let mut statement = db
+            .prepare("SELECT message_id, aggregate_id, sequence, amount FROM ordered_inbox ORDER BY sequence")
+            .unwrap();
+        statement
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    };
+    assert_eq!(
+        backfilled,
+        [
+            ("m-1".to_owned(), "demo".to_owned(), 1, 1),
+            ("corrected-2".to_owned(), "demo".to_owned(), 2, 1)
+        ]
+    );
+    let (_, letters) = get(&app, "/deadletters?aggregateId=demo").await;
+    let letter = &letters["deadLetters"][0];
+    assert_eq!(letter["messageId"], "poison-2");
+    assert_eq!(letter["reason"], "negative amount");
+    assert_eq!(letter["status"], "open");
+    assert_eq!(letter["sequence"], Value::Null, "the seed never stored it");
+
+    // Both doors work on the upgraded rows.
+    let replay = json!({"messageId": "m-1", "aggregateId": "demo", "sequence": 1, "amount": 1});
+    let (status, body) = status_and_json(app.post_json("/ordered/apply", &replay).await).await;
+    assert_eq!((status, body), (200, json!({"outcome": "replay"})));
+    let (status, body) = deliver(&app, "demo", "corrected-2", 2, 1).await;
+    assert_eq!(
+        (status, body["original"]["sequence"].clone()),
+        (200, json!(2))
+    );
+    assert_eq!(deliver(&app, "demo", "m-3", 3, 1).await.0, 200);
+    // The legacy dead letter has no stored payload: its id cannot take on a meaning now.
+    let (status, body) = deliver(&app, "demo", "poison-2", 4, 1).await;
+    assert_eq!(
+        (status, body["outcome"].clone()),
+        (409, json!("payload conflict"))
+    );
+    let token = add_operator(&app, "alice");
+    let (status, problem) = resolve(&app, Some(&token), "poison-2", &skip(3, "old")).await;
+    assert_eq!(
+        (status, problem["title"].clone()),
+        (409, json!("The dead letter's sequence is unknown"))
+    );
+
+    // A restart on the upgraded file runs no migration twice.
+    let app = app.restart().await;
+    assert_eq!(app.scalar("PRAGMA user_version"), 2);
+    let (_, state) = get(&app, "/ordered/state").await;
+    assert_eq!(state, json!({"applied": 3, "deadletters": 1, "last": 3}));
+}
