@@ -5,6 +5,7 @@ mod helpers;
 
 mod cache;
 mod contracts;
+mod crash;
 mod http;
 mod messaging;
 mod ordered;
