@@ -2,6 +2,7 @@
 //! contracts" teaching lab over real HTTP and real SQLite rows.
 
 pub mod app;
+pub mod bench;
 pub mod config;
 pub mod error;
 pub mod etag;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use production_lab::config::{self, Config, Synchronous};
-use production_lab::{Application, operators, practice, verify};
+use production_lab::{Application, bench, operators, practice, verify};
 
 #[derive(Parser)]
 #[command(
@@ -32,6 +32,9 @@ enum Command {
         #[command(subcommand)]
         command: OperatorCommand,
     },
+    /// Measure the server (release build recommended): prints figures, fails on a wrong result.
+    #[command(subcommand)]
+    Bench(BenchCommand),
 }
 
 #[derive(Subcommand)]
@@ -61,6 +64,38 @@ struct OperatorDatabase {
     /// The server's SQLite file (it must exist).
     #[arg(long, alias = "Production:DatabasePath")]
     database: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Durable ordered applies over HTTP (group commit) against one transaction per message.
+    Ordered(BenchOrderedArgs),
+    /// Concurrent callers of the cache's shared key behind the lab gate: one factory run.
+    Stampede(BenchStampedeArgs),
+}
+
+#[derive(Args)]
+struct BenchOrderedArgs {
+    #[arg(long, default_value_t = 64)]
+    aggregates: usize,
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    #[arg(long, value_enum, default_value = "full")]
+    synchronous: Synchronous,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct BenchStampedeArgs {
+    #[arg(long, default_value_t = 1_000)]
+    callers: usize,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -121,6 +156,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve(args),
+        Command::Bench(command) => run_bench(command),
         Command::Practice(args) => {
             let steps = if args.steps.is_empty() {
                 practice::LESSON_PROGRESSION.to_vec()
@@ -170,6 +206,41 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
                 println!("{name} revoked at {}", revocation.revoked_at);
             }
         }
+    }
+    Ok(())
+}
+
+fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    let (text, json, path) = runtime.block_on(async {
+        match command {
+            BenchCommand::Ordered(args) => {
+                let options = bench::OrderedOptions {
+                    aggregates: args.aggregates,
+                    messages: args.messages,
+                    concurrency: args.concurrency,
+                    synchronous: args.synchronous,
+                };
+                let report = bench::ordered(&options).await?;
+                anyhow::Ok((
+                    report.to_string(),
+                    serde_json::to_string_pretty(&report)?,
+                    args.json,
+                ))
+            }
+            BenchCommand::Stampede(args) => {
+                let report = bench::stampede(args.callers).await?;
+                anyhow::Ok((
+                    report.to_string(),
+                    serde_json::to_string_pretty(&report)?,
+                    args.json,
+                ))
+            }
+        }
+    })?;
+    println!("{text}");
+    if let Some(path) = path {
+        std::fs::write(&path, json).with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
 }

@@ -11,6 +11,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -29,6 +30,8 @@ pub const MAX_BATCH: usize = 256;
 /// How many times the writer retries `BEGIN IMMEDIATE` (each waiting up to the busy timeout)
 /// while a side connection of the SQL labs holds the write lock.
 const BEGIN_ATTEMPTS: u32 = 10;
+/// Prepared statements the writer keeps (all labs together use a few dozen).
+const WRITER_STATEMENT_CACHE: usize = 128;
 /// Idle read connections kept for reuse.
 const READ_POOL_SIZE: usize = 8;
 
@@ -79,6 +82,21 @@ struct Inner {
     writer: mpsc::Sender<WriterMessage>,
     writer_thread: Mutex<Option<JoinHandle<()>>>,
     readers: Mutex<Vec<Connection>>,
+    stats: Arc<WriterStats>,
+}
+
+/// Counters of the writer's work, for benchmarks and tests.
+#[derive(Debug, Default)]
+struct WriterStats {
+    commits: AtomicU64,
+    units: AtomicU64,
+}
+
+/// How many group transactions were committed and how many units of work they carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreStats {
+    pub commits: u64,
+    pub units: u64,
 }
 
 enum WriterMessage {
@@ -148,11 +166,16 @@ impl Store {
             synchronous.pragma_value()
         ))?;
         crate::schema::migrate(&mut connection)?;
+        // Every lab's writes share this one connection's statement cache; rusqlite's default of
+        // 16 would make the labs evict each other's prepared statements under mixed load.
+        connection.set_prepared_statement_cache_capacity(WRITER_STATEMENT_CACHE);
 
         let (sender, receiver) = mpsc::channel();
+        let stats = Arc::new(WriterStats::default());
+        let writer_stats = stats.clone();
         let thread = std::thread::Builder::new()
             .name("store-writer".to_owned())
-            .spawn(move || writer_loop(connection, receiver))
+            .spawn(move || writer_loop(connection, receiver, &writer_stats))
             .map_err(|e| StoreError::Unavailable(format!("cannot start the writer thread: {e}")))?;
         Ok(Store {
             inner: Arc::new(Inner {
@@ -160,8 +183,17 @@ impl Store {
                 writer: sender,
                 writer_thread: Mutex::new(Some(thread)),
                 readers: Mutex::new(Vec::new()),
+                stats,
             }),
         })
+    }
+
+    /// Commits so far and the units of work they carried (units / commits = mean batch size).
+    pub fn stats(&self) -> StoreStats {
+        StoreStats {
+            commits: self.inner.stats.commits.load(Ordering::Relaxed),
+            units: self.inner.stats.units.load(Ordering::Relaxed),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -271,7 +303,11 @@ impl Store {
     }
 }
 
-fn writer_loop(connection: Connection, receiver: mpsc::Receiver<WriterMessage>) {
+fn writer_loop(
+    connection: Connection,
+    receiver: mpsc::Receiver<WriterMessage>,
+    stats: &WriterStats,
+) {
     let mut stopping = false;
     while !stopping {
         let Ok(first) = receiver.recv() else { break };
@@ -291,12 +327,14 @@ fn writer_loop(connection: Connection, receiver: mpsc::Receiver<WriterMessage>) 
                 Err(_) => break,
             }
         }
-        run_batch(&connection, batch);
+        run_batch(&connection, batch, stats);
     }
     // Dropping the connection here closes it (and checkpoints the WAL when it is the last one).
 }
 
-fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>) {
+/// Runs one group transaction and answers every unit in it.
+fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &WriterStats) {
+    let units = batch.len() as u64;
     if let Err(error) = begin_immediate(connection) {
         let reason = error.to_string();
         for job in batch {
@@ -336,7 +374,12 @@ fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>) {
         }
     }
     match connection.execute_batch("COMMIT") {
-        Ok(()) => replies.into_iter().for_each(|reply| reply(Ok(()))),
+        Ok(()) => {
+            // Counted before anyone is answered, so an answered caller sees its commit counted.
+            stats.commits.fetch_add(1, Ordering::Relaxed);
+            stats.units.fetch_add(units, Ordering::Relaxed);
+            replies.into_iter().for_each(|reply| reply(Ok(())));
+        }
         Err(error) => {
             let reason = error.to_string();
             let _ = connection.execute_batch("ROLLBACK");
@@ -395,6 +438,66 @@ mod tests {
             .await
             .unwrap();
         assert_eq!((value, total), (10, 7));
+    }
+
+    #[tokio::test]
+    async fn units_queued_together_share_one_commit_and_fail_independently() {
+        let (_dir, store) = temp_store();
+        let before = store.stats();
+        // The first unit holds the writer, so the next three queue up behind it and are taken
+        // into one group transaction together.
+        let (started, wait_started) = std::sync::mpsc::channel();
+        let holding = store.clone();
+        let holder = tokio::spawn(async move {
+            holding
+                .write(move |_| {
+                    let _ = started.send(());
+                    std::thread::sleep(Duration::from_millis(200));
+                    Ok::<(), StoreError>(())
+                })
+                .await
+        });
+        tokio::task::spawn_blocking(move || wait_started.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let first = store.write(|c| {
+            c.execute("UPDATE counters SET value = value + 1 WHERE id = 1", [])?;
+            Ok::<(), StoreError>(())
+        });
+        let failing = store.write(|c| {
+            c.execute("UPDATE counters SET value = 1000 WHERE id = 1", [])?;
+            c.execute("UPDATE effects SET total = 1000 WHERE id = 1", [])?;
+            Err::<(), StoreError>(StoreError::Unavailable("deliberate".into()))
+        });
+        let last = store.write(|c| {
+            c.execute("UPDATE effects SET total = total + 5 WHERE id = 1", [])?;
+            Ok::<(), StoreError>(())
+        });
+        let (first, failing, last) = tokio::join!(first, failing, last);
+        holder.await.unwrap().unwrap();
+        first.unwrap();
+        assert!(failing.is_err());
+        last.unwrap();
+        let after = store.stats();
+        assert_eq!(after.units - before.units, 4);
+        assert_eq!(
+            after.commits - before.commits,
+            2,
+            "three queued units, one commit"
+        );
+        let (value, total): (i64, i64) = store
+            .read(|c| {
+                c.query_row(
+                    "SELECT (SELECT value FROM counters WHERE id=1), (SELECT total FROM effects WHERE id=1)",
+                    [],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .map_err(StoreError::from)
+            })
+            .await
+            .unwrap();
+        assert_eq!((value, total), (11, 5));
     }
 
     #[tokio::test]

@@ -6,6 +6,7 @@ mod helpers;
 mod aggregates;
 mod cache;
 mod contracts;
+mod crash;
 mod http;
 mod messaging;
 mod ordered;

@@ -1,0 +1,562 @@
+//! Benchmarks, run as `production-lab bench …`: figures are printed, never asserted by tests.
+//!
+//! `bench ordered` starts the real server as a child process on a temp database, drives the
+//! general ordered route over keep-alive loopback HTTP, verifies the end state row by row, and
+//! measures in the same run the raw baseline: the same apply transaction, one durable
+//! transaction per message, straight through rusqlite.
+//!
+//! `bench stampede` parks 1,000 concurrent callers on the cache's shared key behind the lab gate,
+//! opens it, and checks that exactly one factory ran.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rusqlite::Connection;
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::config::Synchronous;
+use crate::ordering::{OrderedMessage, Outcome};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("could not start the server under test: {0}")]
+    Startup(String),
+    #[error("verification failed: {0}")]
+    Verification(String),
+    #[error("HTTP: {0}")]
+    Http(#[from] reqwest::Error),
+    #[error("sqlite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The server binary as a child process on a fresh database in its own temp directory.
+pub struct ServerUnderTest {
+    child: Child,
+    pub address: String,
+    pub database: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl ServerUnderTest {
+    /// Starts `serve` on port 0 with the given synchronous mode and waits for its listening line.
+    pub fn start(synchronous: Synchronous) -> Result<ServerUnderTest, BenchError> {
+        let dir = tempfile::tempdir()?;
+        let database = dir.path().join("bench.db");
+        let settings = dir.path().join("runtime-settings.json");
+        std::fs::write(
+            &settings,
+            r#"{"Live":{"Label":"bench","Maximum":3,"Secret":"bench-not-a-secret"}}"#,
+        )?;
+        let binary = std::env::current_exe()?;
+        let mut child = Command::new(binary)
+            .arg("serve")
+            .args([
+                "--urls",
+                "http://127.0.0.1:0",
+                "--environment",
+                "Development",
+            ])
+            .arg("--database")
+            .arg(&database)
+            .arg("--settings")
+            .arg(&settings)
+            .args(["--synchronous", synchronous_name(synchronous)])
+            .env_remove("LAB_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| BenchError::Startup("no stdout".to_owned()))?;
+        let mut lines = BufReader::new(stdout).lines();
+        let address = loop {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    if let Some(address) = line.strip_prefix("Now listening on: ") {
+                        break address.trim().to_owned();
+                    }
+                }
+                _ => {
+                    let _ = child.kill();
+                    return Err(BenchError::Startup(
+                        "the server exited before listening".to_owned(),
+                    ));
+                }
+            }
+        };
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+        Ok(ServerUnderTest {
+            child,
+            address,
+            database,
+            _dir: dir,
+        })
+    }
+
+    /// The server's peak resident set (VmHWM) in KiB, where /proc tells it.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmHWM:"))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
+    /// SIGTERM and wait (graceful shutdown closes the database cleanly).
+    pub fn stop(mut self) -> Result<(PathBuf, tempfile::TempDir), BenchError> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.child.try_wait()?.is_none() {
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.wait();
+        let database = self.database.clone();
+        // Move the temp dir out so the file outlives the process handle.
+        let dir = std::mem::replace(&mut self._dir, tempfile::tempdir()?);
+        Ok((database, dir))
+    }
+}
+
+impl Drop for ServerUnderTest {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn synchronous_name(synchronous: Synchronous) -> &'static str {
+    match synchronous {
+        Synchronous::Normal => "normal",
+        Synchronous::Full => "full",
+    }
+}
+
+/// The messages of one aggregate, in sequence order.
+#[derive(Debug, Clone)]
+pub struct AggregateStream {
+    pub aggregate_id: String,
+    pub messages: Vec<OrderedMessage>,
+}
+
+/// `messages` valid messages spread evenly over `aggregates` aggregates.
+pub fn workload(aggregates: usize, messages: usize) -> Vec<AggregateStream> {
+    (0..aggregates)
+        .map(|index| {
+            let aggregate_id = format!("bench-{index}");
+            let count = messages / aggregates + usize::from(index < messages % aggregates);
+            let messages = (1..=count as i64)
+                .map(|sequence| OrderedMessage {
+                    message_id: format!("{aggregate_id}-{sequence}"),
+                    aggregate_id: aggregate_id.clone(),
+                    sequence,
+                    amount: sequence % 7 + 1,
+                })
+                .collect();
+            AggregateStream {
+                aggregate_id,
+                messages,
+            }
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+pub struct OrderedOptions {
+    pub aggregates: usize,
+    pub messages: usize,
+    pub concurrency: usize,
+    pub synchronous: Synchronous,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OrderedReport {
+    pub aggregates: usize,
+    pub messages: usize,
+    pub concurrency: usize,
+    pub synchronous: &'static str,
+    pub http_messages_per_second: f64,
+    pub raw_messages_per_second: f64,
+    pub ratio: f64,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    pub server_peak_rss_mib: Option<f64>,
+}
+
+impl std::fmt::Display for OrderedReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "bench ordered: {} messages over {} aggregates, {} concurrent clients, synchronous={}",
+            self.messages, self.aggregates, self.concurrency, self.synchronous
+        )?;
+        writeln!(
+            f,
+            "  HTTP (group commit):   {:>10.0} messages/s",
+            self.http_messages_per_second
+        )?;
+        writeln!(
+            f,
+            "  raw (one tx/message):  {:>10.0} messages/s",
+            self.raw_messages_per_second
+        )?;
+        writeln!(f, "  ratio HTTP/raw:        {:>10.2}", self.ratio)?;
+        writeln!(
+            f,
+            "  latency ms: p50 {:.2}  p95 {:.2}  p99 {:.2}  max {:.2}",
+            self.p50_ms, self.p95_ms, self.p99_ms, self.max_ms
+        )?;
+        match self.server_peak_rss_mib {
+            Some(mib) => write!(f, "  server peak RSS:       {mib:>10.1} MiB"),
+            None => write!(f, "  server peak RSS:       unknown (no /proc)"),
+        }
+    }
+}
+
+/// Runs the HTTP load, verifies the end state, then runs the raw baseline.
+pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchError> {
+    if options.aggregates == 0 || options.concurrency == 0 || options.messages == 0 {
+        return Err(BenchError::Verification(
+            "aggregates, messages and concurrency must be positive".to_owned(),
+        ));
+    }
+    let streams = workload(options.aggregates, options.messages);
+    let server = ServerUnderTest::start(options.synchronous)?;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(options.concurrency)
+        .timeout(Duration::from_secs(30))
+        .build()?;
+
+    // Client i owns aggregates i, i+c, i+2c … and interleaves them, each in sequence order.
+    let mut owned: Vec<Vec<AggregateStream>> = vec![Vec::new(); options.concurrency];
+    for (index, stream) in streams.iter().enumerate() {
+        owned[index % options.concurrency].push(stream.clone());
+    }
+    let address = Arc::new(server.address.clone());
+    let started = Instant::now();
+    let mut clients = tokio::task::JoinSet::new();
+    for streams in owned.into_iter().filter(|s| !s.is_empty()) {
+        let client = client.clone();
+        let address = address.clone();
+        clients.spawn(async move { drive_client(&client, &address, streams).await });
+    }
+    let mut latencies = Vec::with_capacity(options.messages);
+    while let Some(joined) = clients.join_next().await {
+        let client_latencies = joined
+            .map_err(|e| BenchError::Verification(format!("a client task failed: {e}")))??;
+        latencies.extend(client_latencies);
+    }
+    let elapsed = started.elapsed();
+    let peak_rss_kib = server.peak_rss_kib();
+    let (database, _dir) = server.stop()?;
+    verify_end_state(&database, &streams)?;
+
+    let raw_per_second = tokio::task::spawn_blocking({
+        let streams = streams.clone();
+        let synchronous = options.synchronous;
+        move || raw_baseline(&streams, synchronous)
+    })
+    .await
+    .map_err(|e| BenchError::Verification(format!("the raw baseline panicked: {e}")))??;
+
+    latencies.sort_unstable();
+    let http_per_second = options.messages as f64 / elapsed.as_secs_f64();
+    Ok(OrderedReport {
+        aggregates: options.aggregates,
+        messages: options.messages,
+        concurrency: options.concurrency,
+        synchronous: synchronous_name(options.synchronous),
+        http_messages_per_second: http_per_second,
+        raw_messages_per_second: raw_per_second,
+        ratio: http_per_second / raw_per_second,
+        p50_ms: percentile(&latencies, 0.50),
+        p95_ms: percentile(&latencies, 0.95),
+        p99_ms: percentile(&latencies, 0.99),
+        max_ms: latencies.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        server_peak_rss_mib: peak_rss_kib.map(|kib| kib as f64 / 1024.0),
+    })
+}
+
+/// Sends one client's aggregates' messages, interleaved, each aggregate in order. Anything but
+/// `200 applied` is a failure: this load has no gaps, stale or poison messages.
+async fn drive_client(
+    client: &reqwest::Client,
+    address: &str,
+    streams: Vec<AggregateStream>,
+) -> Result<Vec<Duration>, BenchError> {
+    let longest = streams.iter().map(|s| s.messages.len()).max().unwrap_or(0);
+    let mut latencies = Vec::new();
+    for position in 0..longest {
+        for stream in &streams {
+            let Some(message) = stream.messages.get(position) else {
+                continue;
+            };
+            let url = format!("{address}/aggregates/{}/messages", message.aggregate_id);
+            let body = json!({
+                "messageId": message.message_id,
+                "sequence": message.sequence,
+                "amount": message.amount,
+            });
+            let sent = Instant::now();
+            let response = client.post(&url).json(&body).send().await?;
+            let status = response.status();
+            let answer: Value = response.json().await.unwrap_or(Value::Null);
+            latencies.push(sent.elapsed());
+            if status != reqwest::StatusCode::OK || answer["outcome"] != "applied" {
+                return Err(BenchError::Verification(format!(
+                    "{} sequence {}: unexpected answer {status} {answer}",
+                    message.aggregate_id, message.sequence
+                )));
+            }
+        }
+    }
+    Ok(latencies)
+}
+
+/// Every aggregate's last sequence, total and applied rows are exactly what was sent.
+pub fn verify_end_state(database: &Path, streams: &[AggregateStream]) -> Result<(), BenchError> {
+    let connection = Connection::open(database)?;
+    let mut state = connection
+        .prepare("SELECT last_sequence, total FROM aggregate_state WHERE aggregate_id = ?1")?;
+    let mut applied = connection.prepare(
+        "SELECT COUNT(*), COALESCE(SUM(json_extract(payload, '$.Amount')), 0) FROM ordered_inbox
+         WHERE json_extract(payload, '$.AggregateId') = ?1",
+    )?;
+    for stream in streams {
+        let expected_last = stream.messages.len() as i64;
+        let expected_total: i64 = stream.messages.iter().map(|m| m.amount).sum();
+        let (last, total): (i64, i64) = state
+            .query_row([&stream.aggregate_id], |row| Ok((row.get(0)?, row.get(1)?)))
+            .map_err(|e| {
+                BenchError::Verification(format!("{}: no state row ({e})", stream.aggregate_id))
+            })?;
+        let (rows, sum): (i64, i64) =
+            applied.query_row([&stream.aggregate_id], |row| Ok((row.get(0)?, row.get(1)?)))?;
+        if (last, total, rows, sum)
+            != (expected_last, expected_total, expected_last, expected_total)
+        {
+            return Err(BenchError::Verification(format!(
+                "{}: last {last}, total {total}, {rows} applied rows summing {sum}; expected last and rows {expected_last}, total {expected_total}",
+                stream.aggregate_id
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The baseline: the general route's apply, one `BEGIN IMMEDIATE … COMMIT` per message, in the HTTP run's
+/// interleaving, on a fresh file with the same synchronous setting. Returns messages per second.
+pub fn raw_baseline(
+    streams: &[AggregateStream],
+    synchronous: Synchronous,
+) -> Result<f64, BenchError> {
+    let dir = tempfile::tempdir()?;
+    let mut connection = Connection::open(dir.path().join("raw.db"))?;
+    connection.busy_timeout(crate::store::BUSY_TIMEOUT)?;
+    connection.query_row("PRAGMA journal_mode=WAL", [], |_| Ok(()))?;
+    connection.execute_batch(&format!(
+        "PRAGMA synchronous={}; PRAGMA foreign_keys=ON;",
+        synchronous.pragma_value()
+    ))?;
+    crate::schema::migrate(&mut connection)?;
+    let longest = streams.iter().map(|s| s.messages.len()).max().unwrap_or(0);
+    let mut count = 0usize;
+    let started = Instant::now();
+    for position in 0..longest {
+        for message in streams.iter().filter_map(|s| s.messages.get(position)) {
+            connection.execute_batch("BEGIN IMMEDIATE")?;
+            // Exactly what the general route's write closure runs.
+            let outcome = crate::ordering::apply(
+                &connection,
+                message,
+                crate::ordering::Door::General,
+                &crate::ordering::clock::now(),
+            )?;
+            connection.execute_batch("COMMIT")?;
+            if !matches!(outcome, Outcome::Applied { .. }) {
+                return Err(BenchError::Verification(format!(
+                    "raw baseline: {} sequence {} was {outcome:?}",
+                    message.aggregate_id, message.sequence
+                )));
+            }
+            count += 1;
+        }
+    }
+    Ok(count as f64 / started.elapsed().as_secs_f64())
+}
+
+fn percentile(sorted: &[Duration], quantile: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((sorted.len() as f64 * quantile).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1].as_secs_f64() * 1e3
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StampedeReport {
+    pub callers: usize,
+    pub factories: i64,
+    pub generations: Vec<i64>,
+    pub open_to_last_answer_ms: f64,
+    pub server_peak_rss_mib: Option<f64>,
+}
+
+impl std::fmt::Display for StampedeReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "bench stampede: {} concurrent GET /cache/shared behind a closed gate",
+            self.callers
+        )?;
+        writeln!(
+            f,
+            "  factory runs: {} (generations seen: {:?})",
+            self.factories, self.generations
+        )?;
+        writeln!(
+            f,
+            "  gate opened → last answer: {:.2} ms",
+            self.open_to_last_answer_ms
+        )?;
+        match self.server_peak_rss_mib {
+            Some(mib) => write!(f, "  server peak RSS: {mib:.1} MiB"),
+            None => write!(f, "  server peak RSS: unknown (no /proc)"),
+        }
+    }
+}
+
+/// Parks `callers` concurrent requests on the shared key behind the closed gate, opens it, and
+/// checks that exactly one factory ran and every caller got its generation.
+pub async fn stampede(callers: usize) -> Result<StampedeReport, BenchError> {
+    let server = ServerUnderTest::start(Synchronous::Full)?;
+    let address = server.address.clone();
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(callers)
+        .timeout(Duration::from_secs(60))
+        .build()?;
+    expect_status(&client, &format!("{address}/lab/cache/gate/close"), 204).await?;
+    let mut waiting = tokio::task::JoinSet::new();
+    for _ in 0..callers {
+        let client = client.clone();
+        let url = format!("{address}/cache/shared");
+        waiting.spawn(async move {
+            let response = client.get(url).send().await?;
+            let status = response.status();
+            let body: Value = response.json().await?;
+            Ok::<_, reqwest::Error>((status, body, Instant::now()))
+        });
+    }
+    // Wait until every caller is parked: the factory started once and the requests are in.
+    let stats_url = format!("{address}/cache/stats");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let stats: Value = client.get(&stats_url).send().await?.json().await?;
+        if stats["factories"].as_i64().unwrap_or(0) >= 1 {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(BenchError::Verification(
+                "the factory never started".to_owned(),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Give the remaining callers time to connect and join the waiting factory.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let opened = Instant::now();
+    expect_status(&client, &format!("{address}/lab/cache/gate/open"), 204).await?;
+    let mut generations = Vec::new();
+    let mut last_answer = opened;
+    while let Some(joined) = waiting.join_next().await {
+        let (status, body, at) = joined
+            .map_err(|e| BenchError::Verification(format!("a caller task failed: {e}")))??;
+        if status != reqwest::StatusCode::OK {
+            return Err(BenchError::Verification(format!(
+                "a caller got {status} {body}"
+            )));
+        }
+        let generation = body["generation"].as_i64().unwrap_or(-1);
+        if !generations.contains(&generation) {
+            generations.push(generation);
+        }
+        last_answer = last_answer.max(at);
+    }
+    let stats: Value = client.get(&stats_url).send().await?.json().await?;
+    let factories = stats["factories"].as_i64().unwrap_or(-1);
+    let peak = server.peak_rss_kib();
+    drop(server);
+    if factories != 1 || generations != [1] {
+        return Err(BenchError::Verification(format!(
+            "expected one factory run and generation [1]; got {factories} runs, generations {generations:?}"
+        )));
+    }
+    Ok(StampedeReport {
+        callers,
+        factories,
+        generations,
+        open_to_last_answer_ms: last_answer.duration_since(opened).as_secs_f64() * 1e3,
+        server_peak_rss_mib: peak.map(|kib| kib as f64 / 1024.0),
+    })
+}
+
+async fn expect_status(
+    client: &reqwest::Client,
+    url: &str,
+    expected: u16,
+) -> Result<(), BenchError> {
+    let status = client.post(url).send().await?.status();
+    if status.as_u16() == expected {
+        Ok(())
+    } else {
+        Err(BenchError::Verification(format!(
+            "POST {url} answered {status}, expected {expected}"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_workload_spreads_messages_evenly_in_sequence_order() {
+        let streams = workload(3, 10);
+        let counts: Vec<usize> = streams.iter().map(|s| s.messages.len()).collect();
+        assert_eq!(counts, [4, 3, 3]);
+        assert!(streams.iter().all(|s| {
+            s.messages
+                .iter()
+                .enumerate()
+                .all(|(i, m)| m.sequence == i as i64 + 1 && m.aggregate_id == s.aggregate_id)
+        }));
+    }
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let sorted: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(percentile(&sorted, 0.50), 50.0);
+        assert_eq!(percentile(&sorted, 0.99), 99.0);
+        assert_eq!(percentile(&[], 0.99), 0.0);
+    }
+}
