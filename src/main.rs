@@ -144,7 +144,28 @@ fn main() -> ExitCode {
     std::panic::set_hook(Box::new(|info| {
         eprintln!("production-lab: internal error: {info}")
     }));
-    match run(Cli::parse()) {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) if !error.use_stderr() => {
+            // --help and --version: print as clap renders them.
+            let _ = error.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(error) => {
+            // One readable line, like every other start-up refusal; --help has the rest.
+            let rendered = error.render().to_string();
+            let first = rendered
+                .lines()
+                .find(|line| !line.trim().is_empty())
+                .unwrap_or("invalid arguments");
+            eprintln!(
+                "production-lab: {} (see --help)",
+                first.trim_start_matches("error: ")
+            );
+            return ExitCode::from(2);
+        }
+    };
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("production-lab: {error:#}");

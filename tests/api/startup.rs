@@ -56,6 +56,24 @@ fn serve_refuses_to_start_outside_development() {
 }
 
 #[test]
+fn bad_arguments_are_one_line_with_a_hint() {
+    for args in [
+        &["serve", "--known-proxy", "not-an-address"][..],
+        &["serve", "--bogus"],
+        &["practice", "--last", "x"],
+    ] {
+        let output = command().args(args).output().unwrap();
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains("--help"), "{stderr}");
+    }
+    let help = command().args(["serve", "--help"]).output().unwrap();
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--database"));
+}
+
+#[test]
 fn serve_refuses_to_bind_anything_but_loopback() {
     for url in ["http://0.0.0.0:0", "http://192.168.1.10:0", "http://[::]:0"] {
         let message = refused(&["--urls", url], Some("Development"));
