@@ -412,6 +412,21 @@ mod tests {
         (dir, store)
     }
 
+    /// The seeded `counters` value and `effects` total, which the tests below change.
+    async fn counter_and_effects(store: &Store) -> (i64, i64) {
+        store
+            .read(|c| {
+                c.query_row(
+                    "SELECT (SELECT value FROM counters WHERE id=1), (SELECT total FROM effects WHERE id=1)",
+                    [],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .map_err(StoreError::from)
+            })
+            .await
+            .unwrap()
+    }
+
     #[tokio::test]
     async fn a_failed_unit_rolls_back_only_itself() {
         let (_dir, store) = temp_store();
@@ -426,17 +441,7 @@ mod tests {
         let (failed, succeeded) = tokio::join!(failing, succeeding);
         assert!(failed.is_err());
         succeeded.unwrap();
-        let (value, total): (i64, i64) = store
-            .read(|c| {
-                c.query_row(
-                    "SELECT (SELECT value FROM counters WHERE id=1), (SELECT total FROM effects WHERE id=1)",
-                    [],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )
-                .map_err(StoreError::from)
-            })
-            .await
-            .unwrap();
+        let (value, total) = counter_and_effects(&store).await;
         assert_eq!((value, total), (10, 7));
     }
 
@@ -486,17 +491,7 @@ mod tests {
             2,
             "three queued units, one commit"
         );
-        let (value, total): (i64, i64) = store
-            .read(|c| {
-                c.query_row(
-                    "SELECT (SELECT value FROM counters WHERE id=1), (SELECT total FROM effects WHERE id=1)",
-                    [],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )
-                .map_err(StoreError::from)
-            })
-            .await
-            .unwrap();
+        let (value, total) = counter_and_effects(&store).await;
         assert_eq!((value, total), (11, 5));
     }
 
