@@ -50,13 +50,29 @@ impl From<rusqlite::Error> for AppError {
 
 /// Builds a problem+json response like ASP.NET's `Results.Problem`.
 pub fn problem_response(status: StatusCode, title: &str, detail: Option<&str>) -> Response {
+    problem_response_with(status, title, detail, Value::Null)
+}
+
+/// A problem response with extension members (RFC 9457 §3.2), e.g. a 409's current state.
+/// `extensions` is merged into the body when it is a JSON object.
+pub fn problem_response_with(
+    status: StatusCode,
+    title: &str,
+    detail: Option<&str>,
+    extensions: Value,
+) -> Response {
     let mut body = json!({
         "type": problem_type(status),
         "title": title,
         "status": status.as_u16(),
     });
-    if let (Some(detail), Some(map)) = (detail, body.as_object_mut()) {
-        map.insert("detail".to_owned(), Value::String(detail.to_owned()));
+    if let Some(map) = body.as_object_mut() {
+        if let Some(detail) = detail {
+            map.insert("detail".to_owned(), Value::String(detail.to_owned()));
+        }
+        if let Value::Object(extensions) = extensions {
+            map.extend(extensions);
+        }
     }
     (
         status,

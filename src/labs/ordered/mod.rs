@@ -12,8 +12,8 @@ mod resolution;
 
 use axum::Router;
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use axum::response::Response;
+use serde_json::Value;
 
 use crate::app::AppState;
 use crate::error::AppError;
@@ -96,31 +96,7 @@ fn validate_after(after: Option<i64>) -> Result<i64, AppError> {
 
 /// A problem+json answer with extension members (e.g. a 409's `current` state).
 fn problem_with(status: StatusCode, title: &str, detail: &str, extensions: Value) -> Response {
-    let mut body = json!({
-        "type": problem_type(status),
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    if let (Some(body), Value::Object(extensions)) = (body.as_object_mut(), extensions) {
-        body.extend(extensions);
-    }
-    (
-        status,
-        [(axum::http::header::CONTENT_TYPE, "application/problem+json")],
-        body.to_string(),
-    )
-        .into_response()
-}
-
-/// RFC 9110's section for the statuses this lab answers with extensions.
-fn problem_type(status: StatusCode) -> String {
-    let section = match status.as_u16() {
-        code @ 400..=417 => format!("5.{}", code - 399),
-        code @ 421..=422 => format!("5.{}", code - 403),
-        code => format!("{}", code / 100),
-    };
-    format!("https://tools.ietf.org/html/rfc9110#section-15.{section}")
+    crate::error::problem_response_with(status, title, Some(detail), extensions)
 }
 
 #[cfg(test)]
@@ -150,13 +126,5 @@ mod tests {
         assert!(validate_sequence("sequence", MAX_SEQUENCE, 1).is_ok());
         assert!(validate_sequence("sequence", MAX_SEQUENCE + 1, 1).is_err());
         assert!(validate_sequence("sequence", 0, 1).is_err());
-    }
-
-    #[test]
-    fn conflict_problems_link_their_rfc_section() {
-        assert_eq!(
-            problem_type(StatusCode::CONFLICT),
-            "https://tools.ietf.org/html/rfc9110#section-15.5.10"
-        );
     }
 }
