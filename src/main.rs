@@ -154,13 +154,17 @@ fn main() -> ExitCode {
         Err(error) => {
             // One readable line, like every other start-up refusal; --help has the rest.
             let rendered = error.render().to_string();
-            let first = rendered
+            // clap's message may span lines (e.g. the missing arguments under it); keep them,
+            // drop the usage and tips that --help repeats.
+            let message: Vec<&str> = rendered
                 .lines()
-                .find(|line| !line.trim().is_empty())
-                .unwrap_or("invalid arguments");
+                .map(str::trim)
+                .take_while(|line| !line.starts_with("Usage:") && !line.starts_with("For more"))
+                .filter(|line| !line.is_empty() && !line.starts_with("tip:"))
+                .collect();
             eprintln!(
                 "production-lab: {} (see --help)",
-                first.trim_start_matches("error: ")
+                message.join(" ").trim_start_matches("error: ")
             );
             return ExitCode::from(2);
         }
