@@ -300,6 +300,23 @@ impl ServerProcess {
         assert!(status.success(), "kill -{signal} failed");
     }
 
+    /// Stops the process with SIGTERM, waits for it to exit, and returns everything it printed
+    /// after its listening line: (stdout, stderr).
+    pub fn stop_and_collect_output(&mut self) -> (String, String) {
+        self.signal("TERM");
+        assert!(
+            self.wait_timeout(Duration::from_secs(10)).is_some(),
+            "the server did not exit after SIGTERM"
+        );
+        let mut stderr = String::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            std::io::Read::read_to_string(&mut pipe, &mut stderr).expect("read stderr");
+        }
+        // The stdout reader thread ends with the process; its lines are all collected.
+        let stdout = self.stdout_rest.lock().expect("stdout lines").join("\n");
+        (stdout, stderr)
+    }
+
     /// Waits up to `timeout` for the process to exit.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let deadline = std::time::Instant::now() + timeout;

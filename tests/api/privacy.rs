@@ -1,7 +1,6 @@
 //! The privacy lab over real HTTP: bounded operation labels, redacted identities, the last 32
 //! log lines, and an email that never leaves the request.
 
-use std::io::Read;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -194,17 +193,7 @@ async fn the_email_never_reaches_the_console() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    server.signal("TERM");
-    assert!(server.wait_timeout(Duration::from_secs(10)).is_some());
-    let mut stderr = String::new();
-    server
-        .child
-        .stderr
-        .take()
-        .expect("stderr is piped")
-        .read_to_string(&mut stderr)
-        .unwrap();
-    let stdout = server.stdout_rest.lock().unwrap().join("\n");
+    let (stdout, stderr) = server.stop_and_collect_output();
     for text in [&stdout, &stderr, &evidence] {
         assert!(!text.contains("lovelace"), "the email leaked: {text}");
     }

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeSet;
 use std::future::Future;
-use std::io::Read;
 use std::time::{Duration, Instant};
 
 use production_lab::{Application, Config};
@@ -182,16 +181,7 @@ async fn configuration_errors_are_logged_once_each_and_never_with_the_secret() {
     })
     .await;
 
-    server.signal("TERM");
-    assert!(server.wait_timeout(Duration::from_secs(10)).is_some());
-    let mut stderr = String::new();
-    server
-        .child
-        .stderr
-        .take()
-        .expect("stderr is piped")
-        .read_to_string(&mut stderr)
-        .unwrap();
+    let (stdout, stderr) = server.stop_and_collect_output();
     let logged: Vec<&str> = stderr
         .lines()
         .filter(|line| line.contains("Current configuration is invalid"))
@@ -200,7 +190,6 @@ async fn configuration_errors_are_logged_once_each_and_never_with_the_secret() {
     assert!(logged[0].contains("Label"), "{stderr}");
     assert!(logged[1].contains("Maximum"), "{stderr}");
     assert!(!stderr.contains(secret), "{stderr}");
-    let stdout = server.stdout_rest.lock().unwrap().join("\n");
     assert!(!stdout.contains(secret), "{stdout}");
 }
 
