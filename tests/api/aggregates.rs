@@ -966,17 +966,10 @@ async fn a_seed_schema_database_opens_and_upgrades_in_place() {
     let (_, state) = get(&app, "/ordered/state").await;
     assert_eq!(state, json!({"applied": 2, "deadletters": 1, "last": 2}));
     assert_eq!(app.scalar("SELECT value FROM counters WHERE id = 1"), 10);
-    let backfilled: Vec<(String, String, i64, i64)> = {
-        let db = app.db();
-        let mut statement = db
-            .prepare("SELECT message_id, aggregate_id, sequence, amount FROM ordered_inbox ORDER BY sequence")
-            .unwrap();
-        statement
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect()
-    };
+    let backfilled: Vec<(String, String, i64, i64)> = app.rows(
+        "SELECT message_id, aggregate_id, sequence, amount FROM ordered_inbox ORDER BY sequence",
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+    );
     assert_eq!(
         backfilled,
         [

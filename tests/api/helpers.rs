@@ -136,6 +136,20 @@ impl TestApp {
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
+    /// Every row a query returns, each mapped by `map`.
+    pub fn rows<T>(
+        &self,
+        sql: &str,
+        map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Vec<T> {
+        let db = self.db();
+        let mut statement = db.prepare(sql).unwrap_or_else(|e| panic!("{sql}: {e}"));
+        statement
+            .query_map([], map)
+            .and_then(Iterator::collect)
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
     /// Stops the server gracefully and waits for it, keeping the files.
     pub async fn stop(self) -> (TempDir, Config) {
         self.stop.cancel();

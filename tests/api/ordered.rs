@@ -49,15 +49,11 @@ async fn the_lesson_progression_quarantines_poison_without_advancing() {
         json!({"applied": 2, "deadletters": 1, "last": 2})
     );
 
+    let rows: Vec<(String, String)> = app.rows(
+        "SELECT message_id, payload FROM ordered_inbox ORDER BY message_id",
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    );
     let db = app.db();
-    let mut inbox = db
-        .prepare("SELECT message_id, payload FROM ordered_inbox ORDER BY message_id")
-        .unwrap();
-    let rows: Vec<(String, String)> = inbox
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
     assert_eq!(
         rows,
         [

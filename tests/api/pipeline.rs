@@ -58,29 +58,17 @@ fn document(app: &TestApp) -> (String, i64) {
 }
 
 fn receipts(app: &TestApp) -> Vec<(String, String, i64)> {
-    let db = app.db();
-    let mut statement = db
-        .prepare(
-            "SELECT request_id, payload, result_version FROM pipeline_requests ORDER BY request_id",
-        )
-        .unwrap();
-    statement
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
+    app.rows(
+        "SELECT request_id, payload, result_version FROM pipeline_requests ORDER BY request_id",
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+    )
 }
 
 fn events(app: &TestApp) -> Vec<(String, String, i64, String)> {
-    let db = app.db();
-    let mut statement = db
-        .prepare("SELECT event_key, aggregate_id, sequence, payload FROM outbox ORDER BY id")
-        .unwrap();
-    statement
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
+    app.rows(
+        "SELECT event_key, aggregate_id, sequence, payload FROM outbox ORDER BY id",
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+    )
 }
 
 /// The receipt the seed stores for `{"quantity":1}` with `If-Match: "v1"`.

@@ -10,15 +10,9 @@ fn counter(app: &TestApp) -> i64 {
 
 /// Every row of `sql_values` and the number of `sql_required` rows.
 fn null_tables(app: &TestApp) -> (Vec<(i64, Option<i64>)>, i64) {
-    let db = app.db();
-    let mut statement = db
-        .prepare("SELECT id, amount FROM sql_values ORDER BY id")
-        .unwrap();
-    let values = statement
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-        .unwrap()
-        .map(Result::unwrap)
-        .collect();
+    let values = app.rows("SELECT id, amount FROM sql_values ORDER BY id", |r| {
+        Ok((r.get(0)?, r.get(1)?))
+    });
     (values, app.scalar("SELECT COUNT(*) FROM sql_required"))
 }
 
