@@ -18,6 +18,15 @@ use crate::config::{
 use crate::labs;
 use crate::store::Store;
 
+/// The start-up line that announces the real address; supervisors, the bench and the tests wait
+/// for it.
+const LISTENING_PREFIX: &str = "Now listening on: ";
+
+/// The root URL announced by a start-up line, if `line` is that line.
+pub fn listening_address(line: &str) -> Option<&str> {
+    line.strip_prefix(LISTENING_PREFIX).map(str::trim)
+}
+
 /// How long in-flight requests and background work may run on after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -137,7 +146,7 @@ impl Application {
             router,
             state,
         } = self;
-        println!("Now listening on: http://{address}");
+        println!("{LISTENING_PREFIX}http://{address}");
         println!("Database: {}", state.store.path().display());
         println!("Application started. Press Ctrl+C to shut down.");
 
@@ -185,4 +194,18 @@ pub fn router(state: AppState) -> Router {
 
 async fn live() -> &'static str {
     "live"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_listening_line_is_the_one_the_issue_names() {
+        assert_eq!(
+            listening_address("Now listening on: http://127.0.0.1:5080"),
+            Some("http://127.0.0.1:5080")
+        );
+        assert_eq!(listening_address("Database: /tmp/x.db"), None);
+    }
 }

@@ -80,8 +80,8 @@ impl ServerUnderTest {
         let address = loop {
             match lines.next() {
                 Some(Ok(line)) => {
-                    if let Some(address) = line.strip_prefix("Now listening on: ") {
-                        break address.trim().to_owned();
+                    if let Some(address) = crate::app::listening_address(&line) {
+                        break address.to_owned();
                     }
                 }
                 _ => {

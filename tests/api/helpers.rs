@@ -270,8 +270,8 @@ impl ServerProcess {
         let address = loop {
             match lines.next() {
                 Some(Ok(line)) => {
-                    if let Some(address) = line.strip_prefix("Now listening on: ") {
-                        break address.trim().to_owned();
+                    if let Some(address) = production_lab::app::listening_address(&line) {
+                        break address.to_owned();
                     }
                 }
                 _ => {
