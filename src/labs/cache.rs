@@ -492,16 +492,27 @@ mod tests {
         assert!(gate.is_open());
     }
 
-    #[tokio::test]
-    async fn an_invalidation_during_a_running_factory_forces_a_new_run() {
-        let entry: CoalescedEntry<u64> =
-            CoalescedEntry::new(TaskTracker::new(), CancellationToken::new());
-        let runs = Arc::new(AtomicU64::new(0));
-        let gate = LabGate::default();
-        gate.apply("close").unwrap();
-        let load = |entry: CoalescedEntry<u64>| {
-            let runs = runs.clone();
-            let gate = gate.clone();
+    /// One coalesced entry whose factory counts its runs and waits at a closed gate.
+    struct GatedLoads {
+        entry: CoalescedEntry<u64>,
+        runs: Arc<AtomicU64>,
+        gate: LabGate,
+    }
+
+    impl GatedLoads {
+        fn new() -> Self {
+            let gate = LabGate::default();
+            gate.apply("close").unwrap();
+            GatedLoads {
+                entry: CoalescedEntry::new(TaskTracker::new(), CancellationToken::new()),
+                runs: Arc::new(AtomicU64::new(0)),
+                gate,
+            }
+        }
+
+        /// One caller of the entry; its factory's result is the run's number.
+        fn load(&self) -> impl Future<Output = FlightResult<u64>> + Send + 'static {
+            let (entry, runs, gate) = (self.entry.clone(), self.runs.clone(), self.gate.clone());
             async move {
                 entry
                     .get_or_load(move || async move {
@@ -511,8 +522,14 @@ mod tests {
                     })
                     .await
             }
-        };
-        let first = tokio::spawn(load(entry.clone()));
+        }
+    }
+
+    #[tokio::test]
+    async fn an_invalidation_during_a_running_factory_forces_a_new_run() {
+        let fixture = GatedLoads::new();
+        let (entry, runs, gate) = (&fixture.entry, &fixture.runs, &fixture.gate);
+        let first = tokio::spawn(fixture.load());
         while runs.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
@@ -520,37 +537,21 @@ mod tests {
         gate.apply("open").unwrap();
         assert_eq!(first.await.unwrap().unwrap(), 1);
         // The first run finished after the invalidation: its value must not be served.
-        assert_eq!(load(entry.clone()).await.unwrap(), 2);
-        assert_eq!(load(entry.clone()).await.unwrap(), 2);
+        assert_eq!(fixture.load().await.unwrap(), 2);
+        assert_eq!(fixture.load().await.unwrap(), 2);
         assert_eq!(runs.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
     async fn a_cancelled_caller_neither_stops_the_flight_nor_starts_another() {
-        let entry: CoalescedEntry<u64> =
-            CoalescedEntry::new(TaskTracker::new(), CancellationToken::new());
-        let runs = Arc::new(AtomicU64::new(0));
-        let gate = LabGate::default();
-        gate.apply("close").unwrap();
-        let load = |entry: CoalescedEntry<u64>| {
-            let runs = runs.clone();
-            let gate = gate.clone();
-            async move {
-                entry
-                    .get_or_load(move || async move {
-                        let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                        gate.passed().await;
-                        Ok(run)
-                    })
-                    .await
-            }
-        };
+        let fixture = GatedLoads::new();
+        let (runs, gate) = (&fixture.runs, &fixture.gate);
         // The first caller runs moka's init future; the second waits behind it.
-        let runner = tokio::spawn(load(entry.clone()));
+        let runner = tokio::spawn(fixture.load());
         while runs.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
-        let waiter = tokio::spawn(load(entry.clone()));
+        let waiter = tokio::spawn(fixture.load());
         for _ in 0..10 {
             tokio::task::yield_now().await;
         }
@@ -561,7 +562,7 @@ mod tests {
         }
         gate.apply("open").unwrap();
         assert_eq!(waiter.await.unwrap().unwrap(), 1);
-        assert_eq!(load(entry.clone()).await.unwrap(), 1);
+        assert_eq!(fixture.load().await.unwrap(), 1);
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 }
