@@ -621,8 +621,11 @@ mod tests {
         assert!(!probe.entered());
     }
 
-    #[tokio::test]
-    async fn a_dropped_parked_writer_is_no_longer_counted() {
+    /// An armed probe with one writer parked at it (the writer runs as its own task).
+    async fn park_one_writer() -> (
+        Arc<ConditionProbe>,
+        tokio::task::JoinHandle<Result<(), AppError>>,
+    ) {
         let probe = Arc::new(ConditionProbe::default());
         probe.arm();
         let parked = {
@@ -632,6 +635,12 @@ mod tests {
         while probe.parked.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
+        (probe, parked)
+    }
+
+    #[tokio::test]
+    async fn a_dropped_parked_writer_is_no_longer_counted() {
+        let (probe, parked) = park_one_writer().await;
         assert!(probe.entered());
         parked.abort();
         assert!(parked.await.unwrap_err().is_cancelled());
@@ -640,15 +649,7 @@ mod tests {
 
     #[tokio::test]
     async fn rearming_a_closed_gate_keeps_its_parked_writers() {
-        let probe = Arc::new(ConditionProbe::default());
-        probe.arm();
-        let parked = {
-            let probe = probe.clone();
-            tokio::spawn(async move { probe.pause(&CancellationToken::new()).await })
-        };
-        while probe.parked.load(Ordering::SeqCst) == 0 {
-            tokio::task::yield_now().await;
-        }
+        let (probe, parked) = park_one_writer().await;
         probe.arm();
         assert!(!probe.entered());
         probe.release();
