@@ -146,3 +146,11 @@ pub fn migrate(connection: &mut Connection) -> rusqlite::Result<()> {
     }
     Ok(())
 }
+
+/// A private in-memory database at the current schema, for unit tests of the SQL code.
+#[cfg(test)]
+pub(crate) fn migrated_in_memory() -> Connection {
+    let mut connection = Connection::open_in_memory().expect("open an in-memory database");
+    migrate(&mut connection).expect("migrate an in-memory database");
+    connection
+}

@@ -531,11 +531,7 @@ pub(crate) fn supersede_open(
 mod tests {
     use super::*;
 
-    fn migrated() -> Connection {
-        let mut connection = Connection::open_in_memory().unwrap();
-        crate::schema::migrate(&mut connection).unwrap();
-        connection
-    }
+    use crate::schema::migrated_in_memory as migrated;
 
     fn message(id: &str, aggregate: &str, sequence: i64, amount: i64) -> OrderedMessage {
         OrderedMessage {

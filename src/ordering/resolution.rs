@@ -377,8 +377,7 @@ mod tests {
     use super::*;
 
     fn setup() -> Connection {
-        let mut connection = Connection::open_in_memory().unwrap();
-        crate::schema::migrate(&mut connection).unwrap();
+        let connection = crate::schema::migrated_in_memory();
         connection
             .execute(
                 "INSERT INTO operators(name, token_hash, created_at) VALUES ('alice', 'h', 't')",

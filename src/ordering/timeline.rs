@@ -135,11 +135,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn migrated() -> Connection {
-        let mut connection = Connection::open_in_memory().unwrap();
-        crate::schema::migrate(&mut connection).unwrap();
-        connection
-    }
+    use crate::schema::migrated_in_memory as migrated;
 
     fn plan(connection: &Connection, sql: &str) -> Vec<String> {
         let mut statement = connection

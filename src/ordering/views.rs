@@ -371,8 +371,7 @@ mod tests {
 
     #[test]
     fn per_aggregate_reads_seek_their_indexes() {
-        let mut connection = Connection::open_in_memory().unwrap();
-        crate::schema::migrate(&mut connection).unwrap();
+        let connection = crate::schema::migrated_in_memory();
         let statements = [
             format!("{DEAD_LETTER_COLUMNS} WHERE d.status = 'open' AND d.aggregate_id = 'a' ORDER BY d.first_seen, d.message_id"),
             format!("{DEAD_LETTER_COLUMNS} WHERE d.status = 'open' ORDER BY d.first_seen, d.message_id"),
