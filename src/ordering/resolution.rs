@@ -181,6 +181,17 @@ struct Target<'a> {
     before: Position,
 }
 
+impl<'a> Target<'a> {
+    /// The timeline subject of an event about this dead letter at its sequence.
+    fn subject(&self, dead_letter_id: &'a str) -> Subject<'a> {
+        Subject {
+            aggregate_id: self.aggregate_id,
+            sequence: Some(self.sequence),
+            message_id: Some(dead_letter_id),
+        }
+    }
+}
+
 /// The change itself: the dead letter closes, the sequence is taken (replacement or skip), the
 /// audit row and the timeline events are written, all in the caller's transaction.
 fn perform(
@@ -246,11 +257,7 @@ fn perform(
                     current: current_state(connection, &request.dead_letter_id)?,
                 });
             }
-            let subject = Subject {
-                aggregate_id: target.aggregate_id,
-                sequence: Some(target.sequence),
-                message_id: Some(&request.dead_letter_id),
-            };
+            let subject = target.subject(&request.dead_letter_id);
             record_event(
                 connection,
                 &subject,
@@ -309,11 +316,7 @@ fn perform(
     connection
         .prepare_cached("UPDATE deadletters SET resolution_id = ?2 WHERE message_id = ?1")?
         .execute(params![request.dead_letter_id, resolution_id])?;
-    let subject = Subject {
-        aggregate_id: target.aggregate_id,
-        sequence: Some(target.sequence),
-        message_id: Some(&request.dead_letter_id),
-    };
+    let subject = target.subject(&request.dead_letter_id);
     record_event(
         connection,
         &subject,
