@@ -2,8 +2,10 @@
 //! contracts" teaching lab over real HTTP and real SQLite rows.
 
 pub mod app;
+pub mod aspnet;
 pub mod bench;
 pub mod config;
+pub mod dotnet_json;
 pub mod error;
 pub mod etag;
 pub mod labs;

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::app::{AppState, StartupContext};
+use crate::aspnet::{is_blank_or_longer_than, query_flag};
 use crate::config::StartupError;
 use crate::error::{AppError, Json, Path, Query, RequestBody};
 use crate::store::Store;
@@ -133,9 +134,9 @@ async fn write_catalog(
     Query(query): Query<Vec<(String, String)>>,
     Json(input): Json<CatalogInput>,
 ) -> Result<Response, AppError> {
-    let fail_before_commit = query_flag(&query, "failBeforeCommit")?;
+    let fail_before_commit = query_flag(&query, "failBeforeCommit")?.unwrap_or(false);
     let name = input.name.unwrap_or_default();
-    if name.trim().is_empty() || name.encode_utf16().count() > MAX_NAME {
+    if is_blank_or_longer_than(&name, MAX_NAME) {
         return Err(AppError::bad_request(format!(
             "name must be 1 to {MAX_NAME} characters and not blank"
         )));
@@ -212,29 +213,6 @@ async fn set_gate(
 async fn reset(State(state): State<AppState>) -> Response {
     state.cache.shared.invalidate().await;
     StatusCode::NO_CONTENT.into_response()
-}
-
-/// Reads an optional boolean query parameter the way ASP.NET binds `bool?`: the name in any
-/// case, `true`/`false` in any case, an empty value as absent. Anything else is a 400.
-fn query_flag(query: &[(String, String)], name: &str) -> Result<bool, AppError> {
-    let mut values = query
-        .iter()
-        .filter(|(key, _)| key.eq_ignore_ascii_case(name))
-        .map(|(_, value)| value.trim());
-    let value = values.next();
-    if values.next().is_some() {
-        return Err(AppError::bad_request(format!(
-            "query parameter '{name}' is given more than once"
-        )));
-    }
-    match value {
-        None | Some("") => Ok(false),
-        Some(value) if value.eq_ignore_ascii_case("true") => Ok(true),
-        Some(value) if value.eq_ignore_ascii_case("false") => Ok(false),
-        Some(value) => Err(AppError::bad_request(format!(
-            "query parameter '{name}' must be true or false, not '{value}'"
-        ))),
-    }
 }
 
 /// A lab switch that holds work until it is opened again. Open at start.
@@ -457,27 +435,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
-        items
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect()
-    }
-
-    #[test]
-    fn the_fault_flag_binds_like_a_nullable_bool() {
-        let flag = |items: &[(&str, &str)]| query_flag(&pairs(items), "failBeforeCommit");
-        assert!(!flag(&[]).unwrap());
-        assert!(!flag(&[("failBeforeCommit", "")]).unwrap());
-        assert!(flag(&[("failBeforeCommit", "true")]).unwrap());
-        assert!(flag(&[("FAILBEFORECOMMIT", "True")]).unwrap());
-        assert!(!flag(&[("failBeforeCommit", "false")]).unwrap());
-        assert!(!flag(&[("other", "true")]).unwrap());
-        assert!(flag(&[("failBeforeCommit", "yes")]).is_err());
-        assert!(flag(&[("failBeforeCommit", "1")]).is_err());
-        assert!(flag(&[("failBeforeCommit", "true"), ("failBeforeCommit", "false")]).is_err());
-    }
 
     #[test]
     fn the_gate_knows_only_close_and_open() {

@@ -18,6 +18,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::{AppState, StartupContext};
+use crate::aspnet::{is_blank_or_longer_than, single_query_value};
 use crate::config::StartupError;
 use crate::error::{AppError, Json, Query, RequestBody, json_response};
 use crate::etag::{self, IfMatchCondition, version_etag, version_etag_value};
@@ -248,7 +249,7 @@ impl DocumentInput {
     fn validate(self) -> Result<String, AppError> {
         let body = self.body.unwrap_or_default();
         // Length counted in UTF-16 code units, as the seed's .NET check counts it.
-        if body.trim().is_empty() || body.encode_utf16().count() > MAX_BODY {
+        if is_blank_or_longer_than(&body, MAX_BODY) {
             return Err(AppError::bad_request(format!(
                 "body must be 1 to {MAX_BODY} characters and not blank"
             )));
@@ -456,7 +457,7 @@ const NDJSON: &str = "application/x-ndjson";
 /// as ASP.NET's query binding does; other parameters are ignored.
 fn stream_ending(query: &[(String, String)]) -> Result<StreamEnding, AppError> {
     // Both parameters are checked before either decides: a bad one is a 400 whatever the other.
-    let abort_after_first = match single_parameter(query, "abortAfter")? {
+    let abort_after_first = match single_query_value(query, "abortAfter")? {
         None => false,
         Some(text) => match text.trim().parse::<i32>() {
             Ok(1) => true,
@@ -464,7 +465,7 @@ fn stream_ending(query: &[(String, String)]) -> Result<StreamEnding, AppError> {
             Err(_) => return Err(AppError::bad_request("abortAfter must be an integer (1)")),
         },
     };
-    let fail = match single_parameter(query, "fail")?.map(str::trim) {
+    let fail = match single_query_value(query, "fail")?.map(str::trim) {
         None => false,
         Some(text) if text.eq_ignore_ascii_case("true") => true,
         Some(text) if text.eq_ignore_ascii_case("false") => false,
@@ -478,23 +479,6 @@ fn stream_ending(query: &[(String, String)]) -> Result<StreamEnding, AppError> {
     } else {
         StreamEnding::Complete
     })
-}
-
-fn single_parameter<'q>(
-    query: &'q [(String, String)],
-    name: &str,
-) -> Result<Option<&'q str>, AppError> {
-    let mut values = query
-        .iter()
-        .filter(|(key, _)| key.eq_ignore_ascii_case(name))
-        .map(|(_, value)| value.as_str());
-    let first = values.next();
-    if values.next().is_some() {
-        return Err(AppError::bad_request(format!(
-            "{name} must be given at most once"
-        )));
-    }
-    Ok(first)
 }
 
 fn item_line(id: i64) -> String {

@@ -16,9 +16,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::app::AppState;
+use crate::aspnet::optional_flag;
+use crate::dotnet_json::ObjectWriter;
 use crate::error::{AppError, Json, Query, RequestBody, json_response};
 use crate::etag::{IfMatchCondition, if_match, version_etag, version_etag_value};
-use crate::labs::messaging::{dotnet_json, optional_flag};
 use crate::store::is_constraint;
 
 pub fn routes() -> Router<AppState> {
@@ -112,7 +113,7 @@ fn validate(input: PipelineInput, headers: &HeaderMap) -> Result<PipelineRequest
                     .to_owned(),
             ),
         })?;
-    let receipt = dotnet_json::ObjectWriter::new()
+    let receipt = ObjectWriter::new()
         .integer("Quantity", i64::from(input.quantity))
         .string("condition", condition.canonical())
         .finish();

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::app::AppState;
+use crate::aspnet::is_blank_or_longer_than;
 use crate::error::{AppError, Json, RequestBody, json_response};
 use crate::ordering::{OrderedMessage, Outcome, apply_ordered};
 
@@ -42,7 +43,7 @@ impl OrderedInput {
     fn validate(self) -> Result<OrderedMessage, AppError> {
         let message_id = self.message_id.unwrap_or_default();
         // Length counted as .NET counts it (UTF-16 code units), as the seed's check does.
-        if message_id.trim().is_empty() || message_id.encode_utf16().count() > MAX_MESSAGE_ID {
+        if is_blank_or_longer_than(&message_id, MAX_MESSAGE_ID) {
             return Err(AppError::bad_request(format!(
                 "messageId must be 1 to {MAX_MESSAGE_ID} characters and not blank"
             )));
