@@ -1,0 +1,82 @@
+//! The seam every backend implements: the inbox's operations as one async trait, so the server
+//! (or any service) holds an `Arc<dyn Inbox>` and never knows which store is underneath.
+//!
+//! A backend's contract, for each write operation: read the facts and write the decided changes
+//! in one transaction, serialized per aggregate (the SQLite backend's single writer; a row lock on
+//! the aggregate in a server database), and answer only after that transaction committed. The
+//! decisions themselves come from [`crate::delivery`] and [`crate::resolution`]; a backend adds
+//! no rule of its own.
+
+use async_trait::async_trait;
+
+use crate::delivery::Outcome;
+use crate::model::{AggregateStatus, Door, OrderedMessage};
+use crate::operators::OperatorCheck;
+use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
+use crate::views::{
+    AggregateCounts, AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, Page,
+    PageRequest, ResolutionRecord, TimelineEvent,
+};
+
+/// A store failure underneath an inbox operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InboxError {
+    /// A condition a retry can clear: lock contention past its retries, a stopped writer, a
+    /// database that is down or restarting.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// Anything else: the detail belongs in the server's log, not in an answer.
+    #[error("store failure: {0}")]
+    Failed(String),
+}
+
+/// The ordered inbox's operations.
+#[async_trait]
+pub trait Inbox: Send + Sync {
+    /// Decides and records one delivery; `Ok` means committed.
+    async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError>;
+
+    /// Resolves a dead letter for an authenticated operator, or (dry run) reports what that would
+    /// do.
+    async fn resolve(
+        &self,
+        request: ResolutionRequest,
+        mode: Mode,
+    ) -> Result<Resolved, ResolutionError>;
+
+    /// Who `token` belongs to (`None`: no token was offered) and how many operators are active.
+    async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError>;
+
+    async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError>;
+
+    /// Aggregates in `status`, the longest-standing first.
+    async fn inventory(
+        &self,
+        status: AggregateStatus,
+        limit: i64,
+    ) -> Result<Vec<InventoryEntry>, InboxError>;
+
+    /// Dead letters in the order they were first recorded.
+    async fn dead_letters(
+        &self,
+        filter: DeadLetterFilter,
+        page: PageRequest,
+    ) -> Result<Page<DeadLetterView>, InboxError>;
+
+    /// The aggregate's timeline, oldest first.
+    async fn timeline(
+        &self,
+        aggregate_id: String,
+        page: PageRequest,
+    ) -> Result<Page<TimelineEvent>, InboxError>;
+
+    /// The audit trail, oldest first, optionally for one aggregate.
+    async fn resolutions(
+        &self,
+        aggregate_id: Option<String>,
+        page: PageRequest,
+    ) -> Result<Page<ResolutionRecord>, InboxError>;
+
+    /// Applied messages, dead letters and last sequence of one aggregate.
+    async fn counts(&self, aggregate_id: String) -> Result<AggregateCounts, InboxError>;
+}

@@ -1,0 +1,205 @@
+//! The typed values the core decides over: a message, the door it came through, an aggregate's
+//! position and status, a dead letter's status.
+
+use serde::Serialize;
+
+/// One ordered message as the consumer receives it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrderedMessage {
+    pub message_id: String,
+    pub aggregate_id: String,
+    pub sequence: i64,
+    pub amount: i64,
+}
+
+/// The stored form of a message's meaning, with the seed's property names and order:
+/// `{"AggregateId":"demo","Sequence":1,"Amount":1}`.
+#[derive(Serialize)]
+#[serde(rename_all = "PascalCase")]
+struct CanonicalPayload<'a> {
+    aggregate_id: &'a str,
+    sequence: i64,
+    amount: i64,
+}
+
+impl OrderedMessage {
+    /// The canonical payload two deliveries must share to be the same message.
+    pub fn canonical_payload(&self) -> String {
+        // Serializing a struct of a string and two integers cannot fail.
+        serde_json::to_string(&CanonicalPayload {
+            aggregate_id: &self.aggregate_id,
+            sequence: self.sequence,
+            amount: self.amount,
+        })
+        .unwrap_or_default()
+    }
+}
+
+/// Which way a message came in. The doors share the policy and the tables; they differ in one
+/// identity rule, which the seed's classroom contract fixes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Door {
+    /// The seed's classroom contract: identity is checked against applied messages only, and a
+    /// gap writes no state row for an aggregate that has none.
+    Classroom,
+    /// The general contract: identity also spans dead letters, so an id never changes meaning.
+    General,
+}
+
+/// Raised when a stored status or kind is not one this build knows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} '{found}' in the store")]
+pub struct UnknownValue {
+    pub what: &'static str,
+    pub found: String,
+}
+
+/// Declares a text-backed enum: its stored/serialized spelling, `Display` and `FromStr`.
+macro_rules! stored_enum {
+    ($(#[$meta:meta])* $name:ident, $what:literal { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+        pub enum $name {
+            $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
+        }
+
+        impl $name {
+            /// The spelling stored in the rows and shown in bodies.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = $crate::model::UnknownValue;
+
+            fn from_str(text: &str) -> Result<Self, $crate::model::UnknownValue> {
+                match text {
+                    $($text => Ok($name::$variant),)+
+                    other => Err($crate::model::UnknownValue { what: $what, found: other.to_owned() }),
+                }
+            }
+        }
+    };
+}
+pub(crate) use stored_enum;
+
+stored_enum!(
+    /// Where an aggregate stands.
+    AggregateStatus, "aggregate status" {
+        /// Every delivery so far was in order.
+        Flowing => "flowing",
+        /// A later sequence was refused as a gap since the last apply.
+        Waiting => "waiting",
+        /// An open dead letter holds the expected sequence.
+        Blocked => "blocked",
+    }
+);
+
+stored_enum!(
+    /// A dead letter's lifecycle.
+    DeadLetterStatus, "dead letter status" {
+        /// It holds its aggregate's expected sequence.
+        Open => "open",
+        /// An operator resolved it (replace or skip), with an audit row.
+        Resolved => "resolved",
+        /// Another message (or a skip) took its sequence.
+        Superseded => "superseded",
+    }
+);
+
+stored_enum!(
+    /// Why a message at the expected sequence is not applied.
+    QuarantineReason, "quarantine reason" {
+        NegativeAmount => "negative amount",
+    }
+);
+
+/// An aggregate's last applied sequence and running total.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Position {
+    pub last: i64,
+    pub total: i64,
+}
+
+/// An aggregate's row: position, status and when it entered that status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AggregateRow {
+    pub last: i64,
+    pub total: i64,
+    pub status: AggregateStatus,
+    /// Unknown only for rows written before the status existed.
+    pub since: Option<String>,
+}
+
+impl AggregateRow {
+    pub fn position(&self) -> Position {
+        Position {
+            last: self.last,
+            total: self.total,
+        }
+    }
+}
+
+/// Bounds the store keeps for every aggregate, whatever its clients send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Open dead letters one aggregate may hold; a further new poison message is refused
+    /// (`QuarantineFull`) rather than stored.
+    pub max_open_dead_letters: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_open_dead_letters: 1000,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_canonical_payload_keeps_the_seed_spelling() {
+        let message = OrderedMessage {
+            message_id: "m".into(),
+            aggregate_id: "demo".into(),
+            sequence: 1,
+            amount: 1,
+        };
+        assert_eq!(
+            message.canonical_payload(),
+            r#"{"AggregateId":"demo","Sequence":1,"Amount":1}"#
+        );
+    }
+
+    #[test]
+    fn statuses_round_trip_through_their_stored_spelling() {
+        for status in [
+            AggregateStatus::Flowing,
+            AggregateStatus::Waiting,
+            AggregateStatus::Blocked,
+        ] {
+            assert_eq!(status.as_str().parse::<AggregateStatus>(), Ok(status));
+        }
+        assert_eq!(
+            "superseded".parse::<DeadLetterStatus>(),
+            Ok(DeadLetterStatus::Superseded)
+        );
+        assert!("Open".parse::<DeadLetterStatus>().is_err());
+        assert_eq!(
+            serde_json::to_string(&QuarantineReason::NegativeAmount).unwrap(),
+            "\"negative amount\""
+        );
+    }
+}

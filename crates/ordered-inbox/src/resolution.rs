@@ -1,0 +1,658 @@
+//! Operator-approved poison resolution, decided purely. The quarantine never advances an
+//! aggregate; this is the one deliberate way past a poison message other than a corrected message
+//! under a new id:
+//!
+//! - `replace` applies a new, valid message at the dead letter's sequence through the same
+//!   delivery decision as any message;
+//! - `skip` takes the sequence with an explicit skip event: zero effect, last advances by one.
+//!
+//! The preconditions (the dead letter is open, holds `last + 1`, `expectedLast` is the current
+//! last, the operator is still active) are checked against facts read in the same transaction the
+//! changes are written in, so of two operators racing with the same `expectedLast` exactly one
+//! wins. A dry run is the same decision with its changes left unwritten.
+
+use crate::delivery::{
+    AppliedMessage, Change, DeliveryFacts, KnownDeadLetter, OpenDeadLetter, Outcome,
+    decide_delivery, supersede_at,
+};
+use crate::model::{
+    AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
+    QuarantineReason, stored_enum,
+};
+use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
+use crate::views::{CurrentState, Replacement, ResolutionRecord};
+
+stored_enum!(
+    /// The kind of a resolution, as the audit row stores it.
+    ActionKind, "resolution action" {
+        Replace => "replace",
+        Skip => "skip",
+    }
+);
+
+/// What the operator decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Replace { message_id: String, amount: i64 },
+    Skip,
+}
+
+impl Action {
+    pub fn kind(&self) -> ActionKind {
+        match self {
+            Action::Replace { .. } => ActionKind::Replace,
+            Action::Skip => ActionKind::Skip,
+        }
+    }
+
+    fn replacement(&self) -> Option<Replacement> {
+        match self {
+            Action::Replace { message_id, amount } => Some(Replacement {
+                message_id: message_id.clone(),
+                amount: *amount,
+            }),
+            Action::Skip => None,
+        }
+    }
+}
+
+/// One resolution request, from an authenticated operator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolutionRequest {
+    pub dead_letter_id: String,
+    pub operator: String,
+    pub action: Action,
+    pub expected_last: i64,
+    pub reason: String,
+}
+
+/// Whether to write the resolution or only report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Commit,
+    DryRun,
+}
+
+/// The dead letter being resolved, as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterFact {
+    pub status: DeadLetterStatus,
+    /// Unknown for dead letters recorded before sequences were kept.
+    pub aggregate_id: Option<String>,
+    pub sequence: Option<i64>,
+}
+
+/// What the store knows that a resolution depends on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolutionFacts {
+    pub dead_letter: Option<DeadLetterFact>,
+    /// The recorded resolution, when the dead letter is already resolved.
+    pub recorded: Option<ResolutionRecord>,
+    /// The dead letter's aggregate.
+    pub aggregate: Option<AggregateRow>,
+    pub open_dead_letters: Vec<OpenDeadLetter>,
+    /// Whether the operator is still active (not revoked since authentication).
+    pub operator_active: bool,
+    /// What is known of the replacement's message id.
+    pub replacement_applied: Option<AppliedMessage>,
+    pub replacement_dead_letter: Option<KnownDeadLetter>,
+}
+
+/// What a resolution did, or would do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolved {
+    /// Resolved now.
+    New(ResolutionRecord),
+    /// The same operator sent the same resolution before: its original record, nothing changed.
+    Repeated(ResolutionRecord),
+    /// What the resolution would do; nothing was written.
+    DryRun(ResolutionRecord),
+}
+
+/// Why a precondition failed. The server words each one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConflictKind {
+    /// A different resolution was recorded for the dead letter.
+    AlreadyResolved,
+    /// Another message already took the dead letter's sequence.
+    NotOpen(DeadLetterStatus),
+    /// An early dead letter with no stored sequence or payload.
+    SequenceUnknown,
+    ExpectedLastMismatch {
+        expected_last: i64,
+        last: i64,
+    },
+    NotNextSequence {
+        sequence: i64,
+        needed: i64,
+    },
+    /// The replacement's message id is already known.
+    ReplacementIdUsed {
+        message_id: String,
+    },
+}
+
+/// A refused resolution, decided from the facts alone. Nothing is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    NotFound,
+    Conflict(ConflictKind),
+    /// The replacement itself would be quarantined by the policy.
+    ReplacementQuarantined(QuarantineReason),
+    /// The operator was revoked after authenticating.
+    Unauthorized,
+}
+
+/// Why a resolution was refused: [`Refusal`] with the current state a conflict shows, or a
+/// store failure.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolutionError {
+    #[error("no dead letter has message id '{0}'")]
+    NotFound(String),
+    #[error("a resolution precondition failed: {kind:?}")]
+    Conflict {
+        kind: ConflictKind,
+        current: Box<CurrentState>,
+    },
+    #[error("the replacement would be quarantined: {0}")]
+    ReplacementQuarantined(QuarantineReason),
+    #[error("the operator's token is no longer valid")]
+    Unauthorized,
+    #[error(transparent)]
+    Store(#[from] crate::InboxError),
+}
+
+/// The decided resolution and its rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolutionPlan {
+    pub resolved: Resolved,
+    pub changes: Vec<Change>,
+}
+
+/// Decides a resolution. With [`Mode::DryRun`] the plan carries no changes and the record no id.
+pub fn decide_resolution(
+    request: &ResolutionRequest,
+    facts: &ResolutionFacts,
+    limits: &Limits,
+    mode: Mode,
+    now: &str,
+) -> Result<ResolutionPlan, Refusal> {
+    let dead_letter = facts.dead_letter.as_ref().ok_or(Refusal::NotFound)?;
+    match dead_letter.status {
+        DeadLetterStatus::Open => {}
+        DeadLetterStatus::Resolved => return repeat_of_recorded(request, facts),
+        status => return Err(Refusal::Conflict(ConflictKind::NotOpen(status))),
+    }
+    let (Some(aggregate_id), Some(sequence)) = (&dead_letter.aggregate_id, dead_letter.sequence)
+    else {
+        return Err(Refusal::Conflict(ConflictKind::SequenceUnknown));
+    };
+    let target = check_target(request, facts, aggregate_id, sequence)?;
+    if !facts.operator_active {
+        return Err(Refusal::Unauthorized);
+    }
+    let mut changes = vec![Change::ResolveDeadLetter {
+        message_id: request.dead_letter_id.clone(),
+        at: now.to_owned(),
+    }];
+    let after = match &request.action {
+        Action::Replace { message_id, amount } => replace(
+            &target,
+            facts,
+            message_id,
+            *amount,
+            limits,
+            now,
+            &mut changes,
+        )?,
+        Action::Skip => skip(&target, &request.operator, facts, now, &mut changes),
+    };
+    let record = ResolutionRecord {
+        resolution_id: None,
+        message_id: request.dead_letter_id.clone(),
+        aggregate_id: aggregate_id.clone(),
+        sequence,
+        action: request.action.kind(),
+        operator: request.operator.clone(),
+        reason: request.reason.clone(),
+        expected_last: request.expected_last,
+        replacement: request.action.replacement(),
+        before: target.before,
+        after,
+        resolved_at: now.to_owned(),
+    };
+    Ok(match mode {
+        Mode::DryRun => ResolutionPlan {
+            resolved: Resolved::DryRun(record),
+            changes: Vec::new(),
+        },
+        Mode::Commit => {
+            changes.push(Change::RecordResolution(record.clone()));
+            ResolutionPlan {
+                resolved: Resolved::New(record),
+                changes,
+            }
+        }
+    })
+}
+
+/// The `resolved` timeline event of a recorded resolution (its id assigned by the store).
+pub fn resolved_event(record: &ResolutionRecord, resolution_id: i64) -> TimelineEntry {
+    TimelineEntry {
+        aggregate_id: record.aggregate_id.clone(),
+        at: record.resolved_at.clone(),
+        kind: TimelineKind::Resolved,
+        sequence: Some(record.sequence),
+        message_id: Some(record.message_id.clone()),
+        detail: TimelineDetail::Resolved {
+            resolution_id,
+            action: record.action,
+            operator: record.operator.clone(),
+            reason: record.reason.clone(),
+            replacement_message_id: record
+                .replacement
+                .as_ref()
+                .map(|replacement| replacement.message_id.clone()),
+        },
+    }
+}
+
+/// An already resolved dead letter: an identical repeat by the same operator answers with the
+/// original record; anything else is a conflict.
+fn repeat_of_recorded(
+    request: &ResolutionRequest,
+    facts: &ResolutionFacts,
+) -> Result<ResolutionPlan, Refusal> {
+    match &facts.recorded {
+        Some(original) if same_request(original, request) => Ok(ResolutionPlan {
+            resolved: Resolved::Repeated(original.clone()),
+            changes: Vec::new(),
+        }),
+        _ => Err(Refusal::Conflict(ConflictKind::AlreadyResolved)),
+    }
+}
+
+fn same_request(original: &ResolutionRecord, request: &ResolutionRequest) -> bool {
+    original.operator == request.operator
+        && original.action == request.action.kind()
+        && original.expected_last == request.expected_last
+        && original.reason == request.reason
+        && original.replacement == request.action.replacement()
+}
+
+/// The dead letter's aggregate and sequence, checked to be next.
+struct Target<'a> {
+    dead_letter_id: &'a str,
+    aggregate_id: &'a str,
+    sequence: i64,
+    before: Position,
+}
+
+fn check_target<'a>(
+    request: &'a ResolutionRequest,
+    facts: &ResolutionFacts,
+    aggregate_id: &'a str,
+    sequence: i64,
+) -> Result<Target<'a>, Refusal> {
+    let before = facts
+        .aggregate
+        .as_ref()
+        .map(AggregateRow::position)
+        .unwrap_or_default();
+    if request.expected_last != before.last {
+        return Err(Refusal::Conflict(ConflictKind::ExpectedLastMismatch {
+            expected_last: request.expected_last,
+            last: before.last,
+        }));
+    }
+    let needed = before.last.saturating_add(1);
+    if sequence != needed {
+        return Err(Refusal::Conflict(ConflictKind::NotNextSequence {
+            sequence,
+            needed,
+        }));
+    }
+    Ok(Target {
+        dead_letter_id: &request.dead_letter_id,
+        aggregate_id,
+        sequence,
+        before,
+    })
+}
+
+/// The other open dead letters: the one being resolved is closed first, so that the replacement
+/// or the skip does not supersede it.
+fn others_open(facts: &ResolutionFacts, resolved: &str) -> Vec<OpenDeadLetter> {
+    facts
+        .open_dead_letters
+        .iter()
+        .filter(|letter| letter.message_id != resolved)
+        .cloned()
+        .collect()
+}
+
+/// Applies the replacement through the ordinary delivery decision.
+fn replace(
+    target: &Target<'_>,
+    facts: &ResolutionFacts,
+    message_id: &str,
+    amount: i64,
+    limits: &Limits,
+    now: &str,
+    changes: &mut Vec<Change>,
+) -> Result<Position, Refusal> {
+    let replacement = OrderedMessage {
+        message_id: message_id.to_owned(),
+        aggregate_id: target.aggregate_id.to_owned(),
+        sequence: target.sequence,
+        amount,
+    };
+    let delivery_facts = DeliveryFacts {
+        applied: facts.replacement_applied.clone(),
+        dead_letter: facts.replacement_dead_letter.clone(),
+        aggregate: facts.aggregate.clone(),
+        open_dead_letters: others_open(facts, target.dead_letter_id),
+    };
+    let plan = decide_delivery(&replacement, Door::General, &delivery_facts, limits, now);
+    match plan.outcome {
+        Outcome::Applied {
+            sequence, total, ..
+        } => {
+            changes.extend(plan.changes);
+            Ok(Position {
+                last: sequence,
+                total,
+            })
+        }
+        Outcome::Quarantined { reason, .. } => Err(Refusal::ReplacementQuarantined(reason)),
+        Outcome::QuarantineFull { .. } => Err(Refusal::ReplacementQuarantined(
+            QuarantineReason::NegativeAmount,
+        )),
+        Outcome::Replay { .. } | Outcome::PayloadConflict => {
+            Err(Refusal::Conflict(ConflictKind::ReplacementIdUsed {
+                message_id: message_id.to_owned(),
+            }))
+        }
+        // The target was checked to be the next sequence, so the policy cannot see a gap or a
+        // stale sequence here; answer as the precondition would.
+        Outcome::Gap { expected } | Outcome::Stale { expected } => {
+            Err(Refusal::Conflict(ConflictKind::NotNextSequence {
+                sequence: target.sequence,
+                needed: expected,
+            }))
+        }
+    }
+}
+
+/// Takes the sequence with no effect, superseding any other open dead letter there.
+fn skip(
+    target: &Target<'_>,
+    operator: &str,
+    facts: &ResolutionFacts,
+    now: &str,
+    changes: &mut Vec<Change>,
+) -> Position {
+    let after = Position {
+        last: target.sequence,
+        total: target.before.total,
+    };
+    changes.push(Change::PutAggregate {
+        aggregate_id: target.aggregate_id.to_owned(),
+        row: AggregateRow {
+            last: after.last,
+            total: after.total,
+            status: AggregateStatus::Flowing,
+            since: Some(now.to_owned()),
+        },
+    });
+    changes.push(Change::Append(TimelineEntry {
+        aggregate_id: target.aggregate_id.to_owned(),
+        at: now.to_owned(),
+        kind: TimelineKind::Skipped,
+        sequence: Some(target.sequence),
+        message_id: Some(target.dead_letter_id.to_owned()),
+        detail: TimelineDetail::Skipped {
+            effect: 0,
+            operator: operator.to_owned(),
+        },
+    }));
+    supersede_at(
+        target.aggregate_id,
+        target.sequence,
+        &others_open(facts, target.dead_letter_id),
+        target.dead_letter_id,
+        now,
+        changes,
+    );
+    after
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(action: Action, expected_last: i64) -> ResolutionRequest {
+        ResolutionRequest {
+            dead_letter_id: "poison-2".into(),
+            operator: "alice".into(),
+            action,
+            expected_last,
+            reason: "duplicate order".into(),
+        }
+    }
+
+    /// `a` at last 1, total 5, blocked by `poison-2` at sequence 2 (and `other-2` beside it).
+    fn blocked() -> ResolutionFacts {
+        ResolutionFacts {
+            dead_letter: Some(DeadLetterFact {
+                status: DeadLetterStatus::Open,
+                aggregate_id: Some("a".into()),
+                sequence: Some(2),
+            }),
+            recorded: None,
+            aggregate: Some(AggregateRow {
+                last: 1,
+                total: 5,
+                status: AggregateStatus::Blocked,
+                since: Some("t0".into()),
+            }),
+            open_dead_letters: ["poison-2", "other-2"]
+                .into_iter()
+                .map(|id| OpenDeadLetter {
+                    message_id: id.into(),
+                    sequence: Some(2),
+                })
+                .collect(),
+            operator_active: true,
+            replacement_applied: None,
+            replacement_dead_letter: None,
+        }
+    }
+
+    fn decide(
+        request: &ResolutionRequest,
+        facts: &ResolutionFacts,
+        mode: Mode,
+    ) -> Result<ResolutionPlan, Refusal> {
+        decide_resolution(request, facts, &Limits::default(), mode, "t1")
+    }
+
+    fn superseded(plan: &ResolutionPlan) -> Vec<String> {
+        plan.changes
+            .iter()
+            .find_map(|change| match change {
+                Change::SupersedeDeadLetters { message_ids, .. } => Some(message_ids.clone()),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_skip_advances_by_one_with_no_effect_and_supersedes_the_others() {
+        let plan = decide(&request(Action::Skip, 1), &blocked(), Mode::Commit).unwrap();
+        let Resolved::New(record) = &plan.resolved else {
+            panic!("expected a new resolution");
+        };
+        assert_eq!(record.before, Position { last: 1, total: 5 });
+        assert_eq!(record.after, Position { last: 2, total: 5 });
+        assert_eq!(superseded(&plan), ["other-2"]);
+        assert!(matches!(
+            plan.changes.first(),
+            Some(Change::ResolveDeadLetter { .. })
+        ));
+        assert!(matches!(
+            plan.changes.last(),
+            Some(Change::RecordResolution(_))
+        ));
+    }
+
+    #[test]
+    fn a_replacement_goes_through_the_delivery_decision() {
+        let replace = Action::Replace {
+            message_id: "fixed-2".into(),
+            amount: 3,
+        };
+        let plan = decide(&request(replace, 1), &blocked(), Mode::Commit).unwrap();
+        let Resolved::New(record) = &plan.resolved else {
+            panic!("expected a new resolution");
+        };
+        assert_eq!(record.after, Position { last: 2, total: 8 });
+        assert!(
+            plan.changes
+                .iter()
+                .any(|change| matches!(change, Change::InsertApplied { .. }))
+        );
+        assert_eq!(superseded(&plan), ["other-2"]);
+
+        let poison = Action::Replace {
+            message_id: "fixed-2".into(),
+            amount: -3,
+        };
+        assert_eq!(
+            decide(&request(poison, 1), &blocked(), Mode::Commit),
+            Err(Refusal::ReplacementQuarantined(
+                QuarantineReason::NegativeAmount
+            ))
+        );
+        let used = ResolutionFacts {
+            replacement_applied: Some(AppliedMessage {
+                payload: "{}".into(),
+                sequence: Some(1),
+                applied_at: None,
+            }),
+            ..blocked()
+        };
+        let again = Action::Replace {
+            message_id: "m-1".into(),
+            amount: 3,
+        };
+        assert_eq!(
+            decide(&request(again, 1), &used, Mode::Commit),
+            Err(Refusal::Conflict(ConflictKind::ReplacementIdUsed {
+                message_id: "m-1".into()
+            }))
+        );
+    }
+
+    #[test]
+    fn a_dry_run_decides_the_same_and_writes_nothing() {
+        let real = decide(&request(Action::Skip, 1), &blocked(), Mode::Commit).unwrap();
+        let rehearsal = decide(&request(Action::Skip, 1), &blocked(), Mode::DryRun).unwrap();
+        assert!(rehearsal.changes.is_empty());
+        let (Resolved::New(real), Resolved::DryRun(rehearsal)) =
+            (real.resolved, rehearsal.resolved)
+        else {
+            panic!("expected a resolution and a dry run");
+        };
+        assert_eq!(real, rehearsal);
+    }
+
+    #[test]
+    fn each_precondition_refuses_with_its_own_kind() {
+        assert_eq!(
+            decide(&request(Action::Skip, 0), &blocked(), Mode::Commit),
+            Err(Refusal::Conflict(ConflictKind::ExpectedLastMismatch {
+                expected_last: 0,
+                last: 1
+            }))
+        );
+        let missing = ResolutionFacts {
+            dead_letter: None,
+            ..blocked()
+        };
+        assert_eq!(
+            decide(&request(Action::Skip, 1), &missing, Mode::Commit),
+            Err(Refusal::NotFound)
+        );
+        let mut superseded = blocked();
+        if let Some(letter) = superseded.dead_letter.as_mut() {
+            letter.status = DeadLetterStatus::Superseded;
+        }
+        assert_eq!(
+            decide(&request(Action::Skip, 1), &superseded, Mode::Commit),
+            Err(Refusal::Conflict(ConflictKind::NotOpen(
+                DeadLetterStatus::Superseded
+            )))
+        );
+        let mut legacy = blocked();
+        if let Some(letter) = legacy.dead_letter.as_mut() {
+            letter.sequence = None;
+        }
+        assert_eq!(
+            decide(&request(Action::Skip, 1), &legacy, Mode::Commit),
+            Err(Refusal::Conflict(ConflictKind::SequenceUnknown))
+        );
+        let mut behind = blocked();
+        if let Some(letter) = behind.dead_letter.as_mut() {
+            letter.sequence = Some(4);
+        }
+        assert_eq!(
+            decide(&request(Action::Skip, 1), &behind, Mode::Commit),
+            Err(Refusal::Conflict(ConflictKind::NotNextSequence {
+                sequence: 4,
+                needed: 2
+            }))
+        );
+        let revoked = ResolutionFacts {
+            operator_active: false,
+            ..blocked()
+        };
+        assert_eq!(
+            decide(&request(Action::Skip, 1), &revoked, Mode::Commit),
+            Err(Refusal::Unauthorized)
+        );
+    }
+
+    #[test]
+    fn only_an_identical_repeat_of_a_recorded_resolution_answers_again() {
+        let first = decide(&request(Action::Skip, 1), &blocked(), Mode::Commit).unwrap();
+        let Resolved::New(record) = first.resolved else {
+            panic!("expected a resolution");
+        };
+        let mut resolved = blocked();
+        if let Some(letter) = resolved.dead_letter.as_mut() {
+            letter.status = DeadLetterStatus::Resolved;
+        }
+        resolved.recorded = Some(ResolutionRecord {
+            resolution_id: Some(7),
+            ..record
+        });
+        let repeat = decide(&request(Action::Skip, 1), &resolved, Mode::Commit).unwrap();
+        assert!(repeat.changes.is_empty());
+        assert!(matches!(
+            repeat.resolved,
+            Resolved::Repeated(ResolutionRecord {
+                resolution_id: Some(7),
+                ..
+            })
+        ));
+        let different = ResolutionRequest {
+            reason: "another reason".into(),
+            ..request(Action::Skip, 1)
+        };
+        assert_eq!(
+            decide(&different, &resolved, Mode::Commit),
+            Err(Refusal::Conflict(ConflictKind::AlreadyResolved))
+        );
+    }
+}

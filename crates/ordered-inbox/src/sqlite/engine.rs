@@ -1,0 +1,692 @@
+//! The SQLite side of a delivery and a resolution: read the facts, let the core decide, write the
+//! decided changes. Call these inside one write transaction (the store's writer gives each unit
+//! its own savepoint): the facts and the writes then see one snapshot, and the single writer
+//! serializes every aggregate. Every statement is a primary-key or index seek, prepared once per
+//! connection.
+
+use std::str::FromStr;
+
+use rusqlite::types::Type;
+use rusqlite::{Connection, OptionalExtension, Row, params};
+
+use super::store::StoreError;
+use super::views;
+use crate::delivery::{
+    AppliedMessage, Change, DeliveryFacts, KnownDeadLetter, OpenDeadLetter, Outcome,
+    decide_delivery,
+};
+use crate::model::{AggregateRow, AggregateStatus, Door, Limits, OrderedMessage, UnknownValue};
+use crate::resolution::{
+    DeadLetterFact, Mode, Refusal, ResolutionError, ResolutionFacts, ResolutionRequest, Resolved,
+    decide_resolution, resolved_event,
+};
+use crate::timeline::{OBSERVATIONS_KEPT, TimelineEntry};
+use crate::views::{CurrentState, ResolutionRecord};
+
+/// Decides and records one delivery. `now` stamps every row it writes.
+pub fn deliver_in(
+    connection: &Connection,
+    message: &OrderedMessage,
+    door: Door,
+    limits: &Limits,
+    now: &str,
+) -> Result<Outcome, StoreError> {
+    let facts = delivery_facts(connection, message)?;
+    let plan = decide_delivery(message, door, &facts, limits, now);
+    write_changes(connection, &plan.changes)?;
+    Ok(plan.outcome)
+}
+
+/// Checks the preconditions and resolves the dead letter, or (dry run) reports what that would
+/// do and writes nothing.
+pub fn resolve_in(
+    connection: &Connection,
+    request: &ResolutionRequest,
+    mode: Mode,
+    limits: &Limits,
+    now: &str,
+) -> Result<Resolved, ResolutionError> {
+    let facts = resolution_facts(connection, request).map_err(StoreError::from)?;
+    let plan = match decide_resolution(request, &facts, limits, mode, now) {
+        Ok(plan) => plan,
+        Err(refusal) => return Err(refusal_error(connection, request, refusal)),
+    };
+    let resolution_id = write_changes(connection, &plan.changes).map_err(StoreError::from)?;
+    Ok(match plan.resolved {
+        Resolved::New(record) => Resolved::New(ResolutionRecord {
+            resolution_id,
+            ..record
+        }),
+        other => other,
+    })
+}
+
+fn refusal_error(
+    connection: &Connection,
+    request: &ResolutionRequest,
+    refusal: Refusal,
+) -> ResolutionError {
+    match refusal {
+        Refusal::NotFound => ResolutionError::NotFound(request.dead_letter_id.clone()),
+        Refusal::ReplacementQuarantined(reason) => ResolutionError::ReplacementQuarantined(reason),
+        Refusal::Unauthorized => ResolutionError::Unauthorized,
+        Refusal::Conflict(kind) => match current_state(connection, &request.dead_letter_id) {
+            Ok(current) => ResolutionError::Conflict {
+                kind,
+                current: Box::new(current),
+            },
+            Err(error) => ResolutionError::Store(StoreError::from(error).into()),
+        },
+    }
+}
+
+/// The aggregate and the dead letter as they are now, for a refusal's body.
+pub fn current_state(
+    connection: &Connection,
+    dead_letter_id: &str,
+) -> rusqlite::Result<CurrentState> {
+    let dead_letter = views::dead_letter(connection, dead_letter_id)?;
+    let aggregate = match dead_letter
+        .as_ref()
+        .and_then(|dead| dead.aggregate_id.as_deref())
+    {
+        Some(aggregate_id) => views::aggregate_summary(connection, aggregate_id)?,
+        None => None,
+    };
+    Ok(CurrentState {
+        aggregate,
+        dead_letter,
+    })
+}
+
+/// A stored status or kind, read through its `FromStr`.
+pub(super) fn parsed<T: FromStr<Err = UnknownValue>>(
+    row: &Row<'_>,
+    index: usize,
+) -> rusqlite::Result<T> {
+    let text: String = row.get(index)?;
+    text.parse().map_err(|error| {
+        rusqlite::Error::FromSqlConversionFailure(index, Type::Text, Box::new(error))
+    })
+}
+
+fn delivery_facts(
+    connection: &Connection,
+    message: &OrderedMessage,
+) -> rusqlite::Result<DeliveryFacts> {
+    let aggregate = aggregate_row(connection, &message.aggregate_id)?;
+    let open_dead_letters = open_dead_letters(connection, &message.aggregate_id, &aggregate)?;
+    Ok(DeliveryFacts {
+        applied: applied_message(connection, &message.message_id)?,
+        dead_letter: known_dead_letter(connection, &message.message_id)?,
+        aggregate,
+        open_dead_letters,
+    })
+}
+
+fn resolution_facts(
+    connection: &Connection,
+    request: &ResolutionRequest,
+) -> rusqlite::Result<ResolutionFacts> {
+    let dead_letter = connection
+        .prepare_cached(
+            "SELECT status, aggregate_id, sequence FROM deadletters WHERE message_id = ?1",
+        )?
+        .query_row([&request.dead_letter_id], |row| {
+            Ok(DeadLetterFact {
+                status: parsed(row, 0)?,
+                aggregate_id: row.get(1)?,
+                sequence: row.get(2)?,
+            })
+        })
+        .optional()?;
+    let aggregate = match dead_letter.as_ref().and_then(|d| d.aggregate_id.as_deref()) {
+        Some(aggregate_id) => aggregate_row(connection, aggregate_id)?,
+        None => None,
+    };
+    let open_dead_letters = match dead_letter.as_ref().and_then(|d| d.aggregate_id.as_deref()) {
+        Some(aggregate_id) => open_dead_letters(connection, aggregate_id, &aggregate)?,
+        None => Vec::new(),
+    };
+    let (replacement_applied, replacement_dead_letter) = match &request.action {
+        crate::Action::Replace { message_id, .. } => (
+            applied_message(connection, message_id)?,
+            known_dead_letter(connection, message_id)?,
+        ),
+        crate::Action::Skip => (None, None),
+    };
+    Ok(ResolutionFacts {
+        recorded: views::resolution_of(connection, &request.dead_letter_id)?,
+        operator_active: super::operators::is_active(connection, &request.operator)?,
+        dead_letter,
+        aggregate,
+        open_dead_letters,
+        replacement_applied,
+        replacement_dead_letter,
+    })
+}
+
+fn aggregate_row(
+    connection: &Connection,
+    aggregate_id: &str,
+) -> rusqlite::Result<Option<AggregateRow>> {
+    connection
+        .prepare_cached(
+            "SELECT last_sequence, total, status, status_since
+               FROM aggregate_state WHERE aggregate_id = ?1",
+        )?
+        .query_row([aggregate_id], |row| {
+            Ok(AggregateRow {
+                last: row.get(0)?,
+                total: row.get(1)?,
+                status: parsed(row, 2)?,
+                since: row.get(3)?,
+            })
+        })
+        .optional()
+}
+
+/// Only a blocked aggregate has open dead letters, so only a blocked one is asked.
+fn open_dead_letters(
+    connection: &Connection,
+    aggregate_id: &str,
+    aggregate: &Option<AggregateRow>,
+) -> rusqlite::Result<Vec<OpenDeadLetter>> {
+    if aggregate.as_ref().map(|row| row.status) != Some(AggregateStatus::Blocked) {
+        return Ok(Vec::new());
+    }
+    connection
+        .prepare_cached(
+            "SELECT message_id, sequence FROM deadletters
+              WHERE aggregate_id = ?1 AND status = 'open'",
+        )?
+        .query_map([aggregate_id], |row| {
+            Ok(OpenDeadLetter {
+                message_id: row.get(0)?,
+                sequence: row.get(1)?,
+            })
+        })?
+        .collect()
+}
+
+fn applied_message(
+    connection: &Connection,
+    message_id: &str,
+) -> rusqlite::Result<Option<AppliedMessage>> {
+    connection
+        .prepare_cached(
+            "SELECT payload, sequence, applied_at FROM ordered_inbox WHERE message_id = ?1",
+        )?
+        .query_row([message_id], |row| {
+            Ok(AppliedMessage {
+                payload: row.get(0)?,
+                sequence: row.get(1)?,
+                applied_at: row.get(2)?,
+            })
+        })
+        .optional()
+}
+
+fn known_dead_letter(
+    connection: &Connection,
+    message_id: &str,
+) -> rusqlite::Result<Option<KnownDeadLetter>> {
+    connection
+        .prepare_cached(
+            "SELECT payload, reason, status, observations FROM deadletters WHERE message_id = ?1",
+        )?
+        .query_row([message_id], |row| {
+            Ok(KnownDeadLetter {
+                payload: row.get(0)?,
+                reason: parsed(row, 1)?,
+                status: parsed(row, 2)?,
+                observations: row.get(3)?,
+            })
+        })
+        .optional()
+}
+
+/// Writes the decided changes in order. Returns the id of the resolution row, if one was written.
+fn write_changes(connection: &Connection, changes: &[Change]) -> rusqlite::Result<Option<i64>> {
+    let mut resolution_id = None;
+    for change in changes {
+        match change {
+            Change::PutAggregate { aggregate_id, row } => {
+                put_aggregate(connection, aggregate_id, row)?;
+            }
+            Change::InsertApplied {
+                message,
+                payload,
+                applied_at,
+            } => {
+                connection
+                    .prepare_cached(
+                        "INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence,
+                                                   amount, applied_at)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    )?
+                    .execute(params![
+                        message.message_id,
+                        payload,
+                        message.aggregate_id,
+                        message.sequence,
+                        message.amount,
+                        applied_at
+                    ])?;
+            }
+            Change::InsertDeadLetter {
+                message,
+                payload,
+                reason,
+                at,
+            } => {
+                connection
+                    .prepare_cached(
+                        "INSERT INTO deadletters(id, message_id, reason, aggregate_id, sequence,
+                                                 payload, first_seen, last_seen, observations,
+                                                 status)
+                         VALUES ((SELECT IFNULL(MAX(id), 0) + 1 FROM deadletters),
+                                 ?1, ?2, ?3, ?4, ?5, ?6, ?6, 1, 'open')",
+                    )?
+                    .execute(params![
+                        message.message_id,
+                        reason.as_str(),
+                        message.aggregate_id,
+                        message.sequence,
+                        payload,
+                        at
+                    ])?;
+            }
+            Change::ObserveDeadLetter {
+                message_id,
+                observations,
+                at,
+            } => {
+                connection
+                    .prepare_cached(
+                        "UPDATE deadletters SET observations = ?2, last_seen = ?3
+                          WHERE message_id = ?1",
+                    )?
+                    .execute(params![message_id, observations, at])?;
+            }
+            Change::SupersedeDeadLetters {
+                message_ids,
+                by,
+                at,
+            } => {
+                let mut statement = connection.prepare_cached(
+                    "UPDATE deadletters SET status = 'superseded', superseded_by = ?2,
+                                            closed_at = ?3
+                      WHERE message_id = ?1 AND status = 'open'",
+                )?;
+                for message_id in message_ids {
+                    statement.execute(params![message_id, by, at])?;
+                }
+            }
+            Change::ResolveDeadLetter { message_id, at } => {
+                connection
+                    .prepare_cached(
+                        "UPDATE deadletters SET status = 'resolved', closed_at = ?2
+                          WHERE message_id = ?1",
+                    )?
+                    .execute(params![message_id, at])?;
+            }
+            Change::Append(entry) => append(connection, entry)?,
+            Change::RecordResolution(record) => {
+                let id = record_resolution(connection, record)?;
+                append(connection, &resolved_event(record, id))?;
+                resolution_id = Some(id);
+            }
+        }
+    }
+    Ok(resolution_id)
+}
+
+fn put_aggregate(
+    connection: &Connection,
+    aggregate_id: &str,
+    row: &AggregateRow,
+) -> rusqlite::Result<()> {
+    connection
+        .prepare_cached(
+            "INSERT INTO aggregate_state(aggregate_id, last_sequence, total, status, status_since)
+             VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT(aggregate_id) DO UPDATE SET
+                 last_sequence = excluded.last_sequence,
+                 total = excluded.total,
+                 status = excluded.status,
+                 status_since = excluded.status_since",
+        )?
+        .execute(params![
+            aggregate_id,
+            row.last,
+            row.total,
+            row.status.as_str(),
+            row.since
+        ])?;
+    Ok(())
+}
+
+fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusqlite::Result<i64> {
+    let (replacement_id, replacement_amount) = match &record.replacement {
+        Some(replacement) => (
+            Some(replacement.message_id.as_str()),
+            Some(replacement.amount),
+        ),
+        None => (None, None),
+    };
+    let id: i64 = connection
+        .prepare_cached(
+            "INSERT INTO resolutions(message_id, aggregate_id, sequence, action, operator, reason,
+                                     expected_last, replacement_message_id, replacement_amount,
+                                     before_last, before_total, after_last, after_total,
+                                     resolved_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
+             RETURNING id",
+        )?
+        .query_row(
+            params![
+                record.message_id,
+                record.aggregate_id,
+                record.sequence,
+                record.action.as_str(),
+                record.operator,
+                record.reason,
+                record.expected_last,
+                replacement_id,
+                replacement_amount,
+                record.before.last,
+                record.before.total,
+                record.after.last,
+                record.after.total,
+                record.resolved_at,
+            ],
+            |row| row.get(0),
+        )?;
+    connection
+        .prepare_cached("UPDATE deadletters SET resolution_id = ?2 WHERE message_id = ?1")?
+        .execute(params![record.message_id, id])?;
+    Ok(id)
+}
+
+/// Appends a timeline entry. An observation is numbered per aggregate and the ones that fell out
+/// of the newest [`OBSERVATIONS_KEPT`] are dropped; both statements seek the partial index on
+/// `(aggregate_id, observation_no)`, so the cost does not grow with the history.
+fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()> {
+    let detail = entry.detail.to_json();
+    if !entry.kind.is_observation() {
+        connection
+            .prepare_cached(
+                "INSERT INTO aggregate_timeline(aggregate_id, at, kind, sequence, message_id, detail)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )?
+            .execute(params![
+                entry.aggregate_id,
+                entry.at,
+                entry.kind.as_str(),
+                entry.sequence,
+                entry.message_id,
+                detail,
+            ])?;
+        return Ok(());
+    }
+    let number: i64 = connection.prepare_cached(OBSERVATION_INSERT)?.query_row(
+        params![
+            entry.aggregate_id,
+            entry.at,
+            entry.kind.as_str(),
+            entry.sequence,
+            entry.message_id,
+            detail,
+        ],
+        |row| row.get(0),
+    )?;
+    if number > OBSERVATIONS_KEPT {
+        connection
+            .prepare_cached(OBSERVATION_PRUNE)?
+            .execute(params![entry.aggregate_id, number - OBSERVATIONS_KEPT])?;
+    }
+    Ok(())
+}
+
+pub(super) const OBSERVATION_INSERT: &str = "
+INSERT INTO aggregate_timeline(aggregate_id, at, kind, sequence, message_id, detail, observation_no)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6,
+        COALESCE((SELECT observation_no FROM aggregate_timeline
+                   WHERE aggregate_id = ?1 AND observation_no IS NOT NULL
+                   ORDER BY observation_no DESC LIMIT 1), 0) + 1)
+RETURNING observation_no";
+
+pub(super) const OBSERVATION_PRUNE: &str = "
+DELETE FROM aggregate_timeline
+ WHERE aggregate_id = ?1 AND observation_no IS NOT NULL AND observation_no <= ?2";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use rusqlite::types::ValueRef;
+
+    use crate::model::{DeadLetterStatus, QuarantineReason};
+    use crate::resolution::Action;
+    use crate::sqlite::schema::migrated_in_memory as migrated;
+    use crate::timeline::{TimelineDetail, TimelineKind};
+
+    fn message(id: &str, aggregate: &str, sequence: i64, amount: i64) -> OrderedMessage {
+        OrderedMessage {
+            message_id: id.into(),
+            aggregate_id: aggregate.into(),
+            sequence,
+            amount,
+        }
+    }
+
+    fn deliver(connection: &Connection, message: &OrderedMessage, at: &str) -> Outcome {
+        deliver_in(connection, message, Door::General, &Limits::default(), at).unwrap()
+    }
+
+    fn rows(connection: &Connection, sql: &str) -> Vec<String> {
+        let mut statement = connection.prepare(sql).unwrap();
+        let columns = statement.column_count();
+        let mut query = statement.query([]).unwrap();
+        let mut rows = Vec::new();
+        while let Some(row) = query.next().unwrap() {
+            let values: Vec<String> = (0..columns)
+                .map(|i| match row.get_ref(i).unwrap() {
+                    ValueRef::Null => "NULL".to_owned(),
+                    ValueRef::Integer(n) => n.to_string(),
+                    ValueRef::Real(x) => x.to_string(),
+                    ValueRef::Text(t) | ValueRef::Blob(t) => String::from_utf8_lossy(t).into(),
+                })
+                .collect();
+            rows.push(values.join("|"));
+        }
+        rows
+    }
+
+    fn snapshot(connection: &Connection) -> Vec<String> {
+        [
+            "aggregate_state",
+            "deadletters",
+            "ordered_inbox",
+            "aggregate_timeline",
+            "resolutions",
+        ]
+        .iter()
+        .flat_map(|table| rows(connection, &format!("SELECT * FROM {table}")))
+        .collect()
+    }
+
+    #[test]
+    fn a_new_id_at_the_quarantined_sequence_supersedes_the_dead_letter_in_the_rows() {
+        let connection = migrated();
+        deliver(&connection, &message("p", "a", 1, -1), "t1");
+        let outcome = deliver(&connection, &message("fix", "a", 1, 2), "t2");
+        assert_eq!(
+            outcome,
+            Outcome::Applied {
+                sequence: 1,
+                total: 2,
+                superseded: vec!["p".into()]
+            }
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT status, superseded_by, closed_at FROM deadletters WHERE message_id = 'p'"
+            ),
+            ["superseded|fix|t2"]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT last_sequence, total, status, status_since FROM aggregate_state"
+            ),
+            ["1|2|flowing|t2"]
+        );
+    }
+
+    #[test]
+    fn a_resolution_writes_the_audit_row_and_a_dry_run_writes_nothing() {
+        let connection = migrated();
+        connection
+            .execute(
+                "INSERT INTO operators(name, token_hash, created_at) VALUES ('alice', 'h', 't')",
+                [],
+            )
+            .unwrap();
+        deliver(&connection, &message("m-1", "a", 1, 5), "t0");
+        deliver(&connection, &message("poison-2", "a", 2, -1), "t0");
+        let skip = ResolutionRequest {
+            dead_letter_id: "poison-2".into(),
+            operator: "alice".into(),
+            action: Action::Skip,
+            expected_last: 1,
+            reason: "duplicate order".into(),
+        };
+        let before = snapshot(&connection);
+        let limits = Limits::default();
+        let rehearsal = resolve_in(&connection, &skip, Mode::DryRun, &limits, "t1").unwrap();
+        assert_eq!(snapshot(&connection), before);
+        let Resolved::New(record) =
+            resolve_in(&connection, &skip, Mode::Commit, &limits, "t1").unwrap()
+        else {
+            panic!("expected a resolution");
+        };
+        assert_eq!(record.resolution_id, Some(1));
+        assert_eq!(
+            rehearsal,
+            Resolved::DryRun(ResolutionRecord {
+                resolution_id: None,
+                ..record.clone()
+            })
+        );
+        assert_eq!(
+            views::resolution_of(&connection, "poison-2").unwrap(),
+            Some(record)
+        );
+        let event = rows(
+            &connection,
+            "SELECT kind, detail FROM aggregate_timeline WHERE kind = 'resolved'",
+        );
+        assert_eq!(
+            event,
+            [format!(
+                "resolved|{}",
+                TimelineDetail::Resolved {
+                    resolution_id: 1,
+                    action: crate::ActionKind::Skip,
+                    operator: "alice".into(),
+                    reason: "duplicate order".into(),
+                    replacement_message_id: None
+                }
+                .to_json()
+            )]
+        );
+        let refused = resolve_in(
+            &connection,
+            &ResolutionRequest {
+                reason: "again".into(),
+                ..skip
+            },
+            Mode::Commit,
+            &limits,
+            "t2",
+        )
+        .unwrap_err();
+        let ResolutionError::Conflict { current, .. } = refused else {
+            panic!("expected a conflict, got {refused:?}");
+        };
+        assert_eq!(current.aggregate.map(|a| a.last), Some(2));
+        assert_eq!(
+            current.dead_letter.map(|d| d.status),
+            Some(DeadLetterStatus::Resolved)
+        );
+    }
+
+    #[test]
+    fn observations_keep_only_the_newest_hundred_per_aggregate() {
+        let connection = migrated();
+        for sequence in 0..250 {
+            let entry = TimelineEntry {
+                aggregate_id: "a".into(),
+                at: "t".into(),
+                kind: TimelineKind::Gap,
+                sequence: Some(sequence),
+                message_id: Some("m".into()),
+                detail: TimelineDetail::Expected { expected: 1 },
+            };
+            append(&connection, &entry).unwrap();
+        }
+        let state_event = TimelineEntry {
+            aggregate_id: "b".into(),
+            at: "t".into(),
+            kind: TimelineKind::Quarantined,
+            sequence: None,
+            message_id: None,
+            detail: TimelineDetail::Quarantined {
+                reason: QuarantineReason::NegativeAmount,
+                amount: -1,
+            },
+        };
+        append(&connection, &state_event).unwrap();
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT COUNT(*), MIN(sequence) FROM aggregate_timeline WHERE aggregate_id = 'a'"
+            ),
+            ["100|150"]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'b'"
+            ),
+            ["1"]
+        );
+    }
+
+    #[test]
+    fn recording_an_observation_never_scans_the_timeline() {
+        let connection = migrated();
+        for sql in [
+            OBSERVATION_PRUNE,
+            "SELECT observation_no FROM aggregate_timeline
+              WHERE aggregate_id = ?1 AND observation_no IS NOT NULL
+              ORDER BY observation_no DESC LIMIT ?2",
+        ] {
+            let mut plan = connection
+                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .unwrap();
+            let details: Vec<String> = plan
+                .query_map(params!["a", 1], |row| row.get(3))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            assert!(
+                details.iter().all(|d| !d.starts_with("SCAN")),
+                "{details:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! The SQLite backend: [`SqliteInbox`] implements [`crate::Inbox`] on a [`Store`], the
+//! single-writer SQLite store with group commit that the owner of the file may share for tables
+//! of its own.
+//!
+//! - [`store`]: the writer thread, savepoints, read connections;
+//! - [`schema`]: the inbox's tables and migrations;
+//! - [`engine`]: facts read, core decision, changes written, in one unit of work;
+//! - [`views`]: the evidence queries;
+//! - [`operators`]: the operator commands on a file.
+
+pub mod engine;
+pub mod operators;
+pub mod schema;
+pub mod store;
+pub mod views;
+
+use std::path::Path;
+
+use async_trait::async_trait;
+
+pub use store::{
+    BUSY_TIMEOUT, MAX_BATCH, Store, StoreError, StoreStats, Synchronous, is_busy, is_constraint,
+};
+
+use crate::clock;
+use crate::delivery::Outcome;
+use crate::inbox::{Inbox, InboxError};
+use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
+use crate::operators::OperatorCheck;
+use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
+use crate::views::{
+    AggregateCounts, AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, Page,
+    PageRequest, ResolutionRecord, TimelineEvent,
+};
+
+impl From<StoreError> for ResolutionError {
+    fn from(error: StoreError) -> Self {
+        ResolutionError::Store(error.into())
+    }
+}
+
+/// The ordered inbox in a SQLite file. Cheap to clone.
+#[derive(Clone)]
+pub struct SqliteInbox {
+    store: Store,
+    limits: Limits,
+}
+
+impl SqliteInbox {
+    /// The inbox on a store whose file was migrated with [`schema::migrate`].
+    pub fn new(store: Store, limits: Limits) -> SqliteInbox {
+        SqliteInbox { store, limits }
+    }
+
+    /// Opens (creating if needed) a file that holds only the inbox.
+    pub fn open(
+        path: &Path,
+        synchronous: Synchronous,
+        limits: Limits,
+    ) -> Result<SqliteInbox, StoreError> {
+        let store = Store::open(path, synchronous, schema::migrate)?;
+        Ok(SqliteInbox::new(store, limits))
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Stops the writer after the work already queued.
+    pub async fn shutdown(&self) {
+        self.store.shutdown().await;
+    }
+
+    async fn read<T, F>(&self, work: F) -> Result<T, InboxError>
+    where
+        F: FnOnce(&rusqlite::Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.store
+            .read(move |connection| work(connection).map_err(StoreError::from))
+            .await
+            .map_err(InboxError::from)
+    }
+}
+
+#[async_trait]
+impl Inbox for SqliteInbox {
+    async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError> {
+        let limits = self.limits;
+        self.store
+            .write(move |connection| {
+                engine::deliver_in(connection, &message, door, &limits, &clock::now())
+            })
+            .await
+            .map_err(InboxError::from)
+    }
+
+    async fn resolve(
+        &self,
+        request: ResolutionRequest,
+        mode: Mode,
+    ) -> Result<Resolved, ResolutionError> {
+        let limits = self.limits;
+        self.store
+            .write(move |connection| {
+                engine::resolve_in(connection, &request, mode, &limits, &clock::now())
+            })
+            .await
+    }
+
+    async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError> {
+        self.read(move |connection| operators::check(connection, token.as_deref()))
+            .await
+    }
+
+    async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError> {
+        self.read(move |connection| views::aggregate_view(connection, &aggregate_id))
+            .await
+    }
+
+    async fn inventory(
+        &self,
+        status: AggregateStatus,
+        limit: i64,
+    ) -> Result<Vec<InventoryEntry>, InboxError> {
+        self.read(move |connection| views::inventory(connection, status, &clock::now(), limit))
+            .await
+    }
+
+    async fn dead_letters(
+        &self,
+        filter: DeadLetterFilter,
+        page: PageRequest,
+    ) -> Result<Page<DeadLetterView>, InboxError> {
+        self.read(move |connection| views::dead_letters(connection, &filter, page))
+            .await
+    }
+
+    async fn timeline(
+        &self,
+        aggregate_id: String,
+        page: PageRequest,
+    ) -> Result<Page<TimelineEvent>, InboxError> {
+        self.read(move |connection| views::timeline(connection, &aggregate_id, page))
+            .await
+    }
+
+    async fn resolutions(
+        &self,
+        aggregate_id: Option<String>,
+        page: PageRequest,
+    ) -> Result<Page<ResolutionRecord>, InboxError> {
+        self.read(move |connection| views::resolutions(connection, aggregate_id.as_deref(), page))
+            .await
+    }
+
+    async fn counts(&self, aggregate_id: String) -> Result<AggregateCounts, InboxError> {
+        self.read(move |connection| views::counts(connection, &aggregate_id))
+            .await
+    }
+}

@@ -1,0 +1,229 @@
+//! The inbox's tables in SQLite and their migrations, tracked in the inbox's own table
+//! `ordered_inbox_schema`, so that the file's owner keeps `PRAGMA user_version` for its tables.
+//!
+//! Version 1 is the seed's three tables, exactly as the original lab created them; later versions
+//! only add. A file written before the version table existed is recognised by its columns: the
+//! original lab's (version 0 or 1 there) has no `ordered_inbox.aggregate_id`, the first release of
+//! the general inbox (its `user_version` 2) has it.
+
+use rusqlite::{Connection, OptionalExtension};
+
+/// The seed's inbox tables (version 1).
+const SEED_TABLES: &str = "
+CREATE TABLE IF NOT EXISTS aggregate_state(aggregate_id TEXT PRIMARY KEY,last_sequence INTEGER NOT NULL,total INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS ordered_inbox(message_id TEXT PRIMARY KEY,payload TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS deadletters(message_id TEXT PRIMARY KEY,reason TEXT NOT NULL);
+";
+
+/// The general inbox (version 2): every aggregate, dead letters with identity and lifecycle, the
+/// per-aggregate timeline, operators and their audited resolutions.
+///
+/// Rows written by the seed are backfilled: applied messages get their aggregate, sequence and
+/// amount from the canonical payload; dead letters get the seed's only aggregate, `demo` (their
+/// sequence and payload were never stored, so they stay unknown).
+const GENERAL_INBOX: &str = "
+ALTER TABLE ordered_inbox ADD COLUMN aggregate_id TEXT;
+ALTER TABLE ordered_inbox ADD COLUMN sequence INTEGER;
+ALTER TABLE ordered_inbox ADD COLUMN amount INTEGER;
+ALTER TABLE ordered_inbox ADD COLUMN applied_at TEXT;
+UPDATE ordered_inbox
+   SET aggregate_id = json_extract(payload, '$.AggregateId'),
+       sequence = json_extract(payload, '$.Sequence'),
+       amount = json_extract(payload, '$.Amount')
+ WHERE json_valid(payload);
+CREATE UNIQUE INDEX ix_ordered_inbox_aggregate_sequence ON ordered_inbox(aggregate_id, sequence);
+
+ALTER TABLE aggregate_state ADD COLUMN status TEXT NOT NULL DEFAULT 'flowing';
+ALTER TABLE aggregate_state ADD COLUMN status_since TEXT;
+UPDATE aggregate_state SET status_since = strftime('%Y-%m-%dT%H:%M:%fZ', 'now');
+CREATE INDEX ix_aggregate_state_status ON aggregate_state(status, status_since);
+
+ALTER TABLE deadletters ADD COLUMN aggregate_id TEXT;
+ALTER TABLE deadletters ADD COLUMN sequence INTEGER;
+ALTER TABLE deadletters ADD COLUMN payload TEXT;
+ALTER TABLE deadletters ADD COLUMN first_seen TEXT;
+ALTER TABLE deadletters ADD COLUMN last_seen TEXT;
+ALTER TABLE deadletters ADD COLUMN observations INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE deadletters ADD COLUMN status TEXT NOT NULL DEFAULT 'open';
+ALTER TABLE deadletters ADD COLUMN superseded_by TEXT;
+ALTER TABLE deadletters ADD COLUMN closed_at TEXT;
+ALTER TABLE deadletters ADD COLUMN resolution_id INTEGER;
+UPDATE deadletters SET aggregate_id = 'demo' WHERE aggregate_id IS NULL;
+CREATE INDEX ix_deadletters_open ON deadletters(aggregate_id, sequence) WHERE status = 'open';
+CREATE INDEX ix_deadletters_status ON deadletters(status, first_seen);
+CREATE INDEX ix_deadletters_first_seen ON deadletters(first_seen);
+CREATE INDEX ix_deadletters_aggregate ON deadletters(aggregate_id, status, first_seen);
+
+CREATE TABLE aggregate_timeline(
+    id INTEGER PRIMARY KEY,
+    aggregate_id TEXT NOT NULL,
+    at TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    sequence INTEGER,
+    message_id TEXT,
+    detail TEXT,
+    observation_no INTEGER
+);
+CREATE INDEX ix_timeline_aggregate ON aggregate_timeline(aggregate_id, id);
+CREATE UNIQUE INDEX ix_timeline_observations ON aggregate_timeline(aggregate_id, observation_no)
+    WHERE observation_no IS NOT NULL;
+
+CREATE TABLE operators(
+    name TEXT PRIMARY KEY,
+    token_hash TEXT NOT NULL UNIQUE,
+    created_at TEXT NOT NULL,
+    revoked_at TEXT
+);
+
+CREATE TABLE resolutions(
+    id INTEGER PRIMARY KEY,
+    message_id TEXT NOT NULL UNIQUE REFERENCES deadletters(message_id),
+    aggregate_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    action TEXT NOT NULL CHECK(action IN ('replace', 'skip')),
+    operator TEXT NOT NULL REFERENCES operators(name),
+    reason TEXT NOT NULL,
+    expected_last INTEGER NOT NULL,
+    replacement_message_id TEXT,
+    replacement_amount INTEGER,
+    before_last INTEGER NOT NULL,
+    before_total INTEGER NOT NULL,
+    after_last INTEGER NOT NULL,
+    after_total INTEGER NOT NULL,
+    resolved_at TEXT NOT NULL
+);
+CREATE INDEX ix_resolutions_aggregate ON resolutions(aggregate_id, id);
+";
+
+/// A stable number per dead letter (version 3), the cursor of `/deadletters` pages: the order
+/// they were first recorded in. Existing rows are numbered in their first-seen order.
+const DEAD_LETTER_NUMBERS: &str = "
+ALTER TABLE deadletters ADD COLUMN id INTEGER;
+UPDATE deadletters SET id = numbered.n
+  FROM (SELECT message_id, ROW_NUMBER() OVER (ORDER BY first_seen, message_id) AS n
+          FROM deadletters) AS numbered
+ WHERE numbered.message_id = deadletters.message_id;
+CREATE UNIQUE INDEX ix_deadletters_id ON deadletters(id);
+CREATE INDEX ix_deadletters_status_id ON deadletters(status, id);
+CREATE INDEX ix_deadletters_aggregate_id ON deadletters(aggregate_id, status, id);
+CREATE INDEX ix_deadletters_aggregate_all_id ON deadletters(aggregate_id, id);
+";
+
+/// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
+/// Append only: a released migration never changes.
+pub const MIGRATIONS: &[&str] = &[SEED_TABLES, GENERAL_INBOX, DEAD_LETTER_NUMBERS];
+
+/// The inbox schema version this build writes.
+pub fn current_version() -> i64 {
+    MIGRATIONS.len() as i64
+}
+
+/// Brings the inbox's tables up to [`current_version`], each step in its own transaction. A file
+/// from a newer build is refused rather than guessed at.
+pub fn migrate(connection: &mut Connection) -> rusqlite::Result<()> {
+    let found = found_version(connection)?;
+    if found > current_version() {
+        return Err(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_MISMATCH),
+            Some(format!(
+                "the ordered inbox has schema version {found}, newer than this build's {}",
+                current_version()
+            )),
+        ));
+    }
+    for (index, script) in MIGRATIONS.iter().enumerate().skip(found.max(0) as usize) {
+        let transaction = connection.transaction()?;
+        transaction.execute_batch(script)?;
+        transaction.execute_batch(
+            "CREATE TABLE IF NOT EXISTS ordered_inbox_schema(version INTEGER NOT NULL);
+             DELETE FROM ordered_inbox_schema;",
+        )?;
+        transaction.execute(
+            "INSERT INTO ordered_inbox_schema(version) VALUES (?1)",
+            [index as i64 + 1],
+        )?;
+        transaction.commit()?;
+    }
+    Ok(())
+}
+
+/// The version recorded, or the one a file from before the version table is at.
+pub fn found_version(connection: &Connection) -> rusqlite::Result<i64> {
+    if table_exists(connection, "ordered_inbox_schema")? {
+        return connection.query_row("SELECT MAX(version) FROM ordered_inbox_schema", [], |row| {
+            Ok(row.get::<_, Option<i64>>(0)?.unwrap_or(0))
+        });
+    }
+    if !table_exists(connection, "ordered_inbox")? {
+        return Ok(0);
+    }
+    let general: bool = connection.query_row(
+        "SELECT EXISTS(SELECT 1 FROM pragma_table_info('ordered_inbox') WHERE name = 'aggregate_id')",
+        [],
+        |row| row.get(0),
+    )?;
+    Ok(if general { 2 } else { 1 })
+}
+
+fn table_exists(connection: &Connection, name: &str) -> rusqlite::Result<bool> {
+    Ok(connection
+        .query_row(
+            "SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = ?1",
+            [name],
+            |_| Ok(()),
+        )
+        .optional()?
+        .is_some())
+}
+
+/// A private in-memory database at the current schema, for unit tests of the SQL code.
+#[cfg(test)]
+pub(crate) fn migrated_in_memory() -> Connection {
+    let mut connection = Connection::open_in_memory().expect("open an in-memory database");
+    connection
+        .pragma_update(None, "foreign_keys", true)
+        .expect("foreign keys");
+    migrate(&mut connection).expect("migrate an in-memory database");
+    connection
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seed_file_is_recognised_and_upgraded_once() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        connection.execute_batch(SEED_TABLES).unwrap();
+        connection
+            .execute_batch(
+                "INSERT INTO deadletters VALUES('poison-2','negative amount');
+                 INSERT INTO deadletters VALUES('poison-1','negative amount');",
+            )
+            .unwrap();
+        assert_eq!(found_version(&connection).unwrap(), 1);
+        migrate(&mut connection).unwrap();
+        assert_eq!(found_version(&connection).unwrap(), current_version());
+        migrate(&mut connection).unwrap();
+        let numbered: Vec<(String, i64)> = connection
+            .prepare("SELECT message_id, id FROM deadletters ORDER BY id")
+            .unwrap()
+            .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(
+            numbered,
+            [("poison-1".to_owned(), 1), ("poison-2".to_owned(), 2)]
+        );
+    }
+
+    #[test]
+    fn a_newer_file_is_refused() {
+        let mut connection = migrated_in_memory();
+        connection
+            .execute("UPDATE ordered_inbox_schema SET version = 99", [])
+            .unwrap();
+        assert!(migrate(&mut connection).is_err());
+    }
+}

@@ -1,0 +1,553 @@
+//! The SQLite store: one writer thread that owns the only write connection and commits every
+//! request waiting at that moment in one transaction (group commit), plus a small pool of
+//! read-only connections.
+//!
+//! Why one writer: SQLite admits one writer at a time anyway. Letting every request open its own
+//! write transaction turns contention into `SQLITE_BUSY` errors and 5xx answers; a single owner of
+//! the write connection turns it into a queue instead. Each request's work runs inside its own
+//! SAVEPOINT, so one request's failure rolls back only its own changes, and every request is
+//! answered only after the shared COMMIT has returned, so an answer never reports work that a
+//! crash could still lose.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rusqlite::{Connection, ErrorCode, OpenFlags};
+use tokio::sync::oneshot;
+
+/// SQLite's busy timeout on every connection, as the seed's `DefaultTimeout = 1`.
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(1);
+/// The most requests one commit may carry; bounds the latency a batch adds to its last member.
+pub const MAX_BATCH: usize = 256;
+/// How many times the writer retries `BEGIN IMMEDIATE` (each waiting up to the busy timeout)
+/// while a side connection of the SQL labs holds the write lock.
+const BEGIN_ATTEMPTS: u32 = 10;
+/// Prepared statements the writer keeps (all labs together use a few dozen).
+const WRITER_STATEMENT_CACHE: usize = 128;
+/// Idle read connections kept for reuse.
+const READ_POOL_SIZE: usize = 8;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("sqlite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// The writer could not take or commit a transaction, or has stopped.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// A unit of work panicked; its savepoint was rolled back.
+    #[error("a store operation panicked")]
+    Panicked,
+}
+
+impl StoreError {
+    /// True for conditions a retry can clear: lock contention past the busy timeout, a stopped
+    /// writer.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StoreError::Sqlite(error) => is_busy(error),
+            StoreError::Unavailable(_) => true,
+            StoreError::Panicked => false,
+        }
+    }
+}
+
+impl From<StoreError> for crate::InboxError {
+    fn from(error: StoreError) -> Self {
+        if error.is_retryable() {
+            crate::InboxError::Unavailable(error.to_string())
+        } else {
+            crate::InboxError::Failed(error.to_string())
+        }
+    }
+}
+
+/// SQLite's `synchronous` setting for the write connection. FULL is the durable default: a
+/// committed transaction survives a power cut; NORMAL in WAL mode may lose the last ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Synchronous {
+    Normal,
+    Full,
+}
+
+impl Synchronous {
+    pub fn pragma_value(self) -> &'static str {
+        match self {
+            Synchronous::Normal => "NORMAL",
+            Synchronous::Full => "FULL",
+        }
+    }
+}
+
+/// True for SQLITE_BUSY and SQLITE_LOCKED (and their extended codes).
+pub fn is_busy(error: &rusqlite::Error) -> bool {
+    matches!(
+        error.sqlite_error_code(),
+        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
+    )
+}
+
+/// True for a constraint violation (SQLITE_CONSTRAINT, the seed's error code 19).
+pub fn is_constraint(error: &rusqlite::Error) -> bool {
+    error.sqlite_error_code() == Some(ErrorCode::ConstraintViolation)
+}
+
+/// A cheap handle to the store; clones share the writer and the read pool.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    path: PathBuf,
+    writer: mpsc::Sender<WriterMessage>,
+    writer_thread: Mutex<Option<JoinHandle<()>>>,
+    readers: Mutex<Vec<Connection>>,
+    stats: Arc<WriterStats>,
+}
+
+/// Counters of the writer's work, for benchmarks and tests.
+#[derive(Debug, Default)]
+struct WriterStats {
+    commits: AtomicU64,
+    units: AtomicU64,
+}
+
+/// How many group transactions were committed and how many units of work they carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreStats {
+    pub commits: u64,
+    pub units: u64,
+}
+
+enum WriterMessage {
+    Work(Box<dyn WriteJob>),
+    Stop,
+}
+
+/// A deferred answer: called once with the outcome of the shared COMMIT.
+type Reply = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+trait WriteJob: Send {
+    /// Runs the work inside its savepoint; returns whether to keep its changes, and the reply to
+    /// send once the batch's fate is known.
+    fn run(self: Box<Self>, connection: &Connection) -> (bool, Reply);
+    /// Answers without running (the transaction could not be started).
+    fn abandon(self: Box<Self>, error: StoreError);
+}
+
+struct TypedJob<F, T, E> {
+    work: F,
+    reply: oneshot::Sender<Result<T, E>>,
+}
+
+impl<F, T, E> WriteJob for TypedJob<F, T, E>
+where
+    F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
+    T: Send + 'static,
+    E: From<StoreError> + Send + 'static,
+{
+    fn run(self: Box<Self>, connection: &Connection) -> (bool, Reply) {
+        let TypedJob { work, reply } = *self;
+        let result = catch_unwind(AssertUnwindSafe(|| work(connection)))
+            .unwrap_or_else(|_| Err(E::from(StoreError::Panicked)));
+        let keep = result.is_ok();
+        let deliver: Reply = Box::new(move |commit| {
+            let answer = match commit {
+                Ok(()) => result,
+                Err(error) => Err(E::from(error)),
+            };
+            // The caller may have gone away (client disconnect); the work's fate is already
+            // decided by the commit, so there is nobody left to tell.
+            let _ = reply.send(answer);
+        });
+        (keep, deliver)
+    }
+
+    fn abandon(self: Box<Self>, error: StoreError) {
+        let _ = self.reply.send(Err(E::from(error)));
+    }
+}
+
+impl Store {
+    /// Opens (creating if needed) the database file, runs `migrate` on the write connection and
+    /// starts the writer thread. The owner of the file passes every migration it needs: its own
+    /// tables' and the inbox's ([`super::schema::migrate`]).
+    pub fn open(
+        path: &Path,
+        synchronous: Synchronous,
+        migrate: impl FnOnce(&mut Connection) -> rusqlite::Result<()>,
+    ) -> Result<Store, StoreError> {
+        let mut connection = Connection::open(path)?;
+        connection.busy_timeout(BUSY_TIMEOUT)?;
+        // journal_mode cannot change inside a transaction, so it comes before the migrations.
+        let mode: String = connection.query_row("PRAGMA journal_mode=WAL", [], |row| row.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(StoreError::Unavailable(format!(
+                "could not switch the journal to WAL (got {mode})"
+            )));
+        }
+        connection.execute_batch(&format!(
+            "PRAGMA synchronous={}; PRAGMA foreign_keys=ON;",
+            synchronous.pragma_value()
+        ))?;
+        migrate(&mut connection)?;
+        // Every lab's writes share this one connection's statement cache; rusqlite's default of
+        // 16 would make the labs evict each other's prepared statements under mixed load.
+        connection.set_prepared_statement_cache_capacity(WRITER_STATEMENT_CACHE);
+
+        let (sender, receiver) = mpsc::channel();
+        let stats = Arc::new(WriterStats::default());
+        let writer_stats = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("store-writer".to_owned())
+            .spawn(move || writer_loop(connection, receiver, &writer_stats))
+            .map_err(|e| StoreError::Unavailable(format!("cannot start the writer thread: {e}")))?;
+        Ok(Store {
+            inner: Arc::new(Inner {
+                path: path.to_owned(),
+                writer: sender,
+                writer_thread: Mutex::new(Some(thread)),
+                readers: Mutex::new(Vec::new()),
+                stats,
+            }),
+        })
+    }
+
+    /// Commits so far and the units of work they carried (units / commits = mean batch size).
+    pub fn stats(&self) -> StoreStats {
+        StoreStats {
+            commits: self.inner.stats.commits.load(Ordering::Relaxed),
+            units: self.inner.stats.units.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Runs `work` on the writer thread inside its own savepoint of the current group
+    /// transaction. `Ok` keeps its changes, `Err` rolls back only this work. Resolves after the
+    /// group's COMMIT, so `Ok` means durable. Dropping the returned future does not cancel the work:
+    /// it is applied or not as a whole, whether anyone is still waiting or not.
+    pub async fn write<F, T, E>(&self, work: F) -> Result<T, E>
+    where
+        F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let job = Box::new(TypedJob { work, reply });
+        if self.inner.writer.send(WriterMessage::Work(job)).is_err() {
+            return Err(E::from(StoreError::Unavailable(
+                "the writer has stopped".to_owned(),
+            )));
+        }
+        answer.await.unwrap_or_else(|_| {
+            Err(E::from(StoreError::Unavailable(
+                "the writer stopped before answering".to_owned(),
+            )))
+        })
+    }
+
+    /// Runs `work` on a pooled read-only connection on the blocking thread pool.
+    pub async fn read<F, T, E>(&self, work: F) -> Result<T, E>
+    where
+        F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+    {
+        let store = self.clone();
+        let joined = tokio::task::spawn_blocking(move || {
+            let connection = store.take_reader().map_err(E::from)?;
+            let result = work(&connection);
+            store.return_reader(connection);
+            result
+        })
+        .await;
+        joined.unwrap_or_else(|_| Err(E::from(StoreError::Panicked)))
+    }
+
+    fn take_reader(&self) -> Result<Connection, StoreError> {
+        let pooled = self
+            .inner
+            .readers
+            .lock()
+            .ok()
+            .and_then(|mut pool| pool.pop());
+        match pooled {
+            Some(connection) => Ok(connection),
+            None => {
+                let connection = self.open_connection()?;
+                connection.pragma_update(None, "query_only", true)?;
+                Ok(connection)
+            }
+        }
+    }
+
+    fn return_reader(&self, connection: Connection) {
+        // A reader left inside a transaction (work that returned early) would pin an old
+        // snapshot; drop it instead of pooling it.
+        if !connection.is_autocommit() {
+            return;
+        }
+        if let Ok(mut pool) = self.inner.readers.lock()
+            && pool.len() < READ_POOL_SIZE
+        {
+            pool.push(connection);
+        }
+    }
+
+    /// A new connection of its own to the same file (busy timeout 1 s, foreign keys on), for labs
+    /// that demonstrate SQLite's behaviour across two connections. It is not the writer's
+    /// connection: keep its write transactions short.
+    pub fn open_connection(&self) -> Result<Connection, StoreError> {
+        let connection = Connection::open_with_flags(
+            &self.inner.path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE
+                | OpenFlags::SQLITE_OPEN_URI
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        connection.busy_timeout(BUSY_TIMEOUT)?;
+        connection.pragma_update(None, "foreign_keys", true)?;
+        Ok(connection)
+    }
+
+    /// Stops the writer after the work already queued, and waits for its thread to close the
+    /// connection. Later writes answer 503.
+    pub async fn shutdown(&self) {
+        let _ = self.inner.writer.send(WriterMessage::Stop);
+        let thread = self
+            .inner
+            .writer_thread
+            .lock()
+            .ok()
+            .and_then(|mut slot| slot.take());
+        if let Some(thread) = thread {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+    }
+}
+
+fn writer_loop(
+    connection: Connection,
+    receiver: mpsc::Receiver<WriterMessage>,
+    stats: &WriterStats,
+) {
+    let mut stopping = false;
+    while !stopping {
+        let Ok(first) = receiver.recv() else { break };
+        let mut batch = Vec::new();
+        match first {
+            WriterMessage::Work(job) => batch.push(job),
+            WriterMessage::Stop => break,
+        }
+        // Take everything already waiting: these share the commit below.
+        while batch.len() < MAX_BATCH {
+            match receiver.try_recv() {
+                Ok(WriterMessage::Work(job)) => batch.push(job),
+                Ok(WriterMessage::Stop) => {
+                    stopping = true;
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        run_batch(&connection, batch, stats);
+    }
+    // Dropping the connection here closes it (and checkpoints the WAL when it is the last one).
+}
+
+/// Runs one group transaction and answers every unit in it.
+fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &WriterStats) {
+    let units = batch.len() as u64;
+    if let Err(error) = begin_immediate(connection) {
+        let reason = error.to_string();
+        for job in batch {
+            job.abandon(StoreError::Unavailable(format!(
+                "could not begin a write transaction: {reason}"
+            )));
+        }
+        return;
+    }
+    let mut replies = Vec::with_capacity(batch.len());
+    for job in batch {
+        if let Err(error) = connection.execute_batch("SAVEPOINT work") {
+            job.abandon(StoreError::Sqlite(error));
+            continue;
+        }
+        let (keep, reply) = job.run(connection);
+        let closed = if keep {
+            connection.execute_batch("RELEASE work")
+        } else {
+            connection.execute_batch("ROLLBACK TO work; RELEASE work")
+        };
+        match closed {
+            Ok(()) => replies.push(reply),
+            Err(error) => {
+                // The savepoint could not be closed: the transaction's state is unknown, so
+                // nothing in it may be committed.
+                let _ = connection.execute_batch("ROLLBACK");
+                reply(Err(StoreError::Sqlite(error)));
+                for reply in replies {
+                    reply(Err(StoreError::Unavailable(
+                        "the batch was rolled back".to_owned(),
+                    )));
+                }
+                return;
+            }
+        }
+    }
+    match connection.execute_batch("COMMIT") {
+        Ok(()) => {
+            // Counted before anyone is answered, so an answered caller sees its commit counted.
+            stats.commits.fetch_add(1, Ordering::Relaxed);
+            stats.units.fetch_add(units, Ordering::Relaxed);
+            replies.into_iter().for_each(|reply| reply(Ok(())));
+        }
+        Err(error) => {
+            let reason = error.to_string();
+            let _ = connection.execute_batch("ROLLBACK");
+            for reply in replies {
+                reply(Err(StoreError::Unavailable(format!(
+                    "commit failed: {reason}"
+                ))));
+            }
+        }
+    }
+}
+
+fn begin_immediate(connection: &Connection) -> Result<(), rusqlite::Error> {
+    let mut attempt = 1;
+    loop {
+        match connection.execute_batch("BEGIN IMMEDIATE") {
+            Err(error) if is_busy(&error) && attempt < BEGIN_ATTEMPTS => attempt += 1,
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_store() -> (tempfile::TempDir, Store) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db"), Synchronous::Normal, |c| {
+            c.execute_batch(
+                "CREATE TABLE counters(id INTEGER PRIMARY KEY, value INTEGER NOT NULL);
+                 INSERT INTO counters VALUES(1, 10);
+                 CREATE TABLE effects(id INTEGER PRIMARY KEY, total INTEGER NOT NULL);
+                 INSERT INTO effects VALUES(1, 0);",
+            )
+        })
+        .unwrap();
+        (dir, store)
+    }
+
+    /// The seeded `counters` value and `effects` total, which the tests below change.
+    async fn counter_and_effects(store: &Store) -> (i64, i64) {
+        store
+            .read(|c| {
+                c.query_row(
+                    "SELECT (SELECT value FROM counters WHERE id=1), (SELECT total FROM effects WHERE id=1)",
+                    [],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .map_err(StoreError::from)
+            })
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_failed_unit_rolls_back_only_itself() {
+        let (_dir, store) = temp_store();
+        let failing = store.write(|c| {
+            c.execute("UPDATE counters SET value = 99 WHERE id = 1", [])?;
+            Err::<(), StoreError>(StoreError::Unavailable("deliberate".into()))
+        });
+        let succeeding = store.write(|c| {
+            c.execute("UPDATE effects SET total = 7 WHERE id = 1", [])?;
+            Ok::<(), StoreError>(())
+        });
+        let (failed, succeeded) = tokio::join!(failing, succeeding);
+        assert!(failed.is_err());
+        succeeded.unwrap();
+        let (value, total) = counter_and_effects(&store).await;
+        assert_eq!((value, total), (10, 7));
+    }
+
+    #[tokio::test]
+    async fn units_queued_together_share_one_commit_and_fail_independently() {
+        let (_dir, store) = temp_store();
+        let before = store.stats();
+        // The first unit holds the writer, so the next three queue up behind it and are taken
+        // into one group transaction together.
+        let (started, wait_started) = std::sync::mpsc::channel();
+        let holding = store.clone();
+        let holder = tokio::spawn(async move {
+            holding
+                .write(move |_| {
+                    let _ = started.send(());
+                    std::thread::sleep(Duration::from_millis(200));
+                    Ok::<(), StoreError>(())
+                })
+                .await
+        });
+        tokio::task::spawn_blocking(move || wait_started.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let first = store.write(|c| {
+            c.execute("UPDATE counters SET value = value + 1 WHERE id = 1", [])?;
+            Ok::<(), StoreError>(())
+        });
+        let failing = store.write(|c| {
+            c.execute("UPDATE counters SET value = 1000 WHERE id = 1", [])?;
+            c.execute("UPDATE effects SET total = 1000 WHERE id = 1", [])?;
+            Err::<(), StoreError>(StoreError::Unavailable("deliberate".into()))
+        });
+        let last = store.write(|c| {
+            c.execute("UPDATE effects SET total = total + 5 WHERE id = 1", [])?;
+            Ok::<(), StoreError>(())
+        });
+        let (first, failing, last) = tokio::join!(first, failing, last);
+        holder.await.unwrap().unwrap();
+        first.unwrap();
+        assert!(failing.is_err());
+        last.unwrap();
+        let after = store.stats();
+        assert_eq!(after.units - before.units, 4);
+        assert_eq!(
+            after.commits - before.commits,
+            2,
+            "three queued units, one commit"
+        );
+        let (value, total) = counter_and_effects(&store).await;
+        assert_eq!((value, total), (11, 5));
+    }
+
+    #[tokio::test]
+    async fn a_panicking_unit_is_an_error_not_a_dead_writer() {
+        let (_dir, store) = temp_store();
+        let result: Result<(), StoreError> = store.write(|_| panic!("boom")).await;
+        assert!(matches!(result, Err(StoreError::Panicked)));
+        let after: Result<i64, StoreError> = store
+            .write(|c| Ok(c.query_row("SELECT 41 + 1", [], |r| r.get(0))?))
+            .await;
+        assert_eq!(after.unwrap(), 42);
+    }
+
+    #[tokio::test]
+    async fn writes_after_shutdown_are_unavailable() {
+        let (_dir, store) = temp_store();
+        store.shutdown().await;
+        let result: Result<(), StoreError> = store.write(|_| Ok(())).await;
+        assert!(matches!(result, Err(StoreError::Unavailable(_))));
+    }
+}

@@ -1,0 +1,332 @@
+//! The evidence, read back from the SQLite rows. Every query seeks an index; lists are bounded by
+//! the caller's limit and paged by a cursor.
+
+use rusqlite::{Connection, OptionalExtension, Row, params};
+use serde_json::Value;
+
+use super::engine::parsed;
+use crate::model::{AggregateStatus, Position};
+use crate::views::{
+    AggregateCounts, AggregateSummary, AggregateView, DeadLetterFilter, DeadLetterView,
+    InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page, PageRequest, Replacement, ResolutionRecord,
+    ResolutionSummary, TimelineEvent,
+};
+
+pub fn aggregate_summary(
+    connection: &Connection,
+    aggregate_id: &str,
+) -> rusqlite::Result<Option<AggregateSummary>> {
+    connection
+        .prepare_cached(
+            "SELECT aggregate_id, last_sequence, total, status, status_since
+               FROM aggregate_state WHERE aggregate_id = ?1",
+        )?
+        .query_row([aggregate_id], summary_from_row)
+        .optional()
+}
+
+fn summary_from_row(row: &Row<'_>) -> rusqlite::Result<AggregateSummary> {
+    let last: i64 = row.get(1)?;
+    Ok(AggregateSummary {
+        aggregate_id: row.get(0)?,
+        last,
+        total: row.get(2)?,
+        expected: last.saturating_add(1),
+        status: parsed(row, 3)?,
+        since: row.get(4)?,
+    })
+}
+
+pub fn aggregate_view(
+    connection: &Connection,
+    aggregate_id: &str,
+) -> rusqlite::Result<Option<AggregateView>> {
+    let Some(summary) = aggregate_summary(connection, aggregate_id)? else {
+        return Ok(None);
+    };
+    let filter = DeadLetterFilter {
+        status: Some(crate::DeadLetterStatus::Open),
+        aggregate_id: Some(aggregate_id.to_owned()),
+    };
+    let page = PageRequest {
+        after: 0,
+        limit: OPEN_DEAD_LETTERS_SHOWN,
+    };
+    let open = dead_letters(connection, &filter, page)?;
+    let open_dead_letter_count = open_count(connection, aggregate_id)?;
+    Ok(Some(AggregateView {
+        summary,
+        open_dead_letters_truncated: open.next.is_some(),
+        open_dead_letters: open.items,
+        open_dead_letter_count,
+    }))
+}
+
+fn open_count(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<i64> {
+    connection
+        .prepare_cached(
+            "SELECT COUNT(*) FROM deadletters WHERE aggregate_id = ?1 AND status = 'open'",
+        )?
+        .query_row([aggregate_id], |row| row.get(0))
+}
+
+/// Aggregates in `status`, the longest-standing first.
+pub fn inventory(
+    connection: &Connection,
+    status: AggregateStatus,
+    now: &str,
+    limit: i64,
+) -> rusqlite::Result<Vec<InventoryEntry>> {
+    connection
+        .prepare_cached(
+            "SELECT a.aggregate_id, a.last_sequence, a.total, a.status, a.status_since,
+                    CAST(ROUND((julianday(?2) - julianday(a.status_since)) * 86400) AS INTEGER),
+                    (SELECT COUNT(*) FROM deadletters d
+                      WHERE d.aggregate_id = a.aggregate_id AND d.status = 'open')
+               FROM aggregate_state a
+              WHERE a.status = ?1
+              ORDER BY a.status_since, a.aggregate_id
+              LIMIT ?3",
+        )?
+        .query_map(params![status.as_str(), now, limit], |row| {
+            Ok(InventoryEntry {
+                summary: summary_from_row(row)?,
+                age_seconds: row.get::<_, Option<i64>>(5)?.unwrap_or(0).max(0),
+                open_dead_letters: row.get(6)?,
+            })
+        })?
+        .collect()
+}
+
+const DEAD_LETTER_COLUMNS: &str = "
+SELECT d.message_id, d.aggregate_id, d.sequence, d.payload, d.reason, d.first_seen, d.last_seen,
+       d.observations, d.status, d.superseded_by, d.closed_at,
+       r.id, r.action, r.operator, r.reason, r.resolved_at, r.replacement_message_id, d.id
+  FROM deadletters d LEFT JOIN resolutions r ON r.id = d.resolution_id";
+
+fn dead_letter_from_row(row: &Row<'_>) -> rusqlite::Result<DeadLetterView> {
+    let payload: Option<String> = row.get(3)?;
+    let resolution_id: Option<i64> = row.get(11)?;
+    let resolution = match resolution_id {
+        Some(resolution_id) => Some(ResolutionSummary {
+            resolution_id,
+            action: parsed(row, 12)?,
+            operator: row.get(13)?,
+            reason: row.get(14)?,
+            resolved_at: row.get(15)?,
+            replacement_message_id: row.get(16)?,
+        }),
+        None => None,
+    };
+    Ok(DeadLetterView {
+        message_id: row.get(0)?,
+        aggregate_id: row.get(1)?,
+        sequence: row.get(2)?,
+        payload: payload.map(|text| serde_json::from_str(&text).unwrap_or(Value::String(text))),
+        reason: parsed(row, 4)?,
+        first_seen: row.get(5)?,
+        last_seen: row.get(6)?,
+        observations: row.get(7)?,
+        status: parsed(row, 8)?,
+        superseded_by: row.get(9)?,
+        closed_at: row.get(10)?,
+        resolution,
+    })
+}
+
+pub fn dead_letter(
+    connection: &Connection,
+    message_id: &str,
+) -> rusqlite::Result<Option<DeadLetterView>> {
+    connection
+        .prepare_cached(&format!("{DEAD_LETTER_COLUMNS} WHERE d.message_id = ?1"))?
+        .query_row([message_id], dead_letter_from_row)
+        .optional()
+}
+
+/// Dead letters in the order they were first recorded, after cursor `page.after`. Each filter
+/// combination has its own statement so that each can seek its index.
+pub fn dead_letters(
+    connection: &Connection,
+    filter: &DeadLetterFilter,
+    page: PageRequest,
+) -> rusqlite::Result<Page<DeadLetterView>> {
+    let condition = match (filter.status, &filter.aggregate_id) {
+        (Some(_), Some(_)) => "WHERE d.status = ?1 AND d.aggregate_id = ?2",
+        (Some(_), None) => "WHERE d.status = ?1 AND ?2 IS NULL",
+        (None, Some(_)) => "WHERE ?1 IS NULL AND d.aggregate_id = ?2",
+        (None, None) => "WHERE ?1 IS NULL AND ?2 IS NULL",
+    };
+    let rows = connection
+        .prepare_cached(&format!(
+            "{DEAD_LETTER_COLUMNS} {condition} AND d.id > ?3 ORDER BY d.id LIMIT ?4"
+        ))?
+        .query_map(
+            params![
+                filter.status.map(|status| status.as_str()),
+                filter.aggregate_id,
+                page.after,
+                page.limit.saturating_add(1)
+            ],
+            |row| Ok((row.get::<_, i64>(17)?, dead_letter_from_row(row)?)),
+        )?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(Page::from_rows(rows, page.limit))
+}
+
+/// The aggregate's timeline after event `page.after`, oldest first.
+pub fn timeline(
+    connection: &Connection,
+    aggregate_id: &str,
+    page: PageRequest,
+) -> rusqlite::Result<Page<TimelineEvent>> {
+    let rows = connection
+        .prepare_cached(
+            "SELECT id, at, kind, sequence, message_id, observation_no IS NOT NULL, detail
+               FROM aggregate_timeline
+              WHERE aggregate_id = ?1 AND id > ?2
+              ORDER BY id LIMIT ?3",
+        )?
+        .query_map(
+            params![aggregate_id, page.after, page.limit.saturating_add(1)],
+            |row| {
+                let detail: Option<String> = row.get(6)?;
+                let event = TimelineEvent {
+                    id: row.get(0)?,
+                    at: row.get(1)?,
+                    kind: parsed(row, 2)?,
+                    sequence: row.get(3)?,
+                    message_id: row.get(4)?,
+                    observation: row.get(5)?,
+                    detail: detail.and_then(|text| serde_json::from_str(&text).ok()),
+                };
+                Ok((event.id, event))
+            },
+        )?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(Page::from_rows(rows, page.limit))
+}
+
+const RESOLUTION_COLUMNS: &str = "
+SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
+       replacement_message_id, replacement_amount, before_last, before_total, after_last,
+       after_total, resolved_at
+  FROM resolutions";
+
+fn resolution_from_row(row: &Row<'_>) -> rusqlite::Result<ResolutionRecord> {
+    let replacement_id: Option<String> = row.get(8)?;
+    let replacement_amount: Option<i64> = row.get(9)?;
+    Ok(ResolutionRecord {
+        resolution_id: row.get(0)?,
+        message_id: row.get(1)?,
+        aggregate_id: row.get(2)?,
+        sequence: row.get(3)?,
+        action: parsed(row, 4)?,
+        operator: row.get(5)?,
+        reason: row.get(6)?,
+        expected_last: row.get(7)?,
+        replacement: replacement_id.map(|message_id| Replacement {
+            message_id,
+            amount: replacement_amount.unwrap_or(0),
+        }),
+        before: Position {
+            last: row.get(10)?,
+            total: row.get(11)?,
+        },
+        after: Position {
+            last: row.get(12)?,
+            total: row.get(13)?,
+        },
+        resolved_at: row.get(14)?,
+    })
+}
+
+/// The resolution of a dead letter, if it has one.
+pub fn resolution_of(
+    connection: &Connection,
+    message_id: &str,
+) -> rusqlite::Result<Option<ResolutionRecord>> {
+    connection
+        .prepare_cached(&format!("{RESOLUTION_COLUMNS} WHERE message_id = ?1"))?
+        .query_row([message_id], resolution_from_row)
+        .optional()
+}
+
+/// The audit trail after resolution `page.after`, oldest first, optionally for one aggregate.
+pub fn resolutions(
+    connection: &Connection,
+    aggregate_id: Option<&str>,
+    page: PageRequest,
+) -> rusqlite::Result<Page<ResolutionRecord>> {
+    let condition = if aggregate_id.is_some() {
+        "WHERE aggregate_id = ?1 AND id > ?2"
+    } else {
+        "WHERE ?1 IS NULL AND id > ?2"
+    };
+    let rows = connection
+        .prepare_cached(&format!(
+            "{RESOLUTION_COLUMNS} {condition} ORDER BY id LIMIT ?3"
+        ))?
+        .query_map(
+            params![aggregate_id, page.after, page.limit.saturating_add(1)],
+            |row| {
+                let record = resolution_from_row(row)?;
+                Ok((record.resolution_id.unwrap_or(0), record))
+            },
+        )?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(Page::from_rows(rows, page.limit))
+}
+
+/// Applied messages, dead letters and last sequence of one aggregate.
+pub fn counts(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<AggregateCounts> {
+    connection
+        .prepare_cached(
+            "SELECT (SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = ?1),
+                    (SELECT COUNT(*) FROM deadletters WHERE aggregate_id = ?1),
+                    COALESCE((SELECT last_sequence FROM aggregate_state
+                               WHERE aggregate_id = ?1), 0)",
+        )?
+        .query_row([aggregate_id], |row| {
+            Ok(AggregateCounts {
+                applied: row.get(0)?,
+                dead_letters: row.get(1)?,
+                last: row.get(2)?,
+            })
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_aggregate_reads_seek_their_indexes() {
+        let connection = crate::sqlite::schema::migrated_in_memory();
+        let statements = [
+            format!("{DEAD_LETTER_COLUMNS} WHERE d.status = 'open' AND d.aggregate_id = 'a' AND d.id > 0 ORDER BY d.id"),
+            format!("{DEAD_LETTER_COLUMNS} WHERE d.status = 'open' AND d.id > 0 ORDER BY d.id"),
+            format!("{DEAD_LETTER_COLUMNS} WHERE d.aggregate_id = 'a' AND d.id > 0 ORDER BY d.id"),
+            format!("{DEAD_LETTER_COLUMNS} WHERE d.id > 0 ORDER BY d.id"),
+            "SELECT id FROM aggregate_timeline WHERE aggregate_id = 'a' AND id > 0 ORDER BY id".to_owned(),
+            "SELECT aggregate_id FROM aggregate_state WHERE status = 'blocked' ORDER BY status_since, aggregate_id".to_owned(),
+            "SELECT COUNT(*) FROM deadletters d WHERE d.aggregate_id = 'a' AND d.status = 'open'".to_owned(),
+            "SELECT message_id, sequence FROM deadletters WHERE aggregate_id = 'a' AND status = 'open'".to_owned(),
+            "SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = 'demo'".to_owned(),
+        ];
+        for sql in statements {
+            let mut plan = connection
+                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .unwrap();
+            let details: Vec<String> = plan
+                .query_map([], |row| row.get(3))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            assert!(
+                details.iter().all(|d| !d.starts_with("SCAN")),
+                "{sql}: {details:?}"
+            );
+        }
+    }
+}

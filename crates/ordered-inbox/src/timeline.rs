@@ -1,0 +1,162 @@
+//! An aggregate's history. State events (applied, quarantined, superseded, skipped, resolved) are
+//! append-only and written in the same transaction as the change they describe; rejection
+//! observations (gap, stale, payload conflict, a quarantined message seen again, a full
+//! quarantine) are numbered per aggregate and only the newest [`OBSERVATIONS_KEPT`] stay, so a
+//! flood of bad deliveries cannot grow the store without bound.
+
+use serde::Serialize;
+
+use crate::model::{DeadLetterStatus, QuarantineReason, stored_enum};
+use crate::resolution::ActionKind;
+
+/// Rejection observations kept per aggregate.
+pub const OBSERVATIONS_KEPT: i64 = 100;
+
+stored_enum!(
+    /// What a timeline entry records.
+    TimelineKind, "timeline kind" {
+        Applied => "applied",
+        Quarantined => "quarantined",
+        Superseded => "superseded",
+        /// A resolution took a sequence with no effect.
+        Skipped => "skipped",
+        Resolved => "resolved",
+        Gap => "gap",
+        Stale => "stale",
+        PayloadConflict => "payload conflict",
+        /// A quarantined message delivered again, unchanged.
+        QuarantinedAgain => "quarantined again",
+        /// A new poison message refused because the aggregate's quarantine is full.
+        QuarantineFull => "quarantine full",
+    }
+);
+
+impl TimelineKind {
+    /// Observations changed nothing and are pruned; state events are kept for good.
+    pub fn is_observation(self) -> bool {
+        matches!(
+            self,
+            TimelineKind::Gap
+                | TimelineKind::Stale
+                | TimelineKind::PayloadConflict
+                | TimelineKind::QuarantinedAgain
+                | TimelineKind::QuarantineFull
+        )
+    }
+}
+
+/// The `detail` of an entry, stored as a JSON object with exactly these members.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum TimelineDetail {
+    /// Gap and stale: the sequence still required.
+    Expected {
+        expected: i64,
+    },
+    /// A known id offered with other content.
+    Offered {
+        offered: String,
+    },
+    /// The general door's repeat of a quarantined message.
+    SeenAgain {
+        observations: i64,
+        status: DeadLetterStatus,
+    },
+    /// The classroom door's repeat (no count when the stored content differs).
+    Repeated {
+        observations: Option<i64>,
+    },
+    Quarantined {
+        reason: QuarantineReason,
+        amount: i64,
+    },
+    #[serde(rename_all = "camelCase")]
+    QuarantineFull {
+        open_dead_letters: usize,
+        limit: usize,
+    },
+    Applied {
+        amount: i64,
+        total: i64,
+    },
+    Superseded {
+        by: String,
+    },
+    Skipped {
+        effect: i64,
+        operator: String,
+    },
+    #[serde(rename_all = "camelCase")]
+    Resolved {
+        resolution_id: i64,
+        action: ActionKind,
+        operator: String,
+        reason: String,
+        replacement_message_id: Option<String>,
+    },
+}
+
+impl TimelineDetail {
+    /// The stored text.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+/// One entry to append.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimelineEntry {
+    pub aggregate_id: String,
+    pub at: String,
+    pub kind: TimelineKind,
+    pub sequence: Option<i64>,
+    pub message_id: Option<String>,
+    pub detail: TimelineDetail,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn details_keep_the_stored_member_names_and_order() {
+        let cases = [
+            (
+                TimelineDetail::Expected { expected: 2 },
+                r#"{"expected":2}"#,
+            ),
+            (
+                TimelineDetail::SeenAgain {
+                    observations: 2,
+                    status: DeadLetterStatus::Open,
+                },
+                r#"{"observations":2,"status":"open"}"#,
+            ),
+            (
+                TimelineDetail::Repeated { observations: None },
+                r#"{"observations":null}"#,
+            ),
+            (
+                TimelineDetail::Resolved {
+                    resolution_id: 1,
+                    action: ActionKind::Skip,
+                    operator: "alice".into(),
+                    reason: "r".into(),
+                    replacement_message_id: None,
+                },
+                r#"{"resolutionId":1,"action":"skip","operator":"alice","reason":"r","replacementMessageId":null}"#,
+            ),
+        ];
+        for (detail, text) in cases {
+            assert_eq!(detail.to_json(), text);
+        }
+    }
+
+    #[test]
+    fn only_rejections_are_observations() {
+        assert!(TimelineKind::Gap.is_observation());
+        assert!(TimelineKind::QuarantineFull.is_observation());
+        assert!(!TimelineKind::Applied.is_observation());
+        assert!(!TimelineKind::Resolved.is_observation());
+    }
+}

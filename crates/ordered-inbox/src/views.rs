@@ -1,0 +1,199 @@
+//! The evidence as typed values: an aggregate's state, the inventory, dead letters, the timeline
+//! and the resolution audit trail. Every backend reads these; they serialize as camelCase with
+//! statuses in their stored spelling.
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::model::{AggregateStatus, DeadLetterStatus, Position, QuarantineReason};
+use crate::resolution::ActionKind;
+use crate::timeline::TimelineKind;
+
+/// An aggregate's current position.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AggregateSummary {
+    pub aggregate_id: String,
+    pub last: i64,
+    pub total: i64,
+    /// The sequence the aggregate needs next.
+    pub expected: i64,
+    pub status: AggregateStatus,
+    /// When the aggregate entered its status.
+    pub since: Option<String>,
+}
+
+/// An aggregate with the dead letters that hold it up.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AggregateView {
+    #[serde(flatten)]
+    pub summary: AggregateSummary,
+    /// The first [`OPEN_DEAD_LETTERS_SHOWN`] open dead letters, the first seen first.
+    pub open_dead_letters: Vec<DeadLetterView>,
+    /// How many are open in all; more than the list holds when it was cut.
+    pub open_dead_letter_count: i64,
+    pub open_dead_letters_truncated: bool,
+}
+
+/// The most open dead letters [`AggregateView`] lists.
+pub const OPEN_DEAD_LETTERS_SHOWN: i64 = 1000;
+
+/// One line of the inventory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InventoryEntry {
+    #[serde(flatten)]
+    pub summary: AggregateSummary,
+    /// Whole seconds since the aggregate entered its status.
+    pub age_seconds: i64,
+    pub open_dead_letters: i64,
+}
+
+/// The resolution of a dead letter, as its view shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ResolutionSummary {
+    pub resolution_id: i64,
+    pub action: ActionKind,
+    pub operator: String,
+    pub reason: String,
+    pub resolved_at: String,
+    pub replacement_message_id: Option<String>,
+}
+
+/// A dead letter with its lifecycle. Rows recorded before the lifecycle columns existed have no
+/// sequence, payload or timestamps.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeadLetterView {
+    pub message_id: String,
+    pub aggregate_id: Option<String>,
+    pub sequence: Option<i64>,
+    /// The canonical payload as stored: opaque JSON.
+    pub payload: Option<Value>,
+    pub reason: QuarantineReason,
+    pub first_seen: Option<String>,
+    pub last_seen: Option<String>,
+    pub observations: i64,
+    pub status: DeadLetterStatus,
+    /// The message whose application (or skip) took the sequence.
+    pub superseded_by: Option<String>,
+    pub closed_at: Option<String>,
+    pub resolution: Option<ResolutionSummary>,
+}
+
+/// One timeline entry as stored.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TimelineEvent {
+    pub id: i64,
+    pub at: String,
+    pub kind: TimelineKind,
+    pub sequence: Option<i64>,
+    pub message_id: Option<String>,
+    /// True for a rejection observation (kept only among the newest per aggregate).
+    pub observation: bool,
+    /// The stored detail object: opaque JSON.
+    pub detail: Option<Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Replacement {
+    pub message_id: String,
+    pub amount: i64,
+}
+
+/// One audited resolution: who, when, what, why, and the aggregate before and after.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ResolutionRecord {
+    /// `None` in a dry run, which assigns nothing.
+    pub resolution_id: Option<i64>,
+    pub message_id: String,
+    pub aggregate_id: String,
+    pub sequence: i64,
+    pub action: ActionKind,
+    pub operator: String,
+    pub reason: String,
+    pub expected_last: i64,
+    pub replacement: Option<Replacement>,
+    pub before: Position,
+    pub after: Position,
+    pub resolved_at: String,
+}
+
+/// The aggregate and the dead letter as they are now: what a refused resolution shows.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CurrentState {
+    pub aggregate: Option<AggregateSummary>,
+    pub dead_letter: Option<DeadLetterView>,
+}
+
+/// A classroom-style count of one aggregate's rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AggregateCounts {
+    pub applied: i64,
+    pub dead_letters: i64,
+    pub last: i64,
+}
+
+/// Which dead letters to list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeadLetterFilter {
+    pub status: Option<DeadLetterStatus>,
+    pub aggregate_id: Option<String>,
+}
+
+/// Where a page starts and how long it may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageRequest {
+    /// The cursor: the `next` of the previous page, 0 for the first.
+    pub after: i64,
+    pub limit: i64,
+}
+
+/// One page of a list, oldest first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page<T> {
+    pub items: Vec<T>,
+    /// The `after` of the following page; `None` when this page reaches the end.
+    pub next: Option<i64>,
+}
+
+impl<T> Page<T> {
+    /// Builds a page from up to `limit + 1` rows read with their cursor keys: the extra row, if
+    /// any, only proves that another page exists.
+    pub fn from_rows(mut rows: Vec<(i64, T)>, limit: i64) -> Page<T> {
+        let limit = usize::try_from(limit).unwrap_or(0);
+        let more = rows.len() > limit;
+        rows.truncate(limit);
+        let next = if more {
+            rows.last().map(|(key, _)| *key)
+        } else {
+            None
+        };
+        Page {
+            items: rows.into_iter().map(|(_, item)| item).collect(),
+            next,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_says_next_only_when_another_row_exists() {
+        let full = Page::from_rows(vec![(1, 'a'), (2, 'b'), (5, 'c')], 2);
+        assert_eq!((full.items, full.next), (vec!['a', 'b'], Some(2)));
+        let last = Page::from_rows(vec![(1, 'a'), (2, 'b')], 2);
+        assert_eq!((last.items, last.next), (vec!['a', 'b'], None));
+        let empty: Page<char> = Page::from_rows(vec![], 2);
+        assert_eq!(empty.next, None);
+    }
+}
