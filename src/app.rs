@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::FromRef;
 use axum::routing::get;
+use ordered_inbox::sqlite::SqliteInbox;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -16,6 +18,7 @@ use crate::config::{
     Config, LiveSettings, StartupError, load_settings, parse_listen_url, require_development,
 };
 use crate::labs;
+use crate::labs::ordered::SharedInbox;
 use crate::store::Store;
 
 /// The start-up line that announces the real address; supervisors, the bench and the tests wait
@@ -34,6 +37,8 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct AppState {
     pub store: Store,
+    /// The ordered inbox on the same store.
+    pub inbox: SharedInbox,
     pub config: Arc<Config>,
     /// Cancelled when shutdown begins; background work watches it.
     pub shutdown: CancellationToken,
@@ -44,6 +49,12 @@ pub struct AppState {
     pub security: labs::security::SecurityLab,
     pub privacy: labs::privacy::PrivacyLab,
     pub worker: labs::worker::WorkerLab,
+}
+
+impl FromRef<AppState> for SharedInbox {
+    fn from_ref(state: &AppState) -> Self {
+        state.inbox.clone()
+    }
 }
 
 /// What a lab may use while it builds its state.
@@ -71,11 +82,14 @@ impl Application {
         require_development(&config.environment)?;
         let requested = parse_listen_url(&config.urls)?;
         let settings = load_settings(&config.settings)?;
-        let store = Store::open(&config.database, config.synchronous).map_err(|error| {
-            StartupError::Database {
-                path: config.database.display().to_string(),
-                reason: error.to_string(),
-            }
+        let store = Store::open(
+            &config.database,
+            config.synchronous.into(),
+            crate::schema::migrate,
+        )
+        .map_err(|error| StartupError::Database {
+            path: config.database.display().to_string(),
+            reason: error.to_string(),
         })?;
         let listener = TcpListener::bind(requested)
             .await
@@ -103,6 +117,7 @@ impl Application {
             security: labs::security::SecurityLab::new(&context)?,
             privacy: labs::privacy::PrivacyLab::new(&context)?,
             worker: labs::worker::WorkerLab::new(&context)?,
+            inbox: Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
             store,
             config: Arc::new(config),
             shutdown,

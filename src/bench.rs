@@ -19,7 +19,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::config::Synchronous;
-use crate::ordering::{OrderedMessage, Outcome};
+use ordered_inbox::{Door, Limits, OrderedMessage, Outcome};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
@@ -31,6 +31,8 @@ pub enum BenchError {
     Http(#[from] reqwest::Error),
     #[error("sqlite: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    #[error("store: {0}")]
+    Store(#[from] crate::store::StoreError),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -384,11 +386,12 @@ pub fn raw_baseline(
         for message in streams.iter().filter_map(|s| s.messages.get(position)) {
             connection.execute_batch("BEGIN IMMEDIATE")?;
             // Exactly what the general route's write closure runs.
-            let outcome = crate::ordering::apply(
+            let outcome = ordered_inbox::sqlite::engine::deliver_in(
                 &connection,
                 message,
-                crate::ordering::Door::General,
-                &crate::ordering::clock::now(),
+                Door::General,
+                &Limits::default(),
+                &ordered_inbox::clock::now(),
             )?;
             connection.execute_batch("COMMIT")?;
             if !matches!(outcome, Outcome::Applied { .. }) {

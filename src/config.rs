@@ -20,6 +20,8 @@ pub struct Config {
     /// `*` or `;`-separated host names (ports ignored).
     pub allowed_hosts: String,
     pub synchronous: Synchronous,
+    /// Open dead letters one aggregate may hold before a new poison message is refused (429).
+    pub max_open_dead_letters: usize,
 }
 
 /// SQLite's `synchronous` pragma for the write connection. FULL is the durable default.
@@ -31,9 +33,15 @@ pub enum Synchronous {
 
 impl Synchronous {
     pub fn pragma_value(self) -> &'static str {
-        match self {
-            Synchronous::Normal => "NORMAL",
-            Synchronous::Full => "FULL",
+        ordered_inbox::sqlite::Synchronous::from(self).pragma_value()
+    }
+}
+
+impl From<Synchronous> for ordered_inbox::sqlite::Synchronous {
+    fn from(synchronous: Synchronous) -> Self {
+        match synchronous {
+            Synchronous::Normal => ordered_inbox::sqlite::Synchronous::Normal,
+            Synchronous::Full => ordered_inbox::sqlite::Synchronous::Full,
         }
     }
 }
@@ -52,9 +60,20 @@ impl Config {
             known_proxy: DEFAULT_KNOWN_PROXY,
             allowed_hosts: "*".to_owned(),
             synchronous: Synchronous::Full,
+            max_open_dead_letters: DEFAULT_MAX_OPEN_DEAD_LETTERS as usize,
+        }
+    }
+
+    /// The bounds the ordered inbox keeps.
+    pub fn inbox_limits(&self) -> ordered_inbox::Limits {
+        ordered_inbox::Limits {
+            max_open_dead_letters: self.max_open_dead_letters,
         }
     }
 }
+
+/// The default of `--max-open-dead-letters`.
+pub const DEFAULT_MAX_OPEN_DEAD_LETTERS: u32 = 1000;
 
 /// A fresh database path in the temp directory, as the seed picks when none is given.
 pub fn default_database_path() -> PathBuf {

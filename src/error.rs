@@ -8,6 +8,8 @@ use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value, json};
 
+use ordered_inbox::InboxError;
+
 use crate::store::StoreError;
 
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +28,9 @@ pub enum AppError {
     /// past its retries, 500 otherwise. The detail stays in the server log.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The ordered inbox's store failed, likewise.
+    #[error(transparent)]
+    Inbox(#[from] InboxError),
 }
 
 impl AppError {
@@ -38,6 +43,19 @@ impl AppError {
             status,
             title: title.into(),
             detail: None,
+        }
+    }
+
+    /// A problem answer with a `detail` sentence saying what is wrong.
+    pub fn problem_with_detail(
+        status: StatusCode,
+        title: impl Into<String>,
+        detail: impl Into<String>,
+    ) -> Self {
+        AppError::Problem {
+            status,
+            title: title.into(),
+            detail: Some(detail.into()),
         }
     }
 }
@@ -111,17 +129,27 @@ impl IntoResponse for AppError {
                 title,
                 detail,
             } => problem_response(status, &title, detail.as_deref()),
-            AppError::Store(error) => {
-                let status = error.status();
-                tracing::error!(target: "production_lab::store", %error, "store failure");
-                let title = if status == StatusCode::SERVICE_UNAVAILABLE {
-                    "The store is temporarily unavailable"
-                } else {
-                    "The store failed"
-                };
-                problem_response(status, title, None)
+            AppError::Store(error) => store_failure(error.is_retryable(), &error),
+            AppError::Inbox(error) => {
+                let retryable = matches!(error, InboxError::Unavailable(_));
+                store_failure(retryable, &error)
             }
         }
+    }
+}
+
+/// 503 for a failure a retry can clear (lock contention, a stopped writer), 500 otherwise. The
+/// detail goes to the server log only.
+fn store_failure(retryable: bool, error: &dyn std::fmt::Display) -> Response {
+    tracing::error!(target: "production_lab::store", %error, "store failure");
+    if retryable {
+        problem_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "The store is temporarily unavailable",
+            None,
+        )
+    } else {
+        problem_response(StatusCode::INTERNAL_SERVER_ERROR, "The store failed", None)
     }
 }
 

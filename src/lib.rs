@@ -9,8 +9,6 @@ pub mod dotnet_json;
 pub mod error;
 pub mod etag;
 pub mod labs;
-pub mod operators;
-pub mod ordering;
 pub mod practice;
 pub mod schema;
 pub mod store;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use production_lab::config::{self, Config, Synchronous};
-use production_lab::{Application, bench, operators, practice, verify};
+use production_lab::{Application, bench, practice, verify};
 
 #[derive(Parser)]
 #[command(
@@ -121,6 +121,10 @@ struct ServeArgs {
     /// SQLite synchronous mode of the write connection.
     #[arg(long, value_enum, default_value = "full")]
     synchronous: Synchronous,
+    /// Open dead letters one aggregate may hold; a further new poison message answers 429.
+    #[arg(long, default_value_t = config::DEFAULT_MAX_OPEN_DEAD_LETTERS,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    max_open_dead_letters: u32,
 }
 
 #[derive(Args)]
@@ -207,7 +211,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 fn operator(command: OperatorCommand) -> anyhow::Result<()> {
     match command {
         OperatorCommand::Add { name, database } => {
-            let token = operators::add(&database.database, &name)?;
+            let token = ordered_inbox::sqlite::operators::add(&database.database, &name)?;
             // The token alone on stdout, so that a script can capture it; the advice on stderr.
             println!("{token}");
             eprintln!(
@@ -215,7 +219,7 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
             );
         }
         OperatorCommand::List { database } => {
-            for record in operators::list(&database.database)? {
+            for record in ordered_inbox::sqlite::operators::list(&database.database)? {
                 let state = match &record.revoked_at {
                     Some(revoked_at) => format!("revoked {revoked_at}"),
                     None => "active".to_owned(),
@@ -224,7 +228,7 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
             }
         }
         OperatorCommand::Revoke { name, database } => {
-            let revocation = operators::revoke(&database.database, &name)?;
+            let revocation = ordered_inbox::sqlite::operators::revoke(&database.database, &name)?;
             if revocation.already {
                 println!("{name} was already revoked at {}", revocation.revoked_at);
             } else {
@@ -286,6 +290,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         known_proxy: args.known_proxy,
         allowed_hosts: args.allowed_hosts,
         synchronous: args.synchronous,
+        max_open_dead_letters: args.max_open_dead_letters as usize,
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {

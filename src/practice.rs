@@ -1,7 +1,7 @@
 //! The lesson's companion practice as a command: the ordering policy run over a progression of
 //! `sequence:amount` deliveries, one line of output per delivery.
 
-use crate::ordering::{Decision, decide};
+use ordered_inbox::policy::{Decision, decide};
 
 /// The lesson's progression: 2, 1, poison 2, 3, corrected 2.
 pub const LESSON_PROGRESSION: &[(i64, i64)] = &[(2, 1), (1, 1), (2, -1), (3, 1), (2, 1)];

@@ -930,38 +930,36 @@ async fn resolution_preconditions_refuse_with_the_current_state() {
     );
 }
 
-/// The seed's schema exactly as the original lab created it, with rows written its way.
-fn seed_database(path: &Path) {
-    let db = rusqlite::Connection::open(path).unwrap();
-    // Migration 1 is the seed's Initialize script verbatim; run it the way the seed did, without
-    // ever setting user_version.
-    db.execute_batch("PRAGMA journal_mode=WAL;").unwrap();
-    db.execute_batch(production_lab::schema::MIGRATIONS[0])
-        .unwrap();
-    db.execute_batch(
-        "         INSERT INTO aggregate_state VALUES('demo',0,0);
-         INSERT INTO ordered_inbox VALUES('m-1','{\"AggregateId\":\"demo\",\"Sequence\":1,\"Amount\":1}');
-         UPDATE aggregate_state SET last_sequence=1,total=total+1 WHERE aggregate_id='demo';
-         INSERT OR IGNORE INTO deadletters VALUES('poison-2','negative amount');
-         INSERT INTO ordered_inbox VALUES('corrected-2','{\"AggregateId\":\"demo\",\"Sequence\":2,\"Amount\":1}');
-         UPDATE aggregate_state SET last_sequence=2,total=total+1 WHERE aggregate_id='demo';",
-    )
-    .unwrap();
-    let version: i64 = db
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(version, 0);
+/// A copy of a database file made before the ordered inbox became a library, in a fresh temp dir.
+fn fixture_copy(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(name);
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    std::fs::copy(&fixture, &path).expect("copy the fixture database");
+    (dir, path)
 }
 
 #[tokio::test]
 async fn a_seed_schema_database_opens_and_upgrades_in_place() {
-    let seed_dir = tempfile::tempdir().unwrap();
-    let path = seed_dir.path().join("owned-production.db");
-    seed_database(&path);
+    // Made by the seed's Initialize script and the seed's own statements (user_version 0).
+    let (_seed_dir, path) = fixture_copy("seed-v0.db");
+    assert_eq!(
+        rusqlite::Connection::open(&path)
+            .unwrap()
+            .query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))
+            .unwrap(),
+        0
+    );
     let database = path.clone();
     let app = spawn_app_with(move |config| config.database = database).await;
 
     assert_eq!(app.scalar("PRAGMA user_version"), 2);
+    assert_eq!(
+        app.scalar("SELECT version FROM ordered_inbox_schema"),
+        ordered_inbox::sqlite::schema::current_version()
+    );
     // The seed's rows keep their values and gain the backfilled columns.
     let (_, state) = get(&app, "/ordered/state").await;
     assert_eq!(state, json!({"applied": 2, "deadletters": 1, "last": 2}));
@@ -1012,4 +1010,162 @@ async fn a_seed_schema_database_opens_and_upgrades_in_place() {
     assert_eq!(app.scalar("PRAGMA user_version"), 2);
     let (_, state) = get(&app, "/ordered/state").await;
     assert_eq!(state, json!({"applied": 3, "deadletters": 1, "last": 3}));
+}
+
+/// The token `operator add alice` printed when `release-v2.db` was made (only its hash is in the
+/// file, as in any database).
+const RELEASE_V2_ALICE: &str = "S2LvpZFmOl5E2cZW9YQsEhqXDvdgmCI8BhklzP9jMF4";
+
+#[tokio::test]
+async fn a_database_from_the_previous_release_opens_upgrades_and_keeps_its_evidence() {
+    // Written by the release before the library (user_version 2): the classroom walk, acct-1
+    // blocked and skipped by alice, acct-2 superseded by a corrected message, acct-3 blocked.
+    let (_dir, path) = fixture_copy("release-v2.db");
+    let database = path.clone();
+    let app = spawn_app_with(move |config| config.database = database).await;
+    assert_eq!(app.scalar("PRAGMA user_version"), 2);
+    assert_eq!(
+        app.scalar("SELECT version FROM ordered_inbox_schema"),
+        ordered_inbox::sqlite::schema::current_version()
+    );
+    let (_, state) = get(&app, "/ordered/state").await;
+    assert_eq!(state, json!({"applied": 2, "deadletters": 1, "last": 2}));
+    let (_, acct1) = get(&app, "/aggregates/acct-1").await;
+    assert_eq!(
+        (acct1["last"].clone(), acct1["total"].clone()),
+        (json!(3), json!(10))
+    );
+    let (_, trail) = get(&app, "/resolutions").await;
+    assert_eq!(trail["resolutions"][0]["operator"], "alice");
+    assert_eq!(trail["resolutions"][0]["action"], "skip");
+
+    // Existing dead letters are numbered in the order they were first seen, and page.
+    let (_, first) = get(&app, "/deadletters?limit=2").await;
+    let ids: Vec<&str> = first["deadLetters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|letter| letter["messageId"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["poison-2", "a1-p2"]);
+    let next = first["next"].as_i64().expect("a next page");
+    let (_, second) = get(&app, &format!("/deadletters?limit=2&after={next}")).await;
+    let ids: Vec<&str> = second["deadLetters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|letter| letter["messageId"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["a2-p2", "a3-p1"]);
+    assert_eq!(second["next"], Value::Null);
+
+    // The old operator's token still works, and the blocked aggregate can be resolved.
+    let (status, resolved) = resolve(
+        &app,
+        Some(RELEASE_V2_ALICE),
+        "a3-p1",
+        &replace(0, "a3-fix1", 4),
+    )
+    .await;
+    assert_eq!(status, 200, "{resolved}");
+    assert_eq!(resolved["resolutionId"], 2);
+    // Ids stay unique across old and new rows: a replay of an old message is still a replay.
+    assert_eq!(deliver(&app, "acct-2", "a2-fix2", 2, 4).await.0, 200);
+    assert_eq!(deliver(&app, "acct-3", "a3-p2", 2, -1).await.0, 422);
+    let (_, letters) = get(&app, "/deadletters?aggregateId=acct-3").await;
+    assert_eq!(letters["deadLetters"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn a_full_quarantine_refuses_new_poison_ids_with_429_and_writes_one_observation() {
+    let app = spawn_app_with(|config| config.max_open_dead_letters = 3).await;
+    assert_eq!(deliver(&app, "flood", "m-1", 1, 1).await.0, 200);
+    for i in 0..3 {
+        assert_eq!(
+            deliver(&app, "flood", &format!("p-{i}"), 2, -1).await.0,
+            422
+        );
+    }
+    let rows_before = app.scalar("SELECT COUNT(*) FROM deadletters");
+    for i in 3..10 {
+        let response = app
+            .post_json(
+                "/aggregates/flood/messages",
+                &json!({"messageId": format!("p-{i}"), "sequence": 2, "amount": -1}),
+            )
+            .await;
+        assert_eq!(response.status(), 429);
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+        let problem: Value = response.json().await.unwrap();
+        assert_eq!(problem["outcome"], "quarantine full");
+        assert_eq!(problem["openDeadLetters"], 3);
+        assert_eq!(problem["limit"], 3);
+    }
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), rows_before);
+    assert_eq!(
+        app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'flood' AND kind = 'quarantine full'"),
+        7
+    );
+    // A known poison id is still counted, and a valid message still takes the sequence.
+    let (status, again) = deliver(&app, "flood", "p-0", 2, -1).await;
+    assert_eq!(
+        (status, again["deadLetter"]["observations"].clone()),
+        (422, json!(2))
+    );
+    let (status, applied) = deliver(&app, "flood", "fix-2", 2, 1).await;
+    assert_eq!(status, 200);
+    assert_eq!(applied["superseded"].as_array().unwrap().len(), 3);
+    // The classroom door keeps the same bound.
+    let classroom = spawn_app_with(|config| config.max_open_dead_letters = 1).await;
+    let poison =
+        |id: &str| json!({"messageId": id, "aggregateId": "demo", "sequence": 1, "amount": -1});
+    assert_eq!(
+        classroom
+            .post_json("/ordered/apply", &poison("p-1"))
+            .await
+            .status(),
+        422
+    );
+    assert_eq!(
+        classroom
+            .post_json("/ordered/apply", &poison("p-2"))
+            .await
+            .status(),
+        429
+    );
+}
+
+#[tokio::test]
+async fn an_aggregate_says_when_its_list_of_open_dead_letters_is_cut() {
+    let app = spawn_app_with(|config| config.max_open_dead_letters = 2000).await;
+    assert_eq!(deliver(&app, "many", "m-1", 1, 1).await.0, 200);
+    // Written straight into the file: 1,001 open dead letters through HTTP would be slow here.
+    app.db()
+        .execute_batch(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1001)
+             INSERT INTO deadletters(id, message_id, reason, aggregate_id, sequence, payload,
+                                     first_seen, last_seen, observations, status)
+             SELECT i, 'p-' || i, 'negative amount', 'many', 2, '{}', '2026-01-01T00:00:00.000Z',
+                    '2026-01-01T00:00:00.000Z', 1, 'open' FROM n;
+             UPDATE aggregate_state SET status = 'blocked' WHERE aggregate_id = 'many';",
+        )
+        .unwrap();
+    let (_, view) = get(&app, "/aggregates/many").await;
+    assert_eq!(view["openDeadLetters"].as_array().unwrap().len(), 1000);
+    assert_eq!(view["openDeadLetterCount"], 1001);
+    assert_eq!(view["openDeadLettersTruncated"], true);
+    let (_, page) = get(&app, "/deadletters?aggregateId=many&status=open&limit=1000").await;
+    let next = page["next"].as_i64().expect("a next page");
+    let (_, rest) = get(
+        &app,
+        &format!("/deadletters?aggregateId=many&status=open&after={next}"),
+    )
+    .await;
+    assert_eq!(rest["deadLetters"].as_array().unwrap().len(), 1);
+    assert_eq!(rest["deadLetters"][0]["messageId"], "p-1001");
+    assert_eq!(rest["next"], Value::Null);
+    assert_bad_request(app.get("/deadletters?after=-1").await).await;
 }

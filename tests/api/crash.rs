@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use ordered_inbox::OrderedMessage;
 use production_lab::bench::{AggregateStream, workload};
-use production_lab::ordering::OrderedMessage;
 use serde_json::{Value, json};
 
 use crate::helpers::{ServerProcess, client, settings_dir};

@@ -308,11 +308,10 @@ impl Delivery<'_> {
     fn gap(self, door: Door, expected: i64) -> DeliveryPlan {
         // The seed writes no row for a gap: through its door only an existing row learns it is
         // waiting. The general door records the aggregate from its first delivery on.
-        let marks_waiting = match (door, self.status()) {
-            (_, Some(AggregateStatus::Flowing)) => true,
-            (Door::General, None) => true,
-            _ => false,
-        };
+        let marks_waiting = matches!(
+            (door, self.status()),
+            (_, Some(AggregateStatus::Flowing)) | (Door::General, None)
+        );
         let mut changes = Vec::with_capacity(2);
         if marks_waiting {
             changes.push(self.put_status(AggregateStatus::Waiting));

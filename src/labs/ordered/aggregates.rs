@@ -3,22 +3,27 @@
 //! `GET /aggregates/{id}/timeline` and `GET /deadletters`.
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::routing::{get, post};
+use ordered_inbox::views::DeadLetterFilter;
+use ordered_inbox::{AggregateStatus, DeadLetterStatus, Door, OrderedMessage};
 use serde::Deserialize;
 use serde_json::json;
 
+use super::verdicts::verdict_response;
 use super::{
-    validate_after, validate_aggregate_id, validate_limit, validate_message_id, validate_sequence,
+    SharedInbox, page_body, page_request, validate_aggregate_id, validate_limit,
+    validate_message_id, validate_sequence,
 };
-use crate::app::AppState;
 use crate::error::{AppError, Json, Path, Query, RequestBody, json_response};
-use crate::ordering::views::{self, DeadLetterFilter};
-use crate::ordering::{Door, OrderedMessage, Outcome, apply, clock};
 
-pub(super) fn routes() -> Router<AppState> {
+pub(super) fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    SharedInbox: FromRef<S>,
+{
     Router::new()
         .route("/aggregates", get(inventory))
         .route("/aggregates/{aggregate_id}", get(aggregate))
@@ -63,153 +68,30 @@ impl MessageInput {
 }
 
 async fn deliver(
-    State(state): State<AppState>,
+    State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
     Json(input): Json<MessageInput>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
     let message = input.validate(aggregate_id)?;
-    let (message, outcome) = state
-        .store
-        .write(move |connection| {
-            let outcome = apply(connection, &message, Door::General, &clock::now())?;
-            Ok::<_, AppError>((message, outcome))
-        })
-        .await?;
+    let outcome = inbox.deliver(message.clone(), Door::General).await?;
     Ok(verdict_response(&message, outcome))
 }
 
-/// Each verdict with what the caller can do about it.
-fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Response {
-    let aggregate_id = &message.aggregate_id;
-    let message_id = &message.message_id;
-    match outcome {
-        Outcome::Applied {
-            sequence,
-            total,
-            superseded,
-        } => json_response(
-            StatusCode::OK,
-            json!({
-                "outcome": "applied",
-                "aggregateId": aggregate_id,
-                "messageId": message_id,
-                "sequence": sequence,
-                "last": sequence,
-                "total": total,
-                "superseded": superseded,
-            }),
-        ),
-        Outcome::Replay { original } => json_response(
-            StatusCode::OK,
-            json!({
-                "outcome": "replay",
-                "aggregateId": aggregate_id,
-                "messageId": message_id,
-                "original": {
-                    "outcome": "applied",
-                    "sequence": original.sequence,
-                    "appliedAt": original.applied_at,
-                },
-                "retryable": false,
-                "action": "nothing to do: this message was already applied and changed nothing now",
-            }),
-        ),
-        Outcome::Gap { expected } => json_response(
-            StatusCode::CONFLICT,
-            json!({
-                "outcome": "gap",
-                "aggregateId": aggregate_id,
-                "messageId": message_id,
-                "sequence": message.sequence,
-                "expected": expected,
-                "retryable": true,
-                "action": format!("deliver sequence {expected} first, then retry this message unchanged"),
-            }),
-        ),
-        Outcome::Stale { expected } => json_response(
-            StatusCode::CONFLICT,
-            json!({
-                "outcome": "stale",
-                "aggregateId": aggregate_id,
-                "messageId": message_id,
-                "sequence": message.sequence,
-                "expected": expected,
-                "retryable": false,
-                "action": format!("sequence {} was already taken by another message; do not retry", message.sequence),
-            }),
-        ),
-        Outcome::PayloadConflict => json_response(
-            StatusCode::CONFLICT,
-            json!({
-                "outcome": "payload conflict",
-                "aggregateId": aggregate_id,
-                "messageId": message_id,
-                "retryable": false,
-                "action": "this message id already carries other content and never changes meaning; send new content under a new message id",
-            }),
-        ),
-        Outcome::Quarantined {
-            expected,
-            reason,
-            dead_letter,
-        } => {
-            let status = dead_letter
-                .as_ref()
-                .map_or("open", |note| note.status.as_str());
-            let resolution = if status == "open" {
-                json!({
-                    "requiresOperator": true,
-                    "how": format!(
-                        "an operator resolves it with POST /deadletters/{{messageId}}/resolution (replace or skip), or a corrected message under a new id takes sequence {expected}"
-                    ),
-                })
-            } else {
-                json!({
-                    "requiresOperator": false,
-                    "how": format!("the dead letter is already {status}; nothing to do"),
-                })
-            };
-            json_response(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                json!({
-                    "outcome": "quarantined",
-                    "aggregateId": aggregate_id,
-                    "messageId": message_id,
-                    "sequence": message.sequence,
-                    "expected": expected,
-                    "reason": reason,
-                    "retryable": false,
-                    "deadLetter": {
-                        "status": status,
-                        "observations": dead_letter.as_ref().map(|note| note.observations),
-                    },
-                    "resolution": resolution,
-                }),
-            )
-        }
-    }
-}
-
 async fn aggregate(
-    State(state): State<AppState>,
+    State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
-    let lookup = aggregate_id.clone();
-    let view = state
-        .store
-        .read(move |connection| views::aggregate_view(connection, &lookup).map_err(AppError::from))
-        .await?;
-    match view {
+    match inbox.aggregate(aggregate_id.clone()).await? {
         Some(view) => Ok(json_response(StatusCode::OK, json!(view))),
-        None => Err(AppError::Problem {
-            status: StatusCode::NOT_FOUND,
-            title: "Unknown aggregate".to_owned(),
-            detail: Some(format!(
+        None => Err(AppError::problem_with_detail(
+            StatusCode::NOT_FOUND,
+            "Unknown aggregate",
+            format!(
                 "no message has been recorded for aggregate '{aggregate_id}'; it expects sequence 1"
-            )),
-        }),
+            ),
+        )),
     }
 }
 
@@ -221,25 +103,16 @@ struct InventoryQuery {
 
 /// `GET /aggregates?status=blocked|waiting|flowing`: the longest-standing first, with ages.
 async fn inventory(
-    State(state): State<AppState>,
+    State(inbox): State<SharedInbox>,
     Query(query): Query<InventoryQuery>,
 ) -> Result<Response, AppError> {
-    let status = match query.status.as_deref() {
-        Some(status @ ("blocked" | "waiting" | "flowing")) => status.to_owned(),
-        _ => {
-            return Err(AppError::bad_request(
-                "status must be blocked, waiting or flowing",
-            ));
-        }
-    };
+    let status: AggregateStatus = query
+        .status
+        .as_deref()
+        .and_then(|status| status.parse().ok())
+        .ok_or_else(|| AppError::bad_request("status must be blocked, waiting or flowing"))?;
     let limit = validate_limit(query.limit)?;
-    let listed = status.clone();
-    let aggregates = state
-        .store
-        .read(move |connection| {
-            views::inventory(connection, &listed, &clock::now(), limit).map_err(AppError::from)
-        })
-        .await?;
+    let aggregates = inbox.inventory(status, limit).await?;
     Ok(json_response(
         StatusCode::OK,
         json!({"status": status, "aggregates": aggregates}),
@@ -255,26 +128,16 @@ struct PageQuery {
 /// `GET /aggregates/{id}/timeline?after=&limit=`: oldest first; `next` is the `after` of the
 /// following page, or null at the end.
 async fn timeline(
-    State(state): State<AppState>,
+    State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
     Query(query): Query<PageQuery>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
-    let after = validate_after(query.after)?;
-    let limit = validate_limit(query.limit)?;
-    let lookup = aggregate_id.clone();
-    let events = state
-        .store
-        .read(move |connection| {
-            views::timeline(connection, &lookup, after, limit).map_err(AppError::from)
-        })
-        .await?;
-    let next = (events.len() as i64 == limit)
-        .then(|| events.last().map(|event| event.id))
-        .flatten();
+    let page = page_request(query.after, query.limit)?;
+    let events = inbox.timeline(aggregate_id.clone(), page).await?;
     Ok(json_response(
         StatusCode::OK,
-        json!({"aggregateId": aggregate_id, "events": events, "next": next}),
+        page_body(json!({"aggregateId": aggregate_id}), "events", events),
     ))
 }
 
@@ -283,41 +146,34 @@ async fn timeline(
 struct DeadLetterQuery {
     status: Option<String>,
     aggregate_id: Option<String>,
+    after: Option<i64>,
     limit: Option<i64>,
 }
 
-/// `GET /deadletters?status=open|resolved|superseded&aggregateId=`: the first seen first.
+/// `GET /deadletters?status=open|resolved|superseded&aggregateId=&after=&limit=`: in the order
+/// they were first recorded; `next` pages on.
 async fn dead_letters(
-    State(state): State<AppState>,
+    State(inbox): State<SharedInbox>,
     Query(query): Query<DeadLetterQuery>,
 ) -> Result<Response, AppError> {
-    if let Some(status) = query.status.as_deref()
-        && !matches!(status, "open" | "resolved" | "superseded")
-    {
-        return Err(AppError::bad_request(
-            "status must be open, resolved or superseded",
-        ));
-    }
+    let status =
+        match query.status.as_deref() {
+            None => None,
+            Some(status) => Some(status.parse::<DeadLetterStatus>().map_err(|_| {
+                AppError::bad_request("status must be open, resolved or superseded")
+            })?),
+        };
     if let Some(aggregate_id) = query.aggregate_id.as_deref() {
         validate_aggregate_id("aggregateId", aggregate_id)?;
     }
-    let limit = validate_limit(query.limit)?;
-    let listed: Vec<views::DeadLetterView> = state
-        .store
-        .read(move |connection| {
-            views::dead_letters(
-                connection,
-                &DeadLetterFilter {
-                    status: query.status.as_deref(),
-                    aggregate_id: query.aggregate_id.as_deref(),
-                    limit,
-                },
-            )
-            .map_err(AppError::from)
-        })
-        .await?;
+    let page = page_request(query.after, query.limit)?;
+    let filter = DeadLetterFilter {
+        status,
+        aggregate_id: query.aggregate_id,
+    };
+    let listed = inbox.dead_letters(filter, page).await?;
     Ok(json_response(
         StatusCode::OK,
-        json!({"deadLetters": listed}),
+        page_body(json!({}), "deadLetters", listed),
     ))
 }

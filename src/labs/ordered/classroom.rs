@@ -1,21 +1,26 @@
 //! The lesson's classroom door: `POST /ordered/apply` for the one aggregate `demo`, sequences
-//! 1..10, and `GET /ordered/state`. Same engine and tables as the general door; the seed's bodies,
+//! 1..10, and `GET /ordered/state`. Same inbox and tables as the general door; the seed's bodies,
 //! statuses and identity rule.
 
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Router, extract};
+use ordered_inbox::views::AggregateCounts;
+use ordered_inbox::{Door, OrderedMessage, Outcome};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::app::AppState;
+use super::{SharedInbox, quarantine_full};
 use crate::aspnet::is_blank_or_longer_than;
 use crate::error::{AppError, Json, RequestBody, json_response};
-use crate::ordering::{OrderedMessage, Outcome, apply_ordered};
 
-pub(super) fn routes() -> Router<AppState> {
+pub(super) fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    SharedInbox: FromRef<S>,
+{
     Router::new()
         .route("/ordered/apply", post(apply))
         .route("/ordered/state", get(state))
@@ -68,19 +73,16 @@ impl OrderedInput {
 }
 
 async fn apply(
-    State(state): State<AppState>,
+    State(inbox): State<SharedInbox>,
     Json(input): Json<OrderedInput>,
 ) -> Result<Response, AppError> {
     let message = input.validate()?;
-    let outcome = state
-        .store
-        .write(move |connection| apply_ordered(connection, &message).map_err(AppError::from))
-        .await?;
-    Ok(classroom_response(&outcome))
+    let outcome = inbox.deliver(message.clone(), Door::Classroom).await?;
+    Ok(classroom_response(&message, &outcome))
 }
 
 /// The seed's exact status codes and bodies for each outcome.
-fn classroom_response(outcome: &Outcome) -> Response {
+fn classroom_response(message: &OrderedMessage, outcome: &Outcome) -> Response {
     match outcome {
         Outcome::Applied { sequence, .. } => json_response(
             StatusCode::OK,
@@ -102,6 +104,11 @@ fn classroom_response(outcome: &Outcome) -> Response {
             StatusCode::UNPROCESSABLE_ENTITY,
             json!({"outcome": "quarantined", "expected": expected}),
         ),
+        Outcome::QuarantineFull {
+            expected,
+            open,
+            limit,
+        } => quarantine_full(message, *expected, *open, *limit),
     }
 }
 
@@ -109,29 +116,14 @@ fn classroom_response(outcome: &Outcome) -> Response {
 /// every aggregate, which was the same thing while `demo` was the only one; now that the general
 /// door serves any aggregate, all three numbers describe `demo` alone.
 async fn state(
-    State(state): State<AppState>,
+    State(inbox): State<SharedInbox>,
 ) -> Result<extract::Json<serde_json::Value>, AppError> {
-    let (applied, deadletters, last) = state
-        .store
-        .read(|connection| {
-            connection
-                .prepare_cached(
-                    "SELECT (SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = ?1),
-                            (SELECT COUNT(*) FROM deadletters WHERE aggregate_id = ?1),
-                            COALESCE((SELECT last_sequence FROM aggregate_state
-                                       WHERE aggregate_id = ?1), 0)",
-                )?
-                .query_row([CLASSROOM_AGGREGATE], |row| {
-                    Ok((
-                        row.get::<_, i64>(0)?,
-                        row.get::<_, i64>(1)?,
-                        row.get::<_, i64>(2)?,
-                    ))
-                })
-                .map_err(AppError::from)
-        })
-        .await?;
+    let AggregateCounts {
+        applied,
+        dead_letters,
+        last,
+    } = inbox.counts(CLASSROOM_AGGREGATE.to_owned()).await?;
     Ok(extract::Json(
-        json!({"applied": applied, "deadletters": deadletters, "last": last}),
+        json!({"applied": applied, "deadletters": dead_letters, "last": last}),
     ))
 }

@@ -1,24 +1,40 @@
-//! Ordered delivery, two doors onto one engine ([`crate::ordering`]):
+//! Ordered delivery, two doors onto one inbox ([`ordered_inbox`]):
 //!
 //! - [`classroom`]: the lesson's `POST /ordered/apply` and `GET /ordered/state`, unchanged;
 //! - [`aggregates`]: the general inbox `POST /aggregates/{id}/messages` for any aggregate, with
 //!   verdicts that say what the caller can do, and the evidence (aggregate state, blocked/waiting
 //!   inventory, timeline, dead letters);
 //! - [`resolution`]: operator-approved poison resolution and its audit trail.
+//!
+//! The handlers take only the inbox ([`SharedInbox`]): the library decides, this module words the
+//! answers.
 
 mod aggregates;
 mod classroom;
 mod resolution;
+mod verdicts;
+
+use std::sync::Arc;
 
 use axum::Router;
+use axum::extract::FromRef;
 use axum::http::StatusCode;
 use axum::response::Response;
-use serde_json::Value;
+use ordered_inbox::views::{Page, PageRequest};
+use ordered_inbox::{Inbox, OrderedMessage};
+use serde::Serialize;
+use serde_json::{Value, json};
 
-use crate::app::AppState;
-use crate::error::AppError;
+use crate::error::{AppError, problem_response_with};
 
-pub fn routes() -> Router<AppState> {
+/// The inbox the handlers use, whatever store is underneath.
+pub type SharedInbox = Arc<dyn Inbox>;
+
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    SharedInbox: FromRef<S>,
+{
     Router::new()
         .merge(classroom::routes())
         .merge(aggregates::routes())
@@ -86,17 +102,49 @@ fn validate_limit(limit: Option<i64>) -> Result<i64, AppError> {
     }
 }
 
-fn validate_after(after: Option<i64>) -> Result<i64, AppError> {
-    match after {
-        None => Ok(0),
-        Some(after) if after >= 0 => Ok(after),
-        Some(_) => Err(AppError::bad_request("after must be 0 or more")),
-    }
+/// A page request from `after` (a cursor: the `next` of the previous page) and `limit`.
+fn page_request(after: Option<i64>, limit: Option<i64>) -> Result<PageRequest, AppError> {
+    let after = match after {
+        None => 0,
+        Some(after) if after >= 0 => after,
+        Some(_) => return Err(AppError::bad_request("after must be 0 or more")),
+    };
+    Ok(PageRequest {
+        after,
+        limit: validate_limit(limit)?,
+    })
 }
 
-/// A problem+json answer with extension members (e.g. a 409's `current` state).
-fn problem_with(status: StatusCode, title: &str, detail: &str, extensions: Value) -> Response {
-    crate::error::problem_response_with(status, title, Some(detail), extensions)
+/// One page of a list as the body shows it: the items under `name`, then `next`, the `after` of
+/// the following page (null at the end), and any fields the route adds first.
+fn page_body<T: Serialize>(mut head: Value, name: &str, page: Page<T>) -> Value {
+    if let Some(body) = head.as_object_mut() {
+        body.insert(name.to_owned(), json!(page.items));
+        body.insert("next".to_owned(), json!(page.next));
+    }
+    head
+}
+
+/// 429: a new poison message for an aggregate whose quarantine is full. Nothing was recorded
+/// but one (bounded) timeline observation.
+fn quarantine_full(message: &OrderedMessage, expected: i64, open: usize, limit: usize) -> Response {
+    problem_response_with(
+        StatusCode::TOO_MANY_REQUESTS,
+        "Quarantine full",
+        Some(&format!(
+            "aggregate '{}' already holds {open} open dead letters, the most it keeps ({limit}); this poison message was not recorded. Resolve the open ones, or deliver a valid message for sequence {expected}",
+            message.aggregate_id
+        )),
+        json!({
+            "outcome": "quarantine full",
+            "aggregateId": message.aggregate_id,
+            "messageId": message.message_id,
+            "expected": expected,
+            "openDeadLetters": open,
+            "limit": limit,
+            "retryable": false,
+        }),
+    )
 }
 
 #[cfg(test)]
@@ -126,5 +174,18 @@ mod tests {
         assert!(validate_sequence("sequence", MAX_SEQUENCE, 1).is_ok());
         assert!(validate_sequence("sequence", MAX_SEQUENCE + 1, 1).is_err());
         assert!(validate_sequence("sequence", 0, 1).is_err());
+    }
+
+    #[test]
+    fn a_page_body_ends_with_its_cursor() {
+        let page = Page {
+            items: vec![1, 2],
+            next: Some(2),
+        };
+        let body = page_body(json!({"aggregateId": "a"}), "events", page);
+        assert_eq!(
+            body,
+            json!({"aggregateId": "a", "events": [1, 2], "next": 2})
+        );
     }
 }

@@ -3,25 +3,31 @@
 //! `GET /resolutions`.
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use serde::Deserialize;
+use ordered_inbox::views::ResolutionRecord;
+use ordered_inbox::{Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::{
-    problem_with, validate_after, validate_aggregate_id, validate_limit, validate_message_id,
+    SharedInbox, page_body, page_request, validate_aggregate_id, validate_message_id,
     validate_sequence,
 };
-use crate::app::AppState;
-use crate::error::{AppError, Json, Path, Query, RequestBody, json_response, parse_body};
-use crate::operators;
-use crate::ordering::clock;
-use crate::ordering::resolution::{Action, ResolutionError, ResolutionRequest, Resolved, resolve};
-use crate::ordering::views::{self, ResolutionRecord};
+use crate::error::{
+    AppError, Json, Path, Query, RequestBody, json_response, parse_body, problem_response_with,
+};
 
-pub(super) fn routes() -> Router<AppState> {
+/// How to register the first operator, for answers given while there is none.
+const ADD_HINT: &str = "production-lab operator add NAME --database PATH";
+
+pub(super) fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    SharedInbox: FromRef<S>,
+{
     Router::new()
         .route(
             "/deadletters/{message_id}/resolution",
@@ -147,12 +153,9 @@ fn credential(headers: &HeaderMap) -> Result<Credential, AppError> {
 
 /// 401 with a `WWW-Authenticate` challenge; nothing was changed.
 fn unauthorized(detail: String) -> Response {
-    let mut response = AppError::Problem {
-        status: StatusCode::UNAUTHORIZED,
-        title: UNAUTHORIZED_TITLE.to_owned(),
-        detail: Some(detail),
-    }
-    .into_response();
+    let mut response =
+        AppError::problem_with_detail(StatusCode::UNAUTHORIZED, UNAUTHORIZED_TITLE, detail)
+            .into_response();
     response.headers_mut().insert(
         header::WWW_AUTHENTICATE,
         HeaderValue::from_static("Bearer realm=\"production-lab\""),
@@ -161,30 +164,22 @@ fn unauthorized(detail: String) -> Response {
 }
 
 /// The operator a request acts for, or the 401 that explains what is missing.
-async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<String, Response> {
+async fn authenticate(inbox: &SharedInbox, headers: &HeaderMap) -> Result<String, Response> {
     let credential = credential(headers).map_err(IntoResponse::into_response)?;
     let token = match &credential {
         Credential::Bearer(token) => Some(token.clone()),
         Credential::Missing | Credential::Unusable => None,
     };
-    let (operator, active) = state
-        .store
-        .read(move |connection| {
-            let operator = match &token {
-                Some(token) => operators::authenticate(connection, token)?,
-                None => None,
-            };
-            Ok::<_, AppError>((operator, operators::active_count(connection)?))
-        })
+    let check = inbox
+        .check_operator(token)
         .await
-        .map_err(IntoResponse::into_response)?;
-    if let Some(operator) = operator {
+        .map_err(|error| AppError::from(error).into_response())?;
+    if let Some(operator) = check.operator {
         return Ok(operator);
     }
-    let detail = if active == 0 {
+    let detail = if check.active == 0 {
         format!(
-            "no operator is registered yet: run `{}` on the server's database file, then send Authorization: Bearer TOKEN with the printed token",
-            operators::ADD_HINT
+            "no operator is registered yet: run `{ADD_HINT}` on the server's database file, then send Authorization: Bearer TOKEN with the printed token"
         )
     } else {
         match credential {
@@ -202,7 +197,7 @@ async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<String, R
 
 /// `POST /deadletters/{messageId}/resolution[?dryRun=true]`.
 async fn resolve_dead_letter(
-    State(state): State<AppState>,
+    State(inbox): State<SharedInbox>,
     Path(dead_letter_id): Path<String>,
     Query(options): Query<ResolutionOptions>,
     headers: HeaderMap,
@@ -210,68 +205,112 @@ async fn resolve_dead_letter(
 ) -> Result<Response, AppError> {
     validate_message_id("messageId", &dead_letter_id)?;
     // Authority comes before the body is even looked at: an unauthenticated caller learns nothing.
-    let operator = match authenticate(&state, &headers).await {
+    let operator = match authenticate(&inbox, &headers).await {
         Ok(operator) => operator,
         Err(response) => return Ok(response),
     };
     let Json(input) = body?;
     let request = input.into_request(dead_letter_id, operator)?;
-    let dry_run = options.dry_run.unwrap_or(false);
-    let resolved = state
-        .store
-        .write(move |connection| resolve(connection, &request, dry_run, &clock::now()))
-        .await;
-    Ok(match resolved {
+    let mode = if options.dry_run.unwrap_or(false) {
+        Mode::DryRun
+    } else {
+        Mode::Commit
+    };
+    Ok(match inbox.resolve(request, mode).await {
         Ok(Resolved::New(record) | Resolved::Repeated(record)) => {
-            json_response(StatusCode::OK, resolution_body("resolved", false, &record))
+            resolution_answer("resolved", false, record)
         }
-        Ok(Resolved::DryRun(record)) => {
-            json_response(StatusCode::OK, resolution_body("dry run", true, &record))
-        }
+        Ok(Resolved::DryRun(record)) => resolution_answer("dry run", true, record),
         Err(error) => refusal(error),
     })
 }
 
-fn resolution_body(outcome: &str, dry_run: bool, record: &ResolutionRecord) -> Value {
-    let mut body = json!({"outcome": outcome, "dryRun": dry_run});
-    if let (Some(body), Ok(Value::Object(record))) =
-        (body.as_object_mut(), serde_json::to_value(record))
-    {
-        body.extend(record);
-    }
-    body
+/// A resolution's body: the outcome, then the audit record's members.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ResolutionAnswer {
+    outcome: &'static str,
+    dry_run: bool,
+    #[serde(flatten)]
+    record: ResolutionRecord,
+}
+
+fn resolution_answer(outcome: &'static str, dry_run: bool, record: ResolutionRecord) -> Response {
+    let body = ResolutionAnswer {
+        outcome,
+        dry_run,
+        record,
+    };
+    (StatusCode::OK, axum::Json(body)).into_response()
 }
 
 fn refusal(error: ResolutionError) -> Response {
     match error {
-        ResolutionError::NotFound(message_id) => AppError::Problem {
-            status: StatusCode::NOT_FOUND,
-            title: "No such dead letter".to_owned(),
-            detail: Some(format!("no dead letter has message id '{message_id}'")),
-        }
+        ResolutionError::NotFound(message_id) => AppError::problem_with_detail(
+            StatusCode::NOT_FOUND,
+            "No such dead letter",
+            format!("no dead letter has message id '{message_id}'"),
+        )
         .into_response(),
-        ResolutionError::Conflict {
-            title,
-            detail,
-            current,
-        } => problem_with(
-            StatusCode::CONFLICT,
-            title,
-            &detail,
-            json!({"current": current}),
-        ),
-        ResolutionError::ReplacementQuarantined { reason } => AppError::Problem {
-            status: StatusCode::UNPROCESSABLE_ENTITY,
-            title: "The replacement would be quarantined".to_owned(),
-            detail: Some(format!(
-                "the ordering policy rejects the replacement too ({reason}); nothing was changed"
-            )),
+        ResolutionError::Conflict { kind, current } => {
+            let (title, detail) = conflict_words(&kind);
+            problem_response_with(
+                StatusCode::CONFLICT,
+                title,
+                Some(&detail),
+                json!({"current": current}),
+            )
         }
+        ResolutionError::ReplacementQuarantined(reason) => AppError::problem_with_detail(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "The replacement would be quarantined",
+            format!(
+                "the ordering policy rejects the replacement too ({reason}); nothing was changed"
+            ),
+        )
         .into_response(),
         ResolutionError::Unauthorized => {
             unauthorized("the operator's token was revoked before the change".to_owned())
         }
-        ResolutionError::Store(error) => AppError::Store(error).into_response(),
+        ResolutionError::Store(error) => AppError::from(error).into_response(),
+    }
+}
+
+/// The title and detail of a 409: what failed, and what the operator can do.
+fn conflict_words(kind: &ConflictKind) -> (&'static str, String) {
+    const NOT_NEXT: &str = "The dead letter does not hold the next sequence";
+    match kind {
+        ConflictKind::AlreadyResolved => (
+            "The dead letter is already resolved",
+            "a different resolution was recorded for it; only an identical repeat by the same operator answers 200".to_owned(),
+        ),
+        ConflictKind::NotOpen(status) => (
+            "The dead letter is not open",
+            format!("it is {status}: another message already took its sequence"),
+        ),
+        ConflictKind::SequenceUnknown => (
+            "The dead letter's sequence is unknown",
+            "it was recorded by an earlier version that kept no sequence or payload; send a corrected message under a new id instead".to_owned(),
+        ),
+        ConflictKind::ExpectedLastMismatch {
+            expected_last,
+            last,
+        } => (
+            "The aggregate is not at the expected last sequence",
+            format!(
+                "expectedLast is {expected_last} but the aggregate's last sequence is {last}: review the current state and decide again"
+            ),
+        ),
+        ConflictKind::NotNextSequence { sequence, needed } => (
+            NOT_NEXT,
+            format!("it holds sequence {sequence}, and the aggregate needs {needed}"),
+        ),
+        ConflictKind::ReplacementIdUsed { message_id } => (
+            "The replacement's message id is already used",
+            format!(
+                "message id '{message_id}' is already known; a replacement is a new message and needs a new id"
+            ),
+        ),
     }
 }
 
@@ -286,26 +325,16 @@ struct AuditQuery {
 /// `GET /resolutions?aggregateId=&after=&limit=`: who resolved what, when, why, and the
 /// aggregate's last before and after, oldest first.
 async fn audit_trail(
-    State(state): State<AppState>,
+    State(inbox): State<SharedInbox>,
     Query(query): Query<AuditQuery>,
 ) -> Result<Response, AppError> {
     if let Some(aggregate_id) = query.aggregate_id.as_deref() {
         validate_aggregate_id("aggregateId", aggregate_id)?;
     }
-    let after = validate_after(query.after)?;
-    let limit = validate_limit(query.limit)?;
-    let records = state
-        .store
-        .read(move |connection| {
-            views::resolutions(connection, query.aggregate_id.as_deref(), after, limit)
-                .map_err(AppError::from)
-        })
-        .await?;
-    let next = (records.len() as i64 == limit)
-        .then(|| records.last().and_then(|record| record.resolution_id))
-        .flatten();
+    let page = page_request(query.after, query.limit)?;
+    let records = inbox.resolutions(query.aggregate_id, page).await?;
     Ok(json_response(
         StatusCode::OK,
-        json!({"resolutions": records, "next": next}),
+        page_body(json!({}), "resolutions", records),
     ))
 }

@@ -1,0 +1,228 @@
+//! The general door's answer to each verdict: what happened, and what the caller can do about it.
+//! One serializable type per verdict; the wording lives here, the decision in the library.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use ordered_inbox::delivery::AppliedRecord;
+use ordered_inbox::{DeadLetterNote, DeadLetterStatus, OrderedMessage, Outcome, QuarantineReason};
+use serde::Serialize;
+
+use super::quarantine_full;
+
+/// Each verdict with its status code.
+pub(super) fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Response {
+    let about = About {
+        aggregate_id: &message.aggregate_id,
+        message_id: &message.message_id,
+    };
+    match outcome {
+        Outcome::Applied {
+            sequence,
+            total,
+            superseded,
+        } => answer(StatusCode::OK, applied(about, sequence, total, superseded)),
+        Outcome::Replay { original } => answer(StatusCode::OK, replay(about, original)),
+        Outcome::Gap { expected } => answer(StatusCode::CONFLICT, gap(about, message, expected)),
+        Outcome::Stale { expected } => {
+            answer(StatusCode::CONFLICT, stale(about, message, expected))
+        }
+        Outcome::PayloadConflict => answer(StatusCode::CONFLICT, payload_conflict(about)),
+        Outcome::Quarantined {
+            expected,
+            reason,
+            dead_letter,
+        } => answer(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            quarantined(about, message, expected, reason, dead_letter),
+        ),
+        Outcome::QuarantineFull {
+            expected,
+            open,
+            limit,
+        } => quarantine_full(message, expected, open, limit),
+    }
+}
+
+fn answer(status: StatusCode, body: impl Serialize) -> Response {
+    (status, axum::Json(body)).into_response()
+}
+
+/// The members every verdict starts with.
+#[derive(Clone, Copy, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct About<'a> {
+    aggregate_id: &'a str,
+    message_id: &'a str,
+}
+
+#[derive(Serialize)]
+struct Applied<'a> {
+    outcome: &'static str,
+    #[serde(flatten)]
+    about: About<'a>,
+    sequence: i64,
+    last: i64,
+    total: i64,
+    superseded: Vec<String>,
+}
+
+fn applied(about: About<'_>, sequence: i64, total: i64, superseded: Vec<String>) -> Applied<'_> {
+    Applied {
+        outcome: "applied",
+        about,
+        sequence,
+        last: sequence,
+        total,
+        superseded,
+    }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Original {
+    outcome: &'static str,
+    sequence: i64,
+    applied_at: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Replay<'a> {
+    outcome: &'static str,
+    #[serde(flatten)]
+    about: About<'a>,
+    original: Original,
+    retryable: bool,
+    action: &'static str,
+}
+
+fn replay(about: About<'_>, original: AppliedRecord) -> Replay<'_> {
+    Replay {
+        outcome: "replay",
+        about,
+        original: Original {
+            outcome: "applied",
+            sequence: original.sequence,
+            applied_at: original.applied_at,
+        },
+        retryable: false,
+        action: "nothing to do: this message was already applied and changed nothing now",
+    }
+}
+
+/// A gap or a stale sequence: where the message stands against the aggregate.
+#[derive(Serialize)]
+struct OutOfOrder<'a> {
+    outcome: &'static str,
+    #[serde(flatten)]
+    about: About<'a>,
+    sequence: i64,
+    expected: i64,
+    retryable: bool,
+    action: String,
+}
+
+fn gap<'a>(about: About<'a>, message: &OrderedMessage, expected: i64) -> OutOfOrder<'a> {
+    OutOfOrder {
+        outcome: "gap",
+        about,
+        sequence: message.sequence,
+        expected,
+        retryable: true,
+        action: format!("deliver sequence {expected} first, then retry this message unchanged"),
+    }
+}
+
+fn stale<'a>(about: About<'a>, message: &OrderedMessage, expected: i64) -> OutOfOrder<'a> {
+    OutOfOrder {
+        outcome: "stale",
+        about,
+        sequence: message.sequence,
+        expected,
+        retryable: false,
+        action: format!(
+            "sequence {} was already taken by another message; do not retry",
+            message.sequence
+        ),
+    }
+}
+
+#[derive(Serialize)]
+struct PayloadConflict<'a> {
+    outcome: &'static str,
+    #[serde(flatten)]
+    about: About<'a>,
+    retryable: bool,
+    action: &'static str,
+}
+
+fn payload_conflict(about: About<'_>) -> PayloadConflict<'_> {
+    PayloadConflict {
+        outcome: "payload conflict",
+        about,
+        retryable: false,
+        action: "this message id already carries other content and never changes meaning; send new content under a new message id",
+    }
+}
+
+#[derive(Serialize)]
+struct DeadLetterState {
+    status: DeadLetterStatus,
+    observations: Option<i64>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct NextStep {
+    requires_operator: bool,
+    how: String,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Quarantined<'a> {
+    outcome: &'static str,
+    #[serde(flatten)]
+    about: About<'a>,
+    sequence: i64,
+    expected: i64,
+    reason: QuarantineReason,
+    retryable: bool,
+    dead_letter: DeadLetterState,
+    resolution: NextStep,
+}
+
+fn quarantined<'a>(
+    about: About<'a>,
+    message: &OrderedMessage,
+    expected: i64,
+    reason: QuarantineReason,
+    note: Option<DeadLetterNote>,
+) -> Quarantined<'a> {
+    let status = note.map_or(DeadLetterStatus::Open, |note| note.status);
+    let resolution = if status == DeadLetterStatus::Open {
+        NextStep {
+            requires_operator: true,
+            how: format!(
+                "an operator resolves it with POST /deadletters/{{messageId}}/resolution (replace or skip), or a corrected message under a new id takes sequence {expected}"
+            ),
+        }
+    } else {
+        NextStep {
+            requires_operator: false,
+            how: format!("the dead letter is already {status}; nothing to do"),
+        }
+    };
+    Quarantined {
+        outcome: "quarantined",
+        about,
+        sequence: message.sequence,
+        expected,
+        reason,
+        retryable: false,
+        dead_letter: DeadLetterState {
+            status,
+            observations: note.map(|note| note.observations),
+        },
+        resolution,
+    }
+}
