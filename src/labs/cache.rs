@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,14 +20,14 @@ use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, Shared};
 use moka::future::Cache;
 use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::app::{AppState, StartupContext};
 use crate::aspnet::{is_blank_or_longer_than, query_flag};
 use crate::config::StartupError;
 use crate::error::{AppError, Json, Path, Query, RequestBody};
+use crate::labs::gate::LabGate;
+use crate::startup::StartupContext;
 use crate::store::Store;
 
 /// How long a loaded value stays fresh, as the seed's one-minute expiration.
@@ -75,7 +75,12 @@ struct SharedView {
     generation: u64,
 }
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Store: FromRef<S>,
+    CacheLab: FromRef<S>,
+{
     Router::new()
         .route("/cache/catalog", get(read_catalog).post(write_catalog))
         .route("/cache/shared", get(read_shared))
@@ -84,9 +89,10 @@ pub fn routes() -> Router<AppState> {
         .route("/lab/cache/reset", post(reset))
 }
 
-async fn read_catalog(State(state): State<AppState>) -> Result<Response, AppError> {
-    let lab = &state.cache;
-    let store = state.store.clone();
+async fn read_catalog(
+    State(store): State<Store>,
+    State(lab): State<CacheLab>,
+) -> Result<Response, AppError> {
     let probe = lab.probe.clone();
     let view = lab
         .catalog
@@ -130,7 +136,8 @@ impl RequestBody for CatalogInput {
 }
 
 async fn write_catalog(
-    State(state): State<AppState>,
+    State(store): State<Store>,
+    State(lab): State<CacheLab>,
     Query(query): Query<Vec<(String, String)>>,
     Json(input): Json<CatalogInput>,
 ) -> Result<Response, AppError> {
@@ -141,8 +148,7 @@ async fn write_catalog(
             "name must be 1 to {MAX_NAME} characters and not blank"
         )));
     }
-    state
-        .store
+    store
         .write(move |connection| {
             let changed = connection.execute(
                 "UPDATE catalog_cache SET name = ?1, version = version + 1 WHERE id = 1",
@@ -165,14 +171,13 @@ async fn write_catalog(
         })
         .await?;
     // Only now is the new row durable, so only now may the cached copy go.
-    state.cache.catalog.invalidate().await;
+    lab.catalog.invalidate().await;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn read_shared(State(state): State<AppState>) -> Result<Response, AppError> {
-    let probe = state.cache.probe.clone();
-    let view = state
-        .cache
+async fn read_shared(State(lab): State<CacheLab>) -> Result<Response, AppError> {
+    let probe = lab.probe.clone();
+    let view = lab
         .shared
         .get_or_load(move || async move {
             let generation = probe.factories.fetch_add(1, Ordering::SeqCst) + 1;
@@ -193,8 +198,8 @@ struct CacheStats {
     factories: u64,
 }
 
-async fn stats(State(state): State<AppState>) -> Response {
-    let probe = &state.cache.probe;
+async fn stats(State(lab): State<CacheLab>) -> Response {
+    let probe = &lab.probe;
     axum::Json(CacheStats {
         reads: probe.reads.load(Ordering::SeqCst),
         factories: probe.factories.load(Ordering::SeqCst),
@@ -203,57 +208,16 @@ async fn stats(State(state): State<AppState>) -> Response {
 }
 
 async fn set_gate(
-    State(state): State<AppState>,
+    State(lab): State<CacheLab>,
     Path(action): Path<String>,
 ) -> Result<Response, AppError> {
-    state.cache.probe.gate.apply(&action)?;
+    lab.probe.gate.apply(&action)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn reset(State(state): State<AppState>) -> Response {
-    state.cache.shared.invalidate().await;
+async fn reset(State(lab): State<CacheLab>) -> Response {
+    lab.shared.invalidate().await;
     StatusCode::NO_CONTENT.into_response()
-}
-
-/// A lab switch that holds work until it is opened again. Open at start.
-#[derive(Clone)]
-pub struct LabGate {
-    open: Arc<watch::Sender<bool>>,
-}
-
-impl Default for LabGate {
-    fn default() -> Self {
-        LabGate {
-            open: Arc::new(watch::Sender::new(true)),
-        }
-    }
-}
-
-impl LabGate {
-    /// Applies the path's action: `close` or `open` (exactly); anything else is a 400.
-    pub fn apply(&self, action: &str) -> Result<(), AppError> {
-        match action {
-            "close" => self.open.send_replace(false),
-            "open" => self.open.send_replace(true),
-            other => {
-                return Err(AppError::bad_request(format!(
-                    "gate action must be 'close' or 'open', not '{other}'"
-                )));
-            }
-        };
-        Ok(())
-    }
-
-    pub fn is_open(&self) -> bool {
-        *self.open.borrow()
-    }
-
-    /// Resolves once the gate is open (at once if it already is).
-    pub async fn passed(&self) {
-        let mut open = self.open.subscribe();
-        // Err only if the sender is gone, and `self` holds it.
-        let _ = open.wait_for(|open| *open).await;
-    }
 }
 
 /// Why a read-through value could not be produced. Never cached: the next caller tries again.
@@ -435,19 +399,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_gate_knows_only_close_and_open() {
-        let gate = LabGate::default();
-        assert!(gate.is_open());
-        gate.apply("close").unwrap();
-        assert!(!gate.is_open());
-        assert!(gate.apply("Close").is_err());
-        assert!(gate.apply("shut").is_err());
-        assert!(!gate.is_open());
-        gate.apply("open").unwrap();
-        assert!(gate.is_open());
-    }
 
     /// One coalesced entry whose factory counts its runs and waits at a closed gate.
     struct GatedLoads {

@@ -12,7 +12,7 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -21,13 +21,16 @@ use rusqlite::{OptionalExtension, params};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::app::AppState;
 use crate::aspnet::{is_blank_or_longer_than, optional_flag};
 use crate::dotnet_json::ObjectWriter;
 use crate::error::{AppError, Json, Path, Query, RequestBody, json_response};
-use crate::store::{StoreError, is_constraint};
+use crate::store::{Store, StoreError, is_constraint};
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Store: FromRef<S>,
+{
     Router::new()
         .route("/messaging/counts", get(counts))
         .route("/outbox/orders", post(create_order))
@@ -115,7 +118,7 @@ impl IntoResponse for CreateOrderError {
 }
 
 async fn create_order(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Query(fault): Query<FaultQuery>,
     Json(input): Json<CreateOrder>,
 ) -> Result<Response, CreateOrderError> {
@@ -132,8 +135,7 @@ async fn create_order(
     }
     let quantity = input.quantity;
     let fail_before_commit = fault.fail_before_commit == Some(true);
-    state
-        .store
+    store
         .write(move |connection| {
             // The order and the event that announces it commit together or not at all.
             connection.execute(
@@ -179,7 +181,7 @@ struct Claimed {
 }
 
 async fn claim(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Path(owner): Path<String>,
 ) -> Result<Response, AppError> {
     if !OWNERS.contains(&owner.as_str()) {
@@ -188,8 +190,7 @@ async fn claim(
             OWNERS[0], OWNERS[1]
         )));
     }
-    let claimed = state
-        .store
+    let claimed = store
         .write(move |connection| {
             // The clock is read when the work runs on the writer, not when the request arrived:
             // a lease is measured from the moment it is granted.
@@ -230,12 +231,11 @@ struct AckQuery {
 }
 
 async fn ack(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Path((id, owner)): Path<(i64, String)>,
     Query(AckQuery { generation }): Query<AckQuery>,
 ) -> Result<Response, AppError> {
-    let changed = state
-        .store
+    let changed = store
         .write(move |connection| {
             connection
                 .execute(
@@ -315,14 +315,13 @@ enum InboxOutcome {
 }
 
 async fn apply_inbox(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Query(fault): Query<FaultQuery>,
     Json(input): Json<InboxInput>,
 ) -> Result<Response, AppError> {
     let delivery = input.validate()?;
     let fail_before_commit = fault.fail_before_commit == Some(true);
-    let outcome = state
-        .store
+    let outcome = store
         .write(move |connection| {
             let prior: Option<String> = connection
                 .query_row(
@@ -378,9 +377,8 @@ struct Counts {
     effects: i64,
 }
 
-async fn counts(State(state): State<AppState>) -> Result<extract::Json<Counts>, AppError> {
-    let counts = state
-        .store
+async fn counts(State(store): State<Store>) -> Result<extract::Json<Counts>, AppError> {
+    let counts = store
         .read(|connection| {
             connection
                 .query_row(
