@@ -40,6 +40,19 @@ impl AppError {
             detail: None,
         }
     }
+
+    /// A problem whose `detail` says what happened and what the caller can do about it.
+    pub fn problem_with_detail(
+        status: StatusCode,
+        title: impl Into<String>,
+        detail: impl Into<String>,
+    ) -> Self {
+        AppError::Problem {
+            status,
+            title: title.into(),
+            detail: Some(detail.into()),
+        }
+    }
 }
 
 impl From<rusqlite::Error> for AppError {

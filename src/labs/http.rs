@@ -234,11 +234,11 @@ fn load_document(connection: &Connection) -> rusqlite::Result<Option<DocumentVie
 }
 
 fn document_missing() -> AppError {
-    AppError::Problem {
-        status: StatusCode::NOT_FOUND,
-        title: "The document does not exist".to_owned(),
-        detail: Some("documents row 1 is missing from the database".to_owned()),
-    }
+    AppError::problem_with_detail(
+        StatusCode::NOT_FOUND,
+        "The document does not exist",
+        "documents row 1 is missing from the database",
+    )
 }
 
 #[derive(Debug, Deserialize)]
@@ -283,13 +283,12 @@ async fn write_document(
     let body = input.validate()?;
     let condition = etag::if_match(&headers)
         .map_err(|malformed| AppError::bad_request(malformed.to_string()))?
-        .ok_or_else(|| AppError::Problem {
-            status: StatusCode::PRECONDITION_REQUIRED,
-            title: "If-Match is required".to_owned(),
-            detail: Some(
-                "send If-Match with the ETag from GET /documents/1, or * for any version"
-                    .to_owned(),
-            ),
+        .ok_or_else(|| {
+            AppError::problem_with_detail(
+                StatusCode::PRECONDITION_REQUIRED,
+                "If-Match is required",
+                "send If-Match with the ETag from GET /documents/1, or * for any version",
+            )
         })?;
     if pause_requested(&headers)? {
         // Parks before the transaction: the version is read only after the release.
@@ -357,11 +356,11 @@ fn precondition_failed(current: Option<i64>) -> AppError {
         ),
         None => "the document does not exist".to_owned(),
     };
-    AppError::Problem {
-        status: StatusCode::PRECONDITION_FAILED,
-        title: "Precondition Failed".to_owned(),
-        detail: Some(detail),
-    }
+    AppError::problem_with_detail(
+        StatusCode::PRECONDITION_FAILED,
+        "Precondition Failed",
+        detail,
+    )
 }
 
 /// `X-Lab-Pause: true` asks the probe to park this writer; `false` or no header does not.

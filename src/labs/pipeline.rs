@@ -108,13 +108,12 @@ fn validate(input: PipelineInput, headers: &HeaderMap) -> Result<PipelineRequest
     let request_id = idempotency_key(headers)?;
     let condition = if_match(headers)
         .map_err(|error| AppError::bad_request(error.to_string()))?
-        .ok_or_else(|| AppError::Problem {
-            status: StatusCode::PRECONDITION_REQUIRED,
-            title: "Precondition Required".to_owned(),
-            detail: Some(
-                "send If-Match with the document's current entity tag (see GET /pipeline/state)"
-                    .to_owned(),
-            ),
+        .ok_or_else(|| {
+            AppError::problem_with_detail(
+                StatusCode::PRECONDITION_REQUIRED,
+                "Precondition Required",
+                "send If-Match with the document's current entity tag (see GET /pipeline/state)",
+            )
         })?;
     let receipt = ObjectWriter::new()
         .integer("Quantity", i64::from(input.quantity))
@@ -223,13 +222,11 @@ async fn run_pipeline(
             json!({"error": "Request changed or the saved receipt is no longer current"}),
         ),
         PipelineOutcome::Stale { current } => {
-            return Err(AppError::Problem {
-                status: StatusCode::PRECONDITION_FAILED,
-                title: "Precondition Failed".to_owned(),
-                detail: Some(format!(
-                    "If-Match does not match the document's current entity tag \"v{current}\""
-                )),
-            });
+            return Err(AppError::problem_with_detail(
+                StatusCode::PRECONDITION_FAILED,
+                "Precondition Failed",
+                format!("If-Match does not match the document's current entity tag \"v{current}\""),
+            ));
         }
     })
 }

@@ -243,13 +243,13 @@ async fn enqueue(
     match lab.queue.try_send(item) {
         Ok(()) => {}
         Err(TrySendError::Full(_)) => {
-            return Err(AppError::Problem {
-                status: StatusCode::TOO_MANY_REQUESTS,
-                title: "The work queue is full".to_owned(),
-                detail: Some(format!(
+            return Err(AppError::problem_with_detail(
+                StatusCode::TOO_MANY_REQUESTS,
+                "The work queue is full",
+                format!(
                     "{QUEUE_CAPACITY} items are already waiting for the worker; try again later"
-                )),
-            });
+                ),
+            ));
         }
         Err(TrySendError::Closed(_)) => return Err(shutting_down()),
     }
