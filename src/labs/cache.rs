@@ -51,6 +51,65 @@ impl CacheLab {
             probe: Arc::new(CacheProbe::default()),
         })
     }
+
+    /// The callers of `GET /cache/shared`: how many wait for the value right now, and how many
+    /// were dropped before their answer (their client went away and the server dropped the
+    /// request). Tests wait on these instead of on time.
+    pub fn shared_callers(&self) -> CallerCounts {
+        self.shared.callers.counts()
+    }
+}
+
+/// Callers of one cache entry, see [`CacheLab::shared_callers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallerCounts {
+    pub waiting: u64,
+    pub dropped: u64,
+}
+
+#[derive(Default)]
+struct CallerEvidence {
+    waiting: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl CallerEvidence {
+    fn counts(&self) -> CallerCounts {
+        CallerCounts {
+            waiting: self.waiting.load(Ordering::SeqCst),
+            dropped: self.dropped.load(Ordering::SeqCst),
+        }
+    }
+}
+
+/// One caller inside [`CoalescedEntry::get_or_load`]. It lives in the request's future, so when
+/// the server drops that future (the client went away) its `Drop` counts the caller as dropped.
+struct Caller<'a> {
+    evidence: &'a CallerEvidence,
+    answered: bool,
+}
+
+impl<'a> Caller<'a> {
+    fn arrive(evidence: &'a CallerEvidence) -> Self {
+        evidence.waiting.fetch_add(1, Ordering::SeqCst);
+        Caller {
+            evidence,
+            answered: false,
+        }
+    }
+
+    fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Caller<'_> {
+    fn drop(&mut self) {
+        self.evidence.waiting.fetch_sub(1, Ordering::SeqCst);
+        if !self.answered {
+            self.evidence.dropped.fetch_add(1, Ordering::SeqCst);
+        }
+    }
 }
 
 /// What the lab counts: catalog rows read by the factory, and shared-factory runs.
@@ -260,6 +319,7 @@ struct CoalescedEntry<V> {
     epoch: Arc<AtomicU64>,
     flight: Arc<Mutex<Option<Flight<V>>>>,
     flight_ids: Arc<AtomicU64>,
+    callers: Arc<CallerEvidence>,
     tasks: TaskTracker,
     shutdown: CancellationToken,
 }
@@ -272,6 +332,7 @@ impl<V> Clone for CoalescedEntry<V> {
             epoch: self.epoch.clone(),
             flight: self.flight.clone(),
             flight_ids: self.flight_ids.clone(),
+            callers: self.callers.clone(),
             tasks: self.tasks.clone(),
             shutdown: self.shutdown.clone(),
         }
@@ -295,6 +356,7 @@ where
             epoch: Arc::new(AtomicU64::new(0)),
             flight: Arc::new(Mutex::new(None)),
             flight_ids: Arc::new(AtomicU64::new(0)),
+            callers: Arc::new(CallerEvidence::default()),
             tasks,
             shutdown,
         }
@@ -306,11 +368,15 @@ where
         F: FnOnce() -> Fut,
         Fut: Future<Output = FlightResult<V>> + Send + 'static,
     {
+        let caller = Caller::arrive(&self.callers);
         let epoch = self.epoch.load(Ordering::SeqCst);
-        self.cache
+        let result = self
+            .cache
             .try_get_with(epoch, self.join_or_start(epoch, factory))
             .await
-            .map_err(|failure| (*failure).clone())
+            .map_err(|failure| (*failure).clone());
+        caller.answered();
+        result
     }
 
     /// Drops the cached value; the next read starts a new factory run even if one is running now.
@@ -453,18 +519,25 @@ mod tests {
     #[tokio::test]
     async fn a_cancelled_caller_neither_stops_the_flight_nor_starts_another() {
         let fixture = GatedLoads::new();
-        let (runs, gate) = (&fixture.runs, &fixture.gate);
+        let (entry, runs, gate) = (&fixture.entry, &fixture.runs, &fixture.gate);
         // The first caller runs moka's init future; the second waits behind it.
         let runner = tokio::spawn(fixture.load());
         while runs.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
         let waiter = tokio::spawn(fixture.load());
-        for _ in 0..10 {
+        while entry.callers.counts().waiting < 2 {
             tokio::task::yield_now().await;
         }
         runner.abort();
         assert!(runner.await.unwrap_err().is_cancelled());
+        assert_eq!(
+            entry.callers.counts(),
+            CallerCounts {
+                waiting: 1,
+                dropped: 1
+            }
+        );
         for _ in 0..10 {
             tokio::task::yield_now().await;
         }
@@ -472,5 +545,13 @@ mod tests {
         assert_eq!(waiter.await.unwrap().unwrap(), 1);
         assert_eq!(fixture.load().await.unwrap(), 1);
         assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            entry.callers.counts(),
+            CallerCounts {
+                waiting: 0,
+                dropped: 1
+            },
+            "answered callers are not counted as dropped"
+        );
     }
 }
