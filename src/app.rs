@@ -41,6 +41,7 @@ pub struct AppState {
     pub shutdown: CancellationToken,
     /// Background tasks that shutdown waits for (bounded by [`SHUTDOWN_GRACE`]).
     pub tasks: TaskTracker,
+    pub messaging: labs::messaging::MessagingLab,
     pub http: labs::http::HttpLab,
     pub cache: labs::cache::CacheLab,
     pub security: labs::security::SecurityLab,
@@ -90,6 +91,7 @@ impl Application {
             tasks: &tasks,
         };
         let state = AppState {
+            messaging: labs::messaging::MessagingLab::new(&context)?,
             http: labs::http::HttpLab::new(&context)?,
             cache: labs::cache::CacheLab::new(&context)?,
             security: labs::security::SecurityLab::new(&context)?,

@@ -3,6 +3,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -20,6 +21,8 @@ pub struct Config {
     /// `*` or `;`-separated host names (ports ignored).
     pub allowed_hosts: String,
     pub synchronous: Synchronous,
+    /// How long an outbox claim holds its event; the seed's 500 ms unless a test shortens it.
+    pub outbox_lease: Duration,
 }
 
 /// SQLite's `synchronous` pragma for the write connection. FULL is the durable default.
@@ -40,6 +43,7 @@ impl Synchronous {
 
 pub const DEFAULT_URLS: &str = "http://127.0.0.1:5080";
 pub const DEFAULT_KNOWN_PROXY: IpAddr = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 10));
+pub const DEFAULT_OUTBOX_LEASE: Duration = Duration::from_millis(500);
 
 impl Config {
     /// A Development configuration on an ephemeral loopback port, for tests and benchmarks.
@@ -52,6 +56,7 @@ impl Config {
             known_proxy: DEFAULT_KNOWN_PROXY,
             allowed_hosts: "*".to_owned(),
             synchronous: Synchronous::Full,
+            outbox_lease: DEFAULT_OUTBOX_LEASE,
         }
     }
 }

@@ -286,6 +286,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         known_proxy: args.known_proxy,
         allowed_hosts: args.allowed_hosts,
         synchronous: args.synchronous,
+        outbox_lease: config::DEFAULT_OUTBOX_LEASE,
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {

@@ -2,7 +2,8 @@
 //! generation, and an idempotent inbox that applies a message's effect once.
 //!
 //! - `POST /outbox/orders?failBeforeCommit=` writes the order row and its outbox event together.
-//! - `POST /outbox/claim/{owner}` leases the oldest claimable event to `one` or `two` for 500 ms.
+//! - `POST /outbox/claim/{owner}` leases the oldest claimable event to `one` or `two` for 500 ms
+//!   (the seed's lease; [`crate::config::Config::outbox_lease`] changes it).
 //! - `POST /outbox/ack/{id}/{owner}?generation=N` marks it sent only for the current lease holder.
 //! - `POST /inbox/apply?failBeforeCommit=` applies `demo` once; an identical redelivery is a replay.
 //! - `GET /messaging/counts` shows the rows behind all of it.
@@ -22,14 +23,32 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::aspnet::{is_blank_or_longer_than, optional_flag};
+use crate::config::StartupError;
 use crate::dotnet_json::ObjectWriter;
 use crate::error::{AppError, Json, Path, Query, RequestBody, json_response};
+use crate::startup::StartupContext;
 use crate::store::{Store, StoreError, is_constraint};
+
+/// The messaging lab's own state: how long a claim holds its event.
+#[derive(Clone)]
+pub struct MessagingLab {
+    lease_millis: i64,
+}
+
+impl MessagingLab {
+    pub fn new(context: &StartupContext<'_>) -> Result<Self, StartupError> {
+        Ok(MessagingLab {
+            lease_millis: i64::try_from(context.config.outbox_lease.as_millis())
+                .unwrap_or(i64::MAX),
+        })
+    }
+}
 
 pub fn routes<S>() -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
     Store: FromRef<S>,
+    MessagingLab: FromRef<S>,
 {
     Router::new()
         .route("/messaging/counts", get(counts))
@@ -39,8 +58,6 @@ where
         .route("/inbox/apply", post(apply_inbox))
 }
 
-/// How long a claim holds an event before another owner may take it over.
-pub const LEASE_MILLIS: i64 = 500;
 /// The one order and the one inbox message the classroom fixture accepts.
 const CLASSROOM_ID: &str = "demo";
 /// The two relay owners that may claim events.
@@ -182,6 +199,7 @@ struct Claimed {
 
 async fn claim(
     State(store): State<Store>,
+    State(lab): State<MessagingLab>,
     Path(owner): Path<String>,
 ) -> Result<Response, AppError> {
     if !OWNERS.contains(&owner.as_str()) {
@@ -204,7 +222,7 @@ async fn claim(
                                    AND (lease_until IS NULL OR lease_until <= ?3)
                                  ORDER BY id LIMIT 1)
                      RETURNING id, payload, attempts",
-                    params![owner, now + LEASE_MILLIS, now],
+                    params![owner, now.saturating_add(lab.lease_millis), now],
                     |row| {
                         Ok(Claimed {
                             id: row.get(0)?,
