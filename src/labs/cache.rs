@@ -305,15 +305,23 @@ type FlightResult<V> = Result<V, LoadFailure>;
 /// One logical cache entry, read through a moka cache whose concurrent callers share one factory
 /// run.
 ///
-/// Two gaps in plain `try_get_with` are closed here (see the moka row of the crate notes):
-/// - If the caller that runs the init future disconnects, moka lets the next waiter run its own
-///   init. So the factory runs as a task of its own (a *flight*, tracked for shutdown) and every
-///   init future only joins the flight of its epoch: a disconnect neither cancels the run nor
-///   starts a second one. The flight also inserts its value itself, so a value finished while no
-///   caller was waiting is not lost.
-/// - `invalidate` cannot stop a running factory from inserting its value afterwards. So the moka
-///   key is an *epoch* that every invalidation moves on: a late value lands under an epoch
-///   nobody reads any more, and the next read starts a fresh flight.
+/// moka 0.12's `try_get_with` already makes concurrent callers of one key wait for a single
+/// init future, but it runs that future *inside the first caller's own future*, and it does not
+/// know about invalidation. The seed's .NET `HybridCache` keeps one factory run going for all
+/// waiters whoever leaves, so two gaps are closed here:
+/// - If the caller that runs the init future disconnects, the server drops its future, moka
+///   cancels the init with it and lets the next waiter run its own init: a second factory run.
+///   So the factory runs as a task of its own (a *flight*, tracked for shutdown) and every init
+///   future only joins the flight of its epoch: a disconnect neither cancels the run nor starts a
+///   second one. The flight also inserts its value itself, so a value finished while no caller
+///   was waiting is not lost.
+/// - `invalidate` removes what is cached now, but an init future that is still running inserts
+///   its (old) value afterwards. So the moka key is an *epoch* that every invalidation moves on:
+///   a late value lands under an epoch nobody reads any more, and the next read starts a fresh
+///   flight.
+///
+/// Every read goes through `try_get_with`: moka does not coalesce it with `get_with` callers of
+/// the same key, so mixing the two would allow two runs at once.
 struct CoalescedEntry<V> {
     cache: Cache<u64, V>,
     epoch: Arc<AtomicU64>,
