@@ -100,12 +100,13 @@ where
 }
 
 // The middleware that wraps every route (and the 404 fallback): host filtering, forwarded
-// headers, CORS. The application stacks them, outermost first in that order. Antiforgery is checked by the
-// endpoint that needs it (`POST /antiforgery/submit`), as the seed's endpoint validates explicitly.
+// headers, CORS. The application stacks them, outermost first in that order. Antiforgery is
+// checked by the endpoint that needs it (`POST /antiforgery/submit`), as the seed's endpoint
+// validates explicitly.
 
-/// The classroom CORS policy. The layer answers every preflight itself with 200 and always lists the
-/// configured methods and headers; a browser grants a preflight only when the origin is echoed
-/// in Access-Control-Allow-Origin and the asked method and headers are in those lists.
+/// The classroom CORS policy. The layer answers every preflight itself with 200 and always lists
+/// the configured methods and headers; a browser grants a preflight only when the origin is
+/// echoed in Access-Control-Allow-Origin and the asked method and headers are in those lists.
 pub fn cors_policy() -> CorsLayer {
     CorsLayer::new()
         .allow_origin(AllowOrigin::list([HeaderValue::from_static(
