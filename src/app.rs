@@ -6,19 +6,18 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
 use axum::extract::FromRef;
 use axum::routing::get;
+use axum::{Router, middleware};
 use ordered_inbox::sqlite::SqliteInbox;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{
-    Config, LiveSettings, StartupError, load_settings, parse_listen_url, require_development,
-};
+use crate::config::{Config, StartupError, load_settings, parse_listen_url, require_development};
 use crate::labs;
 use crate::labs::ordered::SharedInbox;
+use crate::startup::StartupContext;
 use crate::store::Store;
 
 /// The start-up line that announces the real address; supervisors, the bench and the tests wait
@@ -33,8 +32,10 @@ pub fn listening_address(line: &str) -> Option<&str> {
 /// How long in-flight requests and background work may run on after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// What every handler can reach. Cheap to clone: everything inside is shared.
-#[derive(Clone)]
+/// Everything the application shares. Cheap to clone: everything inside is shared. Handlers take
+/// only the pieces they use (`State<Store>`, `State<CacheLab>` …), each extracted through the
+/// derived [`FromRef`].
+#[derive(Clone, FromRef)]
 pub struct AppState {
     pub store: Store,
     /// The ordered inbox on the same store.
@@ -44,27 +45,12 @@ pub struct AppState {
     pub shutdown: CancellationToken,
     /// Background tasks that shutdown waits for (bounded by [`SHUTDOWN_GRACE`]).
     pub tasks: TaskTracker,
+    pub messaging: labs::messaging::MessagingLab,
     pub http: labs::http::HttpLab,
     pub cache: labs::cache::CacheLab,
     pub security: labs::security::SecurityLab,
     pub privacy: labs::privacy::PrivacyLab,
     pub worker: labs::worker::WorkerLab,
-}
-
-impl FromRef<AppState> for SharedInbox {
-    fn from_ref(state: &AppState) -> Self {
-        state.inbox.clone()
-    }
-}
-
-/// What a lab may use while it builds its state.
-pub struct StartupContext<'a> {
-    pub config: &'a Config,
-    pub store: &'a Store,
-    /// The settings file's content, already validated.
-    pub settings: &'a LiveSettings,
-    pub shutdown: &'a CancellationToken,
-    pub tasks: &'a TaskTracker,
 }
 
 /// The server, bound and ready: [`Application::port`] is the real port even for `:0`.
@@ -112,6 +98,7 @@ impl Application {
             tasks: &tasks,
         };
         let state = AppState {
+            messaging: labs::messaging::MessagingLab::new(&context)?,
             http: labs::http::HttpLab::new(&context)?,
             cache: labs::cache::CacheLab::new(&context)?,
             security: labs::security::SecurityLab::new(&context)?,
@@ -191,7 +178,8 @@ impl Application {
 
 /// Every lab's routes on one router, wrapped in the security lab's middleware.
 pub fn router(state: AppState) -> Router {
-    let routes = Router::new()
+    let security = state.security.clone();
+    Router::new()
         .route("/live", get(live))
         .merge(labs::ordered::routes())
         .merge(labs::sql::routes())
@@ -203,8 +191,19 @@ pub fn router(state: AppState) -> Router {
         .merge(labs::worker::routes())
         .merge(labs::contracts::routes())
         .merge(labs::pipeline::routes())
-        .with_state(state.clone());
-    labs::security::wrap(routes, &state)
+        .with_state(state)
+        // The middleware that wraps every route (and the 404 fallback), outermost first as in
+        // the seed: host filtering, forwarded headers, CORS. `layer` wraps what is already
+        // there, so the last one added runs first.
+        .layer(labs::security::cors_policy())
+        .layer(middleware::from_fn_with_state(
+            security.clone(),
+            labs::security::apply_forwarded_headers,
+        ))
+        .layer(middleware::from_fn_with_state(
+            security,
+            labs::security::filter_hosts,
+        ))
 }
 
 async fn live() -> &'static str {

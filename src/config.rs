@@ -3,8 +3,10 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
+use url::{Host, Url};
 
 /// Everything `serve` needs; tests build one directly with [`Config::for_tests`].
 #[derive(Debug, Clone)]
@@ -22,6 +24,8 @@ pub struct Config {
     pub synchronous: Synchronous,
     /// Open dead letters one aggregate may hold before a new poison message is refused (429).
     pub max_open_dead_letters: usize,
+    /// How long an outbox claim holds its event; the seed's 500 ms unless a test shortens it.
+    pub outbox_lease: Duration,
 }
 
 /// SQLite's `synchronous` pragma for the write connection. FULL is the durable default.
@@ -48,6 +52,7 @@ impl From<Synchronous> for ordered_inbox::sqlite::Synchronous {
 
 pub const DEFAULT_URLS: &str = "http://127.0.0.1:5080";
 pub const DEFAULT_KNOWN_PROXY: IpAddr = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 10));
+pub const DEFAULT_OUTBOX_LEASE: Duration = Duration::from_millis(500);
 
 impl Config {
     /// A Development configuration on an ephemeral loopback port, for tests and benchmarks.
@@ -61,6 +66,7 @@ impl Config {
             allowed_hosts: "*".to_owned(),
             synchronous: Synchronous::Full,
             max_open_dead_letters: DEFAULT_MAX_OPEN_DEAD_LETTERS as usize,
+            outbox_lease: DEFAULT_OUTBOX_LEASE,
         }
     }
 
@@ -112,53 +118,66 @@ pub fn require_development(environment: &str) -> Result<(), StartupError> {
     }
 }
 
-/// Parses `http://HOST:PORT[/]` and insists the host is loopback. `localhost` means 127.0.0.1.
-pub fn parse_listen_url(url: &str) -> Result<SocketAddr, StartupError> {
+/// Parses `http://HOST:PORT[/]` with the `url` crate and insists the host is loopback.
+/// `localhost` means 127.0.0.1.
+pub fn parse_listen_url(text: &str) -> Result<SocketAddr, StartupError> {
     let bad = |reason: &str| StartupError::BadUrl {
-        url: url.to_owned(),
+        url: text.to_owned(),
         reason: reason.to_owned(),
     };
-    if url.contains(';') {
+    if text.contains(';') {
         return Err(bad("give exactly one URL"));
     }
-    let rest = url.strip_prefix("http://").ok_or_else(|| {
-        bad("only http:// URLs are served (this is a plain-HTTP loopback fixture)")
+    // On the text itself: the URL standard would also read `HTTP://…` and `http:127.0.0.1:1`.
+    if !text.starts_with("http://") {
+        return Err(bad(
+            "only http:// URLs are served (this is a plain-HTTP loopback fixture)",
+        ));
+    }
+    let url = Url::parse(text).map_err(|error| match error {
+        url::ParseError::InvalidPort => bad("the port must be a number from 0 to 65535"),
+        url::ParseError::InvalidIpv6Address => bad("not a valid IPv6 address in '[…]'"),
+        other => bad(&format!("not a valid URL ({other})")),
     })?;
-    let authority = rest.strip_suffix('/').unwrap_or(rest);
-    if authority.contains('/') || authority.contains('@') || authority.contains('?') {
+    if !url.username().is_empty()
+        || url.password().is_some()
+        || url.path() != "/"
+        || url.query().is_some()
+        || url.fragment().is_some()
+    {
         return Err(bad(
             "expected http://HOST:PORT with no path, user info or query",
         ));
     }
-    let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
-        let (host, after) = bracketed
-            .split_once(']')
-            .ok_or_else(|| bad("unclosed '[' in IPv6 address"))?;
-        let port = after
-            .strip_prefix(':')
-            .ok_or_else(|| bad("missing :PORT"))?;
-        (host, port)
-    } else {
-        authority
-            .rsplit_once(':')
-            .ok_or_else(|| bad("missing :PORT"))?
+    // `url` leaves out a scheme's default port, so a written `:80` and no port at all look
+    // alike there; only the text tells them apart.
+    let port = match url.port() {
+        Some(port) => port,
+        None if ends_with_a_port(text) => url
+            .port_or_known_default()
+            .ok_or_else(|| bad("missing :PORT"))?,
+        None => return Err(bad("missing :PORT")),
     };
-    let port: u16 = port
-        .parse()
-        .map_err(|_| bad("the port must be a number from 0 to 65535"))?;
-    let ip: IpAddr = if host.eq_ignore_ascii_case("localhost") {
-        IpAddr::V4(Ipv4Addr::LOCALHOST)
-    } else {
-        match host.parse() {
-            Ok(ip) => ip,
-            // `*`, `+`, host names and anything else that is not a literal loopback address.
-            Err(_) => return Err(StartupError::NotLoopback(url.to_owned())),
-        }
+    let ip = match url.host() {
+        Some(Host::Ipv4(ip)) => IpAddr::V4(ip),
+        Some(Host::Ipv6(ip)) => IpAddr::V6(ip),
+        // Host names arrive lower-cased.
+        Some(Host::Domain("localhost")) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        // `*`, `+`, other host names: nothing that is a literal loopback address.
+        Some(Host::Domain(_)) | None => return Err(StartupError::NotLoopback(text.to_owned())),
     };
     if !ip.is_loopback() {
-        return Err(StartupError::NotLoopback(url.to_owned()));
+        return Err(StartupError::NotLoopback(text.to_owned()));
     }
     Ok(SocketAddr::new(ip, port))
+}
+
+/// Whether `http://HOST:PORT[/]` ends with a written port (digits after the last `:`; an IPv6
+/// host's colons are followed by `]`).
+fn ends_with_a_port(text: &str) -> bool {
+    text.trim_end_matches('/')
+        .rsplit_once(':')
+        .is_some_and(|(_, port)| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// The `Live` section of the runtime settings file.
@@ -255,6 +274,48 @@ mod tests {
             parse_listen_url("http://127.0.0.1"),
             Err(StartupError::BadUrl { .. })
         ));
+    }
+
+    #[test]
+    fn a_written_default_port_is_kept_apart_from_a_missing_one() {
+        assert_eq!(
+            parse_listen_url("http://127.0.0.1:80").unwrap(),
+            "127.0.0.1:80".parse().unwrap()
+        );
+        assert_eq!(
+            parse_listen_url("http://[::1]:80/").unwrap(),
+            "[::1]:80".parse().unwrap()
+        );
+        for url in ["http://127.0.0.1/", "http://[::1]", "http://localhost"] {
+            assert!(
+                matches!(
+                    parse_listen_url(url),
+                    Err(StartupError::BadUrl { ref reason, .. }) if reason == "missing :PORT"
+                ),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
+    fn anything_but_a_bare_loopback_root_is_a_bad_url() {
+        for url in [
+            "HTTP://127.0.0.1:1",
+            "http:127.0.0.1:1",
+            "http://127.0.0.1:1;http://[::1]:1",
+            "http://user@127.0.0.1:1",
+            "http://127.0.0.1:1/path",
+            "http://127.0.0.1:1?query",
+            "http://127.0.0.1:1#fragment",
+            "http://127.0.0.1:65536",
+            "http://127.0.0.1:port",
+            "http://[::1:80",
+        ] {
+            assert!(
+                matches!(parse_listen_url(url), Err(StartupError::BadUrl { .. })),
+                "{url}"
+            );
+        }
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod etag;
 pub mod labs;
 pub mod practice;
 pub mod schema;
+pub mod startup;
 pub mod store;
 pub mod verify;
 

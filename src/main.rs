@@ -291,6 +291,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         allowed_hosts: args.allowed_hosts,
         synchronous: args.synchronous,
         max_open_dead_letters: args.max_open_dead_letters as usize,
+        outbox_lease: config::DEFAULT_OUTBOX_LEASE,
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {

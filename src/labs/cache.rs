@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,14 +20,14 @@ use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, Shared};
 use moka::future::Cache;
 use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::app::{AppState, StartupContext};
 use crate::aspnet::{is_blank_or_longer_than, query_flag};
 use crate::config::StartupError;
 use crate::error::{AppError, Json, Path, Query, RequestBody};
+use crate::labs::gate::LabGate;
+use crate::startup::StartupContext;
 use crate::store::Store;
 
 /// How long a loaded value stays fresh, as the seed's one-minute expiration.
@@ -50,6 +50,65 @@ impl CacheLab {
             shared: CoalescedEntry::new(context.tasks.clone(), context.shutdown.clone()),
             probe: Arc::new(CacheProbe::default()),
         })
+    }
+
+    /// The callers of `GET /cache/shared`: how many wait for the value right now, and how many
+    /// were dropped before their answer (their client went away and the server dropped the
+    /// request). Tests wait on these instead of on time.
+    pub fn shared_callers(&self) -> CallerCounts {
+        self.shared.callers.counts()
+    }
+}
+
+/// Callers of one cache entry, see [`CacheLab::shared_callers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallerCounts {
+    pub waiting: u64,
+    pub dropped: u64,
+}
+
+#[derive(Default)]
+struct CallerEvidence {
+    waiting: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl CallerEvidence {
+    fn counts(&self) -> CallerCounts {
+        CallerCounts {
+            waiting: self.waiting.load(Ordering::SeqCst),
+            dropped: self.dropped.load(Ordering::SeqCst),
+        }
+    }
+}
+
+/// One caller inside [`CoalescedEntry::get_or_load`]. It lives in the request's future, so when
+/// the server drops that future (the client went away) its `Drop` counts the caller as dropped.
+struct Caller<'a> {
+    evidence: &'a CallerEvidence,
+    answered: bool,
+}
+
+impl<'a> Caller<'a> {
+    fn arrive(evidence: &'a CallerEvidence) -> Self {
+        evidence.waiting.fetch_add(1, Ordering::SeqCst);
+        Caller {
+            evidence,
+            answered: false,
+        }
+    }
+
+    fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Caller<'_> {
+    fn drop(&mut self) {
+        self.evidence.waiting.fetch_sub(1, Ordering::SeqCst);
+        if !self.answered {
+            self.evidence.dropped.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -75,7 +134,12 @@ struct SharedView {
     generation: u64,
 }
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Store: FromRef<S>,
+    CacheLab: FromRef<S>,
+{
     Router::new()
         .route("/cache/catalog", get(read_catalog).post(write_catalog))
         .route("/cache/shared", get(read_shared))
@@ -84,9 +148,10 @@ pub fn routes() -> Router<AppState> {
         .route("/lab/cache/reset", post(reset))
 }
 
-async fn read_catalog(State(state): State<AppState>) -> Result<Response, AppError> {
-    let lab = &state.cache;
-    let store = state.store.clone();
+async fn read_catalog(
+    State(store): State<Store>,
+    State(lab): State<CacheLab>,
+) -> Result<Response, AppError> {
     let probe = lab.probe.clone();
     let view = lab
         .catalog
@@ -130,7 +195,8 @@ impl RequestBody for CatalogInput {
 }
 
 async fn write_catalog(
-    State(state): State<AppState>,
+    State(store): State<Store>,
+    State(lab): State<CacheLab>,
     Query(query): Query<Vec<(String, String)>>,
     Json(input): Json<CatalogInput>,
 ) -> Result<Response, AppError> {
@@ -141,8 +207,7 @@ async fn write_catalog(
             "name must be 1 to {MAX_NAME} characters and not blank"
         )));
     }
-    state
-        .store
+    store
         .write(move |connection| {
             let changed = connection.execute(
                 "UPDATE catalog_cache SET name = ?1, version = version + 1 WHERE id = 1",
@@ -165,14 +230,13 @@ async fn write_catalog(
         })
         .await?;
     // Only now is the new row durable, so only now may the cached copy go.
-    state.cache.catalog.invalidate().await;
+    lab.catalog.invalidate().await;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn read_shared(State(state): State<AppState>) -> Result<Response, AppError> {
-    let probe = state.cache.probe.clone();
-    let view = state
-        .cache
+async fn read_shared(State(lab): State<CacheLab>) -> Result<Response, AppError> {
+    let probe = lab.probe.clone();
+    let view = lab
         .shared
         .get_or_load(move || async move {
             let generation = probe.factories.fetch_add(1, Ordering::SeqCst) + 1;
@@ -193,8 +257,8 @@ struct CacheStats {
     factories: u64,
 }
 
-async fn stats(State(state): State<AppState>) -> Response {
-    let probe = &state.cache.probe;
+async fn stats(State(lab): State<CacheLab>) -> Response {
+    let probe = &lab.probe;
     axum::Json(CacheStats {
         reads: probe.reads.load(Ordering::SeqCst),
         factories: probe.factories.load(Ordering::SeqCst),
@@ -203,57 +267,16 @@ async fn stats(State(state): State<AppState>) -> Response {
 }
 
 async fn set_gate(
-    State(state): State<AppState>,
+    State(lab): State<CacheLab>,
     Path(action): Path<String>,
 ) -> Result<Response, AppError> {
-    state.cache.probe.gate.apply(&action)?;
+    lab.probe.gate.apply(&action)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn reset(State(state): State<AppState>) -> Response {
-    state.cache.shared.invalidate().await;
+async fn reset(State(lab): State<CacheLab>) -> Response {
+    lab.shared.invalidate().await;
     StatusCode::NO_CONTENT.into_response()
-}
-
-/// A lab switch that holds work until it is opened again. Open at start.
-#[derive(Clone)]
-pub struct LabGate {
-    open: Arc<watch::Sender<bool>>,
-}
-
-impl Default for LabGate {
-    fn default() -> Self {
-        LabGate {
-            open: Arc::new(watch::Sender::new(true)),
-        }
-    }
-}
-
-impl LabGate {
-    /// Applies the path's action: `close` or `open` (exactly); anything else is a 400.
-    pub fn apply(&self, action: &str) -> Result<(), AppError> {
-        match action {
-            "close" => self.open.send_replace(false),
-            "open" => self.open.send_replace(true),
-            other => {
-                return Err(AppError::bad_request(format!(
-                    "gate action must be 'close' or 'open', not '{other}'"
-                )));
-            }
-        };
-        Ok(())
-    }
-
-    pub fn is_open(&self) -> bool {
-        *self.open.borrow()
-    }
-
-    /// Resolves once the gate is open (at once if it already is).
-    pub async fn passed(&self) {
-        let mut open = self.open.subscribe();
-        // Err only if the sender is gone, and `self` holds it.
-        let _ = open.wait_for(|open| *open).await;
-    }
 }
 
 /// Why a read-through value could not be produced. Never cached: the next caller tries again.
@@ -282,20 +305,29 @@ type FlightResult<V> = Result<V, LoadFailure>;
 /// One logical cache entry, read through a moka cache whose concurrent callers share one factory
 /// run.
 ///
-/// Two gaps in plain `try_get_with` are closed here (see the moka row of the crate notes):
-/// - If the caller that runs the init future disconnects, moka lets the next waiter run its own
-///   init. So the factory runs as a task of its own (a *flight*, tracked for shutdown) and every
-///   init future only joins the flight of its epoch: a disconnect neither cancels the run nor
-///   starts a second one. The flight also inserts its value itself, so a value finished while no
-///   caller was waiting is not lost.
-/// - `invalidate` cannot stop a running factory from inserting its value afterwards. So the moka
-///   key is an *epoch* that every invalidation moves on: a late value lands under an epoch
-///   nobody reads any more, and the next read starts a fresh flight.
+/// moka 0.12's `try_get_with` already makes concurrent callers of one key wait for a single
+/// init future, but it runs that future *inside the first caller's own future*, and it does not
+/// know about invalidation. The seed's .NET `HybridCache` keeps one factory run going for all
+/// waiters whoever leaves, so two gaps are closed here:
+/// - If the caller that runs the init future disconnects, the server drops its future, moka
+///   cancels the init with it and lets the next waiter run its own init: a second factory run.
+///   So the factory runs as a task of its own (a *flight*, tracked for shutdown) and every init
+///   future only joins the flight of its epoch: a disconnect neither cancels the run nor starts a
+///   second one. The flight also inserts its value itself, so a value finished while no caller
+///   was waiting is not lost.
+/// - `invalidate` removes what is cached now, but an init future that is still running inserts
+///   its (old) value afterwards. So the moka key is an *epoch* that every invalidation moves on:
+///   a late value lands under an epoch nobody reads any more, and the next read starts a fresh
+///   flight.
+///
+/// Every read goes through `try_get_with`: moka does not coalesce it with `get_with` callers of
+/// the same key, so mixing the two would allow two runs at once.
 struct CoalescedEntry<V> {
     cache: Cache<u64, V>,
     epoch: Arc<AtomicU64>,
     flight: Arc<Mutex<Option<Flight<V>>>>,
     flight_ids: Arc<AtomicU64>,
+    callers: Arc<CallerEvidence>,
     tasks: TaskTracker,
     shutdown: CancellationToken,
 }
@@ -308,6 +340,7 @@ impl<V> Clone for CoalescedEntry<V> {
             epoch: self.epoch.clone(),
             flight: self.flight.clone(),
             flight_ids: self.flight_ids.clone(),
+            callers: self.callers.clone(),
             tasks: self.tasks.clone(),
             shutdown: self.shutdown.clone(),
         }
@@ -331,6 +364,7 @@ where
             epoch: Arc::new(AtomicU64::new(0)),
             flight: Arc::new(Mutex::new(None)),
             flight_ids: Arc::new(AtomicU64::new(0)),
+            callers: Arc::new(CallerEvidence::default()),
             tasks,
             shutdown,
         }
@@ -342,11 +376,15 @@ where
         F: FnOnce() -> Fut,
         Fut: Future<Output = FlightResult<V>> + Send + 'static,
     {
+        let caller = Caller::arrive(&self.callers);
         let epoch = self.epoch.load(Ordering::SeqCst);
-        self.cache
+        let result = self
+            .cache
             .try_get_with(epoch, self.join_or_start(epoch, factory))
             .await
-            .map_err(|failure| (*failure).clone())
+            .map_err(|failure| (*failure).clone());
+        caller.answered();
+        result
     }
 
     /// Drops the cached value; the next read starts a new factory run even if one is running now.
@@ -436,19 +474,6 @@ where
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_gate_knows_only_close_and_open() {
-        let gate = LabGate::default();
-        assert!(gate.is_open());
-        gate.apply("close").unwrap();
-        assert!(!gate.is_open());
-        assert!(gate.apply("Close").is_err());
-        assert!(gate.apply("shut").is_err());
-        assert!(!gate.is_open());
-        gate.apply("open").unwrap();
-        assert!(gate.is_open());
-    }
-
     /// One coalesced entry whose factory counts its runs and waits at a closed gate.
     struct GatedLoads {
         entry: CoalescedEntry<u64>,
@@ -502,18 +527,25 @@ mod tests {
     #[tokio::test]
     async fn a_cancelled_caller_neither_stops_the_flight_nor_starts_another() {
         let fixture = GatedLoads::new();
-        let (runs, gate) = (&fixture.runs, &fixture.gate);
+        let (entry, runs, gate) = (&fixture.entry, &fixture.runs, &fixture.gate);
         // The first caller runs moka's init future; the second waits behind it.
         let runner = tokio::spawn(fixture.load());
         while runs.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
         let waiter = tokio::spawn(fixture.load());
-        for _ in 0..10 {
+        while entry.callers.counts().waiting < 2 {
             tokio::task::yield_now().await;
         }
         runner.abort();
         assert!(runner.await.unwrap_err().is_cancelled());
+        assert_eq!(
+            entry.callers.counts(),
+            CallerCounts {
+                waiting: 1,
+                dropped: 1
+            }
+        );
         for _ in 0..10 {
             tokio::task::yield_now().await;
         }
@@ -521,5 +553,13 @@ mod tests {
         assert_eq!(waiter.await.unwrap().unwrap(), 1);
         assert_eq!(fixture.load().await.unwrap(), 1);
         assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            entry.callers.counts(),
+            CallerCounts {
+                waiting: 0,
+                dropped: 1
+            },
+            "answered callers are not counted as dropped"
+        );
     }
 }

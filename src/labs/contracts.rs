@@ -4,17 +4,21 @@
 //! consumer can only learn by reading state (`GET /contracts/effect`), not from the 503 alone.
 //! `production-lab verify-base` (see [`crate::verify`]) drives all of it over HTTP.
 
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Router, extract};
 use serde_json::{Value, json};
 
-use crate::app::AppState;
 use crate::error::{AppError, Path};
+use crate::store::Store;
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Store: FromRef<S>,
+{
     Router::new()
         .route("/contracts/compatible", get(compatible))
         .route("/contracts/breaking", get(breaking))
@@ -30,9 +34,8 @@ async fn breaking() -> extract::Json<Value> {
     extract::Json(json!({"id": 1, "name": 42}))
 }
 
-async fn effect(State(state): State<AppState>) -> Result<extract::Json<Value>, AppError> {
-    let value: i64 = state
-        .store
+async fn effect(State(store): State<Store>) -> Result<extract::Json<Value>, AppError> {
+    let value: i64 = store
         .read(|connection| {
             connection
                 .query_row(
@@ -54,7 +57,7 @@ enum Phase {
 }
 
 async fn change(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Path(phase): Path<String>,
 ) -> Result<Response, AppError> {
     let phase = match phase.as_str() {
@@ -66,8 +69,7 @@ async fn change(
             ));
         }
     };
-    state
-        .store
+    store
         .write(move |connection| {
             connection.execute(
                 "UPDATE contract_effect SET value = value + 1 WHERE id = 1",

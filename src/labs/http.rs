@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -17,22 +17,26 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::app::{AppState, StartupContext};
 use crate::aspnet::{is_blank_or_longer_than, single_query_value};
 use crate::config::StartupError;
 use crate::error::{AppError, Json, Query, RequestBody, json_response};
 use crate::etag::{self, IfMatchCondition, version_etag, version_etag_value};
+use crate::startup::StartupContext;
+use crate::store::Store;
 
-/// The http lab's own state: the conditional-write probe.
+/// The http lab's own state: the conditional-write probe, and the shutdown signal that lets its
+/// parked writers go.
 #[derive(Clone)]
 pub struct HttpLab {
     probe: Arc<ConditionProbe>,
+    shutdown: CancellationToken,
 }
 
 impl HttpLab {
-    pub fn new(_context: &StartupContext<'_>) -> Result<Self, StartupError> {
+    pub fn new(context: &StartupContext<'_>) -> Result<Self, StartupError> {
         Ok(HttpLab {
             probe: Arc::new(ConditionProbe::default()),
+            shutdown: context.shutdown.clone(),
         })
     }
 
@@ -43,7 +47,12 @@ impl HttpLab {
     }
 }
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Store: FromRef<S>,
+    HttpLab: FromRef<S>,
+{
     Router::new()
         .route("/documents/1", get(read_document).put(write_document))
         .route("/lab/condition/arm", post(arm_probe))
@@ -149,21 +158,18 @@ impl Drop for ParkedWriter<'_> {
     }
 }
 
-async fn arm_probe(State(state): State<AppState>) -> StatusCode {
-    state.http.probe.arm();
+async fn arm_probe(State(lab): State<HttpLab>) -> StatusCode {
+    lab.probe.arm();
     StatusCode::NO_CONTENT
 }
 
-async fn release_probe(State(state): State<AppState>) -> StatusCode {
-    state.http.probe.release();
+async fn release_probe(State(lab): State<HttpLab>) -> StatusCode {
+    lab.probe.release();
     StatusCode::NO_CONTENT
 }
 
-async fn probe_evidence(State(state): State<AppState>) -> Response {
-    json_response(
-        StatusCode::OK,
-        json!({"entered": state.http.probe.entered()}),
-    )
+async fn probe_evidence(State(lab): State<HttpLab>) -> Response {
+    json_response(StatusCode::OK, json!({"entered": lab.probe.entered()}))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -190,7 +196,7 @@ impl DocumentView {
 }
 
 async fn read_document(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     headers: HeaderMap,
 ) -> Result<Response, AppError> {
     let Ok(if_none_match) = etag::if_none_match(&headers) else {
@@ -200,8 +206,7 @@ async fn read_document(
             json!({"error": "Malformed conditional header"}),
         ));
     };
-    let document = state
-        .store
+    let document = store
         .read(|connection| load_document(connection).map_err(AppError::from))
         .await?
         .ok_or_else(document_missing)?;
@@ -229,11 +234,11 @@ fn load_document(connection: &Connection) -> rusqlite::Result<Option<DocumentVie
 }
 
 fn document_missing() -> AppError {
-    AppError::Problem {
-        status: StatusCode::NOT_FOUND,
-        title: "The document does not exist".to_owned(),
-        detail: Some("documents row 1 is missing from the database".to_owned()),
-    }
+    AppError::problem_with_detail(
+        StatusCode::NOT_FOUND,
+        "The document does not exist",
+        "documents row 1 is missing from the database",
+    )
 }
 
 #[derive(Debug, Deserialize)]
@@ -270,29 +275,28 @@ enum WriteOutcome {
 }
 
 async fn write_document(
-    State(state): State<AppState>,
+    State(store): State<Store>,
+    State(lab): State<HttpLab>,
     headers: HeaderMap,
     Json(input): Json<DocumentInput>,
 ) -> Result<Response, AppError> {
     let body = input.validate()?;
     let condition = etag::if_match(&headers)
         .map_err(|malformed| AppError::bad_request(malformed.to_string()))?
-        .ok_or_else(|| AppError::Problem {
-            status: StatusCode::PRECONDITION_REQUIRED,
-            title: "If-Match is required".to_owned(),
-            detail: Some(
-                "send If-Match with the ETag from GET /documents/1, or * for any version"
-                    .to_owned(),
-            ),
+        .ok_or_else(|| {
+            AppError::problem_with_detail(
+                StatusCode::PRECONDITION_REQUIRED,
+                "If-Match is required",
+                "send If-Match with the ETag from GET /documents/1, or * for any version",
+            )
         })?;
     if pause_requested(&headers)? {
         // Parks before the transaction: the version is read only after the release.
-        state.http.probe.pause(&state.shutdown).await?;
+        lab.probe.pause(&lab.shutdown).await?;
     }
 
     let stored = body.clone();
-    let outcome = state
-        .store
+    let outcome = store
         .write(move |connection| guarded_update(connection, &condition, &stored))
         .await?;
     match outcome {
@@ -352,11 +356,11 @@ fn precondition_failed(current: Option<i64>) -> AppError {
         ),
         None => "the document does not exist".to_owned(),
     };
-    AppError::Problem {
-        status: StatusCode::PRECONDITION_FAILED,
-        title: "Precondition Failed".to_owned(),
-        detail: Some(detail),
-    }
+    AppError::problem_with_detail(
+        StatusCode::PRECONDITION_FAILED,
+        "Precondition Failed",
+        detail,
+    )
 }
 
 /// `X-Lab-Pause: true` asks the probe to park this writer; `false` or no header does not.

@@ -2,7 +2,8 @@
 //! generation, and an idempotent inbox that applies a message's effect once.
 //!
 //! - `POST /outbox/orders?failBeforeCommit=` writes the order row and its outbox event together.
-//! - `POST /outbox/claim/{owner}` leases the oldest claimable event to `one` or `two` for 500 ms.
+//! - `POST /outbox/claim/{owner}` leases the oldest claimable event to `one` or `two` for 500 ms
+//!   (the seed's lease; [`crate::config::Config::outbox_lease`] changes it).
 //! - `POST /outbox/ack/{id}/{owner}?generation=N` marks it sent only for the current lease holder.
 //! - `POST /inbox/apply?failBeforeCommit=` applies `demo` once; an identical redelivery is a replay.
 //! - `GET /messaging/counts` shows the rows behind all of it.
@@ -12,7 +13,7 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -21,13 +22,34 @@ use rusqlite::{OptionalExtension, params};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::app::AppState;
 use crate::aspnet::{is_blank_or_longer_than, optional_flag};
+use crate::config::StartupError;
 use crate::dotnet_json::ObjectWriter;
 use crate::error::{AppError, Json, Path, Query, RequestBody, json_response};
-use crate::store::{StoreError, is_constraint};
+use crate::startup::StartupContext;
+use crate::store::{Store, StoreError, is_constraint};
 
-pub fn routes() -> Router<AppState> {
+/// The messaging lab's own state: how long a claim holds its event.
+#[derive(Clone)]
+pub struct MessagingLab {
+    lease_millis: i64,
+}
+
+impl MessagingLab {
+    pub fn new(context: &StartupContext<'_>) -> Result<Self, StartupError> {
+        Ok(MessagingLab {
+            lease_millis: i64::try_from(context.config.outbox_lease.as_millis())
+                .unwrap_or(i64::MAX),
+        })
+    }
+}
+
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Store: FromRef<S>,
+    MessagingLab: FromRef<S>,
+{
     Router::new()
         .route("/messaging/counts", get(counts))
         .route("/outbox/orders", post(create_order))
@@ -36,8 +58,6 @@ pub fn routes() -> Router<AppState> {
         .route("/inbox/apply", post(apply_inbox))
 }
 
-/// How long a claim holds an event before another owner may take it over.
-pub const LEASE_MILLIS: i64 = 500;
 /// The one order and the one inbox message the classroom fixture accepts.
 const CLASSROOM_ID: &str = "demo";
 /// The two relay owners that may claim events.
@@ -115,7 +135,7 @@ impl IntoResponse for CreateOrderError {
 }
 
 async fn create_order(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Query(fault): Query<FaultQuery>,
     Json(input): Json<CreateOrder>,
 ) -> Result<Response, CreateOrderError> {
@@ -132,8 +152,7 @@ async fn create_order(
     }
     let quantity = input.quantity;
     let fail_before_commit = fault.fail_before_commit == Some(true);
-    state
-        .store
+    store
         .write(move |connection| {
             // The order and the event that announces it commit together or not at all.
             connection.execute(
@@ -179,7 +198,8 @@ struct Claimed {
 }
 
 async fn claim(
-    State(state): State<AppState>,
+    State(store): State<Store>,
+    State(lab): State<MessagingLab>,
     Path(owner): Path<String>,
 ) -> Result<Response, AppError> {
     if !OWNERS.contains(&owner.as_str()) {
@@ -188,8 +208,7 @@ async fn claim(
             OWNERS[0], OWNERS[1]
         )));
     }
-    let claimed = state
-        .store
+    let claimed = store
         .write(move |connection| {
             // The clock is read when the work runs on the writer, not when the request arrived:
             // a lease is measured from the moment it is granted.
@@ -203,7 +222,7 @@ async fn claim(
                                    AND (lease_until IS NULL OR lease_until <= ?3)
                                  ORDER BY id LIMIT 1)
                      RETURNING id, payload, attempts",
-                    params![owner, now + LEASE_MILLIS, now],
+                    params![owner, now.saturating_add(lab.lease_millis), now],
                     |row| {
                         Ok(Claimed {
                             id: row.get(0)?,
@@ -230,12 +249,11 @@ struct AckQuery {
 }
 
 async fn ack(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Path((id, owner)): Path<(i64, String)>,
     Query(AckQuery { generation }): Query<AckQuery>,
 ) -> Result<Response, AppError> {
-    let changed = state
-        .store
+    let changed = store
         .write(move |connection| {
             connection
                 .execute(
@@ -315,14 +333,13 @@ enum InboxOutcome {
 }
 
 async fn apply_inbox(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Query(fault): Query<FaultQuery>,
     Json(input): Json<InboxInput>,
 ) -> Result<Response, AppError> {
     let delivery = input.validate()?;
     let fail_before_commit = fault.fail_before_commit == Some(true);
-    let outcome = state
-        .store
+    let outcome = store
         .write(move |connection| {
             let prior: Option<String> = connection
                 .query_row(
@@ -378,9 +395,8 @@ struct Counts {
     effects: i64,
 }
 
-async fn counts(State(state): State<AppState>) -> Result<extract::Json<Counts>, AppError> {
-    let counts = state
-        .store
+async fn counts(State(store): State<Store>) -> Result<extract::Json<Counts>, AppError> {
+    let counts = store
         .read(|connection| {
             connection
                 .query_row(

@@ -6,7 +6,7 @@
 //! The order of the checks is the contract: body, idempotency key, `If-Match` syntax, `If-Match`
 //! presence; then, inside one write, the receipt (replay or conflict), the tag (412), the write.
 
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -15,14 +15,17 @@ use rusqlite::{OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::app::AppState;
 use crate::aspnet::optional_flag;
 use crate::dotnet_json::ObjectWriter;
 use crate::error::{AppError, Json, Query, RequestBody, json_response};
 use crate::etag::{IfMatchCondition, if_match, version_etag, version_etag_value};
-use crate::store::is_constraint;
+use crate::store::{Store, is_constraint};
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Store: FromRef<S>,
+{
     Router::new()
         .route("/pipeline", post(run_pipeline))
         .route("/pipeline/state", get(pipeline_state))
@@ -105,13 +108,12 @@ fn validate(input: PipelineInput, headers: &HeaderMap) -> Result<PipelineRequest
     let request_id = idempotency_key(headers)?;
     let condition = if_match(headers)
         .map_err(|error| AppError::bad_request(error.to_string()))?
-        .ok_or_else(|| AppError::Problem {
-            status: StatusCode::PRECONDITION_REQUIRED,
-            title: "Precondition Required".to_owned(),
-            detail: Some(
-                "send If-Match with the document's current entity tag (see GET /pipeline/state)"
-                    .to_owned(),
-            ),
+        .ok_or_else(|| {
+            AppError::problem_with_detail(
+                StatusCode::PRECONDITION_REQUIRED,
+                "Precondition Required",
+                "send If-Match with the document's current entity tag (see GET /pipeline/state)",
+            )
         })?;
     let receipt = ObjectWriter::new()
         .integer("Quantity", i64::from(input.quantity))
@@ -181,14 +183,13 @@ fn decide_and_write(
 }
 
 async fn run_pipeline(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Query(query): Query<PipelineQuery>,
     headers: HeaderMap,
     Json(input): Json<PipelineInput>,
 ) -> Result<Response, AppError> {
     let request = validate(input, &headers)?;
-    let outcome = state
-        .store
+    let outcome = store
         .write(move |connection| decide_and_write(connection, &request))
         .await?;
     Ok(match outcome {
@@ -221,13 +222,11 @@ async fn run_pipeline(
             json!({"error": "Request changed or the saved receipt is no longer current"}),
         ),
         PipelineOutcome::Stale { current } => {
-            return Err(AppError::Problem {
-                status: StatusCode::PRECONDITION_FAILED,
-                title: "Precondition Failed".to_owned(),
-                detail: Some(format!(
-                    "If-Match does not match the document's current entity tag \"v{current}\""
-                )),
-            });
+            return Err(AppError::problem_with_detail(
+                StatusCode::PRECONDITION_FAILED,
+                "Precondition Failed",
+                format!("If-Match does not match the document's current entity tag \"v{current}\""),
+            ));
         }
     })
 }
@@ -241,10 +240,9 @@ struct PipelineState {
 }
 
 async fn pipeline_state(
-    State(state): State<AppState>,
+    State(store): State<Store>,
 ) -> Result<extract::Json<PipelineState>, AppError> {
-    let pipeline = state
-        .store
+    let pipeline = store
         .read(|connection| {
             connection
                 .query_row(

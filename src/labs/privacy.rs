@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::routing::get;
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use serde::Deserialize;
@@ -22,9 +22,9 @@ use tracing::{Event, Subscriber};
 use tracing_subscriber::layer::{Context, Layer};
 use tracing_subscriber::prelude::*;
 
-use crate::app::{AppState, StartupContext};
 use crate::config::StartupError;
 use crate::error::Query;
+use crate::startup::StartupContext;
 
 /// The log category (tracing target) the evidence keeps, named as in the seed.
 pub const PRIVACY_TARGET: &str = "ProductionPrivacy";
@@ -107,7 +107,11 @@ impl PrivacyLab {
     }
 }
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    PrivacyLab: FromRef<S>,
+{
     Router::new()
         .route("/privacy/observe", get(observe))
         .route("/privacy/evidence", get(evidence))
@@ -130,7 +134,7 @@ impl fmt::Debug for ObserveQuery {
 }
 
 async fn observe(
-    State(state): State<AppState>,
+    State(privacy): State<PrivacyLab>,
     Query(query): Query<ObserveQuery>,
 ) -> axum::Json<Value> {
     let operation = Operation::classify(query.operation.as_deref());
@@ -138,12 +142,11 @@ async fn observe(
         Some(email) if !email.is_empty() => "redacted",
         _ => "anonymous",
     };
-    state.privacy.record(operation, identity);
+    privacy.record(operation, identity);
     axum::Json(json!({"operation": operation.label(), "identity": identity}))
 }
 
-async fn evidence(State(state): State<AppState>) -> axum::Json<Value> {
-    let privacy = &state.privacy;
+async fn evidence(State(privacy): State<PrivacyLab>) -> axum::Json<Value> {
     axum::Json(json!({
         "messages": privacy.messages(),
         "metricLabels": privacy.metrics.labels(),

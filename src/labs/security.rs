@@ -13,9 +13,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use axum::extract::{ConnectInfo, Request, State};
+use axum::extract::{ConnectInfo, FromRef, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
-use axum::middleware::{self, Next};
+use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
@@ -23,9 +23,9 @@ use serde::Deserialize;
 use serde_json::json;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
-use crate::app::{AppState, StartupContext};
 use crate::config::StartupError;
 use crate::error::{AppError, Query, json_response, problem_response};
+use crate::startup::StartupContext;
 
 use antiforgery::Antiforgery;
 use forwarded::ClientOrigin;
@@ -83,7 +83,11 @@ impl SecurityLab {
     }
 }
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    SecurityLab: FromRef<S>,
+{
     Router::new()
         .route("/configuration", get(configuration))
         .route("/cors/data", get(cors_data))
@@ -95,25 +99,15 @@ pub fn routes() -> Router<AppState> {
         .route("/canonical", get(canonical))
 }
 
-/// The middleware that wraps every route (and the 404 fallback), outermost first as in the seed:
-/// host filtering, forwarded headers, CORS. Antiforgery is checked by the endpoint that needs it
-/// (`POST /antiforgery/submit`), as the seed's endpoint validates explicitly.
-pub fn wrap(router: Router, state: &AppState) -> Router {
-    let lab = state.security.clone();
-    // `layer` wraps what is already there, so the last one added runs first.
-    router
-        .layer(cors_policy())
-        .layer(middleware::from_fn_with_state(
-            lab.clone(),
-            apply_forwarded_headers,
-        ))
-        .layer(middleware::from_fn_with_state(lab, filter_hosts))
-}
+// The middleware that wraps every route (and the 404 fallback): host filtering, forwarded
+// headers, CORS. The application stacks them, outermost first in that order. Antiforgery is
+// checked by the endpoint that needs it (`POST /antiforgery/submit`), as the seed's endpoint
+// validates explicitly.
 
-/// The classroom policy. The layer answers every preflight itself with 200 and always lists the
-/// configured methods and headers; a browser grants a preflight only when the origin is echoed
-/// in Access-Control-Allow-Origin and the asked method and headers are in those lists.
-fn cors_policy() -> CorsLayer {
+/// The classroom CORS policy. The layer answers every preflight itself with 200 and always lists
+/// the configured methods and headers; a browser grants a preflight only when the origin is
+/// echoed in Access-Control-Allow-Origin and the asked method and headers are in those lists.
+pub fn cors_policy() -> CorsLayer {
     CorsLayer::new()
         .allow_origin(AllowOrigin::list([HeaderValue::from_static(
             CLASSROOM_ORIGIN,
@@ -132,7 +126,12 @@ fn request_host(headers: &HeaderMap, request_authority: Option<&str>) -> Option<
         .or_else(|| request_authority.map(ToOwned::to_owned))
 }
 
-async fn filter_hosts(State(lab): State<SecurityLab>, request: Request, next: Next) -> Response {
+/// Refuses a request whose Host is not allowed (or that has more than one) with a 400 problem.
+pub async fn filter_hosts(
+    State(lab): State<SecurityLab>,
+    request: Request,
+    next: Next,
+) -> Response {
     if request.headers().get_all(header::HOST).iter().count() > 1 {
         return AppError::bad_request("the request has more than one Host header").into_response();
     }
@@ -147,7 +146,9 @@ async fn filter_hosts(State(lab): State<SecurityLab>, request: Request, next: Ne
     next.run(request).await
 }
 
-async fn apply_forwarded_headers(
+/// Resolves the client's scheme and address (a `ClientOrigin` request extension), believing
+/// `X-Forwarded-*` only from the known proxy.
+pub async fn apply_forwarded_headers(
     State(lab): State<SecurityLab>,
     mut request: Request,
     next: Next,
@@ -161,8 +162,8 @@ async fn apply_forwarded_headers(
     next.run(request).await
 }
 
-async fn configuration(State(state): State<AppState>) -> Response {
-    let status = state.security.shared.live.status();
+async fn configuration(State(lab): State<SecurityLab>) -> Response {
+    let status = lab.shared.live.status();
     match &status.error {
         Some(reason) => problem_response(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -188,8 +189,8 @@ async fn cors_data() -> Json<serde_json::Value> {
     Json(json!({"value": "public classroom data", "authenticated": false}))
 }
 
-async fn antiforgery_token(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let issued = state.security.shared.antiforgery.issue(&headers);
+async fn antiforgery_token(State(lab): State<SecurityLab>, headers: HeaderMap) -> Response {
+    let issued = lab.shared.antiforgery.issue(&headers);
     let mut response = Json(json!({"requestToken": issued.request_token})).into_response();
     let response_headers = response.headers_mut();
     // A token must never be served from a cache to someone else.
@@ -217,8 +218,8 @@ async fn antiforgery_token(State(state): State<AppState>, headers: HeaderMap) ->
     response
 }
 
-async fn antiforgery_submit(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let lab = &state.security.shared;
+async fn antiforgery_submit(State(lab): State<SecurityLab>, headers: HeaderMap) -> Response {
+    let lab = &lab.shared;
     if let Err(reason) = lab.antiforgery.validate(&headers) {
         tracing::debug!(target: "production_lab::antiforgery", %reason, "submission refused");
         return json_response(
@@ -230,12 +231,8 @@ async fn antiforgery_submit(State(state): State<AppState>, headers: HeaderMap) -
     json_response(StatusCode::OK, json!({"accepted": accepted}))
 }
 
-async fn antiforgery_count(State(state): State<AppState>) -> Json<serde_json::Value> {
-    let count = state
-        .security
-        .shared
-        .accepted_submissions
-        .load(Ordering::Relaxed);
+async fn antiforgery_count(State(lab): State<SecurityLab>) -> Json<serde_json::Value> {
+    let count = lab.shared.accepted_submissions.load(Ordering::Relaxed);
     Json(json!({"count": count}))
 }
 

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
@@ -17,11 +17,14 @@ use rusqlite::{Connection, TransactionBehavior, ffi};
 use serde::Serialize;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use crate::app::AppState;
 use crate::error::AppError;
 use crate::store::{BUSY_TIMEOUT, Store, StoreError, is_busy, is_constraint};
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Store: FromRef<S>,
+{
     Router::new()
         .route("/sql/nulls", get(nulls))
         .route("/sql/plans", get(plans))
@@ -87,9 +90,8 @@ struct NullFigures {
     sum: Option<i64>,
 }
 
-async fn nulls(State(state): State<AppState>) -> Result<Json<NullFigures>, AppError> {
-    let figures = state
-        .store
+async fn nulls(State(store): State<Store>) -> Result<Json<NullFigures>, AppError> {
+    let figures = store
         .read(|connection| {
             connection
                 .query_row(
@@ -125,9 +127,8 @@ struct NullCheck {
 
 /// Inserts NULL under a CHECK and under a NOT NULL, then undoes both inserts whatever happened:
 /// the lab observes the constraints and leaves the rows as they were.
-async fn null_check(State(state): State<AppState>) -> Result<Json<NullCheck>, AppError> {
-    let outcome = state
-        .store
+async fn null_check(State(store): State<Store>) -> Result<Json<NullCheck>, AppError> {
+    let outcome = store
         .write(|connection| {
             connection.execute_batch("SAVEPOINT null_check")?;
             let observed = observe_null_constraints(connection);
@@ -172,9 +173,8 @@ struct Plans {
     partial: Vec<String>,
 }
 
-async fn plans(State(state): State<AppState>) -> Result<Json<Plans>, AppError> {
-    let plans = state
-        .store
+async fn plans(State(store): State<Store>) -> Result<Json<Plans>, AppError> {
+    let plans = store
         .read(|connection| read_plans(connection).map_err(AppError::from))
         .await?;
     Ok(Json(plans))
@@ -229,10 +229,9 @@ struct SnapshotFigures {
 /// A deferred read transaction keeps seeing the value it first read while another connection
 /// commits a new one; a fresh connection sees the new value. Leaves the counter at 20.
 async fn snapshot(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Extension(turn): Extension<CountersTurn>,
 ) -> Result<Json<SnapshotFigures>, AppError> {
-    let store = state.store.clone();
     run_with_turn(&turn, move || read_through_a_commit(&store))
         .await
         .map(Json)
@@ -274,10 +273,9 @@ const LOCK_RETRY_PAUSE: Duration = Duration::from_millis(5);
 /// first one's write is refused with `SQLITE_BUSY_SNAPSHOT`: its snapshot is stale and waiting
 /// cannot help. It rolls back and a fresh transaction reads again and increments. Leaves 21.
 async fn retry(
-    State(state): State<AppState>,
+    State(store): State<Store>,
     Extension(turn): Extension<CountersTurn>,
 ) -> Result<Json<RetryOutcome>, AppError> {
-    let store = state.store.clone();
     run_with_turn(&turn, move || retry_after_stale_write(&store))
         .await
         .map(Json)

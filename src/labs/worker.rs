@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,10 +20,10 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::app::{AppState, StartupContext};
 use crate::config::StartupError;
 use crate::error::{AppError, Json, Path, RequestBody};
-use crate::labs::cache::LabGate;
+use crate::labs::gate::LabGate;
+use crate::startup::StartupContext;
 
 /// How many items may wait for the worker (the one it holds is not counted), as the seed's.
 pub const QUEUE_CAPACITY: usize = 4;
@@ -200,7 +200,11 @@ impl Worker {
     }
 }
 
-pub fn routes() -> Router<AppState> {
+pub fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    WorkerLab: FromRef<S>,
+{
     Router::new()
         .route("/worker", post(enqueue))
         .route("/worker/evidence", get(evidence))
@@ -218,7 +222,7 @@ impl RequestBody for WorkRequest {
 }
 
 async fn enqueue(
-    State(state): State<AppState>,
+    State(lab): State<WorkerLab>,
     Json(input): Json<WorkRequest>,
 ) -> Result<Response, AppError> {
     if !(1..=MAX_VALUE).contains(&input.value) {
@@ -236,16 +240,16 @@ async fn enqueue(
         cancelled,
         reply,
     };
-    match state.worker.queue.try_send(item) {
+    match lab.queue.try_send(item) {
         Ok(()) => {}
         Err(TrySendError::Full(_)) => {
-            return Err(AppError::Problem {
-                status: StatusCode::TOO_MANY_REQUESTS,
-                title: "The work queue is full".to_owned(),
-                detail: Some(format!(
+            return Err(AppError::problem_with_detail(
+                StatusCode::TOO_MANY_REQUESTS,
+                "The work queue is full",
+                format!(
                     "{QUEUE_CAPACITY} items are already waiting for the worker; try again later"
-                )),
-            });
+                ),
+            ));
         }
         Err(TrySendError::Closed(_)) => return Err(shutting_down()),
     }
@@ -263,15 +267,15 @@ fn shutting_down() -> AppError {
     )
 }
 
-async fn evidence(State(state): State<AppState>) -> Response {
-    axum::Json(state.worker.evidence()).into_response()
+async fn evidence(State(lab): State<WorkerLab>) -> Response {
+    axum::Json(lab.evidence()).into_response()
 }
 
 async fn set_gate(
-    State(state): State<AppState>,
+    State(lab): State<WorkerLab>,
     Path(action): Path<String>,
 ) -> Result<Response, AppError> {
-    state.worker.gate.apply(&action)?;
+    lab.gate.apply(&action)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -283,17 +287,13 @@ struct QueueState {
 }
 
 /// For learners filling the queue: how many items wait, of how many, and the gate's position.
-async fn queue_state(State(state): State<AppState>) -> Response {
-    let queue = &state.worker.queue;
+async fn queue_state(State(lab): State<WorkerLab>) -> Response {
+    let queue = &lab.queue;
     axum::Json(QueueState {
         capacity: queue.max_capacity(),
         // Permits come back when the worker takes an item, so this counts only waiting items.
         queued: queue.max_capacity().saturating_sub(queue.capacity()),
-        gate: if state.worker.gate.is_open() {
-            "open"
-        } else {
-            "closed"
-        },
+        gate: if lab.gate.is_open() { "open" } else { "closed" },
     })
     .into_response()
 }

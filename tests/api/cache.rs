@@ -2,8 +2,7 @@
 //! committed write, and the shared value whose concurrent callers share one factory run, even
 //! when one of them disconnects.
 
-use std::time::Duration;
-
+use production_lab::labs::cache::CallerCounts;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
@@ -25,6 +24,17 @@ fn catalog_row(app: &TestApp) -> (String, i64) {
             |row| Ok((row.get(0)?, row.get(1)?)),
         )
         .expect("the catalog row")
+}
+
+/// Waits until the server's count of `GET /cache/shared` callers (waiting, and dropped before
+/// their answer) satisfies `done`.
+async fn wait_for_shared_callers(
+    app: &TestApp,
+    what: &str,
+    done: impl Fn(&CallerCounts) -> bool,
+) -> CallerCounts {
+    let lab = &app.state.cache;
+    poll_until(what, || std::future::ready(lab.shared_callers()), done).await
 }
 
 /// `GET /cache/shared` as a task of its own, so the test can wait for it or drop it.
@@ -171,11 +181,12 @@ async fn twenty_callers_behind_a_closed_gate_share_one_factory_run() {
         |s| s["factories"] == 1,
     )
     .await;
-    // While they wait, a few more looks: still one run, nobody answered.
-    for _ in 0..10 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(stats(&app).await, json!({"reads": 0, "factories": 1}));
-    }
+    wait_for_shared_callers(&app, "all twenty callers wait", |callers| {
+        callers.waiting == 20
+    })
+    .await;
+    // All of them are waiting: still one run, nobody answered.
+    assert_eq!(stats(&app).await, json!({"reads": 0, "factories": 1}));
     assert!(callers.iter().all(|caller| !caller.is_finished()));
 
     assert_eq!(app.post("/lab/cache/gate/open").await.status(), 204);
@@ -212,12 +223,19 @@ async fn a_caller_that_disconnects_while_waiting_does_not_break_the_others() {
     )
     .await;
     let stayers: Vec<_> = (0..5).map(|_| spawn_shared_get(&app)).collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    wait_for_shared_callers(&app, "the five others wait behind it", |callers| {
+        callers.waiting == 6
+    })
+    .await;
 
     // Dropping its request future closes its connection; the server drops its handler soon
-    // after. Give it that time (the assertions below hold whenever it happens).
+    // after, and counts it.
     leaver.abort();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let callers = wait_for_shared_callers(&app, "the server drops the leaver", |callers| {
+        callers.dropped == 1
+    })
+    .await;
+    assert_eq!(callers.waiting, 5, "the others still wait");
     assert_eq!(
         stats(&app).await["factories"],
         1,
@@ -250,7 +268,14 @@ async fn a_lone_caller_that_disconnects_leaves_the_key_usable() {
     )
     .await;
     leaver.abort();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_for_shared_callers(&app, "the server drops the leaver", |callers| {
+        *callers
+            == CallerCounts {
+                waiting: 0,
+                dropped: 1,
+            }
+    })
+    .await;
 
     // Nobody waits any more, but the shared run goes on and its value is kept.
     assert_eq!(app.post("/lab/cache/gate/open").await.status(), 204);

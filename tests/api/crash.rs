@@ -11,7 +11,7 @@ use ordered_inbox::OrderedMessage;
 use production_lab::bench::{AggregateStream, workload};
 use serde_json::{Value, json};
 
-use crate::helpers::{ServerProcess, client, settings_dir};
+use crate::helpers::{Patience, ServerProcess, client, poll_until_with, settings_dir};
 
 /// What the client learned about one message before the crash.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,12 +91,25 @@ async fn load_until_killed(
             fates
         });
     }
-    // Kill once enough applies were acknowledged (or the load ran out).
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while applied.load(Ordering::SeqCst) < kill_after && finished.load(Ordering::SeqCst) < clients {
-        assert!(std::time::Instant::now() < deadline, "the load stalled");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    // Kill once enough applies were acknowledged (or the load ran out). Looks every millisecond,
+    // so the kill lands close to its point in the load.
+    let patience = Patience {
+        every: Duration::from_millis(1),
+        within: Duration::from_secs(120),
+    };
+    poll_until_with(
+        "enough acknowledged applies (the load stalled)",
+        patience,
+        || {
+            let progress = (
+                applied.load(Ordering::SeqCst),
+                finished.load(Ordering::SeqCst),
+            );
+            std::future::ready(progress)
+        },
+        |&(applied, finished)| applied >= kill_after || finished >= clients,
+    )
+    .await;
     server.signal("KILL");
     let mut fates = HashMap::new();
     while let Some(joined) = tasks.join_next().await {

@@ -168,22 +168,56 @@ impl TestApp {
     }
 }
 
-/// Polls `probe` until `done` holds, for at most about ten seconds, and returns the last value.
-pub async fn poll_until<T, F, Fut>(what: &str, mut probe: F, done: impl Fn(&T) -> bool) -> T
+/// How often [`poll_until_with`] looks, and for how long before it gives up.
+#[derive(Debug, Clone, Copy)]
+pub struct Patience {
+    pub every: Duration,
+    pub within: Duration,
+}
+
+impl Patience {
+    /// Every 25 ms for ten seconds: what most waits need.
+    pub const DEFAULT: Patience = Patience {
+        every: Duration::from_millis(25),
+        within: Duration::from_secs(10),
+    };
+}
+
+/// Polls `probe` until `done` holds, every 25 ms for at most ten seconds, and returns the last
+/// value. Tests wait on a fact this way, never on a fixed time.
+pub async fn poll_until<T, F, Fut>(what: &str, probe: F, done: impl Fn(&T) -> bool) -> T
 where
     T: std::fmt::Debug,
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = T>,
 {
+    poll_until_with(what, Patience::DEFAULT, probe, done).await
+}
+
+/// [`poll_until`] with its own pace: the one polling loop of the test suite.
+pub async fn poll_until_with<T, F, Fut>(
+    what: &str,
+    patience: Patience,
+    mut probe: F,
+    done: impl Fn(&T) -> bool,
+) -> T
+where
+    T: std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let deadline = tokio::time::Instant::now() + patience.within;
     let mut last = probe().await;
-    for _ in 0..400 {
-        if done(&last) {
-            return last;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
+    while !done(&last) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: never reached within {:?}; last seen {last:?}",
+            patience.within
+        );
+        tokio::time::sleep(patience.every).await;
         last = probe().await;
     }
-    panic!("{what}: never reached; last seen {last:?}");
+    last
 }
 
 /// Asserts a 400 problem+json response and returns its body.
@@ -316,12 +350,9 @@ impl ServerProcess {
 
     /// Stops the process with SIGTERM, waits for it to exit, and returns everything it printed
     /// after its listening line: (stdout, stderr).
-    pub fn stop_and_collect_output(&mut self) -> (String, String) {
+    pub async fn stop_and_collect_output(&mut self) -> (String, String) {
         self.signal("TERM");
-        assert!(
-            self.wait_timeout(Duration::from_secs(10)).is_some(),
-            "the server did not exit after SIGTERM"
-        );
+        self.exit_status().await;
         let mut stderr = String::new();
         if let Some(mut pipe) = self.child.stderr.take() {
             std::io::Read::read_to_string(&mut pipe, &mut stderr).expect("read stderr");
@@ -331,18 +362,16 @@ impl ServerProcess {
         (stdout, stderr)
     }
 
-    /// Waits up to `timeout` for the process to exit.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            if std::time::Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    /// Waits for the process to exit (at most ten seconds) and returns how it ended.
+    pub async fn exit_status(&mut self) -> std::process::ExitStatus {
+        let child = &mut self.child;
+        poll_until(
+            "the server process exits",
+            || std::future::ready(child.try_wait().ok().flatten()),
+            Option::is_some,
+        )
+        .await
+        .expect("poll_until returns only once the process has exited")
     }
 }
 

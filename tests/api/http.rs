@@ -1,14 +1,12 @@
 //! HTTP semantics over real HTTP: entity tags and conditional writes, the race probe, versioned
 //! representations and the NDJSON stream.
 
-use std::time::Duration;
-
 use futures_util::StreamExt;
 use production_lab::labs::http::HttpLab;
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
-use crate::helpers::{TestApp, assert_bad_request, client, spawn_app, status_and_json};
+use crate::helpers::{TestApp, assert_bad_request, client, poll_until, spawn_app, status_and_json};
 
 /// The document row as stored: (body, version).
 fn document_row(app: &TestApp) -> (String, i64) {
@@ -60,14 +58,16 @@ async fn put_document(
 
 /// Polls the probe's evidence until a writer has entered it.
 async fn wait_until_entered(app: &TestApp) {
-    for _ in 0..500 {
-        let (_, evidence) = status_and_json(app.get("/lab/condition/evidence").await).await;
-        if evidence == json!({"entered": true}) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("the paused writer never reached the probe");
+    poll_until(
+        "the paused writer reaches the probe",
+        || async {
+            status_and_json(app.get("/lab/condition/evidence").await)
+                .await
+                .1
+        },
+        |evidence| *evidence == json!({"entered": true}),
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -343,16 +343,12 @@ async fn without_arming_the_pause_header_does_nothing() {
 }
 
 async fn wait_for_parked(lab: &HttpLab, expected: usize) {
-    for _ in 0..500 {
-        if lab.parked_writers() == expected {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!(
-        "expected {expected} parked writers, found {}",
-        lab.parked_writers()
-    );
+    poll_until(
+        &format!("{expected} parked writers"),
+        || std::future::ready(lab.parked_writers()),
+        |parked| *parked == expected,
+    )
+    .await;
 }
 
 #[tokio::test]

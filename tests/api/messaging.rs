@@ -5,7 +5,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
-use crate::helpers::{TestApp, assert_bad_request, spawn_app, status_and_json};
+use crate::helpers::{
+    TestApp, assert_bad_request, poll_until, spawn_app, spawn_app_with, status_and_json,
+};
 
 fn now_millis() -> i64 {
     SystemTime::now()
@@ -72,6 +74,25 @@ fn pin_lease(app: &TestApp, id: i64) {
             rusqlite::params![now_millis() + 60_000, id],
         )
         .unwrap();
+}
+
+/// A lease short enough for a test to see it run out (the server's default is 500 ms).
+const SHORT_LEASE: Duration = Duration::from_millis(50);
+
+/// A fresh server whose claims hold their event for [`SHORT_LEASE`].
+async fn spawn_app_with_short_lease() -> TestApp {
+    spawn_app_with(|config| config.outbox_lease = SHORT_LEASE).await
+}
+
+/// Waits until the lease on event `id` has run out, by the clock the server reads too.
+async fn wait_until_lease_expires(app: &TestApp, id: i64) {
+    let lease_until = app.scalar(&format!("SELECT lease_until FROM outbox WHERE id = {id}"));
+    poll_until(
+        "the lease runs out",
+        || std::future::ready(now_millis()),
+        |now| *now >= lease_until,
+    )
+    .await;
 }
 
 fn outbox_row(app: &TestApp, id: i64) -> (String, Option<String>, i64) {
@@ -248,6 +269,21 @@ async fn a_claim_leases_the_oldest_pending_event_for_half_a_second() {
 }
 
 #[tokio::test]
+async fn a_claim_holds_its_event_for_the_configured_lease() {
+    let app = spawn_app_with_short_lease().await;
+    insert_events(&app, 1);
+
+    let before = now_millis();
+    assert_eq!(claim(&app, "one").await.0, 200);
+    let after = now_millis();
+    let lease_until = app.scalar("SELECT lease_until FROM outbox WHERE id = 1");
+    assert!(
+        (before + 50..=after + 50).contains(&lease_until),
+        "lease_until {lease_until} is 50 ms after the claim ({before}..{after})"
+    );
+}
+
+#[tokio::test]
 async fn a_held_lease_is_not_claimable_and_only_its_holder_can_ack_it() {
     let app = spawn_app().await;
     assert_eq!(create_order(&app, "", 1).await.status(), 201);
@@ -280,14 +316,13 @@ async fn a_held_lease_is_not_claimable_and_only_its_holder_can_ack_it() {
 
 #[tokio::test]
 async fn an_expired_lease_is_taken_over_and_the_stale_owner_is_fenced() {
-    let app = spawn_app().await;
+    let app = spawn_app_with_short_lease().await;
     assert_eq!(create_order(&app, "", 1).await.status(), 201);
     let (status, first) = claim(&app, "one").await;
     assert_eq!(status, 200);
     assert_eq!(first["attempts"], 1);
 
-    // Wait past the 500 ms lease.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    wait_until_lease_expires(&app, 1).await;
     let (status, second) = claim(&app, "two").await;
     assert_eq!(status, 200);
     assert_eq!(
@@ -312,11 +347,11 @@ async fn an_expired_lease_is_taken_over_and_the_stale_owner_is_fenced() {
 
 #[tokio::test]
 async fn an_expired_lease_cannot_be_acked_even_by_its_owner() {
-    let app = spawn_app().await;
+    let app = spawn_app_with_short_lease().await;
     insert_events(&app, 1);
     assert_eq!(claim(&app, "one").await.0, 200);
 
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    wait_until_lease_expires(&app, 1).await;
     assert_eq!(ack(&app, 1, "one", 1).await.0, 409);
     assert_eq!(outbox_row(&app, 1).0, "pending");
 }

@@ -2,36 +2,19 @@
 //! forwarded headers, canonical URLs and host filtering.
 
 use std::collections::BTreeSet;
-use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use production_lab::{Application, Config};
 use reqwest::Method;
 use serde_json::{Value, json};
 
 use crate::helpers::{
-    ServerProcess, TestApp, assert_bad_request, client, settings_dir, spawn_app, spawn_app_with,
-    status_and_json,
+    ServerProcess, TestApp, assert_bad_request, client, poll_until, settings_dir, spawn_app,
+    spawn_app_with, status_and_json,
 };
 
 const ORIGIN: &str = "https://client.example";
 const SEED_SECRET: &str = "classroom-not-a-secret";
-
-/// Polls `probe` until it returns `Some`, for at most ten seconds.
-async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 /// The `GET /configuration` answer once it satisfies `accept`.
 async fn configuration_when(
@@ -40,11 +23,14 @@ async fn configuration_when(
     what: &str,
     accept: impl Fn(u16, &Value) -> bool,
 ) -> (u16, Value) {
-    eventually(what, || async {
-        let response = client.get(url).send().await.expect("GET /configuration");
-        let (status, body) = status_and_json(response).await;
-        accept(status, &body).then_some((status, body))
-    })
+    poll_until(
+        what,
+        || async {
+            let response = client.get(url).send().await.expect("GET /configuration");
+            status_and_json(response).await
+        },
+        |(status, body)| accept(*status, body),
+    )
     .await
 }
 
@@ -181,7 +167,7 @@ async fn configuration_errors_are_logged_once_each_and_never_with_the_secret() {
     })
     .await;
 
-    let (stdout, stderr) = server.stop_and_collect_output();
+    let (stdout, stderr) = server.stop_and_collect_output().await;
     let logged: Vec<&str> = stderr
         .lines()
         .filter(|line| line.contains("Current configuration is invalid"))

@@ -1,7 +1,5 @@
 //! The command line: refusals, the listening line, graceful shutdown, `/live`, `practice`.
 
-use std::time::Duration;
-
 use crate::helpers::{ServerProcess, client, command, settings_dir, spawn_app};
 
 /// Runs `serve` with the given arguments (plus a temp database) and expects a refusal.
@@ -137,15 +135,13 @@ async fn the_listening_line_names_the_real_port_and_live_answers() {
     assert_eq!(response.text().await.unwrap(), "live");
 }
 
-#[test]
-fn sigterm_and_sigint_shut_down_gracefully_with_exit_code_zero() {
+#[tokio::test]
+async fn sigterm_and_sigint_shut_down_gracefully_with_exit_code_zero() {
     for signal in ["TERM", "INT"] {
         let (dir, settings) = settings_dir();
         let mut server = ServerProcess::start(&dir.path().join("lab.db"), &settings, &[]);
         server.signal(signal);
-        let status = server
-            .wait_timeout(Duration::from_secs(10))
-            .expect("the server exits after the signal");
+        let status = server.exit_status().await;
         assert_eq!(status.code(), Some(0), "SIG{signal}");
     }
 }

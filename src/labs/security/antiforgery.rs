@@ -7,6 +7,7 @@
 use axum::http::HeaderMap;
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use cookie::{Cookie, SameSite};
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
@@ -64,7 +65,10 @@ impl Antiforgery {
 
     /// Tokens for a request: reuses its cookie token when well formed, else makes a new one.
     pub fn issue(&self, headers: &HeaderMap) -> IssuedTokens {
-        if let Some(existing) = cookie_value(headers, COOKIE_NAME).and_then(decode_cookie_token) {
+        if let Some(existing) = cookie_value(headers, COOKIE_NAME)
+            .as_deref()
+            .and_then(decode_cookie_token)
+        {
             return IssuedTokens {
                 request_token: self.request_token_for(&existing),
                 set_cookie: None,
@@ -74,11 +78,7 @@ impl Antiforgery {
         rand::fill(&mut cookie_token);
         IssuedTokens {
             request_token: self.request_token_for(&cookie_token),
-            // Not `Secure`: the fixture is plain http on loopback and the browser would drop it.
-            set_cookie: Some(format!(
-                "{COOKIE_NAME}={}; Path=/; SameSite=Strict; HttpOnly",
-                URL_SAFE_NO_PAD.encode(cookie_token)
-            )),
+            set_cookie: Some(set_cookie(URL_SAFE_NO_PAD.encode(cookie_token))),
         }
     }
 
@@ -86,7 +86,7 @@ impl Antiforgery {
     pub fn validate(&self, headers: &HeaderMap) -> Result<(), AntiforgeryFailure> {
         let cookie = cookie_value(headers, COOKIE_NAME).ok_or(AntiforgeryFailure::MissingCookie)?;
         let cookie_token =
-            decode_cookie_token(cookie).ok_or(AntiforgeryFailure::MalformedCookie)?;
+            decode_cookie_token(&cookie).ok_or(AntiforgeryFailure::MalformedCookie)?;
         let mut values = headers.get_all(HEADER_NAME).iter();
         let (Some(header), None) = (values.next(), values.next()) else {
             return Err(AntiforgeryFailure::MissingHeader);
@@ -109,16 +109,29 @@ fn decode_cookie_token(value: &str) -> Option<Vec<u8>> {
         .filter(|bytes| bytes.len() == TOKEN_BYTES)
 }
 
-/// The first cookie called `name` across all `Cookie` headers (RFC 6265 `name=value; ...`).
-fn cookie_value<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+/// The `Set-Cookie` value that hands out a new cookie token: the whole site, never sent from
+/// another site, out of reach of scripts. Not `Secure`: the fixture is plain http on loopback
+/// and the browser would drop it.
+fn set_cookie(token: String) -> String {
+    Cookie::build((COOKIE_NAME, token))
+        .path("/")
+        .same_site(SameSite::Strict)
+        .http_only(true)
+        .build()
+        .to_string()
+}
+
+/// The first cookie called `name` across all `Cookie` headers (RFC 6265 `name=value; ...`);
+/// pairs that do not parse are skipped.
+fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
     headers
         .get_all(axum::http::header::COOKIE)
         .iter()
         .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(key, _)| *key == name)
-        .map(|(_, value)| value.trim())
+        .flat_map(Cookie::split_parse)
+        .filter_map(Result::ok)
+        .find(|cookie| cookie.name() == name)
+        .map(|cookie| cookie.value().to_owned())
 }
 
 #[cfg(test)]
@@ -200,7 +213,28 @@ mod tests {
             "cookie",
             HeaderValue::from_static("ProductionLab.Csrf=x ; c=3"),
         );
-        assert_eq!(cookie_value(&headers, COOKIE_NAME), Some("x"));
+        assert_eq!(cookie_value(&headers, COOKIE_NAME).as_deref(), Some("x"));
         assert_eq!(cookie_value(&headers, "ProductionLab"), None);
+
+        let mut headers = HeaderMap::new();
+        headers.append(
+            "cookie",
+            HeaderValue::from_static("garbage; =empty; ProductionLab.Csrf=y"),
+        );
+        assert_eq!(
+            cookie_value(&headers, COOKIE_NAME).as_deref(),
+            Some("y"),
+            "pairs that do not parse are skipped"
+        );
+    }
+
+    #[test]
+    fn a_new_cookie_is_site_wide_strict_and_out_of_reach_of_scripts() {
+        let set_cookie = set_cookie("token".to_owned());
+        let mut parts = set_cookie.split(';').map(str::trim);
+        assert_eq!(parts.next(), Some("ProductionLab.Csrf=token"));
+        let mut attributes: Vec<&str> = parts.collect();
+        attributes.sort_unstable();
+        assert_eq!(attributes, ["HttpOnly", "Path=/", "SameSite=Strict"]);
     }
 }
