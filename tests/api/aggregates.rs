@@ -930,6 +930,32 @@ async fn resolution_preconditions_refuse_with_the_current_state() {
     );
 }
 
+/// A server on a copy of a fixture database, after checking that the server brought both the
+/// labs' schema (`user_version` 2) and the inbox's (its own version table) up to date.
+async fn spawn_on_fixture(name: &str) -> (tempfile::TempDir, TestApp) {
+    let (dir, path) = fixture_copy(name);
+    let app = spawn_app_with(move |config| config.database = path).await;
+    assert_eq!(app.scalar("PRAGMA user_version"), 2);
+    assert_eq!(
+        app.scalar("SELECT version FROM ordered_inbox_schema"),
+        ordered_inbox::sqlite::schema::current_version()
+    );
+    (dir, app)
+}
+
+/// The message ids of a `/deadletters` page, in order.
+fn listed_ids(page: &Value) -> Vec<&str> {
+    page["deadLetters"]
+        .as_array()
+        .map(|letters| {
+            letters
+                .iter()
+                .filter_map(|letter| letter["messageId"].as_str())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// A copy of a database file made before the ordered inbox became a library, in a fresh temp dir.
 fn fixture_copy(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
@@ -944,22 +970,13 @@ fn fixture_copy(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
 #[tokio::test]
 async fn a_seed_schema_database_opens_and_upgrades_in_place() {
     // Made by the seed's Initialize script and the seed's own statements (user_version 0).
-    let (_seed_dir, path) = fixture_copy("seed-v0.db");
-    assert_eq!(
-        rusqlite::Connection::open(&path)
-            .unwrap()
-            .query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))
-            .unwrap(),
-        0
-    );
-    let database = path.clone();
-    let app = spawn_app_with(move |config| config.database = database).await;
-
-    assert_eq!(app.scalar("PRAGMA user_version"), 2);
-    assert_eq!(
-        app.scalar("SELECT version FROM ordered_inbox_schema"),
-        ordered_inbox::sqlite::schema::current_version()
-    );
+    let (_fixture, path) = fixture_copy("seed-v0.db");
+    let version: i64 = rusqlite::Connection::open(&path)
+        .unwrap()
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 0);
+    let (_dir, app) = spawn_on_fixture("seed-v0.db").await;
     // The seed's rows keep their values and gain the backfilled columns.
     let (_, state) = get(&app, "/ordered/state").await;
     assert_eq!(state, json!({"applied": 2, "deadletters": 1, "last": 2}));
@@ -1020,14 +1037,7 @@ const RELEASE_V2_ALICE: &str = "S2LvpZFmOl5E2cZW9YQsEhqXDvdgmCI8BhklzP9jMF4";
 async fn a_database_from_the_previous_release_opens_upgrades_and_keeps_its_evidence() {
     // Written by the release before the library (user_version 2): the classroom walk, acct-1
     // blocked and skipped by alice, acct-2 superseded by a corrected message, acct-3 blocked.
-    let (_dir, path) = fixture_copy("release-v2.db");
-    let database = path.clone();
-    let app = spawn_app_with(move |config| config.database = database).await;
-    assert_eq!(app.scalar("PRAGMA user_version"), 2);
-    assert_eq!(
-        app.scalar("SELECT version FROM ordered_inbox_schema"),
-        ordered_inbox::sqlite::schema::current_version()
-    );
+    let (_dir, app) = spawn_on_fixture("release-v2.db").await;
     let (_, state) = get(&app, "/ordered/state").await;
     assert_eq!(state, json!({"applied": 2, "deadletters": 1, "last": 2}));
     let (_, acct1) = get(&app, "/aggregates/acct-1").await;
@@ -1041,22 +1051,10 @@ async fn a_database_from_the_previous_release_opens_upgrades_and_keeps_its_evide
 
     // Existing dead letters are numbered in the order they were first seen, and page.
     let (_, first) = get(&app, "/deadletters?limit=2").await;
-    let ids: Vec<&str> = first["deadLetters"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|letter| letter["messageId"].as_str().unwrap())
-        .collect();
-    assert_eq!(ids, ["poison-2", "a1-p2"]);
+    assert_eq!(listed_ids(&first), ["poison-2", "a1-p2"]);
     let next = first["next"].as_i64().expect("a next page");
     let (_, second) = get(&app, &format!("/deadletters?limit=2&after={next}")).await;
-    let ids: Vec<&str> = second["deadLetters"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|letter| letter["messageId"].as_str().unwrap())
-        .collect();
-    assert_eq!(ids, ["a2-p2", "a3-p1"]);
+    assert_eq!(listed_ids(&second), ["a2-p2", "a3-p1"]);
     assert_eq!(second["next"], Value::Null);
 
     // The old operator's token still works, and the blocked aggregate can be resolved.
