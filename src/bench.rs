@@ -113,6 +113,11 @@ impl ServerUnderTest {
             .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
     }
 
+    /// The server process's CPU time so far and the bytes it caused to be written to storage.
+    pub fn usage(&self) -> Option<ProcessUsage> {
+        ProcessUsage::read(self.child.id())
+    }
+
     /// SIGTERM and wait (graceful shutdown closes the database cleanly).
     pub fn stop(mut self) -> Result<(PathBuf, tempfile::TempDir), BenchError> {
         let _ = Command::new("kill")
@@ -146,6 +151,62 @@ fn synchronous_name(synchronous: Synchronous) -> &'static str {
         Synchronous::Normal => "normal",
         Synchronous::Full => "full",
     }
+}
+
+/// A process's CPU time (user and system) and storage writes, from `/proc/PID/stat` and
+/// `/proc/PID/io`. Linux reports CPU time in `USER_HZ` ticks, which is 100 per second on every
+/// architecture the kernel exposes to user space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessUsage {
+    pub user_ticks: u64,
+    pub system_ticks: u64,
+    pub write_bytes: Option<u64>,
+}
+
+const USER_HZ: f64 = 100.0;
+
+impl ProcessUsage {
+    pub fn read(pid: u32) -> Option<ProcessUsage> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The command name may hold spaces and parentheses: fields are counted after its ')'.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok();
+        let write_bytes = io.as_deref().and_then(|io| {
+            io.lines()
+                .find_map(|line| line.strip_prefix("write_bytes:"))
+                .and_then(|value| value.trim().parse().ok())
+        });
+        Some(ProcessUsage {
+            // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
+            user_ticks: fields.get(11)?.parse().ok()?,
+            system_ticks: fields.get(12)?.parse().ok()?,
+            write_bytes,
+        })
+    }
+
+    /// What was spent between `earlier` and `self`, per message, in µs of CPU and bytes.
+    fn per_message(&self, earlier: &ProcessUsage, messages: usize) -> CostPerMessage {
+        let per = |ticks: u64| ticks as f64 / USER_HZ * 1e6 / messages.max(1) as f64;
+        CostPerMessage {
+            user_us: per(self.user_ticks.saturating_sub(earlier.user_ticks)),
+            system_us: per(self.system_ticks.saturating_sub(earlier.system_ticks)),
+            storage_bytes: self
+                .write_bytes
+                .zip(earlier.write_bytes)
+                .map(|(now, then)| now.saturating_sub(then) as f64 / messages.max(1) as f64),
+        }
+    }
+}
+
+/// The server's cost of one applied message during the HTTP load.
+#[derive(Debug, Clone, Copy, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CostPerMessage {
+    pub user_us: f64,
+    pub system_us: f64,
+    /// Bytes written to storage (WAL, checkpoints), from `/proc/PID/io`; unknown where the
+    /// kernel does not account it.
+    pub storage_bytes: Option<f64>,
 }
 
 /// The messages of one aggregate, in sequence order.
@@ -200,6 +261,10 @@ pub struct OrderedReport {
     pub p99_ms: f64,
     pub max_ms: f64,
     pub server_peak_rss_mib: Option<f64>,
+    /// The server process's CPU and storage writes per applied message.
+    pub server_cost: Option<CostPerMessage>,
+    /// The database file's bytes per applied message after the load (page count × page size).
+    pub database_bytes_per_message: Option<f64>,
 }
 
 impl std::fmt::Display for OrderedReport {
@@ -226,9 +291,30 @@ impl std::fmt::Display for OrderedReport {
             self.p50_ms, self.p95_ms, self.p99_ms, self.max_ms
         )?;
         match self.server_peak_rss_mib {
-            Some(mib) => write!(f, "  server peak RSS:       {mib:>10.1} MiB"),
-            None => write!(f, "  server peak RSS:       unknown (no /proc)"),
+            Some(mib) => writeln!(f, "  server peak RSS:       {mib:>10.1} MiB")?,
+            None => writeln!(f, "  server peak RSS:       unknown (no /proc)")?,
         }
+        match self.server_cost {
+            Some(cost) => writeln!(
+                f,
+                "  server CPU/message:    {:>10.1} µs (user {:.1} + system {:.1})",
+                cost.user_us + cost.system_us,
+                cost.user_us,
+                cost.system_us
+            )?,
+            None => writeln!(f, "  server CPU/message:    unknown (no /proc)")?,
+        }
+        let written = self
+            .server_cost
+            .and_then(|cost| cost.storage_bytes)
+            .map_or("unknown".to_owned(), |bytes| format!("{bytes:.0} B"));
+        let file = self
+            .database_bytes_per_message
+            .map_or("unknown".to_owned(), |bytes| format!("{bytes:.0} B"));
+        write!(
+            f,
+            "  storage/message:       {written:>10} written, {file} of database file"
+        )
     }
 }
 
@@ -253,6 +339,7 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
         owned[index % options.concurrency].push(stream.clone());
     }
     let address = Arc::new(server.address.clone());
+    let usage_before = server.usage();
     let started = Instant::now();
     let mut clients = tokio::task::JoinSet::new();
     for streams in owned.into_iter().filter(|s| !s.is_empty()) {
@@ -268,8 +355,13 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
     }
     let elapsed = started.elapsed();
     let peak_rss_kib = server.peak_rss_kib();
+    let server_cost = server
+        .usage()
+        .zip(usage_before)
+        .map(|(after, before)| after.per_message(&before, options.messages));
     let (database, _dir) = server.stop()?;
     verify_end_state(&database, &streams)?;
+    let database_bytes = database_size(&database)?;
 
     let raw_per_second = tokio::task::spawn_blocking({
         let streams = streams.clone();
@@ -294,7 +386,19 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
         p99_ms: percentile(&latencies, 0.99),
         max_ms: latencies.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
         server_peak_rss_mib: peak_rss_kib.map(|kib| kib as f64 / 1024.0),
+        server_cost,
+        database_bytes_per_message: Some(database_bytes as f64 / options.messages as f64),
     })
+}
+
+/// The database's size in bytes: page count × page size.
+fn database_size(database: &Path) -> Result<i64, BenchError> {
+    let connection = Connection::open(database)?;
+    Ok(connection.query_row(
+        "SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()",
+        [],
+        |row| row.get(0),
+    )?)
 }
 
 /// Sends one client's aggregates' messages, interleaved, each aggregate in order. Anything but
@@ -561,5 +665,35 @@ mod tests {
         assert_eq!(percentile(&sorted, 0.50), 50.0);
         assert_eq!(percentile(&sorted, 0.99), 99.0);
         assert_eq!(percentile(&[], 0.99), 0.0);
+    }
+
+    #[test]
+    fn this_process_usage_is_readable_and_grows_with_work() {
+        let before = ProcessUsage::read(std::process::id()).expect("/proc/self/stat");
+        let started = Instant::now();
+        let mut spin = 0u64;
+        while started.elapsed() < Duration::from_millis(60) {
+            spin = spin.wrapping_add(std::hint::black_box(1));
+        }
+        let after = ProcessUsage::read(std::process::id()).expect("/proc/self/stat");
+        assert!(spin > 0);
+        assert!(after.user_ticks + after.system_ticks > before.user_ticks + before.system_ticks);
+    }
+
+    #[test]
+    fn costs_are_divided_per_message_in_microseconds() {
+        let before = ProcessUsage {
+            user_ticks: 100,
+            system_ticks: 50,
+            write_bytes: Some(1000),
+        };
+        let after = ProcessUsage {
+            user_ticks: 102,
+            system_ticks: 53,
+            write_bytes: Some(5000),
+        };
+        let cost = after.per_message(&before, 1000);
+        assert_eq!((cost.user_us, cost.system_us), (20.0, 30.0));
+        assert_eq!(cost.storage_bytes, Some(4.0));
     }
 }
