@@ -3,6 +3,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -20,6 +21,70 @@ pub struct Config {
     /// `*` or `;`-separated host names (ports ignored).
     pub allowed_hosts: String,
     pub synchronous: Synchronous,
+    /// Connection timeouts and the connection cap.
+    pub limits: ConnectionLimits,
+}
+
+/// How long a client may take and how many connections it may hold open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// From accept (or the first byte after an idle pause) until the request head is complete.
+    pub header_read_timeout: Duration,
+    /// From the request head until the whole body has arrived.
+    pub body_read_timeout: Duration,
+    /// How long a connection may wait between a response and the next request.
+    pub keep_alive_timeout: Duration,
+    /// Open connections at most; keep it below the process's open-file limit (`ulimit -n`).
+    pub max_connections: usize,
+}
+
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(60);
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// The longest timeout `serve` accepts.
+const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
+            keep_alive_timeout: DEFAULT_KEEP_ALIVE_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// A timeout flag: `500ms`, `10s`, or a bare number of seconds; from 1 ms to one hour.
+pub fn parse_timeout(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let (number, unit) = if let Some(number) = text.strip_suffix("ms") {
+        (number, 1)
+    } else if let Some(number) = text.strip_suffix('s') {
+        (number, 1000)
+    } else {
+        (text, 1000)
+    };
+    let duration = number
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|value| value.checked_mul(unit))
+        .map(Duration::from_millis)
+        .ok_or_else(|| format!("'{text}' is not a duration such as 500ms, 10s or 10"))?;
+    if duration.is_zero() || duration > MAX_TIMEOUT {
+        return Err(format!("'{text}' must be from 1ms to 3600s"));
+    }
+    Ok(duration)
+}
+
+/// The connection cap flag: 1 to 65536.
+pub fn parse_max_connections(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(value) if (1..=65_536).contains(&value) => Ok(value),
+        _ => Err(format!("'{text}' must be a whole number from 1 to 65536")),
+    }
 }
 
 /// SQLite's `synchronous` pragma for the write connection. FULL is the durable default.
@@ -52,6 +117,7 @@ impl Config {
             known_proxy: DEFAULT_KNOWN_PROXY,
             allowed_hosts: "*".to_owned(),
             synchronous: Synchronous::Full,
+            limits: ConnectionLimits::default(),
         }
     }
 }
@@ -197,6 +263,19 @@ pub fn parse_settings(text: &str) -> Result<LiveSettings, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_take_a_unit_or_seconds() {
+        assert_eq!(parse_timeout("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_timeout("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_timeout("7"), Ok(Duration::from_secs(7)));
+        for bad in ["0", "0ms", "-1", "1.5s", "ten", "", "3601s"] {
+            assert!(parse_timeout(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_max_connections("2"), Ok(2));
+        assert!(parse_max_connections("0").is_err());
+        assert!(parse_max_connections("many").is_err());
+    }
 
     #[test]
     fn loopback_urls_are_accepted() {

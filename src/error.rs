@@ -1,7 +1,7 @@
 //! The one error type handlers return, rendered as RFC 9457 `application/problem+json`, and the
 //! request extractors whose rejections become 400 problems (never axum's default 415/422).
 
-use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -22,6 +22,10 @@ pub enum AppError {
         title: String,
         detail: Option<String>,
     },
+    /// The request did not arrive in time: 408, and the connection is closed, since the rest of
+    /// a late body could otherwise be read as the next request.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// The store failed underneath the request: 503 when the writer is gone or SQLite is busy
     /// past its retries, 500 otherwise. The detail stays in the server log.
     #[error(transparent)]
@@ -111,6 +115,18 @@ impl IntoResponse for AppError {
                 title,
                 detail,
             } => problem_response(status, &title, detail.as_deref()),
+            AppError::RequestTimeout(detail) => {
+                let mut response = problem_response(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "Request Timeout",
+                    Some(&detail),
+                );
+                response.headers_mut().insert(
+                    header::CONNECTION,
+                    axum::http::HeaderValue::from_static("close"),
+                );
+                response
+            }
             AppError::Store(error) => {
                 let status = error.status();
                 tracing::error!(target: "production_lab::store", %error, "store failure");
@@ -157,9 +173,24 @@ where
         }
         let bytes = axum::body::Bytes::from_request(request, state)
             .await
-            .map_err(|rejection| AppError::bad_request(rejection.body_text()))?;
+            .map_err(body_rejection)?;
         parse_body(&bytes).map(Json)
     }
+}
+
+/// Why a body could not be read: not complete within the body-read timeout (408, and the
+/// connection is closed), or anything else the client broke (400).
+fn body_rejection(rejection: BytesRejection) -> AppError {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&rejection);
+    while let Some(error) = cause {
+        if error.is::<tower_http::timeout::TimeoutError>() {
+            return AppError::RequestTimeout(
+                "the request body did not arrive within the body-read timeout".to_owned(),
+            );
+        }
+        cause = error.source();
+    }
+    AppError::bad_request(rejection.body_text())
 }
 
 fn is_json_content_type(value: &str) -> bool {

@@ -13,6 +13,7 @@ pub mod operators;
 pub mod ordering;
 pub mod practice;
 pub mod schema;
+pub mod server;
 pub mod store;
 pub mod verify;
 

@@ -121,6 +121,20 @@ struct ServeArgs {
     /// SQLite synchronous mode of the write connection.
     #[arg(long, value_enum, default_value = "full")]
     synchronous: Synchronous,
+    /// Time a client has to send a request head, from connecting or from its first byte after a
+    /// pause (500ms, 10s or 10).
+    #[arg(long, value_parser = config::parse_timeout, default_value = "10s")]
+    header_timeout: std::time::Duration,
+    /// Time a client has to send a whole request body, from the end of its head.
+    #[arg(long, value_parser = config::parse_timeout, default_value = "30s")]
+    body_timeout: std::time::Duration,
+    /// Time an idle keep-alive connection stays open between requests.
+    #[arg(long, value_parser = config::parse_timeout, default_value = "60s")]
+    keep_alive_timeout: std::time::Duration,
+    /// Open connections at most; at the cap the longest-waiting idle one makes room, and when
+    /// every one is busy a new one is answered 503 and closed.
+    #[arg(long, value_parser = config::parse_max_connections, default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
 }
 
 #[derive(Args)]
@@ -286,6 +300,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         known_proxy: args.known_proxy,
         allowed_hosts: args.allowed_hosts,
         synchronous: args.synchronous,
+        limits: config::ConnectionLimits {
+            header_read_timeout: args.header_timeout,
+            body_read_timeout: args.body_timeout,
+            keep_alive_timeout: args.keep_alive_timeout,
+            max_connections: args.max_connections,
+        },
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {

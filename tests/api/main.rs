@@ -5,6 +5,7 @@ mod helpers;
 
 mod aggregates;
 mod cache;
+mod connections;
 mod contracts;
 mod crash;
 mod http;
