@@ -1,7 +1,8 @@
 //! The one error type handlers return, rendered as RFC 9457 `application/problem+json`, and the
-//! request extractors whose rejections become 400 problems (never axum's default 415/422).
+//! request extractors whose rejections become problems: 400 for the request's shape (never axum's
+//! default 415/422), 413 for a body over the limit, 408 for a body that did not arrive in time.
 
-use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
+use axum::extract::rejection::{BytesRejection, FailedToBufferBody, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -178,9 +179,19 @@ where
     }
 }
 
-/// Why a body could not be read: not complete within the body-read timeout (408, and the
-/// connection is closed), or anything else the client broke (400).
+/// Why a body could not be read: too large (413), not complete within the body-read timeout
+/// (408, and the connection is closed), or anything else the client broke (400).
 fn body_rejection(rejection: BytesRejection) -> AppError {
+    if let BytesRejection::FailedToBufferBody(FailedToBufferBody::LengthLimitError(_)) = rejection {
+        return AppError::Problem {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            title: "Content Too Large".to_owned(),
+            detail: Some(format!(
+                "the request body is larger than the limit of {} bytes",
+                crate::server::MAX_REQUEST_BODY_BYTES
+            )),
+        };
+    }
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&rejection);
     while let Some(error) = cause {
         if error.is::<tower_http::timeout::TimeoutError>() {

@@ -13,6 +13,7 @@ mod messaging;
 mod ordered;
 mod pipeline;
 mod privacy;
+mod requests;
 mod security;
 mod sql;
 mod startup;
