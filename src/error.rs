@@ -212,15 +212,10 @@ fn is_json_content_type(value: &str) -> bool {
             && media[media.len() - 5..].eq_ignore_ascii_case("+json"))
 }
 
-/// Parses a body: JSON object, case-insensitive property names, then the typed value.
+/// Parses a body: JSON object without repeated members, case-insensitive property names, then
+/// the typed value.
 pub fn parse_body<T: RequestBody>(bytes: &[u8]) -> Result<T, AppError> {
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
-        AppError::bad_request(format!(
-            "the body is not valid JSON (line {}, column {})",
-            e.line(),
-            e.column()
-        ))
-    })?;
+    let value = parse_unique_members(bytes)?;
     let Value::Object(object) = value else {
         return Err(AppError::bad_request("the body must be a JSON object"));
     };
@@ -239,6 +234,119 @@ pub fn parse_body<T: RequestBody>(bytes: &[u8]) -> Result<T, AppError> {
     }
     serde_json::from_value(Value::Object(normalized))
         .map_err(|e| AppError::bad_request(format!("invalid body: {e}")))
+}
+
+/// Parses JSON text into a value, refusing an object that names one member twice, exactly or in
+/// another letter case, at any depth. serde_json alone keeps the last of two equal keys, while a
+/// proxy or a log that reads the first would see another message than the one applied.
+pub fn parse_unique_members(bytes: &[u8]) -> Result<Value, AppError> {
+    match serde_json::from_slice::<UniqueMembers>(bytes) {
+        Ok(UniqueMembers(value)) => Ok(value),
+        Err(error) if error.classify() == serde_json::error::Category::Data => {
+            // Only the repeated-member check raises a data error while building a `Value`.
+            let message = error.to_string();
+            let reason = message
+                .rsplit_once(" at line ")
+                .map_or(message.as_str(), |(reason, _)| reason);
+            Err(AppError::bad_request(format!(
+                "{reason} (line {}, column {})",
+                error.line(),
+                error.column()
+            )))
+        }
+        Err(error) => Err(AppError::bad_request(format!(
+            "the body is not valid JSON (line {}, column {})",
+            error.line(),
+            error.column()
+        ))),
+    }
+}
+
+/// A JSON value whose objects never repeat a member name (compared case-insensitively).
+struct UniqueMembers(Value);
+
+impl<'de> serde::Deserialize<'de> for UniqueMembers {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_any(UniqueMembersVisitor)
+            .map(UniqueMembers)
+    }
+}
+
+struct UniqueMembersVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UniqueMembersVisitor {
+    type Value = Value;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, value: bool) -> Result<Value, E> {
+        Ok(Value::Bool(value))
+    }
+
+    fn visit_i64<E>(self, value: i64) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_u64<E>(self, value: u64) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_f64<E>(self, value: f64) -> Result<Value, E> {
+        // JSON text has no NaN or infinity, so this is always a number.
+        Ok(serde_json::Number::from_f64(value).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, value: &str) -> Result<Value, E> {
+        Ok(Value::String(value.to_owned()))
+    }
+
+    fn visit_string<E>(self, value: String) -> Result<Value, E> {
+        Ok(Value::String(value))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(UniqueMembers(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = Map::new();
+        let mut folded_names = std::collections::HashSet::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let folded: String = name.chars().flat_map(char::to_lowercase).collect();
+            if !folded_names.insert(folded) {
+                return Err(serde::de::Error::custom(format!(
+                    "property '{}' is given more than once",
+                    shortened(&name)
+                )));
+            }
+            let UniqueMembers(value) = map.next_value()?;
+            object.insert(name, value);
+        }
+        Ok(Value::Object(object))
+    }
+}
+
+/// A client-chosen name, cut to a length that fits a problem detail.
+fn shortened(name: &str) -> String {
+    const MAX_CHARS: usize = 64;
+    if name.chars().count() <= MAX_CHARS {
+        name.to_owned()
+    } else {
+        let mut short: String = name.chars().take(MAX_CHARS).collect();
+        short.push('…');
+        short
+    }
 }
 
 /// `axum::extract::Path` whose rejection is a 400 problem.
@@ -307,6 +415,27 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
+    }
+
+    #[test]
+    fn a_repeated_member_is_refused_at_any_depth_and_in_any_case() {
+        for body in [
+            &br#"{"messageId":"d","amount":-5,"amount":5}"#[..],
+            br#"{"messageId":"d","amount":-5,"Amount":5}"#,
+            br#"{"messageId":"d","amount":1,"x":{"a":1,"A":2}}"#,
+            br#"{"messageId":"d","amount":1,"x":[{"b":1,"b":1}]}"#,
+            br#"{"messageId":"d","amount":1,"extra":1,"EXTRA":2}"#,
+        ] {
+            let error = parse_body::<Probe>(body).expect_err("a repeated member");
+            let AppError::BadRequest(detail) = error else {
+                panic!("not a bad request")
+            };
+            assert!(detail.contains("more than once"), "{detail}");
+        }
+        let nested = parse_unique_members(br#"{"a":{"b":[1,2.5,true,null,"s"]},"c":-3}"#)
+            .expect("a document without repeats");
+        assert_eq!(nested["a"]["b"][1], 2.5);
+        assert_eq!(nested["c"], -3);
     }
 
     #[test]

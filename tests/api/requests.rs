@@ -1,7 +1,9 @@
 //! Rules every route shares for the shape of a request: body size, JSON members, media type
 //! and charset, unknown routes and methods.
 
-use crate::helpers::{spawn_app, status_and_json};
+use serde_json::json;
+
+use crate::helpers::{assert_bad_request, spawn_app, status_and_json};
 
 /// One more byte than the server reads of any body.
 const TOO_LARGE: usize = production_lab::server::MAX_REQUEST_BODY_BYTES + 1;
@@ -24,4 +26,101 @@ async fn a_body_over_the_limit_answers_413_problem_json() {
         assert_eq!(problem["title"], "Content Too Large", "{path}");
     }
     assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 0);
+}
+
+/// Every route that binds a JSON body, with its method.
+const JSON_ROUTES: [(&str, &str); 9] = [
+    ("POST", "/ordered/apply"),
+    ("POST", "/aggregates/acct/messages"),
+    ("POST", "/outbox/orders"),
+    ("POST", "/inbox/apply"),
+    ("POST", "/cache/catalog"),
+    ("POST", "/pipeline"),
+    ("POST", "/worker"),
+    ("PUT", "/documents/1"),
+    ("POST", "/deadletters/poison-2/resolution"),
+];
+
+/// Sends `body` as `application/json` (or `content_type`) to a route, as an operator.
+async fn send_json(
+    app: &crate::helpers::TestApp,
+    token: &str,
+    (method, path): (&str, &str),
+    content_type: &str,
+    body: &str,
+) -> reqwest::Response {
+    let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+    app.client
+        .request(method, app.url(path))
+        .bearer_auth(token)
+        .header("content-type", content_type)
+        .header("idempotency-key", "demo")
+        .header("if-match", "\"v1\"")
+        .body(body.to_owned())
+        .send()
+        .await
+        .expect("the request reaches the server")
+}
+
+#[tokio::test]
+async fn a_member_given_twice_is_refused_on_every_json_route() {
+    let app = spawn_app().await;
+    let token = production_lab::operators::add(&app.database, "alice").expect("an operator");
+    for route in JSON_ROUTES {
+        for body in [
+            r#"{"value":1,"value":2}"#,
+            r#"{"value":1,"VALUE":2}"#,
+            r#"{"outer":{"Inner":1,"inner":2}}"#,
+        ] {
+            let problem =
+                assert_bad_request(send_json(&app, &token, route, "application/json", body).await)
+                    .await;
+            let detail = problem["detail"].as_str().unwrap();
+            assert!(
+                detail.contains("more than once"),
+                "{route:?} {body}: {detail}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_audit_example_is_refused_instead_of_applying_the_last_amount() {
+    let app = spawn_app().await;
+    // A proxy that reads the first amount sees a poison message; serde alone would apply 5.
+    let body = r#"{"messageId":"d","sequence":1,"amount":-5,"amount":5}"#;
+    let problem = assert_bad_request(
+        app.post_raw("/aggregates/acct/messages", "application/json", body)
+            .await,
+    )
+    .await;
+    assert!(
+        problem["detail"].as_str().unwrap().contains("'amount'"),
+        "{problem}"
+    );
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 0);
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 0);
+}
+
+#[tokio::test]
+async fn a_replacement_naming_a_member_twice_is_refused_and_resolves_nothing() {
+    let app = spawn_app().await;
+    let token = production_lab::operators::add(&app.database, "alice").expect("an operator");
+    for (sequence, message, amount) in [(1, "m-1", 5), (2, "poison-2", -1)] {
+        let body = json!({"messageId": message, "sequence": sequence, "amount": amount});
+        app.post_json("/aggregates/acct/messages", &body).await;
+    }
+    let body = r#"{"action":"replace","expectedLast":1,"reason":"r",
+        "replacement":{"messageId":"fix-2","amount":-1,"amount":2}}"#;
+    let route = ("POST", "/deadletters/poison-2/resolution");
+    let problem =
+        assert_bad_request(send_json(&app, &token, route, "application/json", body).await).await;
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("more than once"),
+        "{problem}"
+    );
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM resolutions"), 0);
 }
