@@ -1,6 +1,7 @@
 //! The one error type handlers return, rendered as RFC 9457 `application/problem+json`, and the
 //! request extractors whose rejections become problems: 400 for the request's shape (never axum's
-//! default 415/422), 413 for a body over the limit, 408 for a body that did not arrive in time.
+//! default 415/422), 415 only for a charset other than UTF-8, 413 for a body over the limit, 408
+//! for a body that did not arrive in time.
 
 use axum::extract::rejection::{BytesRejection, FailedToBufferBody, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
@@ -172,6 +173,16 @@ where
                 "expected a JSON body with Content-Type: application/json",
             ));
         }
+        if let Some(charset) = charset_other_than_utf8(content_type) {
+            return Err(AppError::Problem {
+                status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                title: "Unsupported Media Type".to_owned(),
+                detail: Some(format!(
+                    "a JSON body must be UTF-8; the Content-Type names charset '{}'",
+                    shortened(&charset)
+                )),
+            });
+        }
         let bytes = axum::body::Bytes::from_request(request, state)
             .await
             .map_err(body_rejection)?;
@@ -210,6 +221,19 @@ fn is_json_content_type(value: &str) -> bool {
         || (media.len() > 5
             && media[..media.len() - 5].contains('/')
             && media[media.len() - 5..].eq_ignore_ascii_case("+json"))
+}
+
+/// The `charset` parameter of a media type when it names anything but UTF-8 (any letter case,
+/// quoted or not). JSON text exchanged between systems is UTF-8 (RFC 8259 §8.1), and reading
+/// UTF-16 as UTF-8 would bind another value than the client sent.
+fn charset_other_than_utf8(content_type: &str) -> Option<String> {
+    content_type
+        .split(';')
+        .skip(1)
+        .filter_map(|parameter| parameter.split_once('='))
+        .filter(|(name, _)| name.trim().eq_ignore_ascii_case("charset"))
+        .map(|(_, value)| value.trim().trim_matches('"').to_owned())
+        .find(|charset| !charset.eq_ignore_ascii_case("utf-8"))
 }
 
 /// Parses a body: JSON object without repeated members, case-insensitive property names, then
@@ -465,5 +489,26 @@ mod tests {
         assert!(!is_json_content_type("text/plain"));
         assert!(!is_json_content_type(""));
         assert!(!is_json_content_type("+json"));
+    }
+
+    #[test]
+    fn only_utf8_is_an_acceptable_charset() {
+        assert_eq!(charset_other_than_utf8("application/json"), None);
+        assert_eq!(
+            charset_other_than_utf8("application/json; charset=utf-8"),
+            None
+        );
+        assert_eq!(
+            charset_other_than_utf8("application/json;CHARSET=\"UTF-8\""),
+            None
+        );
+        assert_eq!(
+            charset_other_than_utf8("application/json; charset=utf-16").as_deref(),
+            Some("utf-16")
+        );
+        assert_eq!(
+            charset_other_than_utf8("application/json; charset=utf-8; charset=latin1").as_deref(),
+            Some("latin1")
+        );
     }
 }

@@ -124,3 +124,36 @@ async fn a_replacement_naming_a_member_twice_is_refused_and_resolves_nothing() {
     );
     assert_eq!(app.scalar("SELECT COUNT(*) FROM resolutions"), 0);
 }
+
+#[tokio::test]
+async fn a_json_body_in_a_charset_other_than_utf8_answers_415_problem_json() {
+    let app = spawn_app().await;
+    let token = production_lab::operators::add(&app.database, "alice").expect("an operator");
+    for route in JSON_ROUTES {
+        for content_type in [
+            "application/json; charset=utf-16",
+            "application/json;charset=\"ISO-8859-1\"",
+        ] {
+            let response = send_json(&app, &token, route, content_type, r#"{"value":1}"#).await;
+            assert_eq!(response.status(), 415, "{route:?} {content_type}");
+            assert_eq!(
+                response.headers()["content-type"],
+                "application/problem+json"
+            );
+            let (_, problem) = status_and_json(response).await;
+            assert!(
+                problem["detail"].as_str().unwrap().contains("UTF-8"),
+                "{problem}"
+            );
+        }
+    }
+    // UTF-8, named in any letter case, is read as before.
+    let response = app
+        .post_raw(
+            "/worker",
+            "application/json; charset=UTF-8",
+            r#"{"value":2}"#,
+        )
+        .await;
+    assert_eq!(status_and_json(response).await.1["value"], 4);
+}
