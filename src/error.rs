@@ -143,6 +143,42 @@ impl IntoResponse for AppError {
     }
 }
 
+/// Middleware: the router's own bare 404 (no route) and 405 (method not allowed, with its `Allow`
+/// header) become problem+json like every other error. Responses that carry a body already are
+/// left alone.
+pub async fn bare_status_as_problem(request: Request, next: axum::middleware::Next) -> Response {
+    let method = request.method().clone();
+    let response = next.run(request).await;
+    let status = response.status();
+    if response.headers().contains_key(header::CONTENT_TYPE)
+        || !matches!(
+            status,
+            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED
+        )
+    {
+        return response;
+    }
+    let (title, detail) = if status == StatusCode::NOT_FOUND {
+        ("Not Found", "no route matches this path".to_owned())
+    } else {
+        let allowed = response
+            .headers()
+            .get(header::ALLOW)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        (
+            "Method Not Allowed",
+            format!("this route does not answer {method}; it answers {allowed}"),
+        )
+    };
+    let mut problem = problem_response(status, title, Some(&detail));
+    if let Some(allow) = response.headers().get(header::ALLOW) {
+        problem.headers_mut().insert(header::ALLOW, allow.clone());
+    }
+    problem
+}
+
 /// Request bodies whose property names bind case-insensitively, as ASP.NET's do
 /// (`messageId`, `MessageId` and `MESSAGEID` all fill `message_id`).
 pub trait RequestBody: DeserializeOwned {

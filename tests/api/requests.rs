@@ -157,3 +157,40 @@ async fn a_json_body_in_a_charset_other_than_utf8_answers_415_problem_json() {
         .await;
     assert_eq!(status_and_json(response).await.1["value"], 4);
 }
+
+#[tokio::test]
+async fn unknown_routes_and_wrong_methods_answer_problem_json() {
+    let app = spawn_app().await;
+    let response = app.get("/no/such/route").await;
+    assert_eq!(response.status(), 404);
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    let (_, problem) = status_and_json(response).await;
+    assert_eq!(
+        (problem["status"].clone(), problem["title"].clone()),
+        (json!(404), json!("Not Found"))
+    );
+
+    let response = app.client.delete(app.url("/live")).send().await.unwrap();
+    assert_eq!(response.status(), 405);
+    let allow = response.headers()["allow"].to_str().unwrap().to_owned();
+    assert!(allow.contains("GET"), "{allow}");
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    let (_, problem) = status_and_json(response).await;
+    assert_eq!(problem["status"], 405);
+    assert!(
+        problem["detail"].as_str().unwrap().contains("DELETE"),
+        "{problem}"
+    );
+    // A route's own 404 keeps its own problem.
+    let (status, problem) = status_and_json(app.get("/aggregates/never-seen").await).await;
+    assert_eq!(
+        (status, problem["title"].clone()),
+        (404, json!("Unknown aggregate"))
+    );
+}
