@@ -1071,3 +1071,36 @@ async fn dot_segments_are_refused_as_aggregate_ids_in_every_spelling() {
     assert_eq!(app.scalar("SELECT COUNT(*) FROM aggregate_state"), 0);
     assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 0);
 }
+
+#[tokio::test]
+async fn two_authorization_headers_are_an_ambiguous_credential_and_resolve_nothing() {
+    let app = spawn_app().await;
+    let alice = add_operator(&app, "alice");
+    blocked_aggregate(&app).await;
+    let before = ordering_rows(&app);
+    // A valid token first and a bogus one after, and the other way round: neither is guessed.
+    for (first, second) in [
+        (format!("Bearer {alice}"), "Bearer forged".to_owned()),
+        ("Bearer forged".to_owned(), format!("Bearer {alice}")),
+    ] {
+        let response = app
+            .client
+            .post(app.url("/deadletters/poison-2/resolution"))
+            .header("authorization", first)
+            .header("authorization", second)
+            .json(&skip(1, "two voices"))
+            .send()
+            .await
+            .unwrap();
+        let problem = assert_bad_request(response).await;
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .contains("Authorization"),
+            "{problem}"
+        );
+    }
+    assert_eq!(ordering_rows(&app), before);
+    assert_eq!(dead_letter_status(&app, "poison-2"), "open");
+}
