@@ -638,6 +638,42 @@ async fn the_known_proxy_is_believed_for_its_rightmost_entry_only() {
 }
 
 #[tokio::test]
+async fn the_known_proxy_is_believed_only_when_both_headers_are_usable() {
+    let app = spawn_app_with(|config| config.known_proxy = "127.0.0.1".parse().unwrap()).await;
+    for (forwarded_for, proto) in [
+        ("198.51.100.7", "gopher"),
+        ("198.51.100.7", "javascript"),
+        ("not-an-address", "https"),
+    ] {
+        let body = proxy_view(
+            &app,
+            &[
+                ("X-Forwarded-For", forwarded_for),
+                ("X-Forwarded-Proto", proto),
+            ],
+        )
+        .await;
+        assert_eq!(
+            (body["remote"].clone(), body["scheme"].clone()),
+            (json!("127.0.0.1"), json!("http")),
+            "{forwarded_for} / {proto}"
+        );
+    }
+    let both = proxy_view(
+        &app,
+        &[
+            ("X-Forwarded-For", "198.51.100.7"),
+            ("X-Forwarded-Proto", "HTTPS"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        (both["remote"].clone(), both["scheme"].clone()),
+        (json!("198.51.100.7"), json!("https"))
+    );
+}
+
+#[tokio::test]
 async fn the_real_binary_accepts_known_proxy_on_the_command_line() {
     let (dir, settings) = settings_dir();
     let server = ServerProcess::start(
