@@ -138,6 +138,15 @@ async fn filter_hosts(State(lab): State<SecurityLab>, request: Request, next: Ne
     }
     let authority = request.uri().authority().map(|a| a.as_str());
     let host = request_host(request.headers(), authority);
+    if host
+        .as_deref()
+        .is_some_and(|host| !hosts::has_valid_port(host))
+    {
+        return AppError::bad_request(
+            "the request's Host has a malformed port: it must be a number from 0 to 65535",
+        )
+        .into_response();
+    }
     if !lab.shared.allowed_hosts.allows(host.as_deref()) {
         return AppError::bad_request(
             "the request's Host is not one of the allowed host names (--allowed-hosts)",

@@ -768,6 +768,34 @@ async fn only_allowed_hosts_are_served() {
 }
 
 #[tokio::test]
+async fn a_host_with_a_malformed_port_is_refused_whatever_hosts_are_allowed() {
+    for allowed in ["*", "localhost"] {
+        let app = spawn_app_with(|config| config.allowed_hosts = allowed.into()).await;
+        for host in [
+            "localhost:abc",
+            "localhost:65536",
+            "localhost:80:81",
+            "[::1]:x",
+        ] {
+            let problem =
+                assert_bad_request(with_host(&app, Method::GET, "/live", host).await).await;
+            assert!(
+                problem["detail"].as_str().unwrap().contains("port"),
+                "{allowed} {host}: {problem}"
+            );
+        }
+        let response = with_host(
+            &app,
+            Method::GET,
+            "/live",
+            &format!("localhost:{}", app.port),
+        )
+        .await;
+        assert_eq!(response.status(), 200, "{allowed}");
+    }
+}
+
+#[tokio::test]
 async fn an_empty_allowed_hosts_list_refuses_to_start() {
     let dir = tempfile::tempdir().unwrap();
     let settings = dir.path().join("runtime-settings.json");
