@@ -253,8 +253,25 @@ struct EncodedQuery {
     name: Option<String>,
 }
 
-async fn encoded(Query(query): Query<EncodedQuery>) -> Html<String> {
-    Html(encoded_page(query.name.as_deref().unwrap_or("")))
+/// The page allows nothing but itself: no script, style, frame or form, so even a value that
+/// escaped encoding could not run; and the browser must not sniff it as anything but HTML.
+const ENCODED_PAGE_POLICY: &str =
+    "default-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+async fn encoded(Query(query): Query<EncodedQuery>) -> impl IntoResponse {
+    (
+        [
+            (
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static(ENCODED_PAGE_POLICY),
+            ),
+            (
+                header::X_CONTENT_TYPE_OPTIONS,
+                HeaderValue::from_static("nosniff"),
+            ),
+        ],
+        Html(encoded_page(query.name.as_deref().unwrap_or(""))),
+    )
 }
 
 /// The page with `name` as text in a `<p>`. Quotes and `/` are encoded too (not only `& < >`), so

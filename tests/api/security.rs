@@ -578,6 +578,21 @@ async fn hostile_names_round_trip_through_an_html_parser() {
 }
 
 #[tokio::test]
+async fn the_encoded_page_forbids_scripts_and_sniffing() {
+    let app = spawn_app().await;
+    let response = app.get("/encoded?name=%3Cscript%3E").await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        header_text(&response, "x-content-type-options").as_deref(),
+        Some("nosniff")
+    );
+    let policy = header_text(&response, "content-security-policy").unwrap_or_default();
+    let directives: Vec<&str> = policy.split(';').map(str::trim).collect();
+    assert!(directives.contains(&"default-src 'none'"), "{policy}");
+    assert!(directives.contains(&"frame-ancestors 'none'"), "{policy}");
+}
+
+#[tokio::test]
 async fn a_missing_name_is_an_empty_paragraph() {
     let app = spawn_app().await;
     let page = app.get("/encoded").await.text().await.unwrap();
