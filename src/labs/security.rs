@@ -30,6 +30,7 @@ use crate::error::{AppError, Query, json_response, problem_response};
 use antiforgery::Antiforgery;
 use forwarded::ClientOrigin;
 use hosts::AllowedHosts;
+pub use live::WatchEvidence;
 use live::{LiveConfiguration, SettingsWatch};
 
 /// The one origin the classroom CORS policy grants.
@@ -80,6 +81,13 @@ impl SecurityLab {
                 allowed_hosts,
             }),
         })
+    }
+}
+
+impl SecurityLab {
+    /// What the settings watch did so far: reloads asked for, reads, ignored events.
+    pub fn settings_watch(&self) -> WatchEvidence {
+        self.shared.live.evidence()
     }
 }
 

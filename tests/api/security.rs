@@ -10,8 +10,8 @@ use reqwest::Method;
 use serde_json::{Value, json};
 
 use crate::helpers::{
-    ServerProcess, TestApp, assert_bad_request, client, settings_dir, spawn_app, spawn_app_with,
-    status_and_json,
+    ServerProcess, TestApp, assert_bad_request, client, poll_until, settings_dir, spawn_app,
+    spawn_app_with, status_and_json,
 };
 
 const ORIGIN: &str = "https://client.example";
@@ -85,6 +85,34 @@ async fn an_edited_settings_file_is_served_within_seconds() {
         body,
         json!({"label": "edited", "maximum": 7, "hasSecret": false})
     );
+}
+
+#[tokio::test]
+async fn an_idle_server_does_not_reload_its_settings_after_its_own_read() {
+    let app = spawn_app().await;
+    let watch = || async { app.state.security.settings_watch() };
+    // The watch reads the file once when it starts; that read opens the file.
+    let started = poll_until("the first read", watch, |seen| seen.reads >= 1).await;
+    assert_eq!(started.reloads, 1, "{started:?}");
+    // Any event the watch saw before this unrelated file's is handled once this one is.
+    std::fs::write(app.dir.path().join("unrelated.txt"), "x").unwrap();
+    let later = poll_until("the unrelated event", watch, |seen| {
+        seen.unrelated_events >= 1
+    })
+    .await;
+    assert_eq!(
+        later.reloads, 1,
+        "the watch reloaded after its own read: {later:?}"
+    );
+    assert_eq!(later.reads, 1, "{later:?}");
+    // A real edit is still one reload.
+    std::fs::write(&app.settings, live_settings("edited", 4, "s")).unwrap();
+    let url = app.url("/configuration");
+    configuration_when(&app.client, &url, "the edit", |status, body| {
+        status == 200 && body["label"] == "edited"
+    })
+    .await;
+    assert!(app.state.security.settings_watch().reloads >= 2);
 }
 
 #[tokio::test]
