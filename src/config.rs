@@ -5,7 +5,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde_json::{Map, Value};
 
 /// Everything `serve` needs; tests build one directly with [`Config::for_tests`].
 #[derive(Debug, Clone)]
@@ -208,20 +208,23 @@ pub fn parse_listen_url(url: &str) -> Result<SocketAddr, StartupError> {
     Ok(SocketAddr::new(ip, port))
 }
 
-/// The `Live` section of the runtime settings file.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "PascalCase")]
+/// The `Live` section of the runtime settings file. A missing section or member keeps the
+/// seed's class defaults (label `initial`, maximum 3, no secret), as ASP.NET's binder does.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveSettings {
     pub label: String,
     pub maximum: i64,
-    #[serde(default)]
     pub secret: String,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "PascalCase")]
-struct SettingsFile {
-    live: Option<LiveSettings>,
+impl Default for LiveSettings {
+    fn default() -> Self {
+        LiveSettings {
+            label: "initial".to_owned(),
+            maximum: 3,
+            secret: String::new(),
+        }
+    }
 }
 
 /// Reads and validates the settings file. The error names the file and the bad field, and never
@@ -235,19 +238,26 @@ pub fn load_settings(path: &Path) -> Result<LiveSettings, StartupError> {
     parse_settings(&text).map_err(fail)
 }
 
-/// Validates settings text; the `Err` is a short reason naming the offending field.
+/// Validates settings text; the `Err` is a short reason naming the offending field, never a
+/// value (it could be the secret). Section and member names match in any letter case, as
+/// configuration keys do in ASP.NET; other sections and members are ignored.
 pub fn parse_settings(text: &str) -> Result<LiveSettings, String> {
-    let file: SettingsFile = serde_json::from_str(text).map_err(|e| {
-        // serde_json's message can quote input; keep only its category and position.
+    let file: Value = serde_json::from_str(text).map_err(|e| {
+        // serde_json's message can quote input; keep only its position.
         format!(
             "not valid settings JSON (line {}, column {}): expected {{\"Live\":{{\"Label\":text,\"Maximum\":1..10,\"Secret\":text}}}}",
             e.line(),
             e.column()
         )
     })?;
-    let live = file
-        .live
-        .ok_or_else(|| "missing the \"Live\" section".to_owned())?;
+    let Value::Object(file) = file else {
+        return Err("the settings file must be a JSON object".to_owned());
+    };
+    let live = match member(&file, "Live")? {
+        None | Some(Value::Null) => LiveSettings::default(),
+        Some(Value::Object(section)) => bind_live(section)?,
+        Some(_) => return Err("the \"Live\" section must be an object".to_owned()),
+    };
     if live.label.trim().is_empty() {
         return Err("Live:Label must not be blank".to_owned());
     }
@@ -258,6 +268,39 @@ pub fn parse_settings(text: &str) -> Result<LiveSettings, String> {
         ));
     }
     Ok(live)
+}
+
+/// The member called `name` in any letter case; two spellings of one name are refused.
+fn member<'a>(object: &'a Map<String, Value>, name: &str) -> Result<Option<&'a Value>, String> {
+    let mut found = object
+        .iter()
+        .filter(|(key, _)| key.eq_ignore_ascii_case(name))
+        .map(|(_, value)| value);
+    let first = found.next();
+    if found.next().is_some() {
+        return Err(format!("\"{name}\" is given more than once"));
+    }
+    Ok(first)
+}
+
+fn bind_live(section: &Map<String, Value>) -> Result<LiveSettings, String> {
+    let defaults = LiveSettings::default();
+    let text = |name: &str, default: String| match member(section, name)? {
+        None => Ok(default),
+        Some(Value::String(text)) => Ok(text.clone()),
+        Some(_) => Err(format!("Live:{name} must be text")),
+    };
+    let maximum = match member(section, "Maximum")? {
+        None => defaults.maximum,
+        Some(value) => value
+            .as_i64()
+            .ok_or_else(|| "Live:Maximum must be a whole number".to_owned())?,
+    };
+    Ok(LiveSettings {
+        label: text("Label", defaults.label)?,
+        maximum,
+        secret: text("Secret", defaults.secret)?,
+    })
 }
 
 #[cfg(test)]
@@ -328,5 +371,32 @@ mod tests {
         let secret =
             parse_settings(r#"{"Live":{"Label":"x","Maximum":"classified"}}"#).unwrap_err();
         assert!(!secret.contains("classified"), "{secret}");
+        let secret = parse_settings(r#"{"Live":{"Secret":12345}}"#).unwrap_err();
+        assert!(
+            secret.contains("Secret") && !secret.contains("12345"),
+            "{secret}"
+        );
+        assert!(parse_settings(r#"{"Live":{"Label":"a","label":"b"}}"#).is_err());
+        assert!(parse_settings(r#"{"Live":"initial"}"#).is_err());
+        assert!(parse_settings("[]").is_err());
+    }
+
+    #[test]
+    fn missing_sections_and_members_take_the_seed_defaults() {
+        let defaults = LiveSettings {
+            label: "initial".to_owned(),
+            maximum: 3,
+            secret: String::new(),
+        };
+        for text in [
+            "{}",
+            r#"{"Other":{}}"#,
+            r#"{"Live":null}"#,
+            r#"{"Live":{}}"#,
+        ] {
+            assert_eq!(parse_settings(text), Ok(defaults.clone()), "{text}");
+        }
+        let partial = parse_settings(r#"{"live":{"maximum":7}}"#).unwrap();
+        assert_eq!((partial.label.as_str(), partial.maximum), ("initial", 7));
     }
 }

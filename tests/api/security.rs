@@ -88,6 +88,37 @@ async fn an_edited_settings_file_is_served_within_seconds() {
 }
 
 #[tokio::test]
+async fn a_settings_file_without_a_live_section_serves_the_seed_defaults() {
+    let app = spawn_app_with(|config| {
+        let path = config.settings.clone();
+        std::fs::write(path, r#"{"Other":{"Label":"not this one"}}"#).unwrap();
+    })
+    .await;
+    let (status, body) = status_and_json(app.get("/configuration").await).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body,
+        json!({"label": "initial", "maximum": 3, "hasSecret": false})
+    );
+    // A reload that loses the section, or a member, falls back the same way.
+    std::fs::write(&app.settings, live_settings("edited", 8, "s")).unwrap();
+    let url = app.url("/configuration");
+    configuration_when(&app.client, &url, "the edit", |status, body| {
+        status == 200 && body["label"] == "edited"
+    })
+    .await;
+    std::fs::write(&app.settings, r#"{"Live":{"Maximum":9}}"#).unwrap();
+    let (_, body) = configuration_when(&app.client, &url, "the partial section", |status, body| {
+        status == 200 && body["maximum"] == 9
+    })
+    .await;
+    assert_eq!(
+        body,
+        json!({"label": "initial", "maximum": 9, "hasSecret": false})
+    );
+}
+
+#[tokio::test]
 async fn an_idle_server_does_not_reload_its_settings_after_its_own_read() {
     let app = spawn_app().await;
     let watch = || async { app.state.security.settings_watch() };
@@ -150,7 +181,7 @@ async fn an_invalid_settings_file_answers_503_until_it_is_fixed() {
             "broken JSON",
             format!(r#"{{"Live":{{"Label":"x","Maximum":3,"Secret":"{secret}""#),
         ),
-        ("no Live section", r#"{"Other":{}}"#.to_owned()),
+        ("Live not an object", r#"{"Live":"initial"}"#.to_owned()),
     ];
     for (round, (case, text)) in invalid.iter().enumerate() {
         std::fs::write(&app.settings, text).unwrap();
