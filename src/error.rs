@@ -159,7 +159,7 @@ pub async fn bare_status_as_problem(request: Request, next: axum::middleware::Ne
         return response;
     }
     let (title, detail) = if status == StatusCode::NOT_FOUND {
-        ("Not Found", "no route matches this path".to_owned())
+        return no_route().into_response();
     } else {
         let allowed = response
             .headers()
@@ -417,6 +417,39 @@ pub struct Path<T>(pub T);
 impl From<PathRejection> for AppError {
     fn from(rejection: PathRejection) -> Self {
         AppError::bad_request(rejection.body_text())
+    }
+}
+
+/// The 404 of a path that no route matches.
+pub fn no_route() -> AppError {
+    AppError::Problem {
+        status: StatusCode::NOT_FOUND,
+        title: "Not Found".to_owned(),
+        detail: Some("no route matches this path".to_owned()),
+    }
+}
+
+/// A path whose typed values are route constraints, as ASP.NET's `{id:long}` is: a value that
+/// does not bind means the route does not match, so the answer is the same 404 as for an
+/// unknown path (and comes before any other check of the request).
+#[derive(Debug)]
+pub struct ConstrainedPath<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for ConstrainedPath<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(ConstrainedPath(value)),
+            Err(_) => Err(no_route()),
+        }
     }
 }
 

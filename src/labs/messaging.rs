@@ -3,7 +3,8 @@
 //!
 //! - `POST /outbox/orders?failBeforeCommit=` writes the order row and its outbox event together.
 //! - `POST /outbox/claim/{owner}` leases the oldest claimable event to `one` or `two` for 500 ms.
-//! - `POST /outbox/ack/{id}/{owner}?generation=N` marks it sent only for the current lease holder.
+//! - `POST /outbox/ack/{id}/{owner}?generation=N` marks it sent only for the current lease holder
+//!   (`{id}` is a 64-bit integer or the route does not match: 404, as the seed's `{id:long}`).
 //! - `POST /inbox/apply?failBeforeCommit=` applies `demo` once; an identical redelivery is a replay.
 //! - `GET /messaging/counts` shows the rows behind all of it.
 //!
@@ -22,9 +23,9 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::app::AppState;
-use crate::aspnet::{is_blank_or_longer_than, optional_flag};
+use crate::aspnet::{RouteLong, is_blank_or_longer_than, optional_flag};
 use crate::dotnet_json::ObjectWriter;
-use crate::error::{AppError, Json, Path, Query, RequestBody, json_response};
+use crate::error::{AppError, ConstrainedPath, Json, Path, Query, RequestBody, json_response};
 use crate::store::{StoreError, is_constraint};
 
 pub fn routes() -> Router<AppState> {
@@ -231,7 +232,7 @@ struct AckQuery {
 
 async fn ack(
     State(state): State<AppState>,
-    Path((id, owner)): Path<(i64, String)>,
+    ConstrainedPath((RouteLong(id), owner)): ConstrainedPath<(RouteLong, String)>,
     Query(AckQuery { generation }): Query<AckQuery>,
 ) -> Result<Response, AppError> {
     let changed = state
