@@ -186,7 +186,11 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("production-lab: {error:#}");
+            match error.downcast_ref::<verify::VerifyError>() {
+                // verify-base starts its line with the seed's words, as the seed's message is.
+                Some(refusal) if refusal.starts_with_seed_words() => eprintln!("{refusal}"),
+                _ => eprintln!("production-lab: {error:#}"),
+            }
             ExitCode::FAILURE
         }
     }
