@@ -152,21 +152,22 @@ impl Application {
         println!("Database: {}", state.store.path().display());
         println!("Application started. Press Ctrl+C to shut down.");
 
-        let shutdown = state.shutdown.clone();
-        let signalled = shutdown.clone();
-        let server = axum::serve(
+        let serving = crate::server::serve(
             listener,
-            router.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move {
-            stop.await;
-            println!("Application is shutting down...");
-            signalled.cancel();
-        });
+            router,
+            state.config.limits,
+            state.shutdown.clone(),
+            SHUTDOWN_GRACE,
+        );
+        let mut serving = std::pin::pin!(serving);
         let served = tokio::select! {
-            served = server => served,
-            // Graceful shutdown waits for in-flight requests without a bound; give it one.
-            () = async { shutdown.cancelled().await; tokio::time::sleep(SHUTDOWN_GRACE).await } => Ok(()),
+            served = serving.as_mut() => served,
+            () = stop => {
+                println!("Application is shutting down...");
+                // Stops accepting; in-flight requests get at most SHUTDOWN_GRACE.
+                state.shutdown.cancel();
+                serving.await
+            }
         };
         state.shutdown.cancel();
         state.tasks.close();

@@ -54,6 +54,32 @@ pub fn optional_flag<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Optio
     parse_nullable_bool(text.as_deref()).map_err(serde::de::Error::custom)
 }
 
+/// A `{name:long}` route value, bound as ASP.NET's `long` route constraint does:
+/// `long.TryParse(value, NumberStyles.Integer, CultureInfo.InvariantCulture)`, that is optional
+/// white space, an optional `+` or `-`, decimal digits, optional white space, within `i64`. Use
+/// it inside [`crate::error::ConstrainedPath`] so that anything else does not match the route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteLong(pub i64);
+
+impl RouteLong {
+    pub fn parse(value: &str) -> Option<RouteLong> {
+        // .NET's white space for NumberStyles.AllowLeading/TrailingWhite: U+0009..U+000D, U+0020.
+        let trimmed = value.trim_matches(|c: char| matches!(c, '\u{9}'..='\u{d}' | ' '));
+        let digits = trimmed.strip_prefix(['+', '-']).unwrap_or(trimmed);
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        trimmed.parse().ok().map(RouteLong)
+    }
+}
+
+impl<'de> Deserialize<'de> for RouteLong {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        RouteLong::parse(&text).ok_or_else(|| serde::de::Error::custom("not a 64-bit integer"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,6 +99,37 @@ mod tests {
         assert!(is_blank_or_longer_than("abcdef", 5));
         // One character outside the basic plane is two UTF-16 units, as .NET counts it.
         assert!(is_blank_or_longer_than("abcd😀", 5));
+    }
+
+    #[test]
+    fn route_longs_parse_as_dotnet_long_try_parse() {
+        for (text, value) in [
+            ("1", 1),
+            ("+7", 7),
+            ("-3", -3),
+            (" 42\t", 42),
+            ("007", 7),
+            ("9223372036854775807", i64::MAX),
+            ("-9223372036854775808", i64::MIN),
+        ] {
+            assert_eq!(RouteLong::parse(text), Some(RouteLong(value)), "{text:?}");
+        }
+        for text in [
+            "",
+            " ",
+            "abc",
+            "1.0",
+            "1e3",
+            "0x10",
+            "+",
+            "--1",
+            "+-1",
+            "1 2",
+            "9223372036854775808",
+            "١",
+        ] {
+            assert_eq!(RouteLong::parse(text), None, "{text:?}");
+        }
     }
 
     #[test]

@@ -46,8 +46,11 @@ pub struct ServerUnderTest {
 }
 
 impl ServerUnderTest {
-    /// Starts `serve` on port 0 with the given synchronous mode and waits for its listening line.
-    pub fn start(synchronous: Synchronous) -> Result<ServerUnderTest, BenchError> {
+    /// Starts `serve` on port 0 with the given synchronous mode, room for `clients` connections
+    /// at once (all of them may be busy, which the connection cap would answer 503), and waits
+    /// for its listening line.
+    pub fn start(synchronous: Synchronous, clients: usize) -> Result<ServerUnderTest, BenchError> {
+        let max_connections = (clients + 16).clamp(crate::config::DEFAULT_MAX_CONNECTIONS, 65_536);
         let dir = tempfile::tempdir()?;
         let database = dir.path().join("bench.db");
         let settings = dir.path().join("runtime-settings.json");
@@ -69,6 +72,7 @@ impl ServerUnderTest {
             .arg("--settings")
             .arg(&settings)
             .args(["--synchronous", synchronous_name(synchronous)])
+            .args(["--max-connections", &max_connections.to_string()])
             .env_remove("LAB_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -326,7 +330,7 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
         ));
     }
     let streams = workload(options.aggregates, options.messages);
-    let server = ServerUnderTest::start(options.synchronous)?;
+    let server = ServerUnderTest::start(options.synchronous, options.concurrency)?;
     let client = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(options.concurrency)
@@ -555,7 +559,7 @@ impl std::fmt::Display for StampedeReport {
 /// Parks `callers` concurrent requests on the shared key behind the closed gate, opens it, and
 /// checks that exactly one factory ran and every caller got its generation.
 pub async fn stampede(callers: usize) -> Result<StampedeReport, BenchError> {
-    let server = ServerUnderTest::start(Synchronous::Full)?;
+    let server = ServerUnderTest::start(Synchronous::Full, callers)?;
     let address = server.address.clone();
     let client = reqwest::Client::builder()
         .no_proxy()

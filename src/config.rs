@@ -5,8 +5,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
 use url::{Host, Url};
+use serde_json::{Map, Value};
 
 /// Everything `serve` needs; tests build one directly with [`Config::for_tests`].
 #[derive(Debug, Clone)]
@@ -26,6 +26,70 @@ pub struct Config {
     pub max_open_dead_letters: usize,
     /// How long an outbox claim holds its event; the seed's 500 ms unless a test shortens it.
     pub outbox_lease: Duration,
+    /// Connection timeouts and the connection cap.
+    pub limits: ConnectionLimits,
+}
+
+/// How long a client may take and how many connections it may hold open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// From accept (or the first byte after an idle pause) until the request head is complete.
+    pub header_read_timeout: Duration,
+    /// From the request head until the whole body has arrived.
+    pub body_read_timeout: Duration,
+    /// How long a connection may wait between a response and the next request.
+    pub keep_alive_timeout: Duration,
+    /// Open connections at most; keep it below the process's open-file limit (`ulimit -n`).
+    pub max_connections: usize,
+}
+
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(60);
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// The longest timeout `serve` accepts.
+const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
+            keep_alive_timeout: DEFAULT_KEEP_ALIVE_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// A timeout flag: `500ms`, `10s`, or a bare number of seconds; from 1 ms to one hour.
+pub fn parse_timeout(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let (number, unit) = if let Some(number) = text.strip_suffix("ms") {
+        (number, 1)
+    } else if let Some(number) = text.strip_suffix('s') {
+        (number, 1000)
+    } else {
+        (text, 1000)
+    };
+    let duration = number
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|value| value.checked_mul(unit))
+        .map(Duration::from_millis)
+        .ok_or_else(|| format!("'{text}' is not a duration such as 500ms, 10s or 10"))?;
+    if duration.is_zero() || duration > MAX_TIMEOUT {
+        return Err(format!("'{text}' must be from 1ms to 3600s"));
+    }
+    Ok(duration)
+}
+
+/// The connection cap flag: 1 to 65536.
+pub fn parse_max_connections(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(value) if (1..=65_536).contains(&value) => Ok(value),
+        _ => Err(format!("'{text}' must be a whole number from 1 to 65536")),
+    }
 }
 
 /// SQLite's `synchronous` pragma for the write connection. FULL is the durable default.
@@ -67,6 +131,7 @@ impl Config {
             synchronous: Synchronous::Full,
             max_open_dead_letters: DEFAULT_MAX_OPEN_DEAD_LETTERS as usize,
             outbox_lease: DEFAULT_OUTBOX_LEASE,
+            limits: ConnectionLimits::default(),
         }
     }
 
@@ -180,20 +245,23 @@ fn ends_with_a_port(text: &str) -> bool {
         .is_some_and(|(_, port)| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// The `Live` section of the runtime settings file.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "PascalCase")]
+/// The `Live` section of the runtime settings file. A missing section or member keeps the
+/// seed's class defaults (label `initial`, maximum 3, no secret), as ASP.NET's binder does.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveSettings {
     pub label: String,
     pub maximum: i64,
-    #[serde(default)]
     pub secret: String,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "PascalCase")]
-struct SettingsFile {
-    live: Option<LiveSettings>,
+impl Default for LiveSettings {
+    fn default() -> Self {
+        LiveSettings {
+            label: "initial".to_owned(),
+            maximum: 3,
+            secret: String::new(),
+        }
+    }
 }
 
 /// Reads and validates the settings file. The error names the file and the bad field, and never
@@ -207,19 +275,26 @@ pub fn load_settings(path: &Path) -> Result<LiveSettings, StartupError> {
     parse_settings(&text).map_err(fail)
 }
 
-/// Validates settings text; the `Err` is a short reason naming the offending field.
+/// Validates settings text; the `Err` is a short reason naming the offending field, never a
+/// value (it could be the secret). Section and member names match in any letter case, as
+/// configuration keys do in ASP.NET; other sections and members are ignored.
 pub fn parse_settings(text: &str) -> Result<LiveSettings, String> {
-    let file: SettingsFile = serde_json::from_str(text).map_err(|e| {
-        // serde_json's message can quote input; keep only its category and position.
+    let file: Value = serde_json::from_str(text).map_err(|e| {
+        // serde_json's message can quote input; keep only its position.
         format!(
             "not valid settings JSON (line {}, column {}): expected {{\"Live\":{{\"Label\":text,\"Maximum\":1..10,\"Secret\":text}}}}",
             e.line(),
             e.column()
         )
     })?;
-    let live = file
-        .live
-        .ok_or_else(|| "missing the \"Live\" section".to_owned())?;
+    let Value::Object(file) = file else {
+        return Err("the settings file must be a JSON object".to_owned());
+    };
+    let live = match member(&file, "Live")? {
+        None | Some(Value::Null) => LiveSettings::default(),
+        Some(Value::Object(section)) => bind_live(section)?,
+        Some(_) => return Err("the \"Live\" section must be an object".to_owned()),
+    };
     if live.label.trim().is_empty() {
         return Err("Live:Label must not be blank".to_owned());
     }
@@ -232,9 +307,55 @@ pub fn parse_settings(text: &str) -> Result<LiveSettings, String> {
     Ok(live)
 }
 
+/// The member called `name` in any letter case; two spellings of one name are refused.
+fn member<'a>(object: &'a Map<String, Value>, name: &str) -> Result<Option<&'a Value>, String> {
+    let mut found = object
+        .iter()
+        .filter(|(key, _)| key.eq_ignore_ascii_case(name))
+        .map(|(_, value)| value);
+    let first = found.next();
+    if found.next().is_some() {
+        return Err(format!("\"{name}\" is given more than once"));
+    }
+    Ok(first)
+}
+
+fn bind_live(section: &Map<String, Value>) -> Result<LiveSettings, String> {
+    let defaults = LiveSettings::default();
+    let text = |name: &str, default: String| match member(section, name)? {
+        None => Ok(default),
+        Some(Value::String(text)) => Ok(text.clone()),
+        Some(_) => Err(format!("Live:{name} must be text")),
+    };
+    let maximum = match member(section, "Maximum")? {
+        None => defaults.maximum,
+        Some(value) => value
+            .as_i64()
+            .ok_or_else(|| "Live:Maximum must be a whole number".to_owned())?,
+    };
+    Ok(LiveSettings {
+        label: text("Label", defaults.label)?,
+        maximum,
+        secret: text("Secret", defaults.secret)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_take_a_unit_or_seconds() {
+        assert_eq!(parse_timeout("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_timeout("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_timeout("7"), Ok(Duration::from_secs(7)));
+        for bad in ["0", "0ms", "-1", "1.5s", "ten", "", "3601s"] {
+            assert!(parse_timeout(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_max_connections("2"), Ok(2));
+        assert!(parse_max_connections("0").is_err());
+        assert!(parse_max_connections("many").is_err());
+    }
 
     #[test]
     fn loopback_urls_are_accepted() {
@@ -329,5 +450,32 @@ mod tests {
         let secret =
             parse_settings(r#"{"Live":{"Label":"x","Maximum":"classified"}}"#).unwrap_err();
         assert!(!secret.contains("classified"), "{secret}");
+        let secret = parse_settings(r#"{"Live":{"Secret":12345}}"#).unwrap_err();
+        assert!(
+            secret.contains("Secret") && !secret.contains("12345"),
+            "{secret}"
+        );
+        assert!(parse_settings(r#"{"Live":{"Label":"a","label":"b"}}"#).is_err());
+        assert!(parse_settings(r#"{"Live":"initial"}"#).is_err());
+        assert!(parse_settings("[]").is_err());
+    }
+
+    #[test]
+    fn missing_sections_and_members_take_the_seed_defaults() {
+        let defaults = LiveSettings {
+            label: "initial".to_owned(),
+            maximum: 3,
+            secret: String::new(),
+        };
+        for text in [
+            "{}",
+            r#"{"Other":{}}"#,
+            r#"{"Live":null}"#,
+            r#"{"Live":{}}"#,
+        ] {
+            assert_eq!(parse_settings(text), Ok(defaults.clone()), "{text}");
+        }
+        let partial = parse_settings(r#"{"live":{"maximum":7}}"#).unwrap();
+        assert_eq!((partial.label.as_str(), partial.maximum), ("initial", 7));
     }
 }

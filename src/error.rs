@@ -1,7 +1,9 @@
 //! The one error type handlers return, rendered as RFC 9457 `application/problem+json`, and the
-//! request extractors whose rejections become 400 problems (never axum's default 415/422).
+//! request extractors whose rejections become problems: 400 for the request's shape (never axum's
+//! default 415/422), 415 only for a charset other than UTF-8, 413 for a body over the limit, 408
+//! for a body that did not arrive in time.
 
-use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::rejection::{BytesRejection, FailedToBufferBody, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -24,6 +26,10 @@ pub enum AppError {
         title: String,
         detail: Option<String>,
     },
+    /// The request did not arrive in time: 408, and the connection is closed, since the rest of
+    /// a late body could otherwise be read as the next request.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// The store failed underneath the request: 503 when the writer is gone or SQLite is busy
     /// past its retries, 500 otherwise. The detail stays in the server log.
     #[error(transparent)]
@@ -129,6 +135,18 @@ impl IntoResponse for AppError {
                 title,
                 detail,
             } => problem_response(status, &title, detail.as_deref()),
+            AppError::RequestTimeout(detail) => {
+                let mut response = problem_response(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "Request Timeout",
+                    Some(&detail),
+                );
+                response.headers_mut().insert(
+                    header::CONNECTION,
+                    axum::http::HeaderValue::from_static("close"),
+                );
+                response
+            }
             AppError::Store(error) => store_failure(error.is_retryable(), &error),
             AppError::Inbox(error) => {
                 let retryable = matches!(error, InboxError::Unavailable(_));
@@ -151,6 +169,42 @@ fn store_failure(retryable: bool, error: &dyn std::fmt::Display) -> Response {
     } else {
         problem_response(StatusCode::INTERNAL_SERVER_ERROR, "The store failed", None)
     }
+}
+
+/// Middleware: the router's own bare 404 (no route) and 405 (method not allowed, with its `Allow`
+/// header) become problem+json like every other error. Responses that carry a body already are
+/// left alone.
+pub async fn bare_status_as_problem(request: Request, next: axum::middleware::Next) -> Response {
+    let method = request.method().clone();
+    let response = next.run(request).await;
+    let status = response.status();
+    if response.headers().contains_key(header::CONTENT_TYPE)
+        || !matches!(
+            status,
+            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED
+        )
+    {
+        return response;
+    }
+    let (title, detail) = if status == StatusCode::NOT_FOUND {
+        return no_route().into_response();
+    } else {
+        let allowed = response
+            .headers()
+            .get(header::ALLOW)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        (
+            "Method Not Allowed",
+            format!("this route does not answer {method}; it answers {allowed}"),
+        )
+    };
+    let mut problem = problem_response(status, title, Some(&detail));
+    if let Some(allow) = response.headers().get(header::ALLOW) {
+        problem.headers_mut().insert(header::ALLOW, allow.clone());
+    }
+    problem
 }
 
 /// Request bodies whose property names bind case-insensitively, as ASP.NET's do
@@ -183,11 +237,46 @@ where
                 "expected a JSON body with Content-Type: application/json",
             ));
         }
+        if let Some(charset) = charset_other_than_utf8(content_type) {
+            return Err(AppError::Problem {
+                status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                title: "Unsupported Media Type".to_owned(),
+                detail: Some(format!(
+                    "a JSON body must be UTF-8; the Content-Type names charset '{}'",
+                    shortened(&charset)
+                )),
+            });
+        }
         let bytes = axum::body::Bytes::from_request(request, state)
             .await
-            .map_err(|rejection| AppError::bad_request(rejection.body_text()))?;
+            .map_err(body_rejection)?;
         parse_body(&bytes).map(Json)
     }
+}
+
+/// Why a body could not be read: too large (413), not complete within the body-read timeout
+/// (408, and the connection is closed), or anything else the client broke (400).
+fn body_rejection(rejection: BytesRejection) -> AppError {
+    if let BytesRejection::FailedToBufferBody(FailedToBufferBody::LengthLimitError(_)) = rejection {
+        return AppError::Problem {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            title: "Content Too Large".to_owned(),
+            detail: Some(format!(
+                "the request body is larger than the limit of {} bytes",
+                crate::server::MAX_REQUEST_BODY_BYTES
+            )),
+        };
+    }
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&rejection);
+    while let Some(error) = cause {
+        if error.is::<tower_http::timeout::TimeoutError>() {
+            return AppError::RequestTimeout(
+                "the request body did not arrive within the body-read timeout".to_owned(),
+            );
+        }
+        cause = error.source();
+    }
+    AppError::bad_request(rejection.body_text())
 }
 
 fn is_json_content_type(value: &str) -> bool {
@@ -198,15 +287,23 @@ fn is_json_content_type(value: &str) -> bool {
             && media[media.len() - 5..].eq_ignore_ascii_case("+json"))
 }
 
-/// Parses a body: JSON object, case-insensitive property names, then the typed value.
+/// The `charset` parameter of a media type when it names anything but UTF-8 (any letter case,
+/// quoted or not). JSON text exchanged between systems is UTF-8 (RFC 8259 §8.1), and reading
+/// UTF-16 as UTF-8 would bind another value than the client sent.
+fn charset_other_than_utf8(content_type: &str) -> Option<String> {
+    content_type
+        .split(';')
+        .skip(1)
+        .filter_map(|parameter| parameter.split_once('='))
+        .filter(|(name, _)| name.trim().eq_ignore_ascii_case("charset"))
+        .map(|(_, value)| value.trim().trim_matches('"').to_owned())
+        .find(|charset| !charset.eq_ignore_ascii_case("utf-8"))
+}
+
+/// Parses a body: JSON object without repeated members, case-insensitive property names, then
+/// the typed value.
 pub fn parse_body<T: RequestBody>(bytes: &[u8]) -> Result<T, AppError> {
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
-        AppError::bad_request(format!(
-            "the body is not valid JSON (line {}, column {})",
-            e.line(),
-            e.column()
-        ))
-    })?;
+    let value = parse_unique_members(bytes)?;
     let Value::Object(object) = value else {
         return Err(AppError::bad_request("the body must be a JSON object"));
     };
@@ -227,6 +324,119 @@ pub fn parse_body<T: RequestBody>(bytes: &[u8]) -> Result<T, AppError> {
         .map_err(|e| AppError::bad_request(format!("invalid body: {e}")))
 }
 
+/// Parses JSON text into a value, refusing an object that names one member twice, exactly or in
+/// another letter case, at any depth. serde_json alone keeps the last of two equal keys, while a
+/// proxy or a log that reads the first would see another message than the one applied.
+pub fn parse_unique_members(bytes: &[u8]) -> Result<Value, AppError> {
+    match serde_json::from_slice::<UniqueMembers>(bytes) {
+        Ok(UniqueMembers(value)) => Ok(value),
+        Err(error) if error.classify() == serde_json::error::Category::Data => {
+            // Only the repeated-member check raises a data error while building a `Value`.
+            let message = error.to_string();
+            let reason = message
+                .rsplit_once(" at line ")
+                .map_or(message.as_str(), |(reason, _)| reason);
+            Err(AppError::bad_request(format!(
+                "{reason} (line {}, column {})",
+                error.line(),
+                error.column()
+            )))
+        }
+        Err(error) => Err(AppError::bad_request(format!(
+            "the body is not valid JSON (line {}, column {})",
+            error.line(),
+            error.column()
+        ))),
+    }
+}
+
+/// A JSON value whose objects never repeat a member name (compared case-insensitively).
+struct UniqueMembers(Value);
+
+impl<'de> serde::Deserialize<'de> for UniqueMembers {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_any(UniqueMembersVisitor)
+            .map(UniqueMembers)
+    }
+}
+
+struct UniqueMembersVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UniqueMembersVisitor {
+    type Value = Value;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, value: bool) -> Result<Value, E> {
+        Ok(Value::Bool(value))
+    }
+
+    fn visit_i64<E>(self, value: i64) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_u64<E>(self, value: u64) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_f64<E>(self, value: f64) -> Result<Value, E> {
+        // JSON text has no NaN or infinity, so this is always a number.
+        Ok(serde_json::Number::from_f64(value).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, value: &str) -> Result<Value, E> {
+        Ok(Value::String(value.to_owned()))
+    }
+
+    fn visit_string<E>(self, value: String) -> Result<Value, E> {
+        Ok(Value::String(value))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(UniqueMembers(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = Map::new();
+        let mut folded_names = std::collections::HashSet::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let folded: String = name.chars().flat_map(char::to_lowercase).collect();
+            if !folded_names.insert(folded) {
+                return Err(serde::de::Error::custom(format!(
+                    "property '{}' is given more than once",
+                    shortened(&name)
+                )));
+            }
+            let UniqueMembers(value) = map.next_value()?;
+            object.insert(name, value);
+        }
+        Ok(Value::Object(object))
+    }
+}
+
+/// A client-chosen name, cut to a length that fits a problem detail.
+fn shortened(name: &str) -> String {
+    const MAX_CHARS: usize = 64;
+    if name.chars().count() <= MAX_CHARS {
+        name.to_owned()
+    } else {
+        let mut short: String = name.chars().take(MAX_CHARS).collect();
+        short.push('…');
+        short
+    }
+}
+
 /// `axum::extract::Path` whose rejection is a 400 problem.
 #[derive(Debug, FromRequestParts)]
 #[from_request(via(axum::extract::Path), rejection(AppError))]
@@ -235,6 +445,39 @@ pub struct Path<T>(pub T);
 impl From<PathRejection> for AppError {
     fn from(rejection: PathRejection) -> Self {
         AppError::bad_request(rejection.body_text())
+    }
+}
+
+/// The 404 of a path that no route matches.
+pub fn no_route() -> AppError {
+    AppError::Problem {
+        status: StatusCode::NOT_FOUND,
+        title: "Not Found".to_owned(),
+        detail: Some("no route matches this path".to_owned()),
+    }
+}
+
+/// A path whose typed values are route constraints, as ASP.NET's `{id:long}` is: a value that
+/// does not bind means the route does not match, so the answer is the same 404 as for an
+/// unknown path (and comes before any other check of the request).
+#[derive(Debug)]
+pub struct ConstrainedPath<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for ConstrainedPath<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(ConstrainedPath(value)),
+            Err(_) => Err(no_route()),
+        }
     }
 }
 
@@ -296,6 +539,27 @@ mod tests {
     }
 
     #[test]
+    fn a_repeated_member_is_refused_at_any_depth_and_in_any_case() {
+        for body in [
+            &br#"{"messageId":"d","amount":-5,"amount":5}"#[..],
+            br#"{"messageId":"d","amount":-5,"Amount":5}"#,
+            br#"{"messageId":"d","amount":1,"x":{"a":1,"A":2}}"#,
+            br#"{"messageId":"d","amount":1,"x":[{"b":1,"b":1}]}"#,
+            br#"{"messageId":"d","amount":1,"extra":1,"EXTRA":2}"#,
+        ] {
+            let error = parse_body::<Probe>(body).expect_err("a repeated member");
+            let AppError::BadRequest(detail) = error else {
+                panic!("not a bad request")
+            };
+            assert!(detail.contains("more than once"), "{detail}");
+        }
+        let nested = parse_unique_members(br#"{"a":{"b":[1,2.5,true,null,"s"]},"c":-3}"#)
+            .expect("a document without repeats");
+        assert_eq!(nested["a"]["b"][1], 2.5);
+        assert_eq!(nested["c"], -3);
+    }
+
+    #[test]
     fn problem_types_link_the_status_own_section() {
         let type_of = |code: u16| problem_type(StatusCode::from_u16(code).unwrap());
         let rfc9110 = "https://tools.ietf.org/html/rfc9110#section-15.";
@@ -322,5 +586,26 @@ mod tests {
         assert!(!is_json_content_type("text/plain"));
         assert!(!is_json_content_type(""));
         assert!(!is_json_content_type("+json"));
+    }
+
+    #[test]
+    fn only_utf8_is_an_acceptable_charset() {
+        assert_eq!(charset_other_than_utf8("application/json"), None);
+        assert_eq!(
+            charset_other_than_utf8("application/json; charset=utf-8"),
+            None
+        );
+        assert_eq!(
+            charset_other_than_utf8("application/json;CHARSET=\"UTF-8\""),
+            None
+        );
+        assert_eq!(
+            charset_other_than_utf8("application/json; charset=utf-16").as_deref(),
+            Some("utf-16")
+        );
+        assert_eq!(
+            charset_other_than_utf8("application/json; charset=utf-8; charset=latin1").as_deref(),
+            Some("latin1")
+        );
     }
 }

@@ -12,6 +12,7 @@ pub mod labs;
 pub mod practice;
 pub mod schema;
 pub mod startup;
+pub mod server;
 pub mod store;
 pub mod verify;
 

@@ -125,6 +125,20 @@ struct ServeArgs {
     #[arg(long, default_value_t = config::DEFAULT_MAX_OPEN_DEAD_LETTERS,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     max_open_dead_letters: u32,
+    /// Time a client has to send a request head, from connecting or from its first byte after a
+    /// pause (500ms, 10s or 10).
+    #[arg(long, value_parser = config::parse_timeout, default_value = "10s")]
+    header_timeout: std::time::Duration,
+    /// Time a client has to send a whole request body, from the end of its head.
+    #[arg(long, value_parser = config::parse_timeout, default_value = "30s")]
+    body_timeout: std::time::Duration,
+    /// Time an idle keep-alive connection stays open between requests.
+    #[arg(long, value_parser = config::parse_timeout, default_value = "60s")]
+    keep_alive_timeout: std::time::Duration,
+    /// Open connections at most; at the cap the longest-waiting idle one makes room, and when
+    /// every one is busy a new one is answered 503 and closed.
+    #[arg(long, value_parser = config::parse_max_connections, default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
 }
 
 #[derive(Args)]
@@ -176,7 +190,11 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("production-lab: {error:#}");
+            match error.downcast_ref::<verify::VerifyError>() {
+                // verify-base starts its line with the seed's words, as the seed's message is.
+                Some(refusal) if refusal.starts_with_seed_words() => eprintln!("{refusal}"),
+                _ => eprintln!("production-lab: {error:#}"),
+            }
             ExitCode::FAILURE
         }
     }
@@ -292,6 +310,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         synchronous: args.synchronous,
         max_open_dead_letters: args.max_open_dead_letters as usize,
         outbox_lease: config::DEFAULT_OUTBOX_LEASE,
+        limits: config::ConnectionLimits {
+            header_read_timeout: args.header_timeout,
+            body_read_timeout: args.body_timeout,
+            keep_alive_timeout: args.keep_alive_timeout,
+            max_connections: args.max_connections,
+        },
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {

@@ -5,7 +5,8 @@
 //! compatible shape is accepted, the breaking shape is rejected, the fixture is fresh (effect 0), a
 //! failure before commit answers 503 and leaves the effect at 0, an uncertain failure after commit
 //! answers 503 and leaves the effect at 1. The first failed expectation stops the run and names
-//! its check.
+//! its check. Refusals and failed expectations start with the seed's own words (`Owned loopback
+//! root required`, `Use a fresh fixture`, ...), then say what was wrong.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -33,21 +34,42 @@ impl fmt::Display for Summary {
     }
 }
 
+/// The seed's message when the address is refused.
+pub const OWNED_ROOT_REQUIRED: &str = "Owned loopback root required";
+
 #[derive(Debug, thiserror::Error)]
 pub enum VerifyError {
     /// The address is not one the verifier may talk to.
-    #[error("refusing {url:?}: {reason}")]
+    #[error("{OWNED_ROOT_REQUIRED}: refusing {url:?}: {reason}")]
     Address { url: String, reason: &'static str },
     /// The HTTP client or its runtime could not be set up.
     #[error("cannot start the HTTP client: {0}")]
     Setup(String),
-    /// An expectation did not hold.
+    /// A check could not be run (no answer, not JSON, ...).
     #[error("check {number} ({name}) failed: {reason}")]
     Check {
         number: u32,
         name: &'static str,
         reason: String,
     },
+    /// A check ran and its expectation did not hold; `seed` is the seed's message for it.
+    #[error("{seed}: check {number} ({name}) failed: {reason}")]
+    Expectation {
+        seed: &'static str,
+        number: u32,
+        name: &'static str,
+        reason: String,
+    },
+}
+
+impl VerifyError {
+    /// Whether the message starts with the seed's own words, so that it can be printed as is.
+    pub fn starts_with_seed_words(&self) -> bool {
+        matches!(
+            self,
+            VerifyError::Address { .. } | VerifyError::Expectation { .. }
+        )
+    }
 }
 
 /// Accepts only `http://<loopback>[:port][/]`: no user info, path, query or fragment. Loopback is
@@ -128,7 +150,7 @@ pub async fn verify(base: Url) -> Result<Summary, VerifyError> {
         .get_json(checks, COMPATIBLE, "contracts/compatible")
         .await?;
     if !accepts(&compatible) {
-        return Err(check(
+        return Err(expectation(
             checks,
             COMPATIBLE,
             format!("the consumer rejected {compatible}"),
@@ -140,7 +162,7 @@ pub async fn verify(base: Url) -> Result<Summary, VerifyError> {
         .get_json(checks, BREAKING, "contracts/breaking")
         .await?;
     if accepts(&breaking) {
-        return Err(check(
+        return Err(expectation(
             checks,
             BREAKING,
             format!("the consumer accepted {breaking}"),
@@ -148,7 +170,7 @@ pub async fn verify(base: Url) -> Result<Summary, VerifyError> {
     }
 
     checks += 1;
-    expect_effect(&verifier, checks, FRESH, 0, "use a fresh fixture").await?;
+    expect_effect(&verifier, checks, FRESH, 0).await?;
 
     checks += 1;
     verifier
@@ -156,7 +178,7 @@ pub async fn verify(base: Url) -> Result<Summary, VerifyError> {
         .await?;
 
     checks += 1;
-    expect_effect(&verifier, checks, ROLLED_BACK, 0, "the rollback failed").await?;
+    expect_effect(&verifier, checks, ROLLED_BACK, 0).await?;
 
     checks += 1;
     verifier
@@ -164,14 +186,7 @@ pub async fn verify(base: Url) -> Result<Summary, VerifyError> {
         .await?;
 
     checks += 1;
-    expect_effect(
-        &verifier,
-        checks,
-        COMMITTED,
-        1,
-        "the committed change is missing",
-    )
-    .await?;
+    expect_effect(&verifier, checks, COMMITTED, 1).await?;
 
     Ok(Summary {
         checks,
@@ -187,8 +202,29 @@ const ROLLED_BACK: &str = "failure before commit left no effect";
 const AFTER: &str = "uncertain failure after commit answers 503";
 const COMMITTED: &str = "failure after commit kept its effect";
 
+/// The seed's message when a check's expectation fails, by check name.
+fn seed_message(name: &'static str) -> &'static str {
+    match name {
+        FRESH => "Use a fresh fixture",
+        BEFORE => "Expected failure",
+        ROLLED_BACK => "Rollback failed",
+        AFTER => "Expected uncertain response",
+        COMMITTED => "Commit state missing",
+        _ => "Consumer contract expectation failed",
+    }
+}
+
 fn check(number: u32, name: &'static str, reason: impl Into<String>) -> VerifyError {
     VerifyError::Check {
+        number,
+        name,
+        reason: reason.into(),
+    }
+}
+
+fn expectation(number: u32, name: &'static str, reason: impl Into<String>) -> VerifyError {
+    VerifyError::Expectation {
+        seed: seed_message(name),
         number,
         name,
         reason: reason.into(),
@@ -200,15 +236,14 @@ async fn expect_effect(
     number: u32,
     name: &'static str,
     expected: i64,
-    meaning: &str,
 ) -> Result<(), VerifyError> {
     let document = verifier.get_json(number, name, "contracts/effect").await?;
     match document.get("value").and_then(Value::as_i64) {
         Some(value) if value == expected => Ok(()),
-        Some(value) => Err(check(
+        Some(value) => Err(expectation(
             number,
             name,
-            format!("{meaning}: the effect is {value}, expected {expected}"),
+            format!("the effect is {value}, expected {expected}"),
         )),
         None => Err(check(
             number,
@@ -293,7 +328,7 @@ impl Verifier {
             .map_err(|error| check(number, name, format!("POST {url}: {}", describe(&error))))?;
         match response.status() {
             StatusCode::SERVICE_UNAVAILABLE => Ok(()),
-            status => Err(check(
+            status => Err(expectation(
                 number,
                 name,
                 format!("POST {url} answered {status}, expected 503"),
@@ -340,6 +375,10 @@ mod tests {
         ] {
             let error = parse_base_url(url).expect_err(url).to_string();
             assert!(error.contains(reason), "{url}: {error}");
+            assert!(
+                error.starts_with("Owned loopback root required: "),
+                "{error}"
+            );
         }
     }
 

@@ -363,7 +363,9 @@ fn precondition_failed(current: Option<i64>) -> AppError {
     )
 }
 
-/// `X-Lab-Pause: true` asks the probe to park this writer; `false` or no header does not.
+/// `X-Lab-Pause: true` asks the probe to park this writer; `false` or no header does not. The
+/// seed compares the header ordinally with `true`, so `TRUE` never parks; here it is a 400 rather
+/// than a silent no.
 fn pause_requested(headers: &HeaderMap) -> Result<bool, AppError> {
     let mut values = headers.get_all("x-lab-pause").iter();
     let Some(value) = values.next() else {
@@ -374,10 +376,12 @@ fn pause_requested(headers: &HeaderMap) -> Result<bool, AppError> {
             "X-Lab-Pause must be sent at most once",
         ));
     }
-    match value.to_str().map(str::trim) {
-        Ok(text) if text.eq_ignore_ascii_case("true") => Ok(true),
-        Ok(text) if text.eq_ignore_ascii_case("false") => Ok(false),
-        _ => Err(AppError::bad_request("X-Lab-Pause must be true or false")),
+    match value.as_bytes() {
+        b"true" => Ok(true),
+        b"false" => Ok(false),
+        _ => Err(AppError::bad_request(
+            "X-Lab-Pause must be exactly true or false (lower case)",
+        )),
     }
 }
 
@@ -600,6 +604,10 @@ mod tests {
         assert!(!pause_requested(&headers).unwrap());
         headers.insert("x-lab-pause", HeaderValue::from_static("soon"));
         assert!(pause_requested(&headers).is_err());
+        for other_case in ["TRUE", "True", "FALSE"] {
+            headers.insert("x-lab-pause", HeaderValue::from_static(other_case));
+            assert!(pause_requested(&headers).is_err(), "{other_case}");
+        }
     }
 
     #[tokio::test]

@@ -4,7 +4,8 @@
 //! - `POST /outbox/orders?failBeforeCommit=` writes the order row and its outbox event together.
 //! - `POST /outbox/claim/{owner}` leases the oldest claimable event to `one` or `two` for 500 ms
 //!   (the seed's lease; [`crate::config::Config::outbox_lease`] changes it).
-//! - `POST /outbox/ack/{id}/{owner}?generation=N` marks it sent only for the current lease holder.
+//! - `POST /outbox/ack/{id}/{owner}?generation=N` marks it sent only for the current lease holder
+//!   (`{id}` is a 64-bit integer or the route does not match: 404, as the seed's `{id:long}`).
 //! - `POST /inbox/apply?failBeforeCommit=` applies `demo` once; an identical redelivery is a replay.
 //! - `GET /messaging/counts` shows the rows behind all of it.
 //!
@@ -22,10 +23,10 @@ use rusqlite::{OptionalExtension, params};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::aspnet::{is_blank_or_longer_than, optional_flag};
+use crate::aspnet::{RouteLong, is_blank_or_longer_than, optional_flag};
 use crate::config::StartupError;
 use crate::dotnet_json::ObjectWriter;
-use crate::error::{AppError, Json, Path, Query, RequestBody, json_response};
+use crate::error::{AppError, ConstrainedPath, Json, Path, Query, RequestBody, json_response};
 use crate::startup::StartupContext;
 use crate::store::{Store, StoreError, is_constraint};
 
@@ -250,7 +251,7 @@ struct AckQuery {
 
 async fn ack(
     State(store): State<Store>,
-    Path((id, owner)): Path<(i64, String)>,
+    ConstrainedPath((RouteLong(id), owner)): ConstrainedPath<(RouteLong, String)>,
     Query(AckQuery { generation }): Query<AckQuery>,
 ) -> Result<Response, AppError> {
     let changed = store

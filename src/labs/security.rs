@@ -30,6 +30,7 @@ use crate::startup::StartupContext;
 use antiforgery::Antiforgery;
 use forwarded::ClientOrigin;
 use hosts::AllowedHosts;
+pub use live::WatchEvidence;
 use live::{LiveConfiguration, SettingsWatch};
 
 /// The one origin the classroom CORS policy grants.
@@ -80,6 +81,13 @@ impl SecurityLab {
                 allowed_hosts,
             }),
         })
+    }
+}
+
+impl SecurityLab {
+    /// What the settings watch did so far: reloads asked for, reads, ignored events.
+    pub fn settings_watch(&self) -> WatchEvidence {
+        self.shared.live.evidence()
     }
 }
 
@@ -137,6 +145,15 @@ pub async fn filter_hosts(
     }
     let authority = request.uri().authority().map(|a| a.as_str());
     let host = request_host(request.headers(), authority);
+    if host
+        .as_deref()
+        .is_some_and(|host| !hosts::has_valid_port(host))
+    {
+        return AppError::bad_request(
+            "the request's Host has a malformed port: it must be a number from 0 to 65535",
+        )
+        .into_response();
+    }
     if !lab.shared.allowed_hosts.allows(host.as_deref()) {
         return AppError::bad_request(
             "the request's Host is not one of the allowed host names (--allowed-hosts)",
@@ -241,8 +258,25 @@ struct EncodedQuery {
     name: Option<String>,
 }
 
-async fn encoded(Query(query): Query<EncodedQuery>) -> Html<String> {
-    Html(encoded_page(query.name.as_deref().unwrap_or("")))
+/// The page allows nothing but itself: no script, style, frame or form, so even a value that
+/// escaped encoding could not run; and the browser must not sniff it as anything but HTML.
+const ENCODED_PAGE_POLICY: &str =
+    "default-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+async fn encoded(Query(query): Query<EncodedQuery>) -> impl IntoResponse {
+    (
+        [
+            (
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static(ENCODED_PAGE_POLICY),
+            ),
+            (
+                header::X_CONTENT_TYPE_OPTIONS,
+                HeaderValue::from_static("nosniff"),
+            ),
+        ],
+        Html(encoded_page(query.name.as_deref().unwrap_or(""))),
+    )
 }
 
 /// The page with `name` as text in a `<p>`. Quotes and `/` are encoded too (not only `& < >`), so

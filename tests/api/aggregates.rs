@@ -1167,3 +1167,94 @@ async fn an_aggregate_says_when_its_list_of_open_dead_letters_is_cut() {
     assert_eq!(rest["next"], Value::Null);
     assert_bad_request(app.get("/deadletters?after=-1").await).await;
 }
+
+/// Sends one request over a raw socket, path exactly as given (no client normalises it), and
+/// returns the status and the body.
+async fn raw_request(app: &TestApp, method: &str, path: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", app.port))
+        .await
+        .expect("connect");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).await.expect("send");
+    let mut answer = String::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        socket.read_to_string(&mut answer),
+    )
+    .await
+    .expect("an answer within ten seconds")
+    .expect("read the answer");
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {answer:?}"));
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test]
+async fn dot_segments_are_refused_as_aggregate_ids_in_every_spelling() {
+    let app = spawn_app().await;
+    let message = r#"{"messageId":"m-1","sequence":1,"amount":1}"#;
+    for id in [".", "..", "%2e", "%2E", "%2e%2e", "%2E%2e", ".%2e", "%2e."] {
+        for (method, path, body) in [
+            ("POST", format!("/aggregates/{id}/messages"), message),
+            ("GET", format!("/aggregates/{id}"), ""),
+            ("GET", format!("/aggregates/{id}/timeline"), ""),
+            ("GET", format!("/deadletters?aggregateId={id}"), ""),
+            ("GET", format!("/resolutions?aggregateId={id}"), ""),
+        ] {
+            let (status, body) = raw_request(&app, method, &path, body).await;
+            assert_eq!(status, 400, "{method} {path}: {body}");
+            let problem: Value = serde_json::from_str(&body).expect("a problem body");
+            assert!(
+                problem["detail"].as_str().unwrap().contains("'.' or '..'"),
+                "{method} {path}: {problem}"
+            );
+        }
+    }
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM aggregate_state"), 0);
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 0);
+}
+
+#[tokio::test]
+async fn two_authorization_headers_are_an_ambiguous_credential_and_resolve_nothing() {
+    let app = spawn_app().await;
+    let alice = add_operator(&app, "alice");
+    blocked_aggregate(&app).await;
+    let before = ordering_rows(&app);
+    // A valid token first and a bogus one after, and the other way round: neither is guessed.
+    for (first, second) in [
+        (format!("Bearer {alice}"), "Bearer forged".to_owned()),
+        ("Bearer forged".to_owned(), format!("Bearer {alice}")),
+    ] {
+        let response = app
+            .client
+            .post(app.url("/deadletters/poison-2/resolution"))
+            .header("authorization", first)
+            .header("authorization", second)
+            .json(&skip(1, "two voices"))
+            .send()
+            .await
+            .unwrap();
+        let problem = assert_bad_request(response).await;
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .contains("Authorization"),
+            "{problem}"
+        );
+    }
+    assert_eq!(ordering_rows(&app), before);
+    assert_eq!(dead_letter_status(&app, "poison-2"), "open");
+}

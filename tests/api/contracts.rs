@@ -150,8 +150,9 @@ fn verify_base_fails_on_a_fixture_that_is_not_fresh() {
     assert!(!output.status.success());
     assert_eq!(stdout(&output), "");
     let message = stderr(&output);
+    assert!(message.starts_with("Use a fresh fixture: "), "{message}");
     assert!(message.contains("check 3 (fixture is fresh)"), "{message}");
-    assert!(message.contains("fresh fixture"), "{message}");
+    assert!(message.contains("the effect is 1, expected 0"), "{message}");
     assert_eq!(message.trim().lines().count(), 1, "{message}");
     // It stopped at the failed check: no further change was driven.
     assert_eq!(effect_in(&dir), 1);
@@ -190,6 +191,10 @@ fn verify_base_refuses_addresses_that_are_not_an_http_loopback_root() {
         assert!(!output.status.success(), "{url} was accepted");
         assert_eq!(stdout(&output), "", "{url}");
         let message = stderr(&output);
+        assert!(
+            message.starts_with("Owned loopback root required: "),
+            "{url}: {message}"
+        );
         assert!(message.contains(reason), "{url}: {message}");
         assert_eq!(message.trim().lines().count(), 1, "{url}: {message}");
     }

@@ -342,6 +342,37 @@ async fn without_arming_the_pause_header_does_nothing() {
     assert_bad_request(bad).await;
 }
 
+#[tokio::test]
+async fn only_the_exact_value_true_parks_a_writer() {
+    let app = spawn_app().await;
+    assert_eq!(app.post("/lab/condition/arm").await.status(), 204);
+    for value in ["TRUE", "True", "tRuE"] {
+        let response = app
+            .client
+            .put(app.url("/documents/1"))
+            .header("if-match", "\"v1\"")
+            .header("x-lab-pause", value)
+            .json(&json!({"body": "x"}))
+            .send()
+            .await
+            .unwrap();
+        // Answered at once, never parked at the armed probe.
+        let problem = assert_bad_request(response).await;
+        assert!(
+            problem["detail"].as_str().unwrap().contains("exactly"),
+            "{problem}"
+        );
+    }
+    assert_eq!(app.state.http.parked_writers(), 0);
+    assert_eq!(
+        status_and_json(app.get("/lab/condition/evidence").await)
+            .await
+            .1,
+        json!({"entered": false})
+    );
+    assert_eq!(document_row(&app), ("rune".to_owned(), 1));
+}
+
 async fn wait_for_parked(lab: &HttpLab, expected: usize) {
     poll_until(
         &format!("{expected} parked writers"),

@@ -5,6 +5,7 @@ mod helpers;
 
 mod aggregates;
 mod cache;
+mod connections;
 mod contracts;
 mod crash;
 mod http;
@@ -12,6 +13,7 @@ mod messaging;
 mod ordered;
 mod pipeline;
 mod privacy;
+mod requests;
 mod security;
 mod sql;
 mod startup;

@@ -417,7 +417,32 @@ async fn bad_claim_and_ack_requests_are_bad_requests() {
     assert_bad_request(app.post("/outbox/claim/three").await).await;
     assert_bad_request(app.post("/outbox/ack/1/one").await).await;
     assert_bad_request(app.post("/outbox/ack/1/one?generation=x").await).await;
-    assert_bad_request(app.post("/outbox/ack/first/one?generation=1").await).await;
+    assert_eq!(outbox_row(&app, 1), ("pending".to_owned(), None, 0));
+}
+
+#[tokio::test]
+async fn an_ack_id_that_is_not_a_64_bit_integer_matches_no_route() {
+    let app = spawn_app().await;
+    insert_events(&app, 1);
+    // The seed's route is /outbox/ack/{id:long}/{owner}: anything else is not that route, so
+    // the answer is 404, before the generation is even looked at.
+    for id in ["first", "1.0", "1e3", "9223372036854775808", "0x1", "%20"] {
+        for query in ["?generation=1", ""] {
+            let response = app.post(&format!("/outbox/ack/{id}/one{query}")).await;
+            let (status, problem) = status_and_json(response).await;
+            assert_eq!(status, 404, "{id}{query}: {problem}");
+            assert_eq!(problem["title"], "Not Found", "{id}{query}");
+        }
+    }
+    // What long.TryParse accepts does match: a sign, white space around the digits.
+    for id in ["%2B1", "%201%20", "-1"] {
+        let (status, body) = status_and_json(
+            app.post(&format!("/outbox/ack/{id}/one?generation=1"))
+                .await,
+        )
+        .await;
+        assert_eq!(status, 409, "{id}: {body}");
+    }
     assert_eq!(outbox_row(&app, 1), ("pending".to_owned(), None, 0));
 }
 

@@ -74,6 +74,65 @@ async fn an_edited_settings_file_is_served_within_seconds() {
 }
 
 #[tokio::test]
+async fn a_settings_file_without_a_live_section_serves_the_seed_defaults() {
+    let app = spawn_app_with(|config| {
+        let path = config.settings.clone();
+        std::fs::write(path, r#"{"Other":{"Label":"not this one"}}"#).unwrap();
+    })
+    .await;
+    let (status, body) = status_and_json(app.get("/configuration").await).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body,
+        json!({"label": "initial", "maximum": 3, "hasSecret": false})
+    );
+    // A reload that loses the section, or a member, falls back the same way.
+    std::fs::write(&app.settings, live_settings("edited", 8, "s")).unwrap();
+    let url = app.url("/configuration");
+    configuration_when(&app.client, &url, "the edit", |status, body| {
+        status == 200 && body["label"] == "edited"
+    })
+    .await;
+    std::fs::write(&app.settings, r#"{"Live":{"Maximum":9}}"#).unwrap();
+    let (_, body) = configuration_when(&app.client, &url, "the partial section", |status, body| {
+        status == 200 && body["maximum"] == 9
+    })
+    .await;
+    assert_eq!(
+        body,
+        json!({"label": "initial", "maximum": 9, "hasSecret": false})
+    );
+}
+
+#[tokio::test]
+async fn an_idle_server_does_not_reload_its_settings_after_its_own_read() {
+    let app = spawn_app().await;
+    let watch = || async { app.state.security.settings_watch() };
+    // The watch reads the file once when it starts; that read opens the file.
+    let started = poll_until("the first read", watch, |seen| seen.reads >= 1).await;
+    assert_eq!(started.reloads, 1, "{started:?}");
+    // Any event the watch saw before this unrelated file's is handled once this one is.
+    std::fs::write(app.dir.path().join("unrelated.txt"), "x").unwrap();
+    let later = poll_until("the unrelated event", watch, |seen| {
+        seen.unrelated_events >= 1
+    })
+    .await;
+    assert_eq!(
+        later.reloads, 1,
+        "the watch reloaded after its own read: {later:?}"
+    );
+    assert_eq!(later.reads, 1, "{later:?}");
+    // A real edit is still one reload.
+    std::fs::write(&app.settings, live_settings("edited", 4, "s")).unwrap();
+    let url = app.url("/configuration");
+    configuration_when(&app.client, &url, "the edit", |status, body| {
+        status == 200 && body["label"] == "edited"
+    })
+    .await;
+    assert!(app.state.security.settings_watch().reloads >= 2);
+}
+
+#[tokio::test]
 async fn a_settings_file_replaced_by_rename_is_reloaded() {
     let app = spawn_app().await;
     // What editors do: write a new file beside the old one, then rename it over.
@@ -108,7 +167,7 @@ async fn an_invalid_settings_file_answers_503_until_it_is_fixed() {
             "broken JSON",
             format!(r#"{{"Live":{{"Label":"x","Maximum":3,"Secret":"{secret}""#),
         ),
-        ("no Live section", r#"{"Other":{}}"#.to_owned()),
+        ("Live not an object", r#"{"Live":"initial"}"#.to_owned()),
     ];
     for (round, (case, text)) in invalid.iter().enumerate() {
         std::fs::write(&app.settings, text).unwrap();
@@ -564,6 +623,21 @@ async fn hostile_names_round_trip_through_an_html_parser() {
 }
 
 #[tokio::test]
+async fn the_encoded_page_forbids_scripts_and_sniffing() {
+    let app = spawn_app().await;
+    let response = app.get("/encoded?name=%3Cscript%3E").await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        header_text(&response, "x-content-type-options").as_deref(),
+        Some("nosniff")
+    );
+    let policy = header_text(&response, "content-security-policy").unwrap_or_default();
+    let directives: Vec<&str> = policy.split(';').map(str::trim).collect();
+    assert!(directives.contains(&"default-src 'none'"), "{policy}");
+    assert!(directives.contains(&"frame-ancestors 'none'"), "{policy}");
+}
+
+#[tokio::test]
 async fn a_missing_name_is_an_empty_paragraph() {
     let app = spawn_app().await;
     let page = app.get("/encoded").await.text().await.unwrap();
@@ -621,6 +695,42 @@ async fn the_known_proxy_is_believed_for_its_rightmost_entry_only() {
     assert_eq!(plain["scheme"], "http");
     let unusable = proxy_view(&app, &[("X-Forwarded-For", "not-an-address")]).await;
     assert_eq!(unusable["remote"], "127.0.0.1");
+}
+
+#[tokio::test]
+async fn the_known_proxy_is_believed_only_when_both_headers_are_usable() {
+    let app = spawn_app_with(|config| config.known_proxy = "127.0.0.1".parse().unwrap()).await;
+    for (forwarded_for, proto) in [
+        ("198.51.100.7", "gopher"),
+        ("198.51.100.7", "javascript"),
+        ("not-an-address", "https"),
+    ] {
+        let body = proxy_view(
+            &app,
+            &[
+                ("X-Forwarded-For", forwarded_for),
+                ("X-Forwarded-Proto", proto),
+            ],
+        )
+        .await;
+        assert_eq!(
+            (body["remote"].clone(), body["scheme"].clone()),
+            (json!("127.0.0.1"), json!("http")),
+            "{forwarded_for} / {proto}"
+        );
+    }
+    let both = proxy_view(
+        &app,
+        &[
+            ("X-Forwarded-For", "198.51.100.7"),
+            ("X-Forwarded-Proto", "HTTPS"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        (both["remote"].clone(), both["scheme"].clone()),
+        (json!("198.51.100.7"), json!("https"))
+    );
 }
 
 #[tokio::test]
@@ -715,6 +825,34 @@ async fn only_allowed_hosts_are_served() {
         .await
         .unwrap();
     assert_bad_request(forwarded).await;
+}
+
+#[tokio::test]
+async fn a_host_with_a_malformed_port_is_refused_whatever_hosts_are_allowed() {
+    for allowed in ["*", "localhost"] {
+        let app = spawn_app_with(|config| config.allowed_hosts = allowed.into()).await;
+        for host in [
+            "localhost:abc",
+            "localhost:65536",
+            "localhost:80:81",
+            "[::1]:x",
+        ] {
+            let problem =
+                assert_bad_request(with_host(&app, Method::GET, "/live", host).await).await;
+            assert!(
+                problem["detail"].as_str().unwrap().contains("port"),
+                "{allowed} {host}: {problem}"
+            );
+        }
+        let response = with_host(
+            &app,
+            Method::GET,
+            "/live",
+            &format!("localhost:{}", app.port),
+        )
+        .await;
+        assert_eq!(response.status(), 200, "{allowed}");
+    }
 }
 
 #[tokio::test]

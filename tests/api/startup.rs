@@ -59,6 +59,9 @@ fn bad_arguments_are_one_line_with_a_hint() {
         &["serve", "--known-proxy", "not-an-address"][..],
         &["serve", "--bogus"],
         &["practice", "--last", "x"],
+        &["serve", "--header-timeout", "0"],
+        &["serve", "--keep-alive-timeout", "soon"],
+        &["serve", "--max-connections", "0"],
     ] {
         let output = command().args(args).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{args:?}");

@@ -50,8 +50,14 @@ const MAX_MESSAGE_ID: usize = 100;
 const DEFAULT_LIMIT: i64 = 100;
 const MAX_LIMIT: i64 = 1000;
 
-/// An aggregate id: 1..64 characters of `A-Za-z0-9._:-`.
+/// An aggregate id: 1..64 characters of `A-Za-z0-9._:-`, but not `.` or `..`: clients normalise
+/// those path segments away, so such an aggregate could be written once and never reached again.
 fn validate_aggregate_id(name: &str, aggregate_id: &str) -> Result<(), AppError> {
+    if matches!(aggregate_id, "." | "..") {
+        return Err(AppError::bad_request(format!(
+            "{name} must not be '.' or '..': URL paths drop those segments"
+        )));
+    }
     let valid = !aggregate_id.is_empty()
         && aggregate_id.len() <= MAX_AGGREGATE_ID
         && aggregate_id
@@ -153,10 +159,17 @@ mod tests {
 
     #[test]
     fn aggregate_ids_are_short_and_url_safe() {
-        for good in ["a", "acct-1", "tenant:42.orders_x", &"z".repeat(64)] {
+        for good in [
+            "a",
+            "acct-1",
+            "tenant:42.orders_x",
+            "...",
+            ".a",
+            &"z".repeat(64),
+        ] {
             assert!(validate_aggregate_id("aggregateId", good).is_ok(), "{good}");
         }
-        for bad in ["", "has space", "slash/x", "ü", &"z".repeat(65)] {
+        for bad in ["", ".", "..", "has space", "slash/x", "ü", &"z".repeat(65)] {
             assert!(validate_aggregate_id("aggregateId", bad).is_err(), "{bad}");
         }
     }

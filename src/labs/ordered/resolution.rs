@@ -135,9 +135,16 @@ enum Credential {
 }
 
 fn credential(headers: &HeaderMap) -> Result<Credential, AppError> {
-    let Some(value) = headers.get(header::AUTHORIZATION) else {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let Some(value) = values.next() else {
         return Ok(Credential::Missing);
     };
+    if values.next().is_some() {
+        // Which one would count is a guess that a proxy might make differently.
+        return Err(AppError::bad_request(
+            "send one Authorization header: two are an ambiguous credential",
+        ));
+    }
     let text = value.to_str().map_err(|_| {
         AppError::bad_request("the Authorization header must be visible ASCII text")
     })?;

@@ -16,34 +16,46 @@ pub struct ClientOrigin {
     pub remote: Option<IpAddr>,
 }
 
-/// Resolves the client for a request from `peer` carrying `headers`.
+/// Resolves the client for a request from `peer` carrying `headers`. From the known proxy, each
+/// of the two headers that is present must be usable (an address; `http` or `https`), or neither
+/// is applied: a proxy that wrote one value nobody can read cannot be trusted for the other.
 pub fn resolve(known_proxy: IpAddr, peer: Option<IpAddr>, headers: &HeaderMap) -> ClientOrigin {
     let peer = peer.map(|ip| ip.to_canonical());
-    let mut origin = ClientOrigin {
+    let connection = ClientOrigin {
         scheme: "http".to_owned(),
         remote: peer,
     };
     if peer != Some(known_proxy.to_canonical()) {
-        return origin;
+        return connection;
     }
-    if let Some(forwarded_for) =
-        rightmost(headers, "x-forwarded-for").and_then(|entry| parse_forwarded_for(&entry))
-    {
-        origin.remote = Some(forwarded_for);
+    let remote = match rightmost(headers, "x-forwarded-for") {
+        None => None,
+        Some(entry) => match entry.as_deref().and_then(parse_forwarded_for) {
+            Some(address) => Some(address),
+            None => return connection,
+        },
+    };
+    let scheme = match rightmost(headers, "x-forwarded-proto") {
+        None => None,
+        Some(entry) => match entry.as_deref().and_then(forwarded_scheme) {
+            Some(scheme) => Some(scheme),
+            None => return connection,
+        },
+    };
+    ClientOrigin {
+        scheme: scheme.map_or(connection.scheme, str::to_owned),
+        remote: remote.or(connection.remote),
     }
-    if let Some(proto) = rightmost(headers, "x-forwarded-proto").filter(|p| is_scheme(p)) {
-        origin.scheme = proto;
-    }
-    origin
 }
 
-/// The right-most comma-separated entry across every line of the header, if not blank.
-fn rightmost(headers: &HeaderMap, name: &'static str) -> Option<String> {
+/// `None` when the header is absent; else its right-most comma-separated entry across every
+/// line, `None` inside when that entry is blank.
+fn rightmost(headers: &HeaderMap, name: &'static str) -> Option<Option<String>> {
     let name = HeaderName::from_static(name);
     let last_line = headers.get_all(&name).iter().next_back()?;
     let text = String::from_utf8_lossy(last_line.as_bytes());
-    let entry = text.rsplit(',').next()?.trim();
-    (!entry.is_empty()).then(|| entry.to_owned())
+    let entry = text.rsplit(',').next().unwrap_or_default().trim();
+    Some((!entry.is_empty()).then(|| entry.to_owned()))
 }
 
 /// `203.0.113.7`, `203.0.113.7:4711`, `2001:db8::1`, `[2001:db8::1]` or `[2001:db8::1]:4711`.
@@ -60,13 +72,15 @@ fn parse_forwarded_for(entry: &str) -> Option<IpAddr> {
         .and_then(|inner| inner.parse::<IpAddr>().ok())
 }
 
-/// RFC 3986 scheme: ALPHA *( ALPHA / DIGIT / "+" / "-" / "." ).
-fn is_scheme(value: &str) -> bool {
-    let mut chars = value.chars();
-    chars
-        .next()
-        .is_some_and(|first| first.is_ascii_alphabetic())
-        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+/// The only schemes this server can have been reached by, in any letter case.
+fn forwarded_scheme(value: &str) -> Option<&'static str> {
+    if value.eq_ignore_ascii_case("http") {
+        Some("http")
+    } else if value.eq_ignore_ascii_case("https") {
+        Some("https")
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -125,10 +139,45 @@ mod tests {
         let origin = resolve(PROXY, Some(PROXY), &headers);
         assert_eq!(origin.remote, Some(PROXY));
         assert_eq!(origin.scheme, "http");
-        assert!(is_scheme("https") && is_scheme("coap+tcp") && !is_scheme("1http"));
         assert_eq!(
             parse_forwarded_for("203.0.113.7:80"),
             "203.0.113.7".parse().ok()
         );
+    }
+
+    #[test]
+    fn one_unusable_header_means_neither_is_applied() {
+        for (forwarded_for, proto) in [
+            ("198.51.100.7", "gopher"),
+            ("198.51.100.7", "javascript"),
+            ("198.51.100.7", "https, "),
+            ("not-an-address", "https"),
+            ("198.51.100.7, ", "https"),
+        ] {
+            let headers = forwarded(&[
+                ("x-forwarded-for", forwarded_for),
+                ("x-forwarded-proto", proto),
+            ]);
+            let origin = resolve(PROXY, Some(PROXY), &headers);
+            assert_eq!(origin.remote, Some(PROXY), "{forwarded_for} / {proto}");
+            assert_eq!(origin.scheme, "http", "{forwarded_for} / {proto}");
+        }
+        // Either header alone, when usable, is applied; schemes in any case become lower case.
+        let proto_only = resolve(
+            PROXY,
+            Some(PROXY),
+            &forwarded(&[("x-forwarded-proto", "HTTPS")]),
+        );
+        assert_eq!(
+            (proto_only.scheme.as_str(), proto_only.remote),
+            ("https", Some(PROXY))
+        );
+        let for_only = resolve(
+            PROXY,
+            Some(PROXY),
+            &forwarded(&[("x-forwarded-for", "192.0.2.4")]),
+        );
+        assert_eq!(for_only.remote, "192.0.2.4".parse().ok());
+        assert_eq!(for_only.scheme, "http");
     }
 }

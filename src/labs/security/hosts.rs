@@ -67,6 +67,31 @@ impl AllowedHosts {
     }
 }
 
+/// Whether a `Host` value has a well-formed port, if any: digits from 0 to 65535 after the name
+/// or after a bracketed IPv6 literal (RFC 9110 §7.2, RFC 3986 §3.2.3; an empty port is allowed).
+/// An unbracketed value with two colons, or an unclosed bracket, has no readable port either.
+pub fn has_valid_port(host: &str) -> bool {
+    let port = if let Some(bracketed) = host.strip_prefix('[') {
+        match bracketed.split_once(']') {
+            Some((_, "")) => return true,
+            Some((_, after)) => match after.strip_prefix(':') {
+                Some(port) => port,
+                None => return false,
+            },
+            None => return false,
+        }
+    } else {
+        match host.split_once(':') {
+            None => return true,
+            Some((_, port)) => port,
+        }
+    };
+    port.is_empty()
+        || (port.len() <= 5
+            && port.bytes().all(|b| b.is_ascii_digit())
+            && port.parse::<u32>().is_ok_and(|port| port <= 65_535))
+}
+
 /// `example.com:5080` → `example.com`, `[::1]:5080` → `[::1]`; anything else unchanged.
 fn without_port(host: &str) -> &str {
     if host.starts_with('[') {
@@ -115,6 +140,33 @@ mod tests {
         assert!(hosts.allows(Some("a.lab.test:80")));
         assert!(!hosts.allows(Some("lab.test")));
         assert!(!hosts.allows(Some("evillab.test")));
+    }
+
+    #[test]
+    fn ports_must_be_numbers_up_to_65535() {
+        for good in [
+            "localhost",
+            "localhost:5080",
+            "localhost:",
+            "[::1]",
+            "[::1]:80",
+            "a.b:65535",
+        ] {
+            assert!(has_valid_port(good), "{good}");
+        }
+        for bad in [
+            "localhost:abc",
+            "localhost:80a",
+            "localhost:65536",
+            "localhost:+80",
+            "localhost:1:2",
+            "::1",
+            "[::1]x",
+            "[::1]:http",
+            "[::1",
+        ] {
+            assert!(!has_valid_port(bad), "{bad}");
+        }
     }
 
     #[test]

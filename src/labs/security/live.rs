@@ -1,11 +1,15 @@
 //! Live configuration: the settings file is watched, and `GET /configuration` answers from the
 //! last settings that passed validation — or 503 while the file on disk is invalid.
 
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use notify::event::{AccessKind, AccessMode, EventKind, MetadataKind, ModifyKind};
 use notify::{PollWatcher, RecommendedWatcher, RecursiveMode, Watcher};
 use notify_debouncer_full::{DebounceEventResult, Debouncer, RecommendedCache, new_debouncer_opt};
 
@@ -16,6 +20,9 @@ use crate::config::{LiveSettings, parse_settings};
 const DEBOUNCE: Duration = Duration::from_millis(200);
 /// How often the fallback polling watcher looks at the directory when inotify is unavailable.
 const POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// The first retry after a transient read error, doubled up to [`MAX_RETRY`].
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+const MAX_RETRY: Duration = Duration::from_secs(5);
 
 /// What `GET /configuration` answers from. Swapped as a whole so a reader never sees a value
 /// from one reload and an error from another.
@@ -26,20 +33,64 @@ pub struct LiveStatus {
     pub error: Option<String>,
 }
 
+/// Reads the settings file; replaced in tests to produce read errors.
+type Reader = Box<dyn Fn(&Path) -> io::Result<String> + Send + Sync>;
+
 /// The settings file, its last good value, and its current status.
 pub struct LiveConfiguration {
     path: PathBuf,
     status: ArcSwap<LiveStatus>,
+    read: Reader,
+    evidence: Counters,
+}
+
+/// What the watch did, for tests and the curious: it reloads only when the file's content may
+/// have changed, never because of its own reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WatchEvidence {
+    /// Reloads the watch asked for: one at start, then one per batch of content changes.
+    pub reloads: u64,
+    /// Times the file was read (a retried read counts each time).
+    pub reads: u64,
+    /// Events about other files in the settings directory, ignored.
+    pub unrelated_events: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    reloads: AtomicU64,
+    reads: AtomicU64,
+    unrelated_events: AtomicU64,
+}
+
+/// What one reload did.
+#[derive(Debug, PartialEq, Eq)]
+enum Reloaded {
+    /// The file was read; its settings or its error are now current.
+    Read,
+    /// The file could not be read for a reason that says nothing about it (too many open files,
+    /// an interrupted call): the last status stays, and the read is retried.
+    Transient(String),
 }
 
 impl LiveConfiguration {
     pub fn new(path: PathBuf, initial: LiveSettings) -> Self {
+        Self::with_reader(
+            path,
+            initial,
+            Box::new(|path| std::fs::read_to_string(path)),
+        )
+    }
+
+    fn with_reader(path: PathBuf, initial: LiveSettings, read: Reader) -> Self {
         LiveConfiguration {
             path,
             status: ArcSwap::from_pointee(LiveStatus {
                 last_good: initial,
                 error: None,
             }),
+            read,
+            evidence: Counters::default(),
         }
     }
 
@@ -47,12 +98,24 @@ impl LiveConfiguration {
         self.status.load_full()
     }
 
+    pub fn evidence(&self) -> WatchEvidence {
+        WatchEvidence {
+            reloads: self.evidence.reloads.load(Ordering::Relaxed),
+            reads: self.evidence.reads.load(Ordering::Relaxed),
+            unrelated_events: self.evidence.unrelated_events.load(Ordering::Relaxed),
+        }
+    }
+
     /// Reads and validates the file again, and logs a newly seen error once. Called from the
-    /// watcher's own thread (never on the async runtime), one reload at a time.
-    pub fn reload(&self) {
-        let outcome = std::fs::read_to_string(&self.path)
-            .map_err(|error| format!("cannot read the settings file: {error}"))
-            .and_then(|text| parse_settings(&text));
+    /// reload thread (never on the async runtime), one reload at a time.
+    fn reload(&self) -> Reloaded {
+        self.evidence.reads.fetch_add(1, Ordering::Relaxed);
+        let text = match (self.read)(&self.path) {
+            Ok(text) => Ok(text),
+            Err(error) if is_transient(&error) => return Reloaded::Transient(error.to_string()),
+            Err(error) => Err(format!("cannot read the settings file: {error}")),
+        };
+        let outcome = text.and_then(|text| parse_settings(&text));
         match self.apply(outcome) {
             Transition::NewError(reason) => tracing::warn!(
                 target: "production_lab::configuration",
@@ -66,6 +129,7 @@ impl LiveConfiguration {
             ),
             Transition::Unchanged => {}
         }
+        Reloaded::Read
     }
 
     /// Records one reload's outcome and says what changed. The reason never contains the secret:
@@ -103,6 +167,84 @@ impl LiveConfiguration {
     }
 }
 
+/// Errors that describe the file itself (missing, not readable by us, not UTF-8, a directory)
+/// make the settings invalid; any other read error is about the process or the moment (EMFILE,
+/// ENFILE, ENOMEM, EINTR, ...) and is retried with the last settings kept.
+fn is_transient(error: &io::Error) -> bool {
+    !matches!(
+        error.kind(),
+        io::ErrorKind::NotFound
+            | io::ErrorKind::PermissionDenied
+            | io::ErrorKind::InvalidData
+            | io::ErrorKind::IsADirectory
+    )
+}
+
+/// Events that can mean the file's content changed: written, created, removed or renamed. Not
+/// opens or reads (the watch's own reload opens the file, which used to trigger the next reload,
+/// forever) and not permission or access-time changes.
+fn is_content_change(kind: &EventKind) -> bool {
+    match kind {
+        EventKind::Create(_) | EventKind::Remove(_) => true,
+        EventKind::Modify(ModifyKind::Metadata(metadata)) => {
+            // The polling watcher reports a newer modification time this way.
+            *metadata == MetadataKind::WriteTime
+        }
+        EventKind::Modify(_) => true,
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) | EventKind::Any | EventKind::Other => false,
+    }
+}
+
+/// Runs reloads on a thread of its own, one at a time, and retries a transient read error with
+/// a growing pause until the file reads. Requests that arrive during a reload are merged into
+/// one. The thread ends when every sender is gone (the watch was dropped).
+fn spawn_reloader(live: Arc<LiveConfiguration>) -> Result<mpsc::Sender<()>, String> {
+    let (requests, received) = mpsc::channel::<()>();
+    std::thread::Builder::new()
+        .name("settings-reload".to_owned())
+        .spawn(move || {
+            let mut retry: Option<Duration> = None;
+            loop {
+                let next = match retry {
+                    None => received.recv().map_err(|_| ()),
+                    Some(pause) => match received.recv_timeout(pause) {
+                        Ok(()) | Err(mpsc::RecvTimeoutError::Timeout) => Ok(()),
+                        Err(mpsc::RecvTimeoutError::Disconnected) => Err(()),
+                    },
+                };
+                if next.is_err() {
+                    return;
+                }
+                while received.try_recv().is_ok() {}
+                retry = match live.reload() {
+                    Reloaded::Read => {
+                        if retry.is_some() {
+                            tracing::info!(
+                                target: "production_lab::configuration",
+                                path = %live.path.display(),
+                                "the settings file reads again"
+                            );
+                        }
+                        None
+                    }
+                    Reloaded::Transient(reason) => {
+                        if retry.is_none() {
+                            tracing::warn!(
+                                target: "production_lab::configuration",
+                                path = %live.path.display(),
+                                "cannot read the settings file for now ({reason}); keeping the last settings and retrying"
+                            );
+                        }
+                        Some(retry.map_or(FIRST_RETRY, |pause| (pause * 2).min(MAX_RETRY)))
+                    }
+                };
+            }
+        })
+        .map_err(|error| format!("cannot start the reload thread: {error}"))?;
+    Ok(requests)
+}
+
 #[derive(Debug, PartialEq, Eq)]
 enum Transition {
     /// The file became invalid, or invalid in a new way: worth one log line.
@@ -119,9 +261,9 @@ pub struct SettingsWatch {
 }
 
 /// Starts watching the settings file's directory (editors save by writing a new file and
-/// renaming it over the old one, which an OS watch on the file itself would lose) and reloads on
-/// any event that names the file. Falls back to polling the file when the OS watcher cannot
-/// start (e.g. the inotify instance limit is reached).
+/// renaming it over the old one, which an OS watch on the file itself would lose) and reloads
+/// when an event says the file's content may have changed. Falls back to polling the file when
+/// the OS watcher cannot start (e.g. the inotify instance limit is reached).
 pub fn watch(live: Arc<LiveConfiguration>) -> Result<SettingsWatch, String> {
     let directory = watched_directory(&live.path);
     match start::<RecommendedWatcher>(&live, &directory, notify::Config::default()) {
@@ -156,19 +298,36 @@ fn start<W: Watcher>(
     watched: &Path,
     config: notify::Config,
 ) -> Result<Debouncer<W, RecommendedCache>, notify::Error> {
+    let requests =
+        spawn_reloader(live.clone()).map_err(|reason| notify::Error::generic(&reason))?;
     let file_name = live.path.file_name().map(ToOwned::to_owned);
     let target = live.clone();
+    let reload = requests.clone();
     let handler = move |result: DebounceEventResult| match result {
         Ok(events) => {
-            let touches_file = events.iter().any(|event| {
-                event
+            let mut changed = false;
+            let mut unrelated = 0;
+            for event in &events {
+                let names_file = event
                     .paths
                     .iter()
-                    .any(|path| path.file_name() == file_name.as_deref())
-            });
-            if touches_file {
-                target.reload();
+                    .any(|path| path.file_name() == file_name.as_deref());
+                if !names_file {
+                    unrelated += 1;
+                } else if is_content_change(&event.kind) {
+                    changed = true;
+                }
             }
+            if changed {
+                target.evidence.reloads.fetch_add(1, Ordering::Relaxed);
+                let _ = reload.send(());
+            }
+            // Counted after the reload was asked for: a test that sees an unrelated event knows
+            // every earlier event was handled.
+            target
+                .evidence
+                .unrelated_events
+                .fetch_add(unrelated, Ordering::Relaxed);
         }
         Err(errors) => {
             for error in errors {
@@ -185,7 +344,8 @@ fn start<W: Watcher>(
     )?;
     debouncer.watch(watched, RecursiveMode::NonRecursive)?;
     // The file may have changed between the start-up read and the watch starting.
-    live.reload();
+    live.evidence.reloads.fetch_add(1, Ordering::Relaxed);
+    let _ = requests.send(());
     Ok(debouncer)
 }
 
@@ -227,6 +387,81 @@ mod tests {
         assert_eq!(live.status().error, None);
         assert_eq!(live.status().last_good.label, "fixed");
         assert!(matches!(live.apply(blank()), Transition::NewError(_)));
+    }
+
+    /// The error a process out of file descriptors gets from open(2).
+    fn too_many_open_files() -> io::Error {
+        io::Error::from_raw_os_error(24)
+    }
+
+    #[test]
+    fn a_transient_read_error_keeps_the_last_good_settings() {
+        let live = LiveConfiguration::with_reader(
+            PathBuf::from("unused.json"),
+            settings("initial"),
+            Box::new(|_| Err(too_many_open_files())),
+        );
+        assert!(matches!(live.reload(), Reloaded::Transient(_)));
+        assert_eq!(live.status().error, None, "still serving, not 503");
+        assert_eq!(live.status().last_good.label, "initial");
+        // An error that describes the file itself still makes the settings invalid.
+        let missing = LiveConfiguration::with_reader(
+            PathBuf::from("unused.json"),
+            settings("initial"),
+            Box::new(|_| Err(io::ErrorKind::NotFound.into())),
+        );
+        assert_eq!(missing.reload(), Reloaded::Read);
+        assert!(missing.status().error.is_some());
+    }
+
+    #[test]
+    fn a_transient_read_error_is_retried_until_the_file_reads() {
+        let failures = Arc::new(AtomicU64::new(0));
+        let counted = failures.clone();
+        let live = Arc::new(LiveConfiguration::with_reader(
+            PathBuf::from("unused.json"),
+            settings("initial"),
+            Box::new(move |_| {
+                if counted.fetch_add(1, Ordering::SeqCst) < 2 {
+                    Err(too_many_open_files())
+                } else {
+                    Ok(r#"{"Live":{"Label":"read at last","Maximum":4}}"#.to_owned())
+                }
+            }),
+        ));
+        let requests = spawn_reloader(live.clone()).expect("reload thread");
+        requests.send(()).expect("ask for one reload");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while live.status().last_good.label != "read at last" {
+            assert_eq!(live.status().error, None, "a transient error never shows");
+            assert!(Instant::now() < deadline, "the read was never retried");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(live.evidence().reads, 3, "two failures, then the read");
+    }
+
+    #[test]
+    fn only_content_changes_reload() {
+        use notify::event::{CreateKind, DataChange, RemoveKind, RenameMode};
+        for change in [
+            EventKind::Create(CreateKind::File),
+            EventKind::Remove(RemoveKind::File),
+            EventKind::Modify(ModifyKind::Data(DataChange::Content)),
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            EventKind::Modify(ModifyKind::Metadata(MetadataKind::WriteTime)),
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+        ] {
+            assert!(is_content_change(&change), "{change:?}");
+        }
+        for not_a_change in [
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            EventKind::Access(AccessKind::Read),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+            EventKind::Modify(ModifyKind::Metadata(MetadataKind::Permissions)),
+            EventKind::Any,
+        ] {
+            assert!(!is_content_change(&not_a_change), "{not_a_change:?}");
+        }
     }
 
     #[test]

@@ -1,0 +1,553 @@
+//! The HTTP/1.1 connection loop under the router: a header-read timeout, an idle keep-alive
+//! timeout, a request-body deadline, a cap on open connections, and graceful shutdown with a
+//! bound. `axum::serve` has none of the timeouts, so a client that connects and sends nothing
+//! (or half a header, or half a body) kept its socket, and enough of them exhausted the server's
+//! file descriptors.
+//!
+//! Each connection is in one phase at a time:
+//!
+//! - **head**: from accept, or from the first byte after an idle pause, until the request head is
+//!   complete; closed at the header-read deadline (a silent new socket is closed after the
+//!   header-read timeout too);
+//! - **idle**: after a response, until the next byte arrives; closed after the keep-alive timeout;
+//! - **busy**: a request is being served. The connection has no deadline then (a lab may hold a
+//!   request on purpose); its body must arrive completely within the body-read timeout.
+//!
+//! At the cap, a new connection takes the place of the connection that has waited longest in
+//! head or idle (as nginx reuses idle keep-alive connections), so sockets that never send a
+//! request cannot lock others out. Only when every connection is busy is the new one refused:
+//! it is answered `503` problem+json and closed, within a second, never left waiting.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::body::Bytes;
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::ServiceExt;
+use tower_http::timeout::DeadlineBody;
+
+use crate::config::ConnectionLimits;
+use crate::error::{bare_status_as_problem, problem_response};
+
+/// The largest request body any route reads; a larger one answers 413.
+pub const MAX_REQUEST_BODY_BYTES: usize = 2 * 1024 * 1024;
+/// How long a connection refused at the cap may take to send its request head before it is
+/// simply closed.
+const REFUSAL_TIME: Duration = Duration::from_secs(1);
+/// Refused connections being answered at once; beyond this they are closed without an answer.
+const MAX_REFUSALS_IN_FLIGHT: usize = 64;
+/// Pause after an accept error that is not about one connection (e.g. out of file descriptors),
+/// so that the loop does not spin.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
+
+/// Serves `router` on `listener` until `shutdown` is cancelled, then stops accepting, lets each
+/// connection finish its current request (at most `grace`), and closes what is left.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+    grace: Duration,
+) -> io::Result<()> {
+    let router = router
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
+        .layer(axum::middleware::from_fn(bare_status_as_problem));
+    let registry = Arc::new(Registry::new(limits.max_connections));
+    let refusals = Arc::new(Semaphore::new(MAX_REFUSALS_IN_FLIGHT));
+    let connections = TaskTracker::new();
+    let closing = CancellationToken::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    if !is_connection_error(&error) {
+                        tracing::warn!(target: "production_lab::server", %error, "accept failed");
+                        tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                    }
+                    continue;
+                }
+            },
+            () = shutdown.cancelled() => break,
+        };
+        let _ = stream.set_nodelay(true);
+        match registry.admit(limits) {
+            Some(slot) => {
+                connections.spawn(serve_connection(
+                    stream,
+                    peer,
+                    router.clone(),
+                    slot,
+                    limits,
+                    shutdown.clone(),
+                    closing.clone(),
+                ));
+            }
+            None => match refusals.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    let max = limits.max_connections;
+                    connections.spawn(async move {
+                        refuse(stream, max).await;
+                        drop(permit);
+                    });
+                }
+                // Too many refusals at once: close without an answer.
+                Err(_) => drop(stream),
+            },
+        }
+    }
+    drop(listener);
+    connections.close();
+    if tokio::time::timeout(grace, connections.wait())
+        .await
+        .is_err()
+    {
+        closing.cancel();
+        connections.wait().await;
+    }
+    Ok(())
+}
+
+/// Errors that concern one connection only (it was reset before it was accepted): accept the
+/// next one at once.
+fn is_connection_error(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+    )
+}
+
+/// One connection, from accept to close.
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    router: Router,
+    slot: Slot,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+    closing: CancellationToken,
+) {
+    let phase = slot.phase.clone();
+    let io = TokioIo::new(Observed {
+        inner: stream,
+        phase: phase.clone(),
+    });
+    let service_phase = phase.clone();
+    let service = service_fn(move |request: Request<Incoming>| {
+        let router = router.clone();
+        let phase = service_phase.clone();
+        async move {
+            let serving = phase.request_started();
+            let mut request =
+                request.map(|body| Body::new(DeadlineBody::new(limits.body_read_timeout, body)));
+            request.extensions_mut().insert(ConnectInfo(peer));
+            let response = match router.oneshot(request).await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            };
+            Ok::<_, Infallible>(response.map(|body| Served {
+                body,
+                _serving: serving,
+            }))
+        }
+    });
+    let connection = http1::Builder::new()
+        .header_read_timeout(None)
+        .serve_connection(io, service);
+    let mut connection = std::pin::pin!(connection);
+    let expired = phase.expired();
+    let mut expired = std::pin::pin!(expired);
+    let mut draining = false;
+    loop {
+        tokio::select! {
+            finished = connection.as_mut() => {
+                if let Err(error) = finished {
+                    tracing::debug!(target: "production_lab::server", %peer, %error, "connection ended with an error");
+                }
+                break;
+            }
+            // Dropping the connection closes the socket.
+            () = expired.as_mut() => break,
+            () = shutdown.cancelled(), if !draining => {
+                draining = true;
+                connection.as_mut().graceful_shutdown();
+            }
+            () = closing.cancelled() => break,
+        }
+    }
+    drop(slot);
+}
+
+/// Answers a connection over the cap `503` once its request head arrived, then closes it.
+async fn refuse(stream: TcpStream, max_connections: usize) {
+    let service = service_fn(move |_request: Request<Incoming>| async move {
+        let mut response = problem_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Too many connections",
+            Some(&format!(
+                "the server already holds its maximum of {max_connections} connections and every one is serving a request; retry shortly"
+            )),
+        );
+        let headers = response.headers_mut();
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        Ok::<_, Infallible>(response)
+    });
+    let connection = http1::Builder::new()
+        .header_read_timeout(None)
+        .keep_alive(false)
+        .serve_connection(TokioIo::new(stream), service);
+    let _ = tokio::time::timeout(REFUSAL_TIME, connection).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Phases and the registry of open connections
+
+#[derive(Debug, Clone, Copy)]
+enum State {
+    /// Reading a request head: closed at `deadline`.
+    Head { since: Instant, deadline: Instant },
+    /// Between requests, nothing received yet: closed at `deadline`.
+    Idle { since: Instant, deadline: Instant },
+    /// Serving a request: no connection deadline.
+    Busy,
+    /// Closed to make room for a new connection.
+    Evicted,
+}
+
+/// A connection's phase, shared by its socket (first byte), its service (request start and end),
+/// its watchdog and the registry (eviction).
+struct Phase {
+    state: Mutex<State>,
+    changed: Notify,
+    limits: ConnectionLimits,
+}
+
+impl Phase {
+    fn new(limits: ConnectionLimits) -> Self {
+        let now = Instant::now();
+        Phase {
+            state: Mutex::new(State::Head {
+                since: now,
+                deadline: now + limits.header_read_timeout,
+            }),
+            changed: Notify::new(),
+            limits,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is a plain value: a panic elsewhere cannot leave it half written.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Bytes arrived: an idle connection starts reading a head, against the header deadline.
+    fn bytes_arrived(&self) {
+        let mut state = self.lock();
+        if let State::Idle { .. } = *state {
+            let now = Instant::now();
+            *state = State::Head {
+                since: now,
+                deadline: now + self.limits.header_read_timeout,
+            };
+            drop(state);
+            self.changed.notify_one();
+        }
+    }
+
+    /// The request head is complete and the router takes over.
+    fn request_started(self: &Arc<Self>) -> Serving {
+        {
+            let mut state = self.lock();
+            if !matches!(*state, State::Evicted) {
+                *state = State::Busy;
+            }
+        }
+        self.changed.notify_one();
+        Serving {
+            phase: self.clone(),
+        }
+    }
+
+    /// The response was sent (or abandoned): the keep-alive pause begins.
+    fn request_finished(&self) {
+        {
+            let mut state = self.lock();
+            if let State::Busy = *state {
+                let now = Instant::now();
+                *state = State::Idle {
+                    since: now,
+                    deadline: now + self.limits.keep_alive_timeout,
+                };
+            }
+        }
+        self.changed.notify_one();
+    }
+
+    /// Marks a waiting connection evicted; `false` when it is serving a request.
+    fn evict_if_waiting(&self) -> bool {
+        let mut state = self.lock();
+        match *state {
+            State::Head { .. } | State::Idle { .. } => {
+                *state = State::Evicted;
+                drop(state);
+                self.changed.notify_one();
+                true
+            }
+            State::Busy | State::Evicted => false,
+        }
+    }
+
+    /// Since when a connection has been waiting, if it is waiting.
+    fn waiting_since(&self) -> Option<Instant> {
+        match *self.lock() {
+            State::Head { since, .. } | State::Idle { since, .. } => Some(since),
+            State::Busy | State::Evicted => None,
+        }
+    }
+
+    /// Resolves when the connection must be closed: its head or idle deadline passed, or it was
+    /// evicted.
+    async fn expired(&self) {
+        loop {
+            let deadline = match *self.lock() {
+                State::Head { deadline, .. } | State::Idle { deadline, .. } => Some(deadline),
+                State::Busy => None,
+                State::Evicted => return,
+            };
+            match deadline {
+                Some(deadline) if deadline <= Instant::now() => return,
+                Some(deadline) => {
+                    tokio::select! {
+                        () = tokio::time::sleep_until(deadline) => {}
+                        () = self.changed.notified() => {}
+                    }
+                }
+                None => self.changed.notified().await,
+            }
+        }
+    }
+}
+
+/// Held by a response body while it is being sent; dropping it ends the request.
+struct Serving {
+    phase: Arc<Phase>,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.phase.request_finished();
+    }
+}
+
+/// The open connections, for the cap.
+struct Registry {
+    max: usize,
+    next_id: AtomicU64,
+    open: Mutex<HashMap<u64, Arc<Phase>>>,
+}
+
+/// A connection's place in the registry; dropping it frees the place.
+struct Slot {
+    id: u64,
+    phase: Arc<Phase>,
+    registry: Arc<Registry>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.registry.lock().remove(&self.id);
+    }
+}
+
+impl Registry {
+    fn new(max: usize) -> Self {
+        Registry {
+            max,
+            next_id: AtomicU64::new(0),
+            open: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Arc<Phase>>> {
+        self.open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A place for a new connection: a free one, or the place of the connection that has waited
+    /// longest without a request in progress. `None` when every connection is busy.
+    fn admit(self: &Arc<Self>, limits: ConnectionLimits) -> Option<Slot> {
+        let mut open = self.lock();
+        while open.len() >= self.max {
+            let oldest = open
+                .iter()
+                .filter_map(|(id, phase)| phase.waiting_since().map(|since| (since, *id)))
+                .min()
+                .map(|(_, id)| id)?;
+            if let Some(phase) = open.remove(&oldest) {
+                // It may have started a request since it was looked at; then it keeps running
+                // outside the count, and the loop looks again.
+                phase.evict_if_waiting();
+            }
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let phase = Arc::new(Phase::new(limits));
+        open.insert(id, phase.clone());
+        Some(Slot {
+            id,
+            phase,
+            registry: self.clone(),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The socket and the response body, observed
+
+/// The TCP stream, reporting the first byte after an idle pause.
+struct Observed {
+    inner: TcpStream,
+    phase: Arc<Phase>,
+}
+
+impl AsyncRead for Observed {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.phase.bytes_arrived();
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for Observed {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// A response body that ends its request when hyper is done with it.
+struct Served {
+    body: Body,
+    _serving: Serving,
+}
+
+impl hyper::body::Body for Served {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(max_connections: usize) -> ConnectionLimits {
+        ConnectionLimits {
+            max_connections,
+            ..ConnectionLimits::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn at_the_cap_the_longest_waiting_connection_makes_room() {
+        let registry = Arc::new(Registry::new(2));
+        let first = registry.admit(limits(2)).expect("room");
+        let second = registry.admit(limits(2)).expect("room");
+        let _serving = second.phase.request_started();
+        let third = registry
+            .admit(limits(2))
+            .expect("the waiting one is evicted");
+        assert!(matches!(*first.phase.lock(), State::Evicted));
+        assert!(matches!(*second.phase.lock(), State::Busy));
+        // Now both are in use: one busy, one waiting (the third) that can still make room.
+        let _serving_third = third.phase.request_started();
+        assert!(
+            registry.admit(limits(2)).is_none(),
+            "every connection is busy"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_finished_request_starts_the_keep_alive_pause_and_bytes_start_a_head() {
+        let phase = Arc::new(Phase::new(limits(1)));
+        assert!(matches!(*phase.lock(), State::Head { .. }));
+        drop(phase.request_started());
+        assert!(matches!(*phase.lock(), State::Idle { .. }));
+        phase.bytes_arrived();
+        assert!(matches!(*phase.lock(), State::Head { .. }));
+        // Bytes of a body (while busy) change nothing.
+        let serving = phase.request_started();
+        phase.bytes_arrived();
+        assert!(matches!(*phase.lock(), State::Busy));
+        drop(serving);
+    }
+}
