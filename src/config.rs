@@ -5,8 +5,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use url::{Host, Url};
 use serde_json::{Map, Value};
+use url::{Host, Url};
 
 /// Everything `serve` needs; tests build one directly with [`Config::for_tests`].
 #[derive(Debug, Clone)]

@@ -11,8 +11,8 @@ pub mod etag;
 pub mod labs;
 pub mod practice;
 pub mod schema;
-pub mod startup;
 pub mod server;
+pub mod startup;
 pub mod store;
 pub mod verify;
 
