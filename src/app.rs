@@ -49,6 +49,14 @@ pub struct AppState {
     pub security: labs::security::SecurityLab,
     pub privacy: labs::privacy::PrivacyLab,
     pub worker: labs::worker::WorkerLab,
+    /// The NATS JetStream consumer's evidence (idle without `--nats`).
+    pub broker: crate::broker::BrokerLab,
+}
+
+impl FromRef<AppState> for crate::broker::BrokerLab {
+    fn from_ref(state: &AppState) -> Self {
+        state.broker.clone()
+    }
 }
 
 impl FromRef<AppState> for SharedInbox {
@@ -73,6 +81,7 @@ pub struct Application {
     address: SocketAddr,
     router: Router,
     state: AppState,
+    consumer: Option<crate::broker::Consumer>,
 }
 
 impl Application {
@@ -102,6 +111,14 @@ impl Application {
             reason: error.to_string(),
         })?;
 
+        let broker = crate::broker::BrokerLab::default();
+        let consumer = match &config.nats {
+            Some(nats) => {
+                Some(crate::broker::Consumer::connect(nats.clone(), broker.clone()).await?)
+            }
+            None => None,
+        };
+
         let shutdown = CancellationToken::new();
         let tasks = TaskTracker::new();
         let context = StartupContext {
@@ -117,6 +134,7 @@ impl Application {
             security: labs::security::SecurityLab::new(&context)?,
             privacy: labs::privacy::PrivacyLab::new(&context)?,
             worker: labs::worker::WorkerLab::new(&context)?,
+            broker,
             inbox: Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
             store,
             config: Arc::new(config),
@@ -129,6 +147,7 @@ impl Application {
             address,
             router,
             state,
+            consumer,
         })
     }
 
@@ -160,9 +179,16 @@ impl Application {
             address,
             router,
             state,
+            consumer,
         } = self;
         println!("{LISTENING_PREFIX}http://{address}");
         println!("Database: {}", state.store.path().display());
+        if let Some(consumer) = consumer {
+            println!("{}", consumer.describe());
+            let inbox = state.inbox.clone();
+            let stop = state.shutdown.clone();
+            state.tasks.spawn(consumer.run(inbox, stop));
+        }
         println!("Application started. Press Ctrl+C to shut down.");
 
         let shutdown = state.shutdown.clone();
@@ -203,6 +229,7 @@ pub fn router(state: AppState) -> Router {
         .merge(labs::worker::routes())
         .merge(labs::contracts::routes())
         .merge(labs::pipeline::routes())
+        .merge(crate::broker::routes())
         .with_state(state.clone());
     labs::security::wrap(routes, &state)
 }

@@ -22,7 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the lab server on a loopback address.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the ordering policy over a progression of SEQUENCE:AMOUNT deliveries.
     Practice(PracticeArgs),
     /// Verify the consumer contracts of a fresh fixture over real HTTP.
@@ -125,6 +125,65 @@ struct ServeArgs {
     #[arg(long, default_value_t = config::DEFAULT_MAX_OPEN_DEAD_LETTERS,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     max_open_dead_letters: u32,
+    /// Messages one aggregate may hold ahead of its turn (broker deliveries); a further one is
+    /// nak'd back to the broker with a delay.
+    #[arg(long, default_value_t = config::DEFAULT_MAX_HELD_PER_AGGREGATE,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    max_held_per_aggregate: u32,
+    #[command(flatten)]
+    nats: NatsArgs,
+}
+
+#[derive(Args)]
+struct NatsArgs {
+    /// Also consume ordered messages from NATS JetStream: nats://HOST:PORT[,nats://…], loopback
+    /// only.
+    #[arg(long, value_name = "URLS")]
+    nats: Option<String>,
+    /// The JetStream stream (created with file storage if missing).
+    #[arg(long, default_value = production_lab::broker::DEFAULT_STREAM)]
+    nats_stream: String,
+    /// Producers publish to PREFIX.AGGREGATE.
+    #[arg(long, default_value = production_lab::broker::DEFAULT_SUBJECT_PREFIX)]
+    nats_subject_prefix: String,
+    /// The durable pull consumer's name (with partitions, -pK is appended).
+    #[arg(long, default_value = production_lab::broker::DEFAULT_DURABLE)]
+    nats_durable: String,
+    /// How many partitions the NATS server's subject mapping splits aggregates into.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    nats_partitions: u32,
+    /// The one partition (0-based) this server consumes.
+    #[arg(long, default_value_t = 0)]
+    nats_partition: u32,
+    /// The most messages one fetch, and so one commit, carries.
+    #[arg(long, default_value_t = production_lab::broker::DEFAULT_BATCH)]
+    nats_batch: usize,
+    /// The consumer's ack wait in milliseconds: an un-acked message is redelivered after it.
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..=3_600_000))]
+    nats_ack_wait_ms: u64,
+    /// The first nak delay in milliseconds (hold full, store failure); it doubles per redelivery
+    /// up to 30 s.
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=30_000))]
+    nats_nak_delay_ms: u64,
+}
+
+impl NatsArgs {
+    fn broker_config(self) -> anyhow::Result<Option<production_lab::broker::BrokerConfig>> {
+        let Some(urls) = self.nats else {
+            return Ok(None);
+        };
+        let mut broker = production_lab::broker::BrokerConfig::new(&urls)?;
+        broker.stream = self.nats_stream;
+        broker.subject_prefix = self.nats_subject_prefix;
+        broker.durable = self.nats_durable;
+        broker.partitions = self.nats_partitions;
+        broker.partition = self.nats_partition;
+        broker.batch = self.nats_batch;
+        broker.ack_wait = std::time::Duration::from_millis(self.nats_ack_wait_ms);
+        broker.nak_delay = std::time::Duration::from_millis(self.nats_nak_delay_ms);
+        broker.validate()?;
+        Ok(Some(broker))
+    }
 }
 
 #[derive(Args)]
@@ -184,7 +243,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Bench(command) => run_bench(command),
         Command::Practice(args) => {
             let steps = if args.steps.is_empty() {
@@ -291,6 +350,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         allowed_hosts: args.allowed_hosts,
         synchronous: args.synchronous,
         max_open_dead_letters: args.max_open_dead_letters as usize,
+        max_held_per_aggregate: args.max_held_per_aggregate as usize,
+        nats: args.nats.broker_config()?,
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
