@@ -169,21 +169,40 @@ impl TestApp {
 }
 
 /// Polls `probe` until `done` holds, for at most about ten seconds, and returns the last value.
-pub async fn poll_until<T, F, Fut>(what: &str, mut probe: F, done: impl Fn(&T) -> bool) -> T
+pub async fn poll_until<T, F, Fut>(what: &str, probe: F, done: impl Fn(&T) -> bool) -> T
 where
     T: std::fmt::Debug,
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = T>,
 {
+    poll_until_within(what, Duration::from_secs(10), probe, done).await
+}
+
+/// Polls `probe` every 25 ms until `done` holds, for at most `timeout`, and returns the last
+/// value.
+pub async fn poll_until_within<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    mut probe: F,
+    done: impl Fn(&T) -> bool,
+) -> T
+where
+    T: std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let deadline = std::time::Instant::now() + timeout;
     let mut last = probe().await;
-    for _ in 0..400 {
+    loop {
         if done(&last) {
             return last;
+        }
+        if std::time::Instant::now() > deadline {
+            panic!("{what}: never reached; last seen {last:?}");
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
         last = probe().await;
     }
-    panic!("{what}: never reached; last seen {last:?}");
 }
 
 /// Asserts a 400 problem+json response and returns its body.
