@@ -35,6 +35,10 @@ pub enum BenchError {
     Store(#[from] crate::store::StoreError),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Nats(#[from] crate::broker::server::NatsServerError),
+    #[error("NATS: {0}")]
+    Broker(String),
 }
 
 /// The server binary as a child process on a fresh database in its own temp directory.
@@ -48,6 +52,14 @@ pub struct ServerUnderTest {
 impl ServerUnderTest {
     /// Starts `serve` on port 0 with the given synchronous mode and waits for its listening line.
     pub fn start(synchronous: Synchronous) -> Result<ServerUnderTest, BenchError> {
+        ServerUnderTest::start_with(synchronous, &[])
+    }
+
+    /// Like [`ServerUnderTest::start`], with extra `serve` arguments.
+    pub fn start_with(
+        synchronous: Synchronous,
+        extra: &[String],
+    ) -> Result<ServerUnderTest, BenchError> {
         let dir = tempfile::tempdir()?;
         let database = dir.path().join("bench.db");
         let settings = dir.path().join("runtime-settings.json");
@@ -69,6 +81,7 @@ impl ServerUnderTest {
             .arg("--settings")
             .arg(&settings)
             .args(["--synchronous", synchronous_name(synchronous)])
+            .args(extra)
             .env_remove("LAB_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -141,7 +154,7 @@ impl Drop for ServerUnderTest {
     }
 }
 
-fn synchronous_name(synchronous: Synchronous) -> &'static str {
+pub(crate) fn synchronous_name(synchronous: Synchronous) -> &'static str {
     match synchronous {
         Synchronous::Normal => "normal",
         Synchronous::Full => "full",
@@ -406,7 +419,7 @@ pub fn raw_baseline(
     Ok(count as f64 / started.elapsed().as_secs_f64())
 }
 
-fn percentile(sorted: &[Duration], quantile: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[Duration], quantile: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }

@@ -72,6 +72,28 @@ enum BenchCommand {
     Ordered(BenchOrderedArgs),
     /// Concurrent callers of the cache's shared key behind the lab gate: one factory run.
     Stampede(BenchStampedeArgs),
+    /// NATS JetStream through the inbox (a private nats-server) against a raw consume-and-ack
+    /// baseline and the HTTP door.
+    Broker(BenchBrokerArgs),
+}
+
+#[derive(Args)]
+struct BenchBrokerArgs {
+    #[arg(long, default_value_t = 64)]
+    aggregates: usize,
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// The consumer's --nats-batch.
+    #[arg(long, default_value_t = production_lab::broker::DEFAULT_BATCH)]
+    batch: usize,
+    /// The HTTP comparison's concurrent clients.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    #[arg(long, value_enum, default_value = "full")]
+    synchronous: Synchronous,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -310,6 +332,21 @@ fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
                     synchronous: args.synchronous,
                 };
                 let report = bench::ordered(&options).await?;
+                anyhow::Ok((
+                    report.to_string(),
+                    serde_json::to_string_pretty(&report)?,
+                    args.json,
+                ))
+            }
+            BenchCommand::Broker(args) => {
+                let options = production_lab::broker::bench::BrokerBenchOptions {
+                    aggregates: args.aggregates,
+                    messages: args.messages,
+                    batch: args.batch,
+                    synchronous: args.synchronous,
+                    concurrency: args.concurrency,
+                };
+                let report = production_lab::broker::bench::run(&options).await?;
                 anyhow::Ok((
                     report.to_string(),
                     serde_json::to_string_pretty(&report)?,

@@ -3,170 +3,27 @@
 //! its ports file, a config file when the test needs subject mappings) and stops it at the end.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::Duration;
 
 use async_nats::jetstream;
 use ordered_inbox::OrderedMessage;
+use production_lab::broker::server::{NatsServer, partition_config};
 use production_lab::broker::{BrokerConfig, wire};
 use serde_json::{Value, json};
-use tempfile::TempDir;
 
 use crate::helpers::{
     ServerProcess, TestApp, client, poll_until, poll_until_within, settings_dir, spawn_app_with,
     status_and_json,
 };
 
-/// A private nats-server with JetStream; stopped (and waited for) when dropped.
-pub struct NatsServer {
-    child: Option<Child>,
-    pub port: u16,
-    pub url: String,
-    dir: TempDir,
-    config: Option<PathBuf>,
+/// A private nats-server; a missing binary fails the test with the Debian package's name.
+fn start_nats(config: Option<&str>) -> NatsServer {
+    NatsServer::start(config).unwrap_or_else(|error| panic!("{error}"))
 }
 
-fn nats_binary() -> PathBuf {
-    let on_path = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|dir| dir.join("nats-server"))
-            .find(|candidate| candidate.is_file())
-    });
-    on_path
-        .or_else(|| {
-            ["/usr/sbin/nats-server", "/usr/bin/nats-server"]
-                .into_iter()
-                .map(PathBuf::from)
-                .find(|candidate| candidate.is_file())
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "nats-server not found on PATH, /usr/sbin or /usr/bin: install the Debian package `nats-server` (apt-get install nats-server)"
-            )
-        })
-}
-
-impl NatsServer {
-    pub fn start() -> NatsServer {
-        NatsServer::start_with(None)
-    }
-
-    /// With a configuration file holding `config` (e.g. subject mappings).
-    pub fn start_with(config: Option<&str>) -> NatsServer {
-        let dir = tempfile::tempdir().expect("nats temp dir");
-        let config = config.map(|text| {
-            let path = dir.path().join("nats.conf");
-            std::fs::write(&path, text).expect("write the nats config");
-            path
-        });
-        let mut server = NatsServer {
-            child: None,
-            port: 0,
-            url: String::new(),
-            dir,
-            config,
-        };
-        server.spawn(None);
-        server
-    }
-
-    fn store(&self) -> PathBuf {
-        self.dir.path().join("store")
-    }
-
-    fn spawn(&mut self, port: Option<u16>) {
-        let ports = self.dir.path().join("ports");
-        std::fs::create_dir_all(&ports).expect("ports dir");
-        for entry in std::fs::read_dir(&ports).expect("read ports dir").flatten() {
-            let _ = std::fs::remove_file(entry.path());
-        }
-        let mut command = Command::new(nats_binary());
-        if let Some(config) = &self.config {
-            command.arg("-c").arg(config);
-        }
-        let port_arg = port.map_or("-1".to_owned(), |port| port.to_string());
-        let child = command
-            .args(["-js", "-a", "127.0.0.1", "-p", &port_arg, "-sd"])
-            .arg(self.store())
-            .arg("--ports_file_dir")
-            .arg(&ports)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn nats-server");
-        let ports_file = ports.join(format!("nats-server_{}.ports", child.id()));
-        self.child = Some(child);
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let url = loop {
-            if let Ok(text) = std::fs::read_to_string(&ports_file)
-                && let Ok(value) = serde_json::from_str::<Value>(&text)
-                && let Some(url) = value["nats"][0].as_str()
-            {
-                break url.to_owned();
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "nats-server wrote no ports file"
-            );
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                panic!("nats-server exited at start: {status}");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        self.port = url
-            .rsplit(':')
-            .next()
-            .and_then(|port| port.parse().ok())
-            .expect("a port in the ports file");
-        self.url = url;
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while child.try_wait().ok().flatten().is_none() && std::time::Instant::now() < deadline
-            {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// Stops the server and starts it again on the same port and store.
-    pub fn restart(&mut self) {
-        self.stop();
-        self.spawn(Some(self.port));
-    }
-
-    pub async fn jetstream(&self) -> jetstream::Context {
-        let client = async_nats::ConnectOptions::new()
-            .max_reconnects(None)
-            .connect(self.url.as_str())
-            .await
-            .expect("connect to nats-server");
-        jetstream::new(client)
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// The mapping that splits `ordered.AGGREGATE` into `partitions` partitions.
-fn partition_config(partitions: u32) -> String {
-    format!(
-        "mappings = {{\n  \"ordered.*\": \"ordered.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}\"\n}}\n"
-    )
+async fn jetstream_of(nats: &NatsServer) -> jetstream::Context {
+    jetstream::new(nats.connect().await.expect("connect to nats-server"))
 }
 
 fn message(aggregate: &str, sequence: i64, amount: i64) -> OrderedMessage {
@@ -325,9 +182,9 @@ fn applied_rows(database: &Path) -> i64 {
 async fn shuffled_duplicated_deliveries_apply_exactly_once_and_in_order() {
     const AGGREGATES: usize = 64;
     const PER: i64 = 200;
-    let nats = NatsServer::start();
+    let nats = start_nats(None);
     let app = spawn_consumer(&nats, |_| {}).await;
-    let js = nats.jetstream().await;
+    let js = jetstream_of(&nats).await;
     let mut messages = shuffled_workload("acct", AGGREGATES, PER, 0x5eed);
     // Some published twice: JetStream's duplicate window drops the second copy.
     let again: Vec<OrderedMessage> = messages.iter().step_by(97).cloned().collect();
@@ -383,12 +240,12 @@ async fn shuffled_duplicated_deliveries_apply_exactly_once_and_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_between_commit_and_ack_is_redelivered_and_answers_replay() {
-    let nats = NatsServer::start();
+    let nats = start_nats(None);
     let (dir, settings) = settings_dir();
     let database = dir.path().join("lab.db");
     let args = ["--nats", &nats.url, "--nats-ack-wait-ms", "1000"];
     let server = ServerProcess::start(&database, &settings, &args);
-    let js = nats.jetstream().await;
+    let js = jetstream_of(&nats).await;
     publish(&js, &message("k", 1, 5)).await;
     poll_until(
         "the first message applied and acked",
@@ -439,7 +296,7 @@ async fn a_kill_between_commit_and_ack_is_redelivered_and_answers_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_the_batch_in_hand_and_exits_zero() {
-    let nats = NatsServer::start();
+    let nats = start_nats(None);
     let (dir, settings) = settings_dir();
     let database = dir.path().join("lab.db");
     let args = [
@@ -451,7 +308,7 @@ async fn sigterm_finishes_the_batch_in_hand_and_exits_zero() {
         "16",
     ];
     let mut server = ServerProcess::start(&database, &settings, &args);
-    let js = nats.jetstream().await;
+    let js = jetstream_of(&nats).await;
     let messages = shuffled_workload("t", 4, 100, 7);
     publish_all(&js, &messages).await;
     poll_until(
@@ -483,19 +340,19 @@ async fn sigterm_finishes_the_batch_in_hand_and_exits_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_consumer_reconnects_after_the_nats_server_restarts() {
-    let mut nats = NatsServer::start();
+    let mut nats = start_nats(None);
     let app = spawn_consumer(&nats, |config| config.ack_wait = Duration::from_secs(2)).await;
     let messages = shuffled_workload("r", 8, 100, 11);
     let (first, second) = messages.split_at(messages.len() / 2);
-    publish_all(&nats.jetstream().await, first).await;
+    publish_all(&jetstream_of(&nats).await, first).await;
     poll_until(
         "the consumer started on the first half",
         || async { applied_rows(&app.database) },
         |rows| *rows > 0,
     )
     .await;
-    nats.restart();
-    publish_all(&nats.jetstream().await, second).await;
+    nats.restart().expect("nats-server restarts");
+    publish_all(&jetstream_of(&nats).await, second).await;
     poll_until_within(
         "every message applied after the restart",
         Duration::from_secs(90),
@@ -512,9 +369,9 @@ async fn the_consumer_reconnects_after_the_nats_server_restarts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_blocks_its_aggregate_with_successors_held_until_a_skip_drains_them() {
-    let nats = NatsServer::start();
+    let nats = start_nats(None);
     let app = spawn_consumer(&nats, |_| {}).await;
-    let js = nats.jetstream().await;
+    let js = jetstream_of(&nats).await;
     let mut messages = shuffled_workload("ok", 4, 20, 3);
     let poisoned: Vec<OrderedMessage> = (1..=8)
         .map(|s| message("p.1", s, if s == 4 { -1 } else { s }))
@@ -573,9 +430,9 @@ async fn a_poison_blocks_its_aggregate_with_successors_held_until_a_skip_drains_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_deliveries_are_terminated_listed_and_never_stop_the_consumer() {
-    let nats = NatsServer::start();
+    let nats = start_nats(None);
     let app = spawn_consumer(&nats, |_| {}).await;
-    let js = nats.jetstream().await;
+    let js = jetstream_of(&nats).await;
     let good = |id: &str, sequence: i64| {
         json!({"messageId": id, "sequence": sequence, "amount": 1}).to_string()
     };
@@ -651,7 +508,7 @@ async fn malformed_deliveries_are_terminated_listed_and_never_stop_the_consumer(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_servers_on_two_partitions_apply_every_message_once_between_them() {
-    let nats = NatsServer::start_with(Some(&partition_config(2)));
+    let nats = start_nats(Some(&partition_config("ordered", 2)));
     let apps = [
         spawn_consumer(&nats, |c| {
             c.partitions = 2;
@@ -665,7 +522,7 @@ async fn two_servers_on_two_partitions_apply_every_message_once_between_them() {
         .await,
     ];
     let messages = shuffled_workload("part", 16, 30, 5);
-    publish_all(&nats.jetstream().await, &messages).await;
+    publish_all(&jetstream_of(&nats).await, &messages).await;
     poll_until_within(
         "every message applied by one partition or the other",
         Duration::from_secs(60),
