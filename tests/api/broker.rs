@@ -580,3 +580,47 @@ fn a_nats_url_off_loopback_is_refused_at_start_with_one_line() {
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("loopback"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_hold_limit_a_message_is_nakd_and_applies_when_redelivered() {
+    let nats = start_nats(None);
+    let mut broker = BrokerConfig::new(&nats.url).unwrap();
+    broker.nak_delay = Duration::from_millis(100);
+    let app = spawn_app_with(move |config| {
+        config.nats = Some(broker);
+        config.max_held_per_aggregate = 2;
+    })
+    .await;
+    let js = jetstream_of(&nats).await;
+    for sequence in [5, 4, 3, 2] {
+        publish(&js, &message("h", sequence, sequence)).await;
+    }
+    let status = poll_until(
+        "two held, the others nak'd",
+        || broker_status(&app.address),
+        |status| status["counters"]["nakd"].as_i64().unwrap_or(0) >= 2,
+    )
+    .await;
+    assert_eq!(status["counters"]["outcomes"]["held"], 2, "{status}");
+    let (_, view) = status_and_json(app.get("/aggregates/h").await).await;
+    assert_eq!(view["heldSequences"], json!([4, 5]), "{view}");
+    let (_, waiting) = status_and_json(app.get("/aggregates?status=waiting").await).await;
+    assert_eq!(waiting["aggregates"][0]["held"], 2, "{waiting}");
+    publish(&js, &message("h", 1, 1)).await;
+    poll_until(
+        "the nak'd messages redelivered and everything applied",
+        || async { status_and_json(app.get("/aggregates/h").await).await.1 },
+        |view| view["last"] == 5 && view["status"] == "flowing",
+    )
+    .await;
+    let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
+    assert!(
+        status["counters"]["outcomes"]["hold full"]
+            .as_i64()
+            .unwrap_or(0)
+            >= 2,
+        "{status}"
+    );
+    assert_eq!(aggregates_in(&app.database)["h"], (5, 15, 5, 0));
+    app.stop().await;
+}
