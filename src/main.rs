@@ -35,6 +35,24 @@ enum Command {
     /// Measure the server (release build recommended): prints figures, fails on a wrong result.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Publish one ordered message to NATS JetStream on the broker door's wire format and wait
+    /// for its PubAck.
+    Publish(PublishArgs),
+}
+
+#[derive(Args)]
+struct PublishArgs {
+    /// Loopback nats://HOST:PORT[,…].
+    #[arg(long, value_name = "URLS", default_value = "nats://127.0.0.1:4222")]
+    nats: String,
+    #[arg(long, default_value = production_lab::broker::DEFAULT_SUBJECT_PREFIX)]
+    subject_prefix: String,
+    aggregate_id: String,
+    message_id: String,
+    #[arg(allow_negative_numbers = true)]
+    sequence: i64,
+    #[arg(allow_negative_numbers = true)]
+    amount: i64,
 }
 
 #[derive(Subcommand)]
@@ -286,6 +304,33 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Operator { command } => operator(command),
+        Command::Publish(args) => {
+            let message = ordered_inbox::OrderedMessage {
+                message_id: args.message_id,
+                aggregate_id: args.aggregate_id,
+                sequence: args.sequence,
+                amount: args.amount,
+            };
+            let runtime =
+                tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+            let published = runtime.block_on(production_lab::broker::publish_one(
+                &args.nats,
+                &args.subject_prefix,
+                &message,
+            ))?;
+            println!(
+                "{} -> stream {} sequence {}{}",
+                published.subject,
+                published.stream,
+                published.stream_sequence,
+                if published.duplicate {
+                    " (duplicate: dropped by the duplicate window)"
+                } else {
+                    ""
+                }
+            );
+            Ok(())
+        }
     }
 }
 

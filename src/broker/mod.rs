@@ -195,6 +195,61 @@ pub fn parse_nats_urls(urls: &str) -> Result<Vec<String>, StartupError> {
     Ok(parsed)
 }
 
+/// What `production-lab publish` reports for one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    pub subject: String,
+    pub stream: String,
+    pub stream_sequence: u64,
+    /// JetStream's duplicate window dropped it: an earlier publish had the same id.
+    pub duplicate: bool,
+}
+
+/// Publishes one message on the wire format (subject, `Nats-Msg-Id` header, general-door body)
+/// to loopback `urls` and waits for its PubAck: the producer side, for walk-throughs.
+pub async fn publish_one(
+    urls: &str,
+    prefix: &str,
+    message: &OrderedMessage,
+) -> Result<Published, StartupError> {
+    let urls = parse_nats_urls(urls)?;
+    let failed = |what: &str, error: &dyn std::fmt::Display| {
+        StartupError::Broker(format!("NATS at {}: {what}: {error}", urls.join(",")))
+    };
+    let addresses = urls
+        .iter()
+        .map(|url| url.parse::<async_nats::ServerAddr>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| failed("invalid address", &error))?;
+    let client = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(3))
+        .connect(addresses)
+        .await
+        .map_err(|error| failed("cannot connect", &error))?;
+    let context = jetstream::new(client.clone());
+    let subject = wire::subject_for(prefix, &message.aggregate_id);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(wire::MESSAGE_ID_HEADER, message.message_id.as_str());
+    let body = serde_json::json!({
+        "messageId": message.message_id,
+        "sequence": message.sequence,
+        "amount": message.amount,
+    });
+    let ack = context
+        .publish_with_headers(subject.clone(), headers, body.to_string().into())
+        .await
+        .map_err(|error| failed("cannot publish", &error))?
+        .await
+        .map_err(|error| failed("no PubAck (is a consumer's stream there?)", &error))?;
+    let _ = client.flush().await;
+    Ok(Published {
+        subject,
+        stream: ack.stream,
+        stream_sequence: ack.sequence,
+        duplicate: ack.duplicate,
+    })
+}
+
 /// One terminated delivery, as `GET /broker/rejected` lists it.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
