@@ -51,6 +51,8 @@ pub struct AppState {
     pub security: labs::security::SecurityLab,
     pub privacy: labs::privacy::PrivacyLab,
     pub worker: labs::worker::WorkerLab,
+    /// The NATS JetStream consumer's evidence (idle without `--nats`).
+    pub broker: crate::broker::BrokerLab,
 }
 
 /// The server, bound and ready: [`Application::port`] is the real port even for `:0`.
@@ -59,6 +61,7 @@ pub struct Application {
     address: SocketAddr,
     router: Router,
     state: AppState,
+    consumer: Option<crate::broker::Consumer>,
 }
 
 impl Application {
@@ -88,6 +91,14 @@ impl Application {
             reason: error.to_string(),
         })?;
 
+        let broker = crate::broker::BrokerLab::default();
+        let consumer = match &config.nats {
+            Some(nats) => {
+                Some(crate::broker::Consumer::connect(nats.clone(), broker.clone()).await?)
+            }
+            None => None,
+        };
+
         let shutdown = CancellationToken::new();
         let tasks = TaskTracker::new();
         let context = StartupContext {
@@ -104,6 +115,7 @@ impl Application {
             security: labs::security::SecurityLab::new(&context)?,
             privacy: labs::privacy::PrivacyLab::new(&context)?,
             worker: labs::worker::WorkerLab::new(&context)?,
+            broker,
             inbox: Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
             store,
             config: Arc::new(config),
@@ -116,6 +128,7 @@ impl Application {
             address,
             router,
             state,
+            consumer,
         })
     }
 
@@ -147,9 +160,16 @@ impl Application {
             address,
             router,
             state,
+            consumer,
         } = self;
         println!("{LISTENING_PREFIX}http://{address}");
         println!("Database: {}", state.store.path().display());
+        if let Some(consumer) = consumer {
+            println!("{}", consumer.describe());
+            let inbox = state.inbox.clone();
+            let stop = state.shutdown.clone();
+            state.tasks.spawn(consumer.run(inbox, stop));
+        }
         println!("Application started. Press Ctrl+C to shut down.");
 
         let serving = crate::server::serve(
@@ -192,6 +212,7 @@ pub fn router(state: AppState) -> Router {
         .merge(labs::worker::routes())
         .merge(labs::contracts::routes())
         .merge(labs::pipeline::routes())
+        .merge(crate::broker::routes())
         .with_state(state)
         // The middleware that wraps every route (and the 404 fallback), outermost first as in
         // the seed: host filtering, forwarded headers, CORS. `layer` wraps what is already

@@ -35,6 +35,10 @@ pub enum BenchError {
     Store(#[from] crate::store::StoreError),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Nats(#[from] crate::broker::server::NatsServerError),
+    #[error("NATS: {0}")]
+    Broker(String),
 }
 
 /// The server binary as a child process on a fresh database in its own temp directory.
@@ -50,6 +54,15 @@ impl ServerUnderTest {
     /// at once (all of them may be busy, which the connection cap would answer 503), and waits
     /// for its listening line.
     pub fn start(synchronous: Synchronous, clients: usize) -> Result<ServerUnderTest, BenchError> {
+        ServerUnderTest::start_with(synchronous, clients, &[])
+    }
+
+    /// Like [`ServerUnderTest::start`], with extra `serve` arguments.
+    pub fn start_with(
+        synchronous: Synchronous,
+        clients: usize,
+        extra: &[String],
+    ) -> Result<ServerUnderTest, BenchError> {
         let max_connections = (clients + 16).clamp(crate::config::DEFAULT_MAX_CONNECTIONS, 65_536);
         let dir = tempfile::tempdir()?;
         let database = dir.path().join("bench.db");
@@ -73,6 +86,7 @@ impl ServerUnderTest {
             .arg(&settings)
             .args(["--synchronous", synchronous_name(synchronous)])
             .args(["--max-connections", &max_connections.to_string()])
+            .args(extra)
             .env_remove("LAB_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -150,7 +164,7 @@ impl Drop for ServerUnderTest {
     }
 }
 
-fn synchronous_name(synchronous: Synchronous) -> &'static str {
+pub(crate) fn synchronous_name(synchronous: Synchronous) -> &'static str {
     match synchronous {
         Synchronous::Normal => "normal",
         Synchronous::Full => "full",
@@ -514,7 +528,7 @@ pub fn raw_baseline(
     Ok(count as f64 / started.elapsed().as_secs_f64())
 }
 
-fn percentile(sorted: &[Duration], quantile: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[Duration], quantile: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }

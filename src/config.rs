@@ -24,6 +24,11 @@ pub struct Config {
     pub synchronous: Synchronous,
     /// Open dead letters one aggregate may hold before a new poison message is refused (429).
     pub max_open_dead_letters: usize,
+    /// Messages one aggregate may hold ahead of its turn (broker deliveries) before a further one
+    /// is nak'd back to the broker with a delay.
+    pub max_held_per_aggregate: usize,
+    /// The NATS JetStream consumer, when `--nats` is given.
+    pub nats: Option<crate::broker::BrokerConfig>,
     /// How long an outbox claim holds its event; the seed's 500 ms unless a test shortens it.
     pub outbox_lease: Duration,
     /// Connection timeouts and the connection cap.
@@ -130,6 +135,8 @@ impl Config {
             allowed_hosts: "*".to_owned(),
             synchronous: Synchronous::Full,
             max_open_dead_letters: DEFAULT_MAX_OPEN_DEAD_LETTERS as usize,
+            max_held_per_aggregate: DEFAULT_MAX_HELD_PER_AGGREGATE as usize,
+            nats: None,
             outbox_lease: DEFAULT_OUTBOX_LEASE,
             limits: ConnectionLimits::default(),
         }
@@ -139,12 +146,15 @@ impl Config {
     pub fn inbox_limits(&self) -> ordered_inbox::Limits {
         ordered_inbox::Limits {
             max_open_dead_letters: self.max_open_dead_letters,
+            max_held_per_aggregate: self.max_held_per_aggregate,
         }
     }
 }
 
 /// The default of `--max-open-dead-letters`.
 pub const DEFAULT_MAX_OPEN_DEAD_LETTERS: u32 = 1000;
+/// The default of `--max-held-per-aggregate`.
+pub const DEFAULT_MAX_HELD_PER_AGGREGATE: u32 = 1000;
 
 /// A fresh database path in the temp directory, as the seed picks when none is given.
 pub fn default_database_path() -> PathBuf {
@@ -171,6 +181,12 @@ pub enum StartupError {
     Database { path: String, reason: String },
     #[error("cannot listen on {address}: {reason}")]
     Bind { address: String, reason: String },
+    #[error(
+        "refusing to connect to NATS at {0}: this fixture talks only to loopback addresses (nats://127.0.0.1:PORT, nats://localhost:PORT, nats://[::1]:PORT)"
+    )]
+    NatsNotLoopback(String),
+    #[error("broker consumer: {0}")]
+    Broker(String),
     #[error("invalid --allowed-hosts '{value}': {reason}")]
     AllowedHosts { value: String, reason: String },
 }

@@ -4,6 +4,7 @@
 pub mod app;
 pub mod aspnet;
 pub mod bench;
+pub mod broker;
 pub mod config;
 pub mod dotnet_json;
 pub mod error;

@@ -22,7 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the lab server on a loopback address.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the ordering policy over a progression of SEQUENCE:AMOUNT deliveries.
     Practice(PracticeArgs),
     /// Verify the consumer contracts of a fresh fixture over real HTTP.
@@ -35,6 +35,24 @@ enum Command {
     /// Measure the server (release build recommended): prints figures, fails on a wrong result.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Publish one ordered message to NATS JetStream on the broker door's wire format and wait
+    /// for its PubAck.
+    Publish(PublishArgs),
+}
+
+#[derive(Args)]
+struct PublishArgs {
+    /// Loopback nats://HOST:PORT[,…].
+    #[arg(long, value_name = "URLS", default_value = "nats://127.0.0.1:4222")]
+    nats: String,
+    #[arg(long, default_value = production_lab::broker::DEFAULT_SUBJECT_PREFIX)]
+    subject_prefix: String,
+    aggregate_id: String,
+    message_id: String,
+    #[arg(allow_negative_numbers = true)]
+    sequence: i64,
+    #[arg(allow_negative_numbers = true)]
+    amount: i64,
 }
 
 #[derive(Subcommand)]
@@ -72,6 +90,28 @@ enum BenchCommand {
     Ordered(BenchOrderedArgs),
     /// Concurrent callers of the cache's shared key behind the lab gate: one factory run.
     Stampede(BenchStampedeArgs),
+    /// NATS JetStream through the inbox (a private nats-server) against a raw consume-and-ack
+    /// baseline and the HTTP door.
+    Broker(BenchBrokerArgs),
+}
+
+#[derive(Args)]
+struct BenchBrokerArgs {
+    #[arg(long, default_value_t = 64)]
+    aggregates: usize,
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// The consumer's --nats-batch.
+    #[arg(long, default_value_t = production_lab::broker::DEFAULT_BATCH)]
+    batch: usize,
+    /// The HTTP comparison's concurrent clients.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    #[arg(long, value_enum, default_value = "full")]
+    synchronous: Synchronous,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -139,6 +179,65 @@ struct ServeArgs {
     /// every one is busy a new one is answered 503 and closed.
     #[arg(long, value_parser = config::parse_max_connections, default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+    /// Messages one aggregate may hold ahead of its turn (broker deliveries); a further one is
+    /// nak'd back to the broker with a delay.
+    #[arg(long, default_value_t = config::DEFAULT_MAX_HELD_PER_AGGREGATE,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    max_held_per_aggregate: u32,
+    #[command(flatten)]
+    nats: NatsArgs,
+}
+
+#[derive(Args)]
+struct NatsArgs {
+    /// Also consume ordered messages from NATS JetStream: nats://HOST:PORT[,nats://…], loopback
+    /// only.
+    #[arg(long, value_name = "URLS")]
+    nats: Option<String>,
+    /// The JetStream stream (created with file storage if missing).
+    #[arg(long, default_value = production_lab::broker::DEFAULT_STREAM)]
+    nats_stream: String,
+    /// Producers publish to PREFIX.AGGREGATE.
+    #[arg(long, default_value = production_lab::broker::DEFAULT_SUBJECT_PREFIX)]
+    nats_subject_prefix: String,
+    /// The durable pull consumer's name (with partitions, -pK is appended).
+    #[arg(long, default_value = production_lab::broker::DEFAULT_DURABLE)]
+    nats_durable: String,
+    /// How many partitions the NATS server's subject mapping splits aggregates into.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    nats_partitions: u32,
+    /// The one partition (0-based) this server consumes.
+    #[arg(long, default_value_t = 0)]
+    nats_partition: u32,
+    /// The most messages one fetch, and so one commit, carries.
+    #[arg(long, default_value_t = production_lab::broker::DEFAULT_BATCH)]
+    nats_batch: usize,
+    /// The consumer's ack wait in milliseconds: an un-acked message is redelivered after it.
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..=3_600_000))]
+    nats_ack_wait_ms: u64,
+    /// The first nak delay in milliseconds (hold full, store failure); it doubles per redelivery
+    /// up to 30 s.
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=30_000))]
+    nats_nak_delay_ms: u64,
+}
+
+impl NatsArgs {
+    fn broker_config(self) -> anyhow::Result<Option<production_lab::broker::BrokerConfig>> {
+        let Some(urls) = self.nats else {
+            return Ok(None);
+        };
+        let mut broker = production_lab::broker::BrokerConfig::new(&urls)?;
+        broker.stream = self.nats_stream;
+        broker.subject_prefix = self.nats_subject_prefix;
+        broker.durable = self.nats_durable;
+        broker.partitions = self.nats_partitions;
+        broker.partition = self.nats_partition;
+        broker.batch = self.nats_batch;
+        broker.ack_wait = std::time::Duration::from_millis(self.nats_ack_wait_ms);
+        broker.nak_delay = std::time::Duration::from_millis(self.nats_nak_delay_ms);
+        broker.validate()?;
+        Ok(Some(broker))
+    }
 }
 
 #[derive(Args)]
@@ -202,7 +301,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::Bench(command) => run_bench(command),
         Command::Practice(args) => {
             let steps = if args.steps.is_empty() {
@@ -223,6 +322,33 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Operator { command } => operator(command),
+        Command::Publish(args) => {
+            let message = ordered_inbox::OrderedMessage {
+                message_id: args.message_id,
+                aggregate_id: args.aggregate_id,
+                sequence: args.sequence,
+                amount: args.amount,
+            };
+            let runtime =
+                tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+            let published = runtime.block_on(production_lab::broker::publish_one(
+                &args.nats,
+                &args.subject_prefix,
+                &message,
+            ))?;
+            println!(
+                "{} -> stream {} sequence {}{}",
+                published.subject,
+                published.stream,
+                published.stream_sequence,
+                if published.duplicate {
+                    " (duplicate: dropped by the duplicate window)"
+                } else {
+                    ""
+                }
+            );
+            Ok(())
+        }
     }
 }
 
@@ -275,6 +401,21 @@ fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
                     args.json,
                 ))
             }
+            BenchCommand::Broker(args) => {
+                let options = production_lab::broker::bench::BrokerBenchOptions {
+                    aggregates: args.aggregates,
+                    messages: args.messages,
+                    batch: args.batch,
+                    synchronous: args.synchronous,
+                    concurrency: args.concurrency,
+                };
+                let report = production_lab::broker::bench::run(&options).await?;
+                anyhow::Ok((
+                    report.to_string(),
+                    serde_json::to_string_pretty(&report)?,
+                    args.json,
+                ))
+            }
             BenchCommand::Stampede(args) => {
                 let report = bench::stampede(args.callers).await?;
                 anyhow::Ok((
@@ -316,6 +457,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             keep_alive_timeout: args.keep_alive_timeout,
             max_connections: args.max_connections,
         },
+        max_held_per_aggregate: args.max_held_per_aggregate as usize,
+        nats: args.nats.broker_config()?,
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {

@@ -194,6 +194,25 @@ where
     poll_until_with(what, Patience::DEFAULT, probe, done).await
 }
 
+/// [`poll_until`] with another limit than ten seconds, at the same 25 ms pace.
+pub async fn poll_until_within<T, F, Fut>(
+    what: &str,
+    within: Duration,
+    probe: F,
+    done: impl Fn(&T) -> bool,
+) -> T
+where
+    T: std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let patience = Patience {
+        within,
+        ..Patience::DEFAULT
+    };
+    poll_until_with(what, patience, probe, done).await
+}
+
 /// [`poll_until`] with its own pace: the one polling loop of the test suite.
 pub async fn poll_until_with<T, F, Fut>(
     what: &str,

@@ -4,6 +4,7 @@
 mod helpers;
 
 mod aggregates;
+mod broker;
 mod cache;
 mod connections;
 mod contracts;

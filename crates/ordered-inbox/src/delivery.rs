@@ -1,5 +1,12 @@
 //! The decision of one delivery: a pure function from what the store knows (this message id's
-//! history, the aggregate's row, its open dead letters) to the verdict and the rows to write.
+//! history, the aggregate's row, its open dead letters, its held messages) to the verdict and the
+//! rows to write.
+//!
+//! Held successors: through [`Door::Broker`] a message ahead of its turn is *held* (a row of its
+//! own) instead of refused as a gap. Whenever a message applies, through any door or a
+//! resolution, the held messages that have become next apply after it, in sequence order, in
+//! the same plan, each through the ordinary policy: a held poison message is quarantined and
+//! stops the drain.
 //!
 //! A backend reads [`DeliveryFacts`] and writes [`DeliveryPlan::changes`] inside one transaction
 //! that serializes deliveries to the same aggregate; that is what makes concurrent deliveries of
@@ -40,6 +47,15 @@ pub struct OpenDeadLetter {
     pub sequence: Option<i64>,
 }
 
+/// A message held for its aggregate until its predecessor applies, as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldMessage {
+    pub message: OrderedMessage,
+    /// The canonical payload.
+    pub payload: String,
+    pub held_at: String,
+}
+
 /// What the store knows that a delivery's verdict depends on.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeliveryFacts {
@@ -49,6 +65,11 @@ pub struct DeliveryFacts {
     /// Every open dead letter of the aggregate; only a blocked aggregate has any, so a backend
     /// may leave this empty for one that is not blocked.
     pub open_dead_letters: Vec<OpenDeadLetter>,
+    /// This message id, if it is held (for whichever aggregate).
+    pub held_message: Option<HeldMessage>,
+    /// The aggregate's held messages, in sequence order (at most
+    /// [`Limits::max_held_per_aggregate`]). Read them for every door: any apply may release them.
+    pub held: Vec<HeldMessage>,
 }
 
 /// How an earlier delivery of the same message was applied.
@@ -100,10 +121,26 @@ pub enum Outcome {
         open: usize,
         limit: usize,
     },
+    /// ([`Door::Broker`] only) Ahead of its turn: recorded as held for its aggregate; it applies
+    /// as soon as `expected` and the sequences between do. `held` counts the aggregate's held
+    /// messages now. `repeated`: the same message was already held; nothing changed.
+    Held {
+        expected: i64,
+        held: usize,
+        repeated: bool,
+    },
+    /// ([`Door::Broker`] only) Ahead of its turn, but the aggregate already holds `held`
+    /// messages, the most [`Limits::max_held_per_aggregate`] allows: not recorded (but for a
+    /// bounded observation); deliver it again later.
+    HoldFull {
+        expected: i64,
+        held: usize,
+        limit: usize,
+    },
 }
 
 /// One row change. Values are absolute (computed from the facts), so a backend writes them as
-/// they are; the transaction's per-aggregate serialization keeps them true.
+/// they are, in order; the transaction's per-aggregate serialization keeps them true.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
     /// Insert or overwrite the aggregate's row.
@@ -136,6 +173,17 @@ pub enum Change {
     },
     /// The dead letter an operator resolves; the audit row follows as [`Change::RecordResolution`].
     ResolveDeadLetter { message_id: String, at: String },
+    /// Insert one held message: a plain row keyed by `message.message_id`, with its aggregate,
+    /// sequence, amount, canonical `payload` and `at` (when it was held). At most one message is
+    /// held per (aggregate, sequence); the core never asks for a second.
+    InsertHeld {
+        message: OrderedMessage,
+        payload: String,
+        at: String,
+    },
+    /// Delete the held message row with this id: it was drained (applied or quarantined, which
+    /// the changes that follow record). The `drained` timeline event keeps the evidence.
+    ReleaseHeld { message_id: String },
     /// Append a timeline entry (an observation is numbered and pruned by the backend).
     Append(TimelineEntry),
     /// Insert the audit row, link it from the dead letter, and append its `resolved` event
@@ -171,7 +219,7 @@ pub fn decide_delivery(
             decision.payload_conflict()
         };
     }
-    if door == Door::General
+    if door != Door::Classroom
         && let Some(known) = &facts.dead_letter
     {
         // A dead letter from before its payload was stored cannot prove it is the same message,
@@ -182,7 +230,19 @@ pub fn decide_delivery(
             decision.payload_conflict()
         };
     }
+    if door != Door::Classroom
+        && let Some(held) = &facts.held_message
+    {
+        if held.payload != decision.payload {
+            return decision.payload_conflict();
+        }
+        if door == Door::Broker {
+            return decision.held_again();
+        }
+        // The general door answers a held message as any early one: a gap.
+    }
     match decide(decision.before().last, message.sequence, message.amount) {
+        Decision::Gap { expected } if door == Door::Broker => decision.hold(expected, limits),
         Decision::Gap { expected } => decision.gap(door, expected),
         Decision::Stale { expected } => decision.observed(
             Outcome::Stale { expected },
@@ -190,7 +250,7 @@ pub fn decide_delivery(
             TimelineDetail::Expected { expected },
         ),
         Decision::Quarantine { expected, reason } => decision.quarantine(expected, reason, limits),
-        Decision::Apply { sequence } => decision.apply(sequence),
+        Decision::Apply { sequence } => decision.apply(sequence, limits),
     }
 }
 
@@ -323,6 +383,69 @@ impl Delivery<'_> {
         }
     }
 
+    /// A held message delivered again: recognised, nothing new.
+    fn held_again(self) -> DeliveryPlan {
+        let expected = self.before().last.saturating_add(1);
+        DeliveryPlan {
+            outcome: Outcome::Held {
+                expected,
+                held: self.facts.held.len(),
+                repeated: true,
+            },
+            changes: Vec::new(),
+        }
+    }
+
+    /// Holds a message ahead of its turn, unless its sequence is already held (the first held
+    /// wins: this one is stale) or the aggregate holds the most it may.
+    fn hold(self, expected: i64, limits: &Limits) -> DeliveryPlan {
+        let sequence = self.message.sequence;
+        if self
+            .facts
+            .held
+            .iter()
+            .any(|held| held.message.sequence == sequence)
+        {
+            return self.observed(
+                Outcome::Stale { expected },
+                TimelineKind::Stale,
+                TimelineDetail::Expected { expected },
+            );
+        }
+        let count = self.facts.held.len();
+        let limit = limits.max_held_per_aggregate;
+        if count >= limit {
+            return self.observed(
+                Outcome::HoldFull {
+                    expected,
+                    held: count,
+                    limit,
+                },
+                TimelineKind::HoldFull,
+                TimelineDetail::HoldFull { held: count, limit },
+            );
+        }
+        let held = count.saturating_add(1);
+        let mut changes = Vec::with_capacity(3);
+        if matches!(self.status(), None | Some(AggregateStatus::Flowing)) {
+            changes.push(self.put_status(AggregateStatus::Waiting));
+        }
+        changes.push(Change::InsertHeld {
+            message: self.message.clone(),
+            payload: self.payload.clone(),
+            at: self.now.to_owned(),
+        });
+        changes.push(self.entry(TimelineKind::Held, TimelineDetail::Held { expected, held }));
+        DeliveryPlan {
+            outcome: Outcome::Held {
+                expected,
+                held,
+                repeated: false,
+            },
+            changes,
+        }
+    }
+
     /// Records a poison message at the expected sequence. The aggregate does not advance; it is
     /// blocked until a valid message takes the sequence or an operator resolves the dead letter.
     fn quarantine(self, expected: i64, reason: QuarantineReason, limits: &Limits) -> DeliveryPlan {
@@ -400,9 +523,9 @@ impl Delivery<'_> {
         }
     }
 
-    /// Applies the next sequence: the inbox row, the advanced state, and the open dead letters at
-    /// this sequence superseded by the message.
-    fn apply(self, sequence: i64) -> DeliveryPlan {
+    /// Applies the next sequence: the inbox row, the advanced state, the open dead letters at
+    /// this sequence superseded by the message, and the held messages it makes next.
+    fn apply(self, sequence: i64, limits: &Limits) -> DeliveryPlan {
         let before = self.before();
         let total = before.total.saturating_add(self.message.amount);
         let since = match &self.facts.aggregate {
@@ -414,15 +537,6 @@ impl Delivery<'_> {
                 message: self.message.clone(),
                 payload: self.payload.clone(),
                 applied_at: self.now.to_owned(),
-            },
-            Change::PutAggregate {
-                aggregate_id: self.message.aggregate_id.clone(),
-                row: AggregateRow {
-                    last: sequence,
-                    total,
-                    status: AggregateStatus::Flowing,
-                    since,
-                },
             },
             self.entry(
                 TimelineKind::Applied,
@@ -440,6 +554,31 @@ impl Delivery<'_> {
             self.now,
             &mut changes,
         );
+        let row = AggregateRow {
+            last: sequence,
+            total,
+            status: AggregateStatus::Flowing,
+            since,
+        };
+        let open: Vec<OpenDeadLetter> = self
+            .facts
+            .open_dead_letters
+            .iter()
+            .filter(|letter| !superseded.contains(&letter.message_id))
+            .cloned()
+            .collect();
+        let start = DrainStart {
+            aggregate_id: &self.message.aggregate_id,
+            row,
+            after: &self.message.message_id,
+            held: &self.facts.held,
+            open: &open,
+        };
+        let row = drain(start, limits, self.now, &mut changes);
+        changes.push(Change::PutAggregate {
+            aggregate_id: self.message.aggregate_id.clone(),
+            row,
+        });
         DeliveryPlan {
             outcome: Outcome::Applied {
                 sequence,
@@ -449,6 +588,130 @@ impl Delivery<'_> {
             changes,
         }
     }
+}
+
+/// Where a drain starts: the aggregate's row right after a message applied (or a skip took a
+/// sequence), and what the store knows of its held messages and open dead letters.
+pub(crate) struct DrainStart<'a> {
+    pub aggregate_id: &'a str,
+    pub row: AggregateRow,
+    /// The message (or skipped dead letter) whose sequence came last.
+    pub after: &'a str,
+    pub held: &'a [HeldMessage],
+    pub open: &'a [OpenDeadLetter],
+}
+
+/// Releases the held messages that have become next, in sequence order, each through the
+/// ordinary policy: a valid one applies, a poison one is quarantined (it blocks the aggregate and
+/// stops the drain). Returns the aggregate's row afterwards: blocked after a poison, waiting
+/// while messages stay held behind a gap, flowing otherwise. The caller writes it.
+pub(crate) fn drain(
+    start: DrainStart<'_>,
+    limits: &Limits,
+    now: &str,
+    changes: &mut Vec<Change>,
+) -> AggregateRow {
+    let DrainStart {
+        aggregate_id,
+        mut row,
+        after,
+        held,
+        open,
+    } = start;
+    let mut ordered: Vec<&HeldMessage> = held
+        .iter()
+        .filter(|held| held.message.sequence > row.last)
+        .collect();
+    ordered.sort_by_key(|held| held.message.sequence);
+    let mut open: Vec<OpenDeadLetter> = open.to_vec();
+    let mut after = after.to_owned();
+    let mut released = 0;
+    let entry = |kind, held: &HeldMessage, detail| {
+        Change::Append(TimelineEntry {
+            aggregate_id: aggregate_id.to_owned(),
+            at: now.to_owned(),
+            kind,
+            sequence: Some(held.message.sequence),
+            message_id: Some(held.message.message_id.clone()),
+            detail,
+        })
+    };
+    for next in &ordered {
+        let message = &next.message;
+        let release = |changes: &mut Vec<Change>| {
+            changes.push(Change::ReleaseHeld {
+                message_id: message.message_id.clone(),
+            });
+            changes.push(entry(
+                TimelineKind::Drained,
+                next,
+                TimelineDetail::Drained {
+                    held_at: next.held_at.clone(),
+                    after: after.clone(),
+                },
+            ));
+        };
+        match decide(row.last, message.sequence, message.amount) {
+            Decision::Apply { sequence } => {
+                release(changes);
+                let total = row.total.saturating_add(message.amount);
+                changes.push(Change::InsertApplied {
+                    message: message.clone(),
+                    payload: next.payload.clone(),
+                    applied_at: now.to_owned(),
+                });
+                changes.push(entry(
+                    TimelineKind::Applied,
+                    next,
+                    TimelineDetail::Applied {
+                        amount: message.amount,
+                        total,
+                    },
+                ));
+                let superseded = supersede_at(
+                    aggregate_id,
+                    sequence,
+                    &open,
+                    &message.message_id,
+                    now,
+                    changes,
+                );
+                open.retain(|letter| !superseded.contains(&letter.message_id));
+                row.last = sequence;
+                row.total = total;
+                after = message.message_id.clone();
+                released += 1;
+            }
+            Decision::Quarantine { reason, .. } if open.len() < limits.max_open_dead_letters => {
+                release(changes);
+                changes.push(Change::InsertDeadLetter {
+                    message: message.clone(),
+                    payload: next.payload.clone(),
+                    reason,
+                    at: now.to_owned(),
+                });
+                changes.push(entry(
+                    TimelineKind::Quarantined,
+                    next,
+                    TimelineDetail::Quarantined {
+                        reason,
+                        amount: message.amount,
+                    },
+                ));
+                row.status = AggregateStatus::Blocked;
+                row.since = Some(now.to_owned());
+                return row;
+            }
+            // A gap ends the drain; so does a poison message the full quarantine cannot take
+            // (it stays held, and the aggregate waits).
+            _ => break,
+        }
+    }
+    if ordered.len() > released && row.status != AggregateStatus::Waiting {
+        row.status = AggregateStatus::Waiting;
+        row.since = Some(now.to_owned());
+    }
+    row
 }
 
 /// Supersedes the open dead letters at `sequence` by `taken_by` (the message applied, or the dead
@@ -785,6 +1048,7 @@ mod tests {
     fn a_full_quarantine_refuses_a_new_poison_id_but_still_counts_a_known_one() {
         let limits = Limits {
             max_open_dead_letters: 2,
+            ..Limits::default()
         };
         let open: Vec<OpenDeadLetter> = ["p", "q"]
             .into_iter()
@@ -815,5 +1079,215 @@ mod tests {
         };
         let again = decide_delivery(&message("p", 1, -1), Door::General, &known, &limits, "t1");
         assert!(matches!(again.outcome, Outcome::Quarantined { .. }));
+    }
+
+    fn held(id: &str, sequence: i64, amount: i64) -> HeldMessage {
+        let message = message(id, sequence, amount);
+        HeldMessage {
+            payload: message.canonical_payload(),
+            message,
+            held_at: "t0".into(),
+        }
+    }
+
+    fn decide_broker(message: &OrderedMessage, facts: &DeliveryFacts) -> DeliveryPlan {
+        decide_delivery(message, Door::Broker, facts, &Limits::default(), "t1")
+    }
+
+    fn released(plan: &DeliveryPlan) -> Vec<String> {
+        plan.changes
+            .iter()
+            .filter_map(|change| match change {
+                Change::ReleaseHeld { message_id } => Some(message_id.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn applied_ids(plan: &DeliveryPlan) -> Vec<String> {
+        plan.changes
+            .iter()
+            .filter_map(|change| match change {
+                Change::InsertApplied { message, .. } => Some(message.message_id.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The last aggregate row the plan writes (the one that stands after the transaction).
+    fn final_row(plan: &DeliveryPlan) -> Option<&AggregateRow> {
+        plan.changes.iter().rev().find_map(|change| match change {
+            Change::PutAggregate { row, .. } => Some(row),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn the_broker_door_holds_a_message_ahead_of_its_turn() {
+        let plan = decide_broker(&message("m-3", 3, 1), &DeliveryFacts::default());
+        assert_eq!(
+            plan.outcome,
+            Outcome::Held {
+                expected: 1,
+                held: 1,
+                repeated: false
+            }
+        );
+        assert_eq!(put_row(&plan).unwrap().status, AggregateStatus::Waiting);
+        assert!(plan.changes.iter().any(|change| matches!(
+            change,
+            Change::InsertHeld { message, at, .. } if message.message_id == "m-3" && at == "t1"
+        )));
+        assert_eq!(kinds(&plan), [TimelineKind::Held]);
+        // The general door keeps its contract: a gap, nothing held.
+        let general = decide_general(&message("m-3", 3, 1), &DeliveryFacts::default());
+        assert_eq!(general.outcome, Outcome::Gap { expected: 1 });
+        // A blocked aggregate stays blocked while it holds successors.
+        let blocked = DeliveryFacts {
+            aggregate: at(1, 1, AggregateStatus::Blocked),
+            ..Default::default()
+        };
+        let plan = decide_broker(&message("m-3", 3, 1), &blocked);
+        assert!(matches!(plan.outcome, Outcome::Held { expected: 2, .. }));
+        assert!(put_row(&plan).is_none());
+    }
+
+    #[test]
+    fn a_held_id_is_recognised_and_its_sequence_belongs_to_the_first_held() {
+        let facts = DeliveryFacts {
+            aggregate: at(1, 1, AggregateStatus::Waiting),
+            held_message: Some(held("m-3", 3, 1)),
+            held: vec![held("m-3", 3, 1)],
+            ..Default::default()
+        };
+        let again = decide_broker(&message("m-3", 3, 1), &facts);
+        assert_eq!(
+            again.outcome,
+            Outcome::Held {
+                expected: 2,
+                held: 1,
+                repeated: true
+            }
+        );
+        assert!(again.changes.is_empty(), "nothing new");
+        let changed = decide_broker(&message("m-3", 3, 2), &facts);
+        assert_eq!(changed.outcome, Outcome::PayloadConflict);
+        // The general door sees the same identity, and answers the early message as a gap.
+        assert_eq!(
+            decide_general(&message("m-3", 3, 2), &facts).outcome,
+            Outcome::PayloadConflict
+        );
+        assert_eq!(
+            decide_general(&message("m-3", 3, 1), &facts).outcome,
+            Outcome::Gap { expected: 2 }
+        );
+        let other = DeliveryFacts {
+            held_message: None,
+            ..facts
+        };
+        let rival = decide_broker(&message("other-3", 3, 1), &other);
+        assert_eq!(rival.outcome, Outcome::Stale { expected: 2 });
+        assert_eq!(kinds(&rival), [TimelineKind::Stale]);
+        assert_eq!(rival.changes.len(), 1, "only an observation");
+    }
+
+    #[test]
+    fn holding_is_bounded_per_aggregate() {
+        let limits = Limits {
+            max_held_per_aggregate: 2,
+            ..Limits::default()
+        };
+        let facts = DeliveryFacts {
+            aggregate: at(0, 0, AggregateStatus::Waiting),
+            held: vec![held("m-2", 2, 1), held("m-3", 3, 1)],
+            ..Default::default()
+        };
+        let plan = decide_delivery(&message("m-4", 4, 1), Door::Broker, &facts, &limits, "t1");
+        assert_eq!(
+            plan.outcome,
+            Outcome::HoldFull {
+                expected: 1,
+                held: 2,
+                limit: 2
+            }
+        );
+        assert_eq!(kinds(&plan), [TimelineKind::HoldFull]);
+        assert_eq!(plan.changes.len(), 1, "only an observation");
+    }
+
+    #[test]
+    fn the_missing_predecessor_drains_held_successors_in_order() {
+        let facts = DeliveryFacts {
+            aggregate: at(0, 0, AggregateStatus::Waiting),
+            // Stored order is not trusted: the drain sorts by sequence.
+            held: vec![held("m-3", 3, 3), held("m-2", 2, 2), held("m-5", 5, 5)],
+            ..Default::default()
+        };
+        for door in [Door::Broker, Door::General] {
+            let plan = decide_delivery(
+                &message("m-1", 1, 1),
+                door,
+                &facts,
+                &Limits::default(),
+                "t1",
+            );
+            assert_eq!(
+                plan.outcome,
+                Outcome::Applied {
+                    sequence: 1,
+                    total: 1,
+                    superseded: vec![]
+                }
+            );
+            assert_eq!(applied_ids(&plan), ["m-1", "m-2", "m-3"]);
+            assert_eq!(released(&plan), ["m-2", "m-3"]);
+            let row = final_row(&plan).unwrap();
+            // 5 stays held behind the gap at 4: the aggregate waits.
+            assert_eq!(
+                (row.last, row.total, row.status),
+                (3, 6, AggregateStatus::Waiting)
+            );
+            assert_eq!(
+                kinds(&plan),
+                [
+                    TimelineKind::Applied,
+                    TimelineKind::Drained,
+                    TimelineKind::Applied,
+                    TimelineKind::Drained,
+                    TimelineKind::Applied
+                ]
+            );
+        }
+        let everything = DeliveryFacts {
+            held: vec![held("m-2", 2, 2)],
+            ..facts
+        };
+        let row = final_row(&decide_broker(&message("m-1", 1, 1), &everything)).cloned();
+        assert_eq!(
+            row.map(|row| (row.last, row.total, row.status)),
+            Some((2, 3, AggregateStatus::Flowing))
+        );
+    }
+
+    #[test]
+    fn a_held_poison_is_quarantined_and_stops_the_drain() {
+        let facts = DeliveryFacts {
+            aggregate: at(0, 0, AggregateStatus::Waiting),
+            held: vec![held("m-2", 2, 2), held("bad-3", 3, -1), held("m-4", 4, 4)],
+            ..Default::default()
+        };
+        let plan = decide_broker(&message("m-1", 1, 1), &facts);
+        assert_eq!(applied_ids(&plan), ["m-1", "m-2"]);
+        assert_eq!(released(&plan), ["m-2", "bad-3"], "m-4 stays held");
+        assert!(plan.changes.iter().any(|change| matches!(
+            change,
+            Change::InsertDeadLetter { message, .. } if message.message_id == "bad-3"
+        )));
+        let row = final_row(&plan).unwrap();
+        assert_eq!(
+            (row.last, row.total, row.status),
+            (2, 3, AggregateStatus::Blocked)
+        );
+        assert_eq!(kinds(&plan).last(), Some(&TimelineKind::Quarantined));
     }
 }

@@ -36,6 +36,25 @@ pub trait Inbox: Send + Sync {
     /// Decides and records one delivery; `Ok` means committed.
     async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError>;
 
+    /// Decides and records deliveries in the order given, each seeing the ones before it, and
+    /// answers one outcome per delivery, in that order. A broker consumer hands over what it
+    /// fetched together, so that it costs one commit.
+    ///
+    /// A backend overrides this to write them all in ONE transaction: `Ok` means all committed,
+    /// `Err` that none did. The default delivers them one by one: `Ok` still means all committed,
+    /// but after an `Err` a prefix may have (each delivery is safe to repeat: a repeat is a
+    /// replay).
+    async fn deliver_batch(
+        &self,
+        deliveries: Vec<(OrderedMessage, Door)>,
+    ) -> Result<Vec<Outcome>, InboxError> {
+        let mut outcomes = Vec::with_capacity(deliveries.len());
+        for (message, door) in deliveries {
+            outcomes.push(self.deliver(message, door).await?);
+        }
+        Ok(outcomes)
+    }
+
     /// Resolves a dead letter for an authenticated operator, or (dry run) reports what that would
     /// do.
     async fn resolve(

@@ -4,8 +4,13 @@
 //! a message ahead of its turn is a *gap*, one behind it is *stale*; a poison message at the
 //! expected sequence becomes a *dead letter* and blocks its aggregate (never advances it) until a
 //! corrected message under a new id takes the sequence or an *operator* resolves it, with an audit
-//! row. A message id never changes meaning, across applied messages and dead letters alike. Every
-//! change and every rejection is on the aggregate's *timeline*.
+//! row. A message id never changes meaning, across applied messages, dead letters and held messages
+//! alike. Every change and every rejection is on the aggregate's *timeline*.
+//!
+//! Through a broker's door ([`Door::Broker`]) a message ahead of its turn is *held* rather than
+//! refused: recorded, and applied (or quarantined) in sequence order in the same transaction as
+//! the predecessor that makes it next, whichever door or resolution that came through. A batch of
+//! deliveries ([`Inbox::deliver_batch`]) costs one transaction.
 //!
 //! ## Layout
 //!
@@ -82,7 +87,9 @@ pub mod sqlite;
 pub mod timeline;
 pub mod views;
 
-pub use delivery::{DeadLetterNote, DeliveryFacts, DeliveryPlan, Outcome, decide_delivery};
+pub use delivery::{
+    DeadLetterNote, DeliveryFacts, DeliveryPlan, HeldMessage, Outcome, decide_delivery,
+};
 pub use inbox::{Inbox, InboxError};
 pub use model::{
     AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position, QuarantineReason,

@@ -44,6 +44,12 @@ pub enum Door {
     Classroom,
     /// The general contract: identity also spans dead letters, so an id never changes meaning.
     General,
+    /// A broker's consumer: the general contract, except that a message ahead of its turn is
+    /// *held* (recorded durably, to apply as soon as its predecessor does) instead of refused as
+    /// a gap, since a broker would only deliver it again and again. Identity also spans held
+    /// messages: a held id delivered again is recognised, and another id for an already held
+    /// sequence is stale (the first held wins).
+    Broker,
 }
 
 /// Raised when a stored status or kind is not one this build knows.
@@ -97,7 +103,8 @@ stored_enum!(
     AggregateStatus, "aggregate status" {
         /// Every delivery so far was in order.
         Flowing => "flowing",
-        /// A later sequence was refused as a gap since the last apply.
+        /// A later sequence was refused as a gap since the last apply, or messages are held
+        /// for the aggregate until a missing predecessor arrives.
         Waiting => "waiting",
         /// An open dead letter holds the expected sequence.
         Blocked => "blocked",
@@ -155,12 +162,16 @@ pub struct Limits {
     /// Open dead letters one aggregate may hold; a further new poison message is refused
     /// (`QuarantineFull`) rather than stored.
     pub max_open_dead_letters: usize,
+    /// Messages one aggregate may hold ahead of its turn ([`Door::Broker`]); a further one is
+    /// refused (`HoldFull`), for the broker to deliver again later, rather than stored.
+    pub max_held_per_aggregate: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_open_dead_letters: 1000,
+            max_held_per_aggregate: 1000,
         }
     }
 }

@@ -6,14 +6,18 @@
 //!   delivery decision as any message;
 //! - `skip` takes the sequence with an explicit skip event: zero effect, last advances by one.
 //!
+//! Either way, held messages that become next drain after it in the same plan (see
+//! [`crate::delivery`]); the audit row's `after` is the resolution's own step, the drained
+//! messages are on the timeline after it.
+//!
 //! The preconditions (the dead letter is open, holds `last + 1`, `expectedLast` is the current
 //! last, the operator is still active) are checked against facts read in the same transaction the
 //! changes are written in, so of two operators racing with the same `expectedLast` exactly one
 //! wins. A dry run is the same decision with its changes left unwritten.
 
 use crate::delivery::{
-    AppliedMessage, Change, DeliveryFacts, KnownDeadLetter, OpenDeadLetter, Outcome,
-    decide_delivery, supersede_at,
+    AppliedMessage, Change, DeliveryFacts, DrainStart, HeldMessage, KnownDeadLetter,
+    OpenDeadLetter, Outcome, decide_delivery, drain, supersede_at,
 };
 use crate::model::{
     AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
@@ -96,6 +100,10 @@ pub struct ResolutionFacts {
     /// What is known of the replacement's message id.
     pub replacement_applied: Option<AppliedMessage>,
     pub replacement_dead_letter: Option<KnownDeadLetter>,
+    pub replacement_held: Option<HeldMessage>,
+    /// The aggregate's held messages, in sequence order: the resolution drains those it makes
+    /// next.
+    pub held: Vec<HeldMessage>,
 }
 
 /// What a resolution did, or would do.
@@ -205,7 +213,7 @@ pub fn decide_resolution(
             now,
             &mut changes,
         )?,
-        Action::Skip => skip(&target, &request.operator, facts, now, &mut changes),
+        Action::Skip => skip(&target, &request.operator, facts, limits, now, &mut changes),
     };
     let record = ResolutionRecord {
         resolution_id: None,
@@ -352,6 +360,8 @@ fn replace(
         dead_letter: facts.replacement_dead_letter.clone(),
         aggregate: facts.aggregate.clone(),
         open_dead_letters: others_open(facts, target.dead_letter_id),
+        held_message: facts.replacement_held.clone(),
+        held: facts.held.clone(),
     };
     let plan = decide_delivery(&replacement, Door::General, &delivery_facts, limits, now);
     match plan.outcome {
@@ -374,8 +384,12 @@ fn replace(
             }))
         }
         // The target was checked to be the next sequence, so the policy cannot see a gap or a
-        // stale sequence here; answer as the precondition would.
-        Outcome::Gap { expected } | Outcome::Stale { expected } => {
+        // stale sequence here (nor hold, through the general door); answer as the precondition
+        // would.
+        Outcome::Gap { expected }
+        | Outcome::Stale { expected }
+        | Outcome::Held { expected, .. }
+        | Outcome::HoldFull { expected, .. } => {
             Err(Refusal::Conflict(ConflictKind::NotNextSequence {
                 sequence: target.sequence,
                 needed: expected,
@@ -384,11 +398,13 @@ fn replace(
     }
 }
 
-/// Takes the sequence with no effect, superseding any other open dead letter there.
+/// Takes the sequence with no effect, superseding any other open dead letter there, and drains
+/// the held messages that become next.
 fn skip(
     target: &Target<'_>,
     operator: &str,
     facts: &ResolutionFacts,
+    limits: &Limits,
     now: &str,
     changes: &mut Vec<Change>,
 ) -> Position {
@@ -396,15 +412,6 @@ fn skip(
         last: target.sequence,
         total: target.before.total,
     };
-    changes.push(Change::PutAggregate {
-        aggregate_id: target.aggregate_id.to_owned(),
-        row: AggregateRow {
-            last: after.last,
-            total: after.total,
-            status: AggregateStatus::Flowing,
-            since: Some(now.to_owned()),
-        },
-    });
     changes.push(Change::Append(TimelineEntry {
         aggregate_id: target.aggregate_id.to_owned(),
         at: now.to_owned(),
@@ -416,14 +423,33 @@ fn skip(
             operator: operator.to_owned(),
         },
     }));
-    supersede_at(
+    let mut open = others_open(facts, target.dead_letter_id);
+    let superseded = supersede_at(
         target.aggregate_id,
         target.sequence,
-        &others_open(facts, target.dead_letter_id),
+        &open,
         target.dead_letter_id,
         now,
         changes,
     );
+    open.retain(|letter| !superseded.contains(&letter.message_id));
+    let start = DrainStart {
+        aggregate_id: target.aggregate_id,
+        row: AggregateRow {
+            last: after.last,
+            total: after.total,
+            status: AggregateStatus::Flowing,
+            since: Some(now.to_owned()),
+        },
+        after: target.dead_letter_id,
+        held: &facts.held,
+        open: &open,
+    };
+    let row = drain(start, limits, now, changes);
+    changes.push(Change::PutAggregate {
+        aggregate_id: target.aggregate_id.to_owned(),
+        row,
+    });
     after
 }
 
@@ -466,6 +492,8 @@ mod tests {
             operator_active: true,
             replacement_applied: None,
             replacement_dead_letter: None,
+            replacement_held: None,
+            held: Vec::new(),
         }
     }
 
@@ -653,6 +681,80 @@ mod tests {
         assert_eq!(
             decide(&different, &resolved, Mode::Commit),
             Err(Refusal::Conflict(ConflictKind::AlreadyResolved))
+        );
+    }
+
+    fn held_at(id: &str, sequence: i64, amount: i64) -> HeldMessage {
+        let message = OrderedMessage {
+            message_id: id.into(),
+            aggregate_id: "a".into(),
+            sequence,
+            amount,
+        };
+        HeldMessage {
+            payload: message.canonical_payload(),
+            message,
+            held_at: "t0".into(),
+        }
+    }
+
+    fn drained(plan: &ResolutionPlan) -> (Vec<String>, Option<AggregateRow>) {
+        let released = plan
+            .changes
+            .iter()
+            .filter_map(|change| match change {
+                Change::ReleaseHeld { message_id } => Some(message_id.clone()),
+                _ => None,
+            })
+            .collect();
+        let row = plan.changes.iter().rev().find_map(|change| match change {
+            Change::PutAggregate { row, .. } => Some(row.clone()),
+            _ => None,
+        });
+        (released, row)
+    }
+
+    #[test]
+    fn a_resolution_drains_the_held_successors_it_unblocks() {
+        let facts = ResolutionFacts {
+            held: vec![
+                held_at("m-3", 3, 3),
+                held_at("m-4", 4, 4),
+                held_at("m-6", 6, 6),
+            ],
+            ..blocked()
+        };
+        let skip = decide(&request(Action::Skip, 1), &facts, Mode::Commit).unwrap();
+        let (released, row) = drained(&skip);
+        assert_eq!(released, ["m-3", "m-4"]);
+        let row = row.unwrap();
+        assert_eq!(
+            (row.last, row.total, row.status),
+            (4, 12, AggregateStatus::Waiting)
+        );
+        let Resolved::New(record) = &skip.resolved else {
+            panic!("expected a resolution");
+        };
+        assert_eq!(
+            record.after,
+            Position { last: 2, total: 5 },
+            "the skip's own step"
+        );
+
+        let replace = Action::Replace {
+            message_id: "fixed-2".into(),
+            amount: 1,
+        };
+        let plan = decide(&request(replace, 1), &facts, Mode::Commit).unwrap();
+        let (released, row) = drained(&plan);
+        assert_eq!(released, ["m-3", "m-4"]);
+        assert_eq!(row.map(|row| (row.last, row.total)), Some((4, 13)));
+        // A dry run drains nothing.
+        assert!(
+            decide(&request(Action::Skip, 1), &facts, Mode::DryRun)
+                .unwrap()
+                .changes
+                .is_empty()
         );
     }
 }

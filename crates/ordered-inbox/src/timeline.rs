@@ -1,7 +1,7 @@
-//! An aggregate's history. State events (applied, quarantined, superseded, skipped, resolved) are
-//! append-only and written in the same transaction as the change they describe; rejection
-//! observations (gap, stale, payload conflict, a quarantined message seen again, a full
-//! quarantine) are numbered per aggregate and only the newest [`OBSERVATIONS_KEPT`] stay, so a
+//! An aggregate's history. State events (applied, quarantined, superseded, skipped, resolved,
+//! held, drained) are append-only and written in the same transaction as the change they
+//! describe; rejection observations (gap, stale, payload conflict, a quarantined message seen
+//! again, a full quarantine, a full hold) are numbered per aggregate and only the newest [`OBSERVATIONS_KEPT`] stay, so a
 //! flood of bad deliveries cannot grow the store without bound.
 
 use serde::Serialize;
@@ -28,6 +28,13 @@ stored_enum!(
         QuarantinedAgain => "quarantined again",
         /// A new poison message refused because the aggregate's quarantine is full.
         QuarantineFull => "quarantine full",
+        /// A message ahead of its turn recorded to apply later ([`crate::Door::Broker`]).
+        Held => "held",
+        /// A held message released because its predecessor applied (an `applied` or
+        /// `quarantined` event for it follows).
+        Drained => "drained",
+        /// A message ahead of its turn refused because the aggregate holds the most it may.
+        HoldFull => "hold full",
     }
 );
 
@@ -41,6 +48,7 @@ impl TimelineKind {
                 | TimelineKind::PayloadConflict
                 | TimelineKind::QuarantinedAgain
                 | TimelineKind::QuarantineFull
+                | TimelineKind::HoldFull
         )
     }
 }
@@ -85,6 +93,22 @@ pub enum TimelineDetail {
     Skipped {
         effect: i64,
         operator: String,
+    },
+    /// A message held: the sequence still required and how many the aggregate holds now.
+    Held {
+        expected: i64,
+        held: usize,
+    },
+    /// A held message released: since when it was held, and the message (or skip) whose
+    /// sequence made it next.
+    #[serde(rename_all = "camelCase")]
+    Drained {
+        held_at: String,
+        after: String,
+    },
+    HoldFull {
+        held: usize,
+        limit: usize,
     },
     #[serde(rename_all = "camelCase")]
     Resolved {
@@ -156,6 +180,9 @@ mod tests {
     fn only_rejections_are_observations() {
         assert!(TimelineKind::Gap.is_observation());
         assert!(TimelineKind::QuarantineFull.is_observation());
+        assert!(TimelineKind::HoldFull.is_observation());
+        assert!(!TimelineKind::Held.is_observation());
+        assert!(!TimelineKind::Drained.is_observation());
         assert!(!TimelineKind::Applied.is_observation());
         assert!(!TimelineKind::Resolved.is_observation());
     }

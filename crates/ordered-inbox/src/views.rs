@@ -34,7 +34,15 @@ pub struct AggregateView {
     /// How many are open in all; more than the list holds when it was cut.
     pub open_dead_letter_count: i64,
     pub open_dead_letters_truncated: bool,
+    /// The sequences held for the aggregate until their predecessors apply, lowest first (at
+    /// most [`HELD_SHOWN`]).
+    pub held_sequences: Vec<i64>,
+    /// How many messages are held in all.
+    pub held_count: i64,
 }
+
+/// The most held sequences [`AggregateView`] lists.
+pub const HELD_SHOWN: i64 = 1000;
 
 /// The most open dead letters [`AggregateView`] lists.
 pub const OPEN_DEAD_LETTERS_SHOWN: i64 = 1000;
@@ -48,6 +56,8 @@ pub struct InventoryEntry {
     /// Whole seconds since the aggregate entered its status.
     pub age_seconds: i64,
     pub open_dead_letters: i64,
+    /// Messages held for the aggregate until a missing predecessor arrives.
+    pub held: i64,
 }
 
 /// The resolution of a dead letter, as its view shows it.

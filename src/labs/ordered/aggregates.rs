@@ -67,6 +67,14 @@ impl MessageInput {
     }
 }
 
+/// A general-door body for `aggregate_id`, checked exactly as the HTTP door checks it (the
+/// aggregate id, then the JSON); the error is the detail a 400 would carry.
+pub(crate) fn general_message(aggregate_id: String, body: &[u8]) -> Result<OrderedMessage, String> {
+    validate_aggregate_id("aggregateId", &aggregate_id).map_err(|e| e.to_string())?;
+    let input: MessageInput = crate::error::parse_body(body).map_err(|e| e.to_string())?;
+    input.validate(aggregate_id).map_err(|e| e.to_string())
+}
+
 async fn deliver(
     State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,

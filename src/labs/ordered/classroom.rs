@@ -92,7 +92,10 @@ fn classroom_response(message: &OrderedMessage, outcome: &Outcome) -> Response {
         Outcome::PayloadConflict => {
             json_response(StatusCode::CONFLICT, json!({"outcome": "payload conflict"}))
         }
-        Outcome::Gap { expected } => json_response(
+        // Only the broker's door holds; answered here as what it is to the classroom, a gap.
+        Outcome::Gap { expected }
+        | Outcome::Held { expected, .. }
+        | Outcome::HoldFull { expected, .. } => json_response(
             StatusCode::CONFLICT,
             json!({"outcome": "gap", "expected": expected}),
         ),

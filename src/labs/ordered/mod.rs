@@ -27,6 +27,8 @@ use serde_json::{Value, json};
 
 use crate::error::{AppError, problem_response_with};
 
+pub(crate) use aggregates::general_message;
+
 /// The inbox the handlers use, whatever store is underneath.
 pub type SharedInbox = Arc<dyn Inbox>;
 

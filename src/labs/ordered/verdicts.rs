@@ -22,7 +22,12 @@ pub(super) fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Re
             superseded,
         } => answer(StatusCode::OK, applied(about, sequence, total, superseded)),
         Outcome::Replay { original } => answer(StatusCode::OK, replay(about, original)),
-        Outcome::Gap { expected } => answer(StatusCode::CONFLICT, gap(about, message, expected)),
+        // Only the broker's door holds; over HTTP an early message stays a 409 gap.
+        Outcome::Gap { expected }
+        | Outcome::Held { expected, .. }
+        | Outcome::HoldFull { expected, .. } => {
+            answer(StatusCode::CONFLICT, gap(about, message, expected))
+        }
         Outcome::Stale { expected } => {
             answer(StatusCode::CONFLICT, stale(about, message, expected))
         }

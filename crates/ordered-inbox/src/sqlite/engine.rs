@@ -12,7 +12,7 @@ use rusqlite::{Connection, OptionalExtension, Row, params};
 use super::store::StoreError;
 use super::views;
 use crate::delivery::{
-    AppliedMessage, Change, DeliveryFacts, KnownDeadLetter, OpenDeadLetter, Outcome,
+    AppliedMessage, Change, DeliveryFacts, HeldMessage, KnownDeadLetter, OpenDeadLetter, Outcome,
     decide_delivery,
 };
 use crate::model::{AggregateRow, AggregateStatus, Door, Limits, OrderedMessage, UnknownValue};
@@ -119,6 +119,8 @@ fn delivery_facts(
     Ok(DeliveryFacts {
         applied: applied_message(connection, &message.message_id)?,
         dead_letter: known_dead_letter(connection, &message.message_id)?,
+        held_message: held_message(connection, &message.message_id)?,
+        held: held_for(connection, &message.aggregate_id)?,
         aggregate,
         open_dead_letters,
     })
@@ -148,12 +150,17 @@ fn resolution_facts(
         Some(aggregate_id) => open_dead_letters(connection, aggregate_id, &aggregate)?,
         None => Vec::new(),
     };
-    let (replacement_applied, replacement_dead_letter) = match &request.action {
+    let (replacement_applied, replacement_dead_letter, replacement_held) = match &request.action {
         crate::Action::Replace { message_id, .. } => (
             applied_message(connection, message_id)?,
             known_dead_letter(connection, message_id)?,
+            held_message(connection, message_id)?,
         ),
-        crate::Action::Skip => (None, None),
+        crate::Action::Skip => (None, None, None),
+    };
+    let held = match dead_letter.as_ref().and_then(|d| d.aggregate_id.as_deref()) {
+        Some(aggregate_id) => held_for(connection, aggregate_id)?,
+        None => Vec::new(),
     };
     Ok(ResolutionFacts {
         recorded: views::resolution_of(connection, &request.dead_letter_id)?,
@@ -163,6 +170,8 @@ fn resolution_facts(
         open_dead_letters,
         replacement_applied,
         replacement_dead_letter,
+        replacement_held,
+        held,
     })
 }
 
@@ -225,6 +234,42 @@ fn applied_message(
             })
         })
         .optional()
+}
+
+const HELD_COLUMNS: &str =
+    "SELECT message_id, aggregate_id, sequence, amount, payload, held_at FROM held_messages";
+
+fn held_from_row(row: &Row<'_>) -> rusqlite::Result<HeldMessage> {
+    Ok(HeldMessage {
+        message: OrderedMessage {
+            message_id: row.get(0)?,
+            aggregate_id: row.get(1)?,
+            sequence: row.get(2)?,
+            amount: row.get(3)?,
+        },
+        payload: row.get(4)?,
+        held_at: row.get(5)?,
+    })
+}
+
+fn held_message(
+    connection: &Connection,
+    message_id: &str,
+) -> rusqlite::Result<Option<HeldMessage>> {
+    connection
+        .prepare_cached(&format!("{HELD_COLUMNS} WHERE message_id = ?1"))?
+        .query_row([message_id], held_from_row)
+        .optional()
+}
+
+/// The aggregate's held messages in sequence order (a seek on its unique index).
+fn held_for(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<Vec<HeldMessage>> {
+    connection
+        .prepare_cached(&format!(
+            "{HELD_COLUMNS} WHERE aggregate_id = ?1 ORDER BY sequence"
+        ))?
+        .query_map([aggregate_id], held_from_row)?
+        .collect()
 }
 
 fn known_dead_letter(
@@ -330,6 +375,31 @@ fn write_changes(connection: &Connection, changes: &[Change]) -> rusqlite::Resul
                           WHERE message_id = ?1",
                     )?
                     .execute(params![message_id, at])?;
+            }
+            Change::InsertHeld {
+                message,
+                payload,
+                at,
+            } => {
+                connection
+                    .prepare_cached(
+                        "INSERT INTO held_messages(message_id, aggregate_id, sequence, amount,
+                                                   payload, held_at)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    )?
+                    .execute(params![
+                        message.message_id,
+                        message.aggregate_id,
+                        message.sequence,
+                        message.amount,
+                        payload,
+                        at
+                    ])?;
+            }
+            Change::ReleaseHeld { message_id } => {
+                connection
+                    .prepare_cached("DELETE FROM held_messages WHERE message_id = ?1")?
+                    .execute([message_id])?;
             }
             Change::Append(entry) => append(connection, entry)?,
             Change::RecordResolution(record) => {
@@ -688,5 +758,69 @@ mod tests {
                 "{details:?}"
             );
         }
+    }
+
+    #[test]
+    fn held_rows_are_written_by_the_broker_door_and_drained_by_the_predecessor() {
+        let connection = migrated();
+        let broker = |message: &OrderedMessage| {
+            deliver_in(&connection, message, Door::Broker, &Limits::default(), "t1").unwrap()
+        };
+        assert!(matches!(
+            broker(&message("m-3", "a", 3, 3)),
+            Outcome::Held { held: 1, .. }
+        ));
+        assert!(matches!(
+            broker(&message("m-2", "a", 2, 2)),
+            Outcome::Held { held: 2, .. }
+        ));
+        assert!(matches!(
+            broker(&message("m-2", "a", 2, 2)),
+            Outcome::Held { repeated: true, .. }
+        ));
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT message_id, sequence FROM held_messages ORDER BY sequence"
+            ),
+            ["m-2|2", "m-3|3"]
+        );
+        assert_eq!(
+            rows(&connection, "SELECT status FROM aggregate_state"),
+            ["waiting"]
+        );
+        let view = views::aggregate_view(&connection, "a").unwrap().unwrap();
+        assert_eq!((view.held_sequences, view.held_count), (vec![2, 3], 2));
+        broker(&message("m-1", "a", 1, 1));
+        assert!(rows(&connection, "SELECT * FROM held_messages").is_empty());
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT last_sequence, total, status FROM aggregate_state"
+            ),
+            ["3|6|flowing"]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT kind, sequence FROM aggregate_timeline ORDER BY id"
+            ),
+            [
+                "held|3",
+                "held|2",
+                "applied|1",
+                "drained|2",
+                "applied|2",
+                "drained|3",
+                "applied|3"
+            ]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT message_id FROM ordered_inbox ORDER BY sequence"
+            ),
+            ["m-1", "m-2", "m-3"]
+        );
     }
 }

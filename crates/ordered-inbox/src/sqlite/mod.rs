@@ -95,6 +95,30 @@ impl Inbox for SqliteInbox {
             .map_err(InboxError::from)
     }
 
+    /// One unit of the writer (one savepoint in one group commit) for the whole batch: any
+    /// failure rolls all of it back.
+    async fn deliver_batch(
+        &self,
+        deliveries: Vec<(OrderedMessage, Door)>,
+    ) -> Result<Vec<Outcome>, InboxError> {
+        if deliveries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let limits = self.limits;
+        self.store
+            .write(move |connection| {
+                let now = clock::now();
+                deliveries
+                    .iter()
+                    .map(|(message, door)| {
+                        engine::deliver_in(connection, message, *door, &limits, &now)
+                    })
+                    .collect::<Result<Vec<_>, StoreError>>()
+            })
+            .await
+            .map_err(InboxError::from)
+    }
+
     async fn resolve(
         &self,
         request: ResolutionRequest,
@@ -157,5 +181,51 @@ impl Inbox for SqliteInbox {
     async fn counts(&self, aggregate_id: String) -> Result<AggregateCounts, InboxError> {
         self.read(move |connection| views::counts(connection, &aggregate_id))
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(id: &str, sequence: i64) -> OrderedMessage {
+        OrderedMessage {
+            message_id: id.into(),
+            aggregate_id: "a".into(),
+            sequence,
+            amount: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_batch_is_one_unit_of_one_commit_and_each_delivery_sees_the_ones_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = SqliteInbox::open(
+            &dir.path().join("b.db"),
+            Synchronous::Normal,
+            Limits::default(),
+        )
+        .unwrap();
+        let before = inbox.store().stats();
+        let batch = vec![
+            (message("m-2", 2), Door::Broker),
+            (message("m-1", 1), Door::Broker),
+            (message("m-2", 2), Door::Broker),
+        ];
+        let outcomes = inbox.deliver_batch(batch).await.unwrap();
+        assert!(matches!(outcomes[0], Outcome::Held { .. }));
+        assert!(matches!(outcomes[1], Outcome::Applied { sequence: 1, .. }));
+        assert!(
+            matches!(outcomes[2], Outcome::Replay { .. }),
+            "{:?}",
+            outcomes[2]
+        );
+        let after = inbox.store().stats();
+        assert_eq!(
+            (after.commits - before.commits, after.units - before.units),
+            (1, 1)
+        );
+        assert_eq!(inbox.counts("a".into()).await.unwrap().last, 2);
+        inbox.shutdown().await;
     }
 }

@@ -109,9 +109,29 @@ CREATE INDEX ix_deadletters_aggregate_id ON deadletters(aggregate_id, status, id
 CREATE INDEX ix_deadletters_aggregate_all_id ON deadletters(aggregate_id, id);
 ";
 
+/// Held successors (version 4): messages a broker delivered ahead of their turn, one row each
+/// until their predecessor applies and they drain (the row is then deleted; the timeline keeps
+/// `held` and `drained`). At most one per (aggregate, sequence): the first held wins.
+const HELD_MESSAGES: &str = "
+CREATE TABLE held_messages(
+    message_id TEXT PRIMARY KEY,
+    aggregate_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    amount INTEGER NOT NULL,
+    payload TEXT NOT NULL,
+    held_at TEXT NOT NULL
+);
+CREATE UNIQUE INDEX ix_held_messages_aggregate_sequence ON held_messages(aggregate_id, sequence);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
-pub const MIGRATIONS: &[&str] = &[SEED_TABLES, GENERAL_INBOX, DEAD_LETTER_NUMBERS];
+pub const MIGRATIONS: &[&str] = &[
+    SEED_TABLES,
+    GENERAL_INBOX,
+    DEAD_LETTER_NUMBERS,
+    HELD_MESSAGES,
+];
 
 /// The inbox schema version this build writes.
 pub fn current_version() -> i64 {

@@ -7,7 +7,7 @@ use serde_json::Value;
 use super::engine::parsed;
 use crate::model::{AggregateStatus, Position};
 use crate::views::{
-    AggregateCounts, AggregateSummary, AggregateView, DeadLetterFilter, DeadLetterView,
+    AggregateCounts, AggregateSummary, AggregateView, DeadLetterFilter, DeadLetterView, HELD_SHOWN,
     InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page, PageRequest, Replacement, ResolutionRecord,
     ResolutionSummary, TimelineEvent,
 };
@@ -54,11 +54,22 @@ pub fn aggregate_view(
     };
     let open = dead_letters(connection, &filter, page)?;
     let open_dead_letter_count = open_count(connection, aggregate_id)?;
+    let held_sequences = connection
+        .prepare_cached(
+            "SELECT sequence FROM held_messages WHERE aggregate_id = ?1 ORDER BY sequence LIMIT ?2",
+        )?
+        .query_map(params![aggregate_id, HELD_SHOWN], |row| row.get(0))?
+        .collect::<rusqlite::Result<Vec<i64>>>()?;
+    let held_count = connection
+        .prepare_cached("SELECT COUNT(*) FROM held_messages WHERE aggregate_id = ?1")?
+        .query_row([aggregate_id], |row| row.get(0))?;
     Ok(Some(AggregateView {
         summary,
         open_dead_letters_truncated: open.next.is_some(),
         open_dead_letters: open.items,
         open_dead_letter_count,
+        held_sequences,
+        held_count,
     }))
 }
 
@@ -82,7 +93,8 @@ pub fn inventory(
             "SELECT a.aggregate_id, a.last_sequence, a.total, a.status, a.status_since,
                     CAST(ROUND((julianday(?2) - julianday(a.status_since)) * 86400) AS INTEGER),
                     (SELECT COUNT(*) FROM deadletters d
-                      WHERE d.aggregate_id = a.aggregate_id AND d.status = 'open')
+                      WHERE d.aggregate_id = a.aggregate_id AND d.status = 'open'),
+                    (SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = a.aggregate_id)
                FROM aggregate_state a
               WHERE a.status = ?1
               ORDER BY a.status_since, a.aggregate_id
@@ -93,6 +105,7 @@ pub fn inventory(
                 summary: summary_from_row(row)?,
                 age_seconds: row.get::<_, Option<i64>>(5)?.unwrap_or(0).max(0),
                 open_dead_letters: row.get(6)?,
+                held: row.get(7)?,
             })
         })?
         .collect()
@@ -313,6 +326,8 @@ mod tests {
             "SELECT COUNT(*) FROM deadletters d WHERE d.aggregate_id = 'a' AND d.status = 'open'".to_owned(),
             "SELECT message_id, sequence FROM deadletters WHERE aggregate_id = 'a' AND status = 'open'".to_owned(),
             "SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = 'demo'".to_owned(),
+            "SELECT sequence FROM held_messages WHERE aggregate_id = 'a' ORDER BY sequence".to_owned(),
+            "SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = 'a'".to_owned(),
         ];
         for sql in statements {
             let mut plan = connection

@@ -1,0 +1,817 @@
+//! The NATS JetStream door: `serve --nats nats://127.0.0.1:PORT` consumes ordered messages from a
+//! durable pull consumer and hands every fetched batch to the ordered inbox in ONE call
+//! ([`ordered_inbox::Inbox::deliver_batch`], one group commit), through [`Door::Broker`]: a
+//! message ahead of its turn is held, not bounced. Each message is acked, nak'd or terminated only
+//! after that call returned, i.e. after the COMMIT that recorded its fate:
+//!
+//! | verdict | broker action |
+//! |---|---|
+//! | applied, replay, held (new or again), quarantined | ack |
+//! | stale, payload conflict, malformed | term, and listed in `GET /broker/rejected` |
+//! | hold full, quarantine full, a store failure | nak with a back-off delay |
+//!
+//! The wire format is in [`wire`]; the HTTP evidence (`GET /broker`, `GET /broker/rejected`) and
+//! the test-only fault switch (`POST /lab/broker/pause-after-commit`) in [`routes`].
+
+pub mod bench;
+mod routes;
+pub mod server;
+pub mod wire;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::pull::Config as PullConfig;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
+use async_nats::jetstream::{self, AckKind};
+use futures_util::StreamExt;
+use ordered_inbox::{Door, OrderedMessage, Outcome};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::StartupError;
+use crate::labs::ordered::SharedInbox;
+
+pub use routes::routes;
+
+/// Defaults of the `--nats-*` flags.
+pub const DEFAULT_STREAM: &str = "ORDERED";
+pub const DEFAULT_SUBJECT_PREFIX: &str = "ordered";
+pub const DEFAULT_DURABLE: &str = "production-lab";
+pub const DEFAULT_BATCH: usize = 256;
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+pub const DEFAULT_NAK_DELAY: Duration = Duration::from_secs(1);
+/// The longest back-off a nak asks for.
+const MAX_NAK_DELAY: Duration = Duration::from_secs(30);
+/// How long one waiting pull request stays open when nothing is pending; it also bounds how long
+/// a shutdown waits for the fetch in progress.
+const PULL_WAIT: Duration = Duration::from_millis(500);
+/// A fetch that has not finished after this long (the server went away mid-request) is given up;
+/// what it received is processed.
+const FETCH_DEADLINE: Duration = Duration::from_secs(3);
+/// Rejected deliveries `GET /broker/rejected` keeps (the oldest go first).
+pub const REJECTED_KEPT: usize = 1000;
+
+/// Where and how to consume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerConfig {
+    /// Loopback `nats://HOST:PORT` URLs of one NATS server or cluster.
+    pub urls: Vec<String>,
+    pub stream: String,
+    pub subject_prefix: String,
+    /// The durable consumer's base name; with partitions, `-pK` is appended.
+    pub durable: String,
+    pub partitions: u32,
+    pub partition: u32,
+    /// The most messages one fetch (and so one commit) carries.
+    pub batch: usize,
+    pub ack_wait: Duration,
+    /// The first back-off of a nak; it grows with each redelivery, up to 30 s.
+    pub nak_delay: Duration,
+}
+
+impl BrokerConfig {
+    /// The defaults for `urls` (a comma-separated list), checked to be loopback.
+    pub fn new(urls: &str) -> Result<BrokerConfig, StartupError> {
+        Ok(BrokerConfig {
+            urls: parse_nats_urls(urls)?,
+            stream: DEFAULT_STREAM.to_owned(),
+            subject_prefix: DEFAULT_SUBJECT_PREFIX.to_owned(),
+            durable: DEFAULT_DURABLE.to_owned(),
+            partitions: 1,
+            partition: 0,
+            batch: DEFAULT_BATCH,
+            ack_wait: DEFAULT_ACK_WAIT,
+            nak_delay: DEFAULT_NAK_DELAY,
+        })
+    }
+
+    /// Checks the names and the partition; each refusal is one line.
+    pub fn validate(&self) -> Result<(), StartupError> {
+        let bad = |reason: String| StartupError::Broker(reason);
+        if self.partitions == 0 || self.partition >= self.partitions {
+            return Err(bad(format!(
+                "--nats-partition must be from 0 to --nats-partitions - 1 (got partition {} of {})",
+                self.partition, self.partitions
+            )));
+        }
+        let name_ok = |name: &str| {
+            !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        };
+        if !name_ok(&self.stream) || !name_ok(&self.durable) {
+            return Err(bad(
+                "--nats-stream and --nats-durable must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'"
+                    .to_owned(),
+            ));
+        }
+        let prefix_ok = self.subject_prefix.split('.').all(|token| {
+            !token.is_empty()
+                && token
+                    .chars()
+                    .all(|c| !c.is_whitespace() && !matches!(c, '*' | '>'))
+        });
+        if !prefix_ok {
+            return Err(bad(format!(
+                "--nats-subject-prefix '{}' must be dot-separated tokens without '*', '>' or whitespace",
+                self.subject_prefix
+            )));
+        }
+        if !(1..=10_000).contains(&self.batch) {
+            return Err(bad("--nats-batch must be from 1 to 10000".to_owned()));
+        }
+        Ok(())
+    }
+
+    /// The durable consumer's name: the base name, or `BASE-pK` for partition K.
+    pub fn durable_name(&self) -> String {
+        if self.partitions > 1 {
+            format!("{}-p{}", self.durable, self.partition)
+        } else {
+            self.durable.clone()
+        }
+    }
+
+    /// The partition token this consumer expects in stored subjects.
+    pub fn partition_token(&self) -> Option<u32> {
+        (self.partitions > 1).then_some(self.partition)
+    }
+
+    /// The stream's subjects: `PREFIX.*`, or `PREFIX.*.*` when the server maps them to partitions.
+    pub fn stream_subjects(&self) -> Vec<String> {
+        if self.partitions > 1 {
+            vec![format!("{}.*.*", self.subject_prefix)]
+        } else {
+            vec![format!("{}.*", self.subject_prefix)]
+        }
+    }
+
+    /// The subjects this consumer takes: its partition's, or all.
+    pub fn filter_subject(&self) -> String {
+        if self.partitions > 1 {
+            format!("{}.{}.*", self.subject_prefix, self.partition)
+        } else {
+            format!("{}.*", self.subject_prefix)
+        }
+    }
+}
+
+/// Splits `--nats` into URLs and refuses anything but `nats://` on a loopback host.
+pub fn parse_nats_urls(urls: &str) -> Result<Vec<String>, StartupError> {
+    let mut parsed = Vec::new();
+    for url in urls.split(',').map(str::trim) {
+        let refuse = || StartupError::NatsNotLoopback(url.to_owned());
+        let authority = url.strip_prefix("nats://").ok_or_else(|| {
+            StartupError::Broker(format!("--nats '{url}' must be nats://HOST:PORT"))
+        })?;
+        let authority = authority.strip_suffix('/').unwrap_or(authority);
+        let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
+            let (host, after) = bracketed.split_once(']').ok_or_else(refuse)?;
+            (host, after.strip_prefix(':').unwrap_or(""))
+        } else {
+            authority.rsplit_once(':').ok_or_else(|| {
+                StartupError::Broker(format!("--nats '{url}' must be nats://HOST:PORT"))
+            })?
+        };
+        if port.parse::<u16>().map_or(true, |port| port == 0) {
+            return Err(StartupError::Broker(format!(
+                "--nats '{url}': the port must be a number from 1 to 65535"
+            )));
+        }
+        let loopback = host.eq_ignore_ascii_case("localhost")
+            || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+        if !loopback {
+            return Err(refuse());
+        }
+        parsed.push(url.to_owned());
+    }
+    Ok(parsed)
+}
+
+/// What `production-lab publish` reports for one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    pub subject: String,
+    pub stream: String,
+    pub stream_sequence: u64,
+    /// JetStream's duplicate window dropped it: an earlier publish had the same id.
+    pub duplicate: bool,
+}
+
+/// Publishes one message on the wire format (subject, `Nats-Msg-Id` header, general-door body)
+/// to loopback `urls` and waits for its PubAck: the producer side, for walk-throughs.
+pub async fn publish_one(
+    urls: &str,
+    prefix: &str,
+    message: &OrderedMessage,
+) -> Result<Published, StartupError> {
+    let urls = parse_nats_urls(urls)?;
+    let failed = |what: &str, error: &dyn std::fmt::Display| {
+        StartupError::Broker(format!("NATS at {}: {what}: {error}", urls.join(",")))
+    };
+    let addresses = urls
+        .iter()
+        .map(|url| url.parse::<async_nats::ServerAddr>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| failed("invalid address", &error))?;
+    let client = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(3))
+        .connect(addresses)
+        .await
+        .map_err(|error| failed("cannot connect", &error))?;
+    let context = jetstream::new(client.clone());
+    let subject = wire::subject_for(prefix, &message.aggregate_id);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(wire::MESSAGE_ID_HEADER, message.message_id.as_str());
+    let body = serde_json::json!({
+        "messageId": message.message_id,
+        "sequence": message.sequence,
+        "amount": message.amount,
+    });
+    let ack = context
+        .publish_with_headers(subject.clone(), headers, body.to_string().into())
+        .await
+        .map_err(|error| failed("cannot publish", &error))?
+        .await
+        .map_err(|error| failed("no PubAck (is a consumer's stream there?)", &error))?;
+    let _ = client.flush().await;
+    Ok(Published {
+        subject,
+        stream: ack.stream,
+        stream_sequence: ack.sequence,
+        duplicate: ack.duplicate,
+    })
+}
+
+/// One terminated delivery, as `GET /broker/rejected` lists it.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Rejected {
+    pub at: String,
+    pub subject: String,
+    pub stream_sequence: Option<u64>,
+    pub delivered: Option<i64>,
+    pub message_id: Option<String>,
+    pub aggregate_id: Option<String>,
+    /// `malformed`, `stale` or `payload conflict`.
+    pub outcome: &'static str,
+    pub reason: String,
+}
+
+/// What the consumer did so far, for `GET /broker`.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Counters {
+    pub batches: u64,
+    pub messages: u64,
+    /// Verdicts by name (`applied`, `replay`, `held`, `held again`, …, `malformed`).
+    pub outcomes: BTreeMap<&'static str, u64>,
+    pub acked: u64,
+    pub nakd: u64,
+    pub terminated: u64,
+    pub fetch_errors: u64,
+    pub store_errors: u64,
+    pub last_error: Option<String>,
+    /// The fault switch stopped the consumer after a COMMIT, before its acks.
+    pub paused_after_commit: bool,
+}
+
+/// The consumer's shared evidence and switches. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct BrokerLab {
+    inner: Arc<Shared>,
+}
+
+#[derive(Default)]
+struct Shared {
+    config: OnceLock<BrokerConfig>,
+    client: OnceLock<async_nats::Client>,
+    consumer: OnceLock<PullConsumer>,
+    counters: Mutex<Counters>,
+    rejected: Mutex<VecDeque<Rejected>>,
+    pause_after_commit: AtomicBool,
+}
+
+impl BrokerLab {
+    fn count(&self, update: impl FnOnce(&mut Counters)) {
+        if let Ok(mut counters) = self.inner.counters.lock() {
+            update(&mut counters);
+        }
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.inner
+            .counters
+            .lock()
+            .map(|counters| counters.clone())
+            .unwrap_or_default()
+    }
+
+    fn reject(&self, rejected: Rejected) {
+        tracing::warn!(
+            subject = %rejected.subject,
+            outcome = rejected.outcome,
+            reason = %rejected.reason,
+            "broker delivery terminated"
+        );
+        if let Ok(mut list) = self.inner.rejected.lock() {
+            if list.len() >= REJECTED_KEPT {
+                list.pop_front();
+            }
+            list.push_back(rejected);
+        }
+    }
+
+    pub fn rejected(&self) -> Vec<Rejected> {
+        self.inner
+            .rejected
+            .lock()
+            .map(|list| list.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Arms the fault switch: after the next COMMIT the consumer stops before acking.
+    pub fn arm_pause_after_commit(&self) {
+        self.inner.pause_after_commit.store(true, Ordering::SeqCst);
+    }
+
+    pub fn config(&self) -> Option<&BrokerConfig> {
+        self.inner.config.get()
+    }
+
+    pub fn is_connected(&self) -> Option<bool> {
+        self.inner
+            .client
+            .get()
+            .map(|client| client.connection_state() == async_nats::connection::State::Connected)
+    }
+
+    /// The consumer's pending and un-acked counts, as the NATS server reports them now.
+    pub async fn consumer_info(&self) -> Option<Result<(u64, usize), String>> {
+        let consumer = self.inner.consumer.get()?;
+        Some(
+            consumer
+                .get_info()
+                .await
+                .map(|info| (info.num_pending, info.num_ack_pending))
+                .map_err(|error| error.to_string()),
+        )
+    }
+}
+
+/// A connected consumer, ready to run.
+pub struct Consumer {
+    lab: BrokerLab,
+    config: BrokerConfig,
+    client: async_nats::Client,
+    consumer: PullConsumer,
+}
+
+impl Consumer {
+    /// Connects, creates the stream and the durable consumer if missing, and checks that an
+    /// existing stream takes this consumer's subjects. Every refusal is one line.
+    pub async fn connect(config: BrokerConfig, lab: BrokerLab) -> Result<Consumer, StartupError> {
+        config.validate()?;
+        let refuse = |what: &str, error: &dyn std::fmt::Display| {
+            StartupError::Broker(format!(
+                "NATS at {}: {what}: {error}",
+                config.urls.join(",")
+            ))
+        };
+        let addresses = config
+            .urls
+            .iter()
+            .map(|url| url.parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|error| refuse("invalid address", &error))?;
+        let client = async_nats::ConnectOptions::new()
+            .name("production-lab")
+            .connection_timeout(Duration::from_secs(3))
+            .max_reconnects(None)
+            .reconnect_delay_callback(|attempts| {
+                Duration::from_millis((attempts as u64).saturating_mul(100).min(1_000))
+            })
+            .connect(addresses)
+            .await
+            .map_err(|error| refuse("cannot connect", &error))?;
+        let context = jetstream::new(client.clone());
+        let stream = context
+            .get_or_create_stream(StreamConfig {
+                name: config.stream.clone(),
+                subjects: config.stream_subjects(),
+                storage: StorageType::File,
+                duplicate_window: Duration::from_secs(120),
+                ..Default::default()
+            })
+            .await
+            .map_err(|error| refuse("cannot create or open the stream", &error))?;
+        let durable = config.durable_name();
+        let consumer: PullConsumer = stream
+            .get_or_create_consumer(
+                &durable,
+                PullConfig {
+                    durable_name: Some(durable.clone()),
+                    ack_policy: AckPolicy::Explicit,
+                    ack_wait: config.ack_wait,
+                    filter_subject: config.filter_subject(),
+                    max_ack_pending: 20_000,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|error| refuse("cannot create or open the durable consumer", &error))?;
+        let _ = lab.inner.config.set(config.clone());
+        let _ = lab.inner.client.set(client.clone());
+        let _ = lab.inner.consumer.set(consumer.clone());
+        Ok(Consumer {
+            lab,
+            config,
+            client,
+            consumer,
+        })
+    }
+
+    /// The start-up line that says what is consumed.
+    pub fn describe(&self) -> String {
+        format!(
+            "Consuming NATS JetStream at {}: stream {}, durable consumer {}, subjects {} (partition {} of {})",
+            self.config.urls.join(","),
+            self.config.stream,
+            self.config.durable_name(),
+            self.config.filter_subject(),
+            self.config.partition,
+            self.config.partitions
+        )
+    }
+
+    /// Fetches and delivers batches until `stop` is cancelled; the batch in hand is finished and
+    /// answered first, then the acks are flushed.
+    pub async fn run(self, inbox: SharedInbox, stop: CancellationToken) {
+        let mut failures: u32 = 0;
+        while !stop.is_cancelled() {
+            let batch = match self.fetch().await {
+                Ok(batch) => {
+                    failures = 0;
+                    batch
+                }
+                Err(error) => {
+                    failures = failures.saturating_add(1);
+                    self.lab.count(|c| {
+                        c.fetch_errors += 1;
+                        c.last_error = Some(format!("fetch: {error}"));
+                    });
+                    tracing::warn!(%error, "broker fetch failed; retrying");
+                    let pause = Duration::from_millis(100 * u64::from(failures.min(10)));
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        () = tokio::time::sleep(pause) => continue,
+                    }
+                }
+            };
+            if batch.is_empty() {
+                continue;
+            }
+            if !self.handle(&inbox, batch, &stop).await {
+                // The fault switch: stopped between COMMIT and ack, as a crash would.
+                return;
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.client.flush()).await;
+    }
+
+    /// Whatever is pending now, up to one batch; when nothing is, waits (at most [`PULL_WAIT`])
+    /// for one message and then takes whatever else arrived with it.
+    async fn fetch(&self) -> Result<Vec<jetstream::Message>, async_nats::Error> {
+        let mut messages = Vec::new();
+        let request = self.consumer.fetch().max_messages(self.config.batch);
+        collect(request.messages().await?, &mut messages).await?;
+        if !messages.is_empty() {
+            return Ok(messages);
+        }
+        let waiting = self
+            .consumer
+            .batch()
+            .max_messages(1)
+            .expires(PULL_WAIT)
+            .messages()
+            .await?;
+        collect(waiting, &mut messages).await?;
+        if messages.is_empty() {
+            return Ok(messages);
+        }
+        let rest = self
+            .consumer
+            .fetch()
+            .max_messages(self.config.batch.saturating_sub(1).max(1))
+            .messages()
+            .await;
+        if let Ok(rest) = rest {
+            // What the first one already brought is processed even if this part fails.
+            let _ = collect(rest, &mut messages).await;
+        }
+        Ok(messages)
+    }
+
+    /// Delivers one fetched batch in one inbox call, then answers every message. Returns false
+    /// when the fault switch stopped the consumer before its acks.
+    async fn handle(
+        &self,
+        inbox: &SharedInbox,
+        batch: Vec<jetstream::Message>,
+        stop: &CancellationToken,
+    ) -> bool {
+        let prefix = &self.config.subject_prefix;
+        let partition = self.config.partition_token();
+        let mut actions: Vec<Option<Action>> = Vec::with_capacity(batch.len());
+        let mut deliveries: Vec<(OrderedMessage, Door)> = Vec::new();
+        let mut delivered_at: Vec<usize> = Vec::new();
+        for (index, message) in batch.iter().enumerate() {
+            let header_id = message
+                .headers
+                .as_ref()
+                .and_then(|headers| headers.get(wire::MESSAGE_ID_HEADER))
+                .map(|value| value.as_str().to_owned());
+            let read = wire::read_delivery(
+                prefix,
+                partition,
+                message.subject.as_str(),
+                header_id.as_deref(),
+                |aggregate_id| {
+                    crate::labs::ordered::general_message(aggregate_id, &message.payload)
+                },
+            );
+            match read {
+                Ok(ordered) => {
+                    deliveries.push((ordered, Door::Broker));
+                    delivered_at.push(index);
+                    actions.push(None);
+                }
+                Err(malformed) => {
+                    self.lab.reject(rejected(
+                        message,
+                        "malformed",
+                        malformed.message_id,
+                        malformed.aggregate_id,
+                        malformed.reason,
+                    ));
+                    self.lab
+                        .count(|c| *c.outcomes.entry("malformed").or_default() += 1);
+                    actions.push(Some(Action::Term));
+                }
+            }
+        }
+        let messages: Vec<OrderedMessage> = deliveries
+            .iter()
+            .map(|(message, _)| message.clone())
+            .collect();
+        let decided = inbox.deliver_batch(deliveries).await;
+        // From here on the COMMIT has returned (or failed as a whole).
+        match decided {
+            Ok(outcomes) => {
+                for ((index, outcome), ordered) in
+                    delivered_at.into_iter().zip(outcomes).zip(messages)
+                {
+                    let name = outcome_name(&outcome);
+                    self.lab
+                        .count(|c| *c.outcomes.entry(name).or_default() += 1);
+                    let action = action_for(&outcome);
+                    if action == Action::Term
+                        && let Some(message) = batch.get(index)
+                    {
+                        self.lab.reject(rejected(
+                            message,
+                            name,
+                            Some(ordered.message_id.clone()),
+                            Some(ordered.aggregate_id.clone()),
+                            termination_reason(&outcome, &ordered),
+                        ));
+                    }
+                    if let Some(slot) = actions.get_mut(index) {
+                        *slot = Some(action);
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::error!(%error, "the inbox failed a broker batch; nothing of it committed");
+                self.lab.count(|c| {
+                    c.store_errors += 1;
+                    c.last_error = Some(format!("store: {error}"));
+                });
+                for slot in &mut actions {
+                    slot.get_or_insert(Action::Nak);
+                }
+            }
+        }
+        self.lab.count(|c| {
+            c.batches += 1;
+            c.messages += batch.len() as u64;
+        });
+        if self
+            .lab
+            .inner
+            .pause_after_commit
+            .swap(false, Ordering::SeqCst)
+        {
+            self.lab.count(|c| c.paused_after_commit = true);
+            tracing::warn!("fault switch: paused after COMMIT, before the acks");
+            stop.cancelled().await;
+            return false;
+        }
+        for (message, action) in batch.iter().zip(actions) {
+            self.answer(message, action.unwrap_or(Action::Nak)).await;
+        }
+        true
+    }
+
+    async fn answer(&self, message: &jetstream::Message, action: Action) {
+        let delivered = message.info().map(|info| info.delivered).unwrap_or(1);
+        let kind = match action {
+            Action::Ack => AckKind::Ack,
+            Action::Term => AckKind::Term,
+            Action::Nak => AckKind::Nak(Some(back_off(self.config.nak_delay, delivered))),
+        };
+        match message.ack_with(kind).await {
+            Ok(()) => self.lab.count(|c| match action {
+                Action::Ack => c.acked += 1,
+                Action::Term => c.terminated += 1,
+                Action::Nak => c.nakd += 1,
+            }),
+            // The message is redelivered after the ack wait, and answers replay then.
+            Err(error) => self
+                .lab
+                .count(|c| c.last_error = Some(format!("ack: {error}"))),
+        }
+    }
+}
+
+/// Reads a batch's messages into `into` until it ends, fails, or runs past [`FETCH_DEADLINE`].
+async fn collect(
+    mut batch: async_nats::jetstream::consumer::pull::Batch,
+    into: &mut Vec<jetstream::Message>,
+) -> Result<(), async_nats::Error> {
+    let deadline = tokio::time::Instant::now() + FETCH_DEADLINE;
+    loop {
+        match tokio::time::timeout_at(deadline, batch.next()).await {
+            Ok(Some(Ok(message))) => into.push(message),
+            Ok(Some(Err(error))) if into.is_empty() => return Err(error),
+            Ok(Some(Err(_))) | Ok(None) | Err(_) => return Ok(()),
+        }
+    }
+}
+
+/// What to tell the broker about one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Ack,
+    Nak,
+    Term,
+}
+
+/// The broker action for a committed verdict.
+pub fn action_for(outcome: &Outcome) -> Action {
+    match outcome {
+        Outcome::Applied { .. }
+        | Outcome::Replay { .. }
+        | Outcome::Held { .. }
+        | Outcome::Quarantined { .. } => Action::Ack,
+        Outcome::Stale { .. } | Outcome::PayloadConflict => Action::Term,
+        // Not recorded: the broker keeps it and offers it again after a delay.
+        Outcome::HoldFull { .. } | Outcome::QuarantineFull { .. } | Outcome::Gap { .. } => {
+            Action::Nak
+        }
+    }
+}
+
+/// A verdict's name in the counters and the rejected list.
+pub fn outcome_name(outcome: &Outcome) -> &'static str {
+    match outcome {
+        Outcome::Applied { .. } => "applied",
+        Outcome::Replay { .. } => "replay",
+        Outcome::Held {
+            repeated: false, ..
+        } => "held",
+        Outcome::Held { repeated: true, .. } => "held again",
+        Outcome::HoldFull { .. } => "hold full",
+        Outcome::Quarantined { .. } => "quarantined",
+        Outcome::QuarantineFull { .. } => "quarantine full",
+        Outcome::Stale { .. } => "stale",
+        Outcome::PayloadConflict => "payload conflict",
+        Outcome::Gap { .. } => "gap",
+    }
+}
+
+fn termination_reason(outcome: &Outcome, message: &OrderedMessage) -> String {
+    match outcome {
+        Outcome::Stale { expected } => format!(
+            "sequence {} was already taken (or is held) by another message; the aggregate expects {expected}",
+            message.sequence
+        ),
+        Outcome::PayloadConflict => format!(
+            "message id '{}' already carries other content",
+            message.message_id
+        ),
+        other => outcome_name(other).to_owned(),
+    }
+}
+
+/// The nak delay for the `delivered`-th attempt: `first`, doubling, at most 30 s.
+pub fn back_off(first: Duration, delivered: i64) -> Duration {
+    let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 16)).unwrap_or(16);
+    first.saturating_mul(1u32 << doublings).min(MAX_NAK_DELAY)
+}
+
+fn rejected(
+    message: &jetstream::Message,
+    outcome: &'static str,
+    message_id: Option<String>,
+    aggregate_id: Option<String>,
+    reason: String,
+) -> Rejected {
+    let info = message.info().ok();
+    Rejected {
+        at: ordered_inbox::clock::now(),
+        subject: message.subject.to_string(),
+        stream_sequence: info.as_ref().map(|info| info.stream_sequence),
+        delivered: info.as_ref().map(|info| info.delivered),
+        message_id,
+        aggregate_id,
+        outcome,
+        reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loopback_nats_urls_are_accepted() {
+        assert_eq!(
+            parse_nats_urls("nats://127.0.0.1:4222,nats://localhost:4223").unwrap(),
+            ["nats://127.0.0.1:4222", "nats://localhost:4223"]
+        );
+        assert!(parse_nats_urls("nats://[::1]:4222").is_ok());
+        for url in [
+            "nats://10.0.0.1:4222",
+            "nats://demo.nats.io:4222",
+            "nats://127.0.0.1:4222,nats://0.0.0.0:4222",
+        ] {
+            assert!(
+                matches!(parse_nats_urls(url), Err(StartupError::NatsNotLoopback(_))),
+                "{url}"
+            );
+        }
+        for url in ["127.0.0.1:4222", "nats://127.0.0.1", "nats://127.0.0.1:0"] {
+            assert!(
+                matches!(parse_nats_urls(url), Err(StartupError::Broker(_))),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
+    fn partitions_name_their_durable_and_filter() {
+        let mut config = BrokerConfig::new("nats://127.0.0.1:4222").unwrap();
+        assert_eq!(config.filter_subject(), "ordered.*");
+        assert_eq!(config.durable_name(), "production-lab");
+        config.partitions = 2;
+        config.partition = 1;
+        assert_eq!(config.stream_subjects(), ["ordered.*.*"]);
+        assert_eq!(config.filter_subject(), "ordered.1.*");
+        assert_eq!(config.durable_name(), "production-lab-p1");
+        config.partition = 2;
+        assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn verdicts_map_to_broker_actions() {
+        assert_eq!(action_for(&Outcome::PayloadConflict), Action::Term);
+        assert_eq!(action_for(&Outcome::Stale { expected: 2 }), Action::Term);
+        assert_eq!(
+            action_for(&Outcome::Held {
+                expected: 1,
+                held: 1,
+                repeated: true
+            }),
+            Action::Ack
+        );
+        assert_eq!(
+            action_for(&Outcome::HoldFull {
+                expected: 1,
+                held: 9,
+                limit: 9
+            }),
+            Action::Nak
+        );
+        assert_eq!(back_off(Duration::from_secs(1), 1), Duration::from_secs(1));
+        assert_eq!(back_off(Duration::from_secs(1), 3), Duration::from_secs(4));
+        assert_eq!(back_off(Duration::from_secs(1), 99), MAX_NAK_DELAY);
+    }
+}

@@ -1,0 +1,224 @@
+//! The wire format of ordered messages on NATS, shared by the consumer, the bench and the tests.
+//!
+//! - **Subject**: `PREFIX.TOKEN`, where `TOKEN` is the aggregate id escaped to one subject token.
+//!   Aggregate ids are 1..64 characters of `A-Za-z0-9._:-`; a subject token may not contain `.`
+//!   (nor `*`, `>` or whitespace, which ids never have). The escape character is `%`: `.` is
+//!   written `%2E` and `%` itself `%25` (ids never contain `%`, but the rule is total, so every
+//!   token decodes to one id and back). Nothing else may follow a `%`; hex digits are upper case.
+//!   `acct.7` travels as `ordered.acct%2E7`.
+//! - With partitions (a subject mapping in the NATS server, see `docs/broker.md`) the stream
+//!   stores `PREFIX.K.TOKEN`, where `K` is the partition the server computed from `TOKEN`.
+//! - **Header** `Nats-Msg-Id: <messageId>`: JetStream drops a re-publish inside its duplicate
+//!   window, and the body's `messageId` must be the same.
+//! - **Body**: the HTTP general door's JSON, `{"messageId","sequence","amount"}` with an optional
+//!   `aggregateId` that must name the subject's aggregate.
+
+use ordered_inbox::OrderedMessage;
+
+/// The header JetStream de-duplicates on.
+pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
+
+/// The aggregate id as one subject token.
+pub fn encode_aggregate(aggregate_id: &str) -> String {
+    let mut token = String::with_capacity(aggregate_id.len());
+    for character in aggregate_id.chars() {
+        match character {
+            '%' => token.push_str("%25"),
+            '.' => token.push_str("%2E"),
+            other => token.push(other),
+        }
+    }
+    token
+}
+
+/// The aggregate id a subject token carries; the error says what is wrong with the token.
+pub fn decode_aggregate(token: &str) -> Result<String, String> {
+    let mut aggregate_id = String::with_capacity(token.len());
+    let mut rest = token;
+    while let Some(position) = rest.find('%') {
+        aggregate_id.push_str(&rest[..position]);
+        let escape = rest
+            .get(position..position + 3)
+            .unwrap_or(&rest[position..]);
+        match escape {
+            "%2E" => aggregate_id.push('.'),
+            "%25" => aggregate_id.push('%'),
+            other => {
+                return Err(format!(
+                    "the subject token '{token}' has an unknown escape '{other}' (only %2E and %25)"
+                ));
+            }
+        }
+        rest = &rest[position + escape.len()..];
+    }
+    aggregate_id.push_str(rest);
+    Ok(aggregate_id)
+}
+
+/// The subject a producer publishes one aggregate's messages to.
+pub fn subject_for(prefix: &str, aggregate_id: &str) -> String {
+    format!("{prefix}.{}", encode_aggregate(aggregate_id))
+}
+
+/// The aggregate id of a stored subject: `PREFIX.TOKEN`, or `PREFIX.K.TOKEN` when the stream is
+/// partitioned (`partition` is then the one this consumer owns).
+pub fn aggregate_of_subject(
+    prefix: &str,
+    partition: Option<u32>,
+    subject: &str,
+) -> Result<String, String> {
+    let rest = subject
+        .strip_prefix(prefix)
+        .and_then(|rest| rest.strip_prefix('.'))
+        .ok_or_else(|| format!("the subject '{subject}' does not start with '{prefix}.'"))?;
+    let token = match partition {
+        None => rest,
+        Some(partition) => {
+            let (number, token) = rest.split_once('.').ok_or_else(|| {
+                format!(
+                    "the subject '{subject}' has no partition token (expected {prefix}.K.AGGREGATE)"
+                )
+            })?;
+            if number != partition.to_string() {
+                return Err(format!(
+                    "the subject '{subject}' is in partition '{number}', not {partition}"
+                ));
+            }
+            token
+        }
+    };
+    if token.is_empty() || token.contains('.') {
+        return Err(format!(
+            "the subject '{subject}' must end in exactly one aggregate token"
+        ));
+    }
+    decode_aggregate(token)
+}
+
+/// Why a delivery is malformed, with what could still be read of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Malformed {
+    pub aggregate_id: Option<String>,
+    pub message_id: Option<String>,
+    pub reason: String,
+}
+
+/// Reads one delivery: its subject, its `Nats-Msg-Id` header (if any) and its body. `body`
+/// checks the JSON as the HTTP general door does (the server passes its own validation).
+pub fn read_delivery(
+    prefix: &str,
+    partition: Option<u32>,
+    subject: &str,
+    header_id: Option<&str>,
+    body: impl FnOnce(String) -> Result<OrderedMessage, String>,
+) -> Result<OrderedMessage, Malformed> {
+    let malformed = |aggregate_id: Option<String>, reason: String| Malformed {
+        aggregate_id,
+        message_id: header_id.map(str::to_owned),
+        reason,
+    };
+    let aggregate_id = aggregate_of_subject(prefix, partition, subject)
+        .map_err(|reason| malformed(None, reason))?;
+    let Some(header_id) = header_id else {
+        return Err(malformed(
+            Some(aggregate_id),
+            format!("the {MESSAGE_ID_HEADER} header is missing"),
+        ));
+    };
+    let message = body(aggregate_id.clone())
+        .map_err(|reason| malformed(Some(aggregate_id.clone()), reason))?;
+    if message.message_id != header_id {
+        return Err(malformed(
+            Some(aggregate_id),
+            format!(
+                "the body's messageId '{}' differs from the {MESSAGE_ID_HEADER} header '{header_id}'",
+                message.message_id
+            ),
+        ));
+    }
+    Ok(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_valid_aggregate_id_round_trips_through_one_token() {
+        let alphabet: Vec<char> = ('A'..='Z')
+            .chain('a'..='z')
+            .chain('0'..='9')
+            .chain(['.', '_', ':', '-'])
+            .collect();
+        let mut ids: Vec<String> = alphabet.iter().map(|c| c.to_string()).collect();
+        ids.extend(
+            [
+                "acct.7",
+                "..",
+                "a.b.c",
+                "%",
+                "%2E",
+                "x%25.y",
+                "tenant:42.orders_x",
+            ]
+            .map(String::from),
+        );
+        ids.push(".".repeat(64));
+        for id in ids {
+            let token = encode_aggregate(&id);
+            assert!(!token.contains('.') && !token.is_empty(), "{token}");
+            assert_eq!(decode_aggregate(&token).as_deref(), Ok(id.as_str()));
+            assert_eq!(
+                aggregate_of_subject("ordered", None, &subject_for("ordered", &id)).as_deref(),
+                Ok(id.as_str())
+            );
+        }
+        assert_eq!(encode_aggregate("acct.7"), "acct%2E7");
+    }
+
+    #[test]
+    fn undecodable_subjects_say_why() {
+        for token in ["a%2", "a%2e", "a%41", "%"] {
+            assert!(decode_aggregate(token).is_err(), "{token}");
+        }
+        assert!(aggregate_of_subject("ordered", None, "other.a").is_err());
+        assert!(aggregate_of_subject("ordered", None, "ordered.").is_err());
+        assert!(aggregate_of_subject("ordered", None, "ordered.a.b").is_err());
+        assert_eq!(
+            aggregate_of_subject("ordered", Some(1), "ordered.1.acct%2E7").as_deref(),
+            Ok("acct.7")
+        );
+        assert!(aggregate_of_subject("ordered", Some(1), "ordered.0.a").is_err());
+        assert!(aggregate_of_subject("ordered", Some(1), "ordered.a").is_err());
+        assert_eq!(
+            aggregate_of_subject("lab.ordered", None, "lab.ordered.a").as_deref(),
+            Ok("a")
+        );
+    }
+
+    #[test]
+    fn the_header_must_name_the_body_message() {
+        let body = |id: &'static str| {
+            move |aggregate_id: String| {
+                Ok(OrderedMessage {
+                    message_id: id.to_owned(),
+                    aggregate_id,
+                    sequence: 1,
+                    amount: 1,
+                })
+            }
+        };
+        let good = read_delivery("ordered", None, "ordered.a", Some("m-1"), body("m-1"));
+        assert_eq!(good.map(|m| m.aggregate_id).as_deref(), Ok("a"));
+        let other = read_delivery("ordered", None, "ordered.a", Some("m-1"), body("m-2"));
+        assert!(other.unwrap_err().reason.contains("differs"));
+        let missing = read_delivery("ordered", None, "ordered.a", None, body("m-1")).unwrap_err();
+        assert_eq!(missing.aggregate_id.as_deref(), Some("a"));
+        let broken =
+            read_delivery("ordered", None, "ordered.a%zz", Some("m"), body("m")).unwrap_err();
+        assert_eq!(
+            (broken.aggregate_id, broken.message_id.as_deref()),
+            (None, Some("m"))
+        );
+    }
+}

@@ -1,0 +1,624 @@
+//! The NATS JetStream door against a real `nats-server` (Debian package `nats-server`): each test
+//! starts a private server (`-js -a 127.0.0.1 -p -1`, its own store directory, the port read from
+//! its ports file, a config file when the test needs subject mappings) and stops it at the end.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use ordered_inbox::OrderedMessage;
+use production_lab::broker::server::{NatsServer, partition_config};
+use production_lab::broker::{BrokerConfig, wire};
+use serde_json::{Value, json};
+
+use crate::helpers::{
+    ServerProcess, TestApp, client, poll_until, poll_until_within, settings_dir, spawn_app_with,
+    status_and_json,
+};
+
+/// A private nats-server; a missing binary fails the test with the Debian package's name.
+fn start_nats(config: Option<&str>) -> NatsServer {
+    NatsServer::start(config).unwrap_or_else(|error| panic!("{error}"))
+}
+
+async fn jetstream_of(nats: &NatsServer) -> jetstream::Context {
+    jetstream::new(nats.connect().await.expect("connect to nats-server"))
+}
+
+fn message(aggregate: &str, sequence: i64, amount: i64) -> OrderedMessage {
+    OrderedMessage {
+        message_id: format!("{aggregate}-{sequence}"),
+        aggregate_id: aggregate.to_owned(),
+        sequence,
+        amount,
+    }
+}
+
+/// Publishes one message on the wire format and waits for its PubAck.
+async fn publish(
+    js: &jetstream::Context,
+    message: &OrderedMessage,
+) -> jetstream::publish::PublishAck {
+    publish_raw(
+        js,
+        &wire::subject_for("ordered", &message.aggregate_id),
+        Some(&message.message_id),
+        json!({"messageId": message.message_id, "sequence": message.sequence, "amount": message.amount})
+            .to_string(),
+    )
+    .await
+}
+
+async fn publish_raw(
+    js: &jetstream::Context,
+    subject: &str,
+    header_id: Option<&str>,
+    body: String,
+) -> jetstream::publish::PublishAck {
+    let mut headers = async_nats::HeaderMap::new();
+    if let Some(id) = header_id {
+        headers.insert(wire::MESSAGE_ID_HEADER, id);
+    }
+    js.publish_with_headers(subject.to_owned(), headers, body.into())
+        .await
+        .expect("publish")
+        .await
+        .expect("PubAck")
+}
+
+/// Publishes all, each awaited for its PubAck concurrently (in windows of 512).
+async fn publish_all(js: &jetstream::Context, messages: &[OrderedMessage]) -> usize {
+    let mut duplicates = 0;
+    for window in messages.chunks(512) {
+        let mut acks = Vec::with_capacity(window.len());
+        for message in window {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(wire::MESSAGE_ID_HEADER, message.message_id.as_str());
+            let body = json!({"messageId": message.message_id, "sequence": message.sequence, "amount": message.amount});
+            acks.push(
+                js.publish_with_headers(
+                    wire::subject_for("ordered", &message.aggregate_id),
+                    headers,
+                    body.to_string().into(),
+                )
+                .await
+                .expect("publish"),
+            );
+        }
+        for ack in acks {
+            if ack.await.expect("PubAck").duplicate {
+                duplicates += 1;
+            }
+        }
+    }
+    duplicates
+}
+
+/// A deterministic shuffle (xorshift), so a failure can be replayed.
+fn shuffle<T>(items: &mut [T], mut seed: u64) {
+    for i in (1..items.len()).rev() {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        items.swap(i, (seed % (i as u64 + 1)) as usize);
+    }
+}
+
+/// `aggregates` × `per` messages (amount = sequence % 5 + 1), every aggregate out of order.
+fn shuffled_workload(prefix: &str, aggregates: usize, per: i64, seed: u64) -> Vec<OrderedMessage> {
+    let mut all: Vec<OrderedMessage> = (0..aggregates)
+        .flat_map(|a| (1..=per).map(move |s| message(&format!("{prefix}.{a}"), s, s % 5 + 1)))
+        .collect();
+    shuffle(&mut all, seed);
+    all
+}
+
+fn expected_total(per: i64) -> i64 {
+    (1..=per).map(|s| s % 5 + 1).sum()
+}
+
+async fn spawn_consumer(nats: &NatsServer, adjust: impl FnOnce(&mut BrokerConfig)) -> TestApp {
+    let mut broker = BrokerConfig::new(&nats.url).unwrap();
+    broker.ack_wait = Duration::from_secs(5);
+    adjust(&mut broker);
+    spawn_app_with(move |config| config.nats = Some(broker)).await
+}
+
+async fn broker_status(app_url: &str) -> Value {
+    let response = client()
+        .get(format!("{app_url}/broker"))
+        .send()
+        .await
+        .expect("GET /broker");
+    let (status, body) = status_and_json(response).await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// Waits until the consumer has nothing pending and nothing un-acked.
+async fn drained_consumer(app_url: &str, timeout: Duration) -> Value {
+    poll_until_within(
+        "the consumer has nothing pending",
+        timeout,
+        || broker_status(app_url),
+        |status| status["consumer"]["pending"] == 0 && status["consumer"]["ackPending"] == 0,
+    )
+    .await
+}
+
+/// `aggregate_id → (last, total, applied rows, held rows)` of one database.
+fn aggregates_in(database: &Path) -> BTreeMap<String, (i64, i64, i64, i64)> {
+    let db = rusqlite::Connection::open(database).unwrap();
+    db.busy_timeout(Duration::from_secs(5)).unwrap();
+    let mut statement = db
+        .prepare(
+            "SELECT a.aggregate_id, a.last_sequence, a.total,
+                    (SELECT COUNT(*) FROM ordered_inbox i WHERE i.aggregate_id = a.aggregate_id),
+                    (SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = a.aggregate_id)
+               FROM aggregate_state a",
+        )
+        .unwrap();
+    statement
+        .query_map([], |row| {
+            Ok((
+                row.get(0)?,
+                (row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?),
+            ))
+        })
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+fn applied_rows(database: &Path) -> i64 {
+    let db = rusqlite::Connection::open(database).unwrap();
+    db.busy_timeout(Duration::from_secs(5)).unwrap();
+    db.query_row("SELECT COUNT(*) FROM ordered_inbox", [], |row| row.get(0))
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shuffled_duplicated_deliveries_apply_exactly_once_and_in_order() {
+    const AGGREGATES: usize = 64;
+    const PER: i64 = 200;
+    let nats = start_nats(None);
+    let app = spawn_consumer(&nats, |_| {}).await;
+    let js = jetstream_of(&nats).await;
+    let mut messages = shuffled_workload("acct", AGGREGATES, PER, 0x5eed);
+    // Some published twice: JetStream's duplicate window drops the second copy.
+    let again: Vec<OrderedMessage> = messages.iter().step_by(97).cloned().collect();
+    messages.extend(again.iter().cloned());
+    let duplicates = publish_all(&js, &messages).await;
+    assert_eq!(
+        duplicates,
+        again.len(),
+        "the broker dropped every re-publish"
+    );
+
+    let total = AGGREGATES as i64 * PER;
+    poll_until_within(
+        "every message applied",
+        Duration::from_secs(240),
+        || async { applied_rows(&app.database) },
+        |rows| *rows == total,
+    )
+    .await;
+    let state = aggregates_in(&app.database);
+    assert_eq!(state.len(), AGGREGATES);
+    for (aggregate, figures) in &state {
+        assert_eq!(
+            *figures,
+            (PER, expected_total(PER), PER, 0),
+            "{aggregate}: last, total, applied rows, held rows"
+        );
+    }
+    // Applied in order: within each aggregate, the rows were inserted in sequence order.
+    let out_of_order = app.scalar(
+        "SELECT COUNT(*) FROM ordered_inbox a JOIN ordered_inbox b
+           ON a.aggregate_id = b.aggregate_id AND a.sequence < b.sequence AND a.rowid > b.rowid",
+    );
+    assert_eq!(
+        out_of_order, 0,
+        "an aggregate applied a later sequence first"
+    );
+    let status = drained_consumer(&app.address, Duration::from_secs(30)).await;
+    let outcomes = &status["counters"]["outcomes"];
+    // Each delivery applied at once or was held (and applied when it drained); nothing else.
+    let held = outcomes["held"].as_i64().unwrap_or(0);
+    assert!(held > 0, "{status}");
+    assert_eq!(
+        outcomes["applied"].as_i64().unwrap_or(0) + held,
+        total,
+        "{status}"
+    );
+    assert_eq!(outcomes.as_object().map(|o| o.len()), Some(2), "{status}");
+    assert_eq!(status["counters"]["acked"], total, "{status}");
+    assert!(app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'drained'") > 0);
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_between_commit_and_ack_is_redelivered_and_answers_replay() {
+    let nats = start_nats(None);
+    let (dir, settings) = settings_dir();
+    let database = dir.path().join("lab.db");
+    let args = ["--nats", &nats.url, "--nats-ack-wait-ms", "1000"];
+    let server = ServerProcess::start(&database, &settings, &args);
+    let js = jetstream_of(&nats).await;
+    publish(&js, &message("k", 1, 5)).await;
+    poll_until(
+        "the first message applied and acked",
+        || broker_status(&server.address),
+        |status| status["counters"]["acked"] == 1,
+    )
+    .await;
+    let armed = client()
+        .post(server.url("/lab/broker/pause-after-commit"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(armed.status(), 204);
+    publish(&js, &message("k", 2, 7)).await;
+    poll_until(
+        "the consumer paused after its COMMIT",
+        || broker_status(&server.address),
+        |status| status["counters"]["pausedAfterCommit"] == true,
+    )
+    .await;
+    assert_eq!(
+        aggregates_in(&database)["k"],
+        (2, 12, 2, 0),
+        "committed before the kill"
+    );
+    server.signal("KILL");
+    drop(server);
+
+    let server = ServerProcess::start(&database, &settings, &args);
+    let status = poll_until(
+        "the un-acked message redelivered, answered replay and acked",
+        || broker_status(&server.address),
+        |status| status["counters"]["outcomes"]["replay"] == 1 && status["counters"]["acked"] == 1,
+    )
+    .await;
+    assert_eq!(
+        status["counters"]["outcomes"]["applied"],
+        Value::Null,
+        "{status}"
+    );
+    drained_consumer(&server.address, Duration::from_secs(10)).await;
+    assert_eq!(
+        aggregates_in(&database)["k"],
+        (2, 12, 2, 0),
+        "the effect happened once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_batch_in_hand_and_exits_zero() {
+    let nats = start_nats(None);
+    let (dir, settings) = settings_dir();
+    let database = dir.path().join("lab.db");
+    let args = [
+        "--nats",
+        &nats.url,
+        "--nats-ack-wait-ms",
+        "2000",
+        "--nats-batch",
+        "16",
+    ];
+    let mut server = ServerProcess::start(&database, &settings, &args);
+    let js = jetstream_of(&nats).await;
+    let messages = shuffled_workload("t", 4, 100, 7);
+    publish_all(&js, &messages).await;
+    poll_until(
+        "some messages applied",
+        || async { applied_rows(&database) },
+        |rows| *rows > 0,
+    )
+    .await;
+    server.signal("TERM");
+    let exit = server.exit_status().await;
+    assert!(exit.success(), "exit status {exit}");
+    drop(server);
+
+    let server = ServerProcess::start(&database, &settings, &args);
+    poll_until_within(
+        "the next run finishes the stream",
+        Duration::from_secs(60),
+        || async { applied_rows(&database) },
+        |rows| *rows == 400,
+    )
+    .await;
+    drained_consumer(&server.address, Duration::from_secs(20)).await;
+    for figures in aggregates_in(&database).values() {
+        assert_eq!(*figures, (100, expected_total(100), 100, 0));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_reconnects_after_the_nats_server_restarts() {
+    let mut nats = start_nats(None);
+    let app = spawn_consumer(&nats, |config| config.ack_wait = Duration::from_secs(2)).await;
+    let messages = shuffled_workload("r", 8, 100, 11);
+    let (first, second) = messages.split_at(messages.len() / 2);
+    publish_all(&jetstream_of(&nats).await, first).await;
+    poll_until(
+        "the consumer started on the first half",
+        || async { applied_rows(&app.database) },
+        |rows| *rows > 0,
+    )
+    .await;
+    nats.restart().expect("nats-server restarts");
+    publish_all(&jetstream_of(&nats).await, second).await;
+    poll_until_within(
+        "every message applied after the restart",
+        Duration::from_secs(90),
+        || async { applied_rows(&app.database) },
+        |rows| *rows == 800,
+    )
+    .await;
+    drained_consumer(&app.address, Duration::from_secs(30)).await;
+    for figures in aggregates_in(&app.database).values() {
+        assert_eq!(*figures, (100, expected_total(100), 100, 0));
+    }
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_blocks_its_aggregate_with_successors_held_until_a_skip_drains_them() {
+    let nats = start_nats(None);
+    let app = spawn_consumer(&nats, |_| {}).await;
+    let js = jetstream_of(&nats).await;
+    let mut messages = shuffled_workload("ok", 4, 20, 3);
+    let poisoned: Vec<OrderedMessage> = (1..=8)
+        .map(|s| message("p.1", s, if s == 4 { -1 } else { s }))
+        .collect();
+    messages.extend(poisoned.iter().rev().cloned());
+    shuffle(&mut messages, 99);
+    publish_all(&js, &messages).await;
+    poll_until_within(
+        "the healthy aggregates finished",
+        Duration::from_secs(60),
+        || async { applied_rows(&app.database) },
+        |rows| *rows == 80 + 3,
+    )
+    .await;
+    drained_consumer(&app.address, Duration::from_secs(20)).await;
+    let (status, view) = status_and_json(app.get("/aggregates/p.1").await).await;
+    assert_eq!(status, 200);
+    assert_eq!(view["status"], "blocked", "{view}");
+    assert_eq!(view["last"], 3);
+    assert_eq!(view["heldSequences"], json!([5, 6, 7, 8]), "{view}");
+    let (_, blocked) = status_and_json(app.get("/aggregates?status=blocked").await).await;
+    assert_eq!(blocked["aggregates"][0]["held"], 4, "{blocked}");
+
+    let token = ordered_inbox::sqlite::operators::add(&app.database, "alice").unwrap();
+    let skip = app
+        .client
+        .post(app.url("/deadletters/p.1-4/resolution"))
+        .bearer_auth(&token)
+        .json(&json!({"action": "skip", "expectedLast": 3, "reason": "cancelled upstream"}))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = status_and_json(skip).await;
+    assert_eq!(status, 200, "{body}");
+    let (_, view) = status_and_json(app.get("/aggregates/p.1").await).await;
+    assert_eq!(
+        (
+            view["status"].clone(),
+            view["last"].clone(),
+            view["total"].clone()
+        ),
+        (json!("flowing"), json!(8), json!(1 + 2 + 3 + 5 + 6 + 7 + 8)),
+        "{view}"
+    );
+    assert_eq!(view["heldSequences"], json!([]));
+    let drained = app.rows(
+        "SELECT sequence FROM aggregate_timeline
+          WHERE aggregate_id = 'p.1' AND kind = 'drained'
+            AND id > (SELECT id FROM aggregate_timeline WHERE aggregate_id = 'p.1' AND kind = 'skipped')
+          ORDER BY id",
+        |row| row.get::<_, i64>(0),
+    );
+    assert_eq!(drained, [5, 6, 7, 8], "drained in order after the skip");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_deliveries_are_terminated_listed_and_never_stop_the_consumer() {
+    let nats = start_nats(None);
+    let app = spawn_consumer(&nats, |_| {}).await;
+    let js = jetstream_of(&nats).await;
+    let good = |id: &str, sequence: i64| {
+        json!({"messageId": id, "sequence": sequence, "amount": 1}).to_string()
+    };
+    publish_raw(&js, "ordered.m", Some("m-1"), "{\"messageId\":".to_owned()).await;
+    publish_raw(&js, "ordered.m", Some("m-2"), good("other-id", 1)).await;
+    publish_raw(
+        &js,
+        "ordered.m",
+        Some("m-3"),
+        json!({"messageId": "m-3"}).to_string(),
+    )
+    .await;
+    publish_raw(&js, "ordered.m%zz", Some("m-4"), good("m-4", 1)).await;
+    publish_raw(&js, "ordered.m", None, good("m-5", 1)).await;
+    publish_raw(&js, "ordered.m", Some("ok-1"), good("ok-1", 1)).await;
+    // A stale sequence and a payload conflict are terminated too.
+    publish_raw(&js, "ordered.m", Some("late-1"), good("late-1", 1)).await;
+    let (status, _) = status_and_json(
+        app.post_json(
+            "/aggregates/n/messages",
+            &json!({"messageId": "c-1", "sequence": 1, "amount": 1}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(status, 200);
+    publish_raw(
+        &js,
+        "ordered.n",
+        Some("c-1"),
+        json!({"messageId": "c-1", "sequence": 1, "amount": 2}).to_string(),
+    )
+    .await;
+    publish_raw(&js, "ordered.m", Some("ok-2"), good("ok-2", 2)).await;
+
+    let listed = poll_until(
+        "the rejected deliveries listed",
+        || async {
+            let (_, body) = status_and_json(app.get("/broker/rejected").await).await;
+            body["rejected"].as_array().cloned().unwrap_or_default()
+        },
+        |rejected| rejected.len() == 7,
+    )
+    .await;
+    let outcomes: HashMap<String, usize> = listed.iter().fold(HashMap::new(), |mut counts, r| {
+        *counts
+            .entry(r["outcome"].as_str().unwrap_or("").to_owned())
+            .or_default() += 1;
+        counts
+    });
+    assert_eq!(outcomes["malformed"], 5, "{listed:?}");
+    assert_eq!(outcomes["stale"], 1, "{listed:?}");
+    assert_eq!(outcomes["payload conflict"], 1, "{listed:?}");
+    assert!(
+        listed
+            .iter()
+            .all(|r| r["reason"].as_str().is_some_and(|s| !s.is_empty()))
+    );
+    let undecodable = listed
+        .iter()
+        .find(|r| r["subject"] == "ordered.m%zz")
+        .expect("the undecodable subject is listed");
+    assert_eq!(undecodable["aggregateId"], Value::Null);
+    let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
+    assert_eq!(status["counters"]["terminated"], 7, "{status}");
+    let (_, view) = status_and_json(app.get("/aggregates/m").await).await;
+    assert_eq!(
+        (view["last"].clone(), view["total"].clone()),
+        (json!(2), json!(2))
+    );
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_on_two_partitions_apply_every_message_once_between_them() {
+    let nats = start_nats(Some(&partition_config("ordered", 2)));
+    let apps = [
+        spawn_consumer(&nats, |c| {
+            c.partitions = 2;
+            c.partition = 0;
+        })
+        .await,
+        spawn_consumer(&nats, |c| {
+            c.partitions = 2;
+            c.partition = 1;
+        })
+        .await,
+    ];
+    let messages = shuffled_workload("part", 16, 30, 5);
+    publish_all(&jetstream_of(&nats).await, &messages).await;
+    poll_until_within(
+        "every message applied by one partition or the other",
+        Duration::from_secs(60),
+        || async {
+            apps.iter()
+                .map(|app| applied_rows(&app.database))
+                .sum::<i64>()
+        },
+        |rows| *rows == 16 * 30,
+    )
+    .await;
+    let [zero, one] = &apps;
+    let first = aggregates_in(&zero.database);
+    let second = aggregates_in(&one.database);
+    assert!(
+        !first.is_empty() && !second.is_empty(),
+        "both partitions got work"
+    );
+    assert_eq!(first.len() + second.len(), 16);
+    for (aggregate, figures) in first.iter().chain(second.iter()) {
+        assert_eq!(*figures, (30, expected_total(30), 30, 0), "{aggregate}");
+    }
+    assert!(
+        first
+            .keys()
+            .all(|aggregate| !second.contains_key(aggregate)),
+        "an aggregate appears in both databases"
+    );
+    for app in &apps {
+        drained_consumer(&app.address, Duration::from_secs(10)).await;
+    }
+    for app in apps {
+        app.stop().await;
+    }
+}
+
+#[test]
+fn a_nats_url_off_loopback_is_refused_at_start_with_one_line() {
+    let (_dir, settings) = settings_dir();
+    let output = crate::helpers::command()
+        .args([
+            "serve",
+            "--environment",
+            "Development",
+            "--urls",
+            "http://127.0.0.1:0",
+        ])
+        .arg("--settings")
+        .arg(&settings)
+        .args(["--nats", "nats://10.1.2.3:4222"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("loopback"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_hold_limit_a_message_is_nakd_and_applies_when_redelivered() {
+    let nats = start_nats(None);
+    let mut broker = BrokerConfig::new(&nats.url).unwrap();
+    broker.nak_delay = Duration::from_millis(100);
+    let app = spawn_app_with(move |config| {
+        config.nats = Some(broker);
+        config.max_held_per_aggregate = 2;
+    })
+    .await;
+    let js = jetstream_of(&nats).await;
+    for sequence in [5, 4, 3, 2] {
+        publish(&js, &message("h", sequence, sequence)).await;
+    }
+    let status = poll_until(
+        "two held, the others nak'd",
+        || broker_status(&app.address),
+        |status| status["counters"]["nakd"].as_i64().unwrap_or(0) >= 2,
+    )
+    .await;
+    assert_eq!(status["counters"]["outcomes"]["held"], 2, "{status}");
+    let (_, view) = status_and_json(app.get("/aggregates/h").await).await;
+    assert_eq!(view["heldSequences"], json!([4, 5]), "{view}");
+    let (_, waiting) = status_and_json(app.get("/aggregates?status=waiting").await).await;
+    assert_eq!(waiting["aggregates"][0]["held"], 2, "{waiting}");
+    publish(&js, &message("h", 1, 1)).await;
+    poll_until(
+        "the nak'd messages redelivered and everything applied",
+        || async { status_and_json(app.get("/aggregates/h").await).await.1 },
+        |view| view["last"] == 5 && view["status"] == "flowing",
+    )
+    .await;
+    let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
+    assert!(
+        status["counters"]["outcomes"]["hold full"]
+            .as_i64()
+            .unwrap_or(0)
+            >= 2,
+        "{status}"
+    );
+    assert_eq!(aggregates_in(&app.database)["h"], (5, 15, 5, 0));
+    app.stop().await;
+}
