@@ -14,8 +14,8 @@ use crate::model::{AggregateStatus, Door, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
-    AggregateCounts, AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, Page,
-    PageRequest, ResolutionRecord, TimelineEvent,
+    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
+    InventoryEntry, Page, PageRequest, ResolutionRecord, TimelineEvent,
 };
 
 /// A store failure underneath an inbox operation.
@@ -79,4 +79,29 @@ pub trait Inbox: Send + Sync {
 
     /// Applied messages, dead letters and last sequence of one aggregate.
     async fn counts(&self, aggregate_id: String) -> Result<AggregateCounts, InboxError>;
+
+    /// The aggregate's applied messages (its `ordered_inbox` rows) in sequence order, after
+    /// sequence `page.after`.
+    ///
+    /// Added after the first backends: the default answers [`InboxError::Failed`], so a backend
+    /// that does not override it still builds, and says so when asked.
+    async fn applied_messages(
+        &self,
+        aggregate_id: String,
+        page: PageRequest,
+    ) -> Result<Page<AppliedMessage>, InboxError> {
+        let _ = (aggregate_id, page);
+        Err(not_provided("applied_messages"))
+    }
+
+    /// One dead letter by its message id, with its resolution if it has one. Defaults to
+    /// [`InboxError::Failed`] like [`Inbox::applied_messages`].
+    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
+        let _ = message_id;
+        Err(not_provided("dead_letter"))
+    }
+}
+
+fn not_provided(operation: &str) -> InboxError {
+    InboxError::Failed(format!("this inbox backend does not provide {operation}"))
 }
