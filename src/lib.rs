@@ -5,6 +5,7 @@ pub mod app;
 pub mod aspnet;
 pub mod bench;
 pub mod config;
+pub mod console;
 pub mod dotnet_json;
 pub mod error;
 pub mod etag;
