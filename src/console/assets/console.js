@@ -155,8 +155,9 @@ const LabConsole = (() => {
       indicator.dataset.state = state;
       indicator.textContent = text;
     };
+    let source = null;
     const connect = () => {
-      const source = new EventSource('/console/events');
+      source = new EventSource('/console/events');
       source.addEventListener('hello', () => {
         show('live', 'live');
         onReset();
@@ -172,8 +173,8 @@ const LabConsole = (() => {
         }
         onChange(change);
       });
-      source.addEventListener('error', () => {
-        if (source.readyState === EventSource.CLOSED) {
+      source.addEventListener('error', (event) => {
+        if (event.target.readyState === EventSource.CLOSED && event.target === source) {
           // Refused (too many streams) or the server is gone: try again a little later.
           show('reconnecting', 'not live: retrying');
           setTimeout(connect, 10000);
@@ -182,6 +183,15 @@ const LabConsole = (() => {
         }
       });
     };
+    // A page the browser keeps for going back (the back/forward cache) must not keep its stream:
+    // browsers allow six connections to one server, and each kept page would hold one.
+    window.addEventListener('pagehide', () => {
+      if (source) source.close();
+      source = null;
+    });
+    window.addEventListener('pageshow', (event) => {
+      if (event.persisted && !source) connect();
+    });
     connect();
   }
 
