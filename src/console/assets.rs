@@ -50,14 +50,18 @@ const LABS: Page = Page {
     nav: "labs",
 };
 
-fn render(page: &Page) -> Response {
+/// The page's HTML: the layout with the page's title, scripts, current nav entry and `<main>`.
+fn html(page: &Page) -> String {
     let current = format!("data-nav=\"{}\"", page.nav);
-    let html = LAYOUT
+    LAYOUT
         .replace("{{title}}", page.title)
         .replace("{{page}}", page.name)
         .replace(&current, &format!("{current} aria-current=\"page\""))
-        .replace("{{main}}", page.main);
-    let mut response = Html(html).into_response();
+        .replace("{{main}}", page.main)
+}
+
+fn render(page: &Page) -> Response {
+    let mut response = Html(html(page)).into_response();
     response
         .headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -155,9 +159,12 @@ mod tests {
     #[test]
     fn every_page_names_its_script_and_fills_its_main() {
         for page in [&LESSON, &AGGREGATES, &AGGREGATE, &DEAD_LETTER, &LABS] {
-            let html = LAYOUT
-                .replace("{{page}}", page.name)
-                .replace("{{main}}", page.main);
+            let html = html(page);
+            assert!(
+                html.contains("aria-current=\"page\""),
+                "{} marks its nav entry",
+                page.name
+            );
             assert!(!html.contains("{{"), "{} leaves a placeholder", page.name);
             let script = format!("/console/assets/{}.js", page.name);
             assert!(html.contains(&script), "{} loads {script}", page.name);
