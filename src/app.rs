@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, StartupError, load_settings, parse_listen_url, require_development};
+use crate::console::{ConsoleEvents, NotifyingInbox};
 use crate::labs;
 use crate::labs::ordered::SharedInbox;
 use crate::startup::StartupContext;
@@ -38,8 +39,10 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 #[derive(Clone, FromRef)]
 pub struct AppState {
     pub store: Store,
-    /// The ordered inbox on the same store.
+    /// The ordered inbox on the same store; every committed change is published to the console.
     pub inbox: SharedInbox,
+    /// Live updates for open console pages.
+    pub console: ConsoleEvents,
     pub config: Arc<Config>,
     /// Cancelled when shutdown begins; background work watches it.
     pub shutdown: CancellationToken,
@@ -108,6 +111,8 @@ impl Application {
             shutdown: &shutdown,
             tasks: &tasks,
         };
+        let console = ConsoleEvents::new(shutdown.clone());
+        let inbox = SqliteInbox::new(store.clone(), config.inbox_limits());
         let state = AppState {
             messaging: labs::messaging::MessagingLab::new(&context)?,
             http: labs::http::HttpLab::new(&context)?,
@@ -116,7 +121,8 @@ impl Application {
             privacy: labs::privacy::PrivacyLab::new(&context)?,
             worker: labs::worker::WorkerLab::new(&context)?,
             broker,
-            inbox: Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
+            inbox: Arc::new(NotifyingInbox::new(Arc::new(inbox), console.clone())),
+            console,
             store,
             config: Arc::new(config),
             shutdown,
@@ -213,6 +219,7 @@ pub fn router(state: AppState) -> Router {
         .merge(labs::contracts::routes())
         .merge(labs::pipeline::routes())
         .merge(crate::broker::routes())
+        .merge(crate::console::routes())
         .with_state(state)
         // The middleware that wraps every route (and the 404 fallback), outermost first as in
         // the seed: host filtering, forwarded headers, CORS. `layer` wraps what is already

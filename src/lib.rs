@@ -6,6 +6,7 @@ pub mod aspnet;
 pub mod bench;
 pub mod broker;
 pub mod config;
+pub mod console;
 pub mod dotnet_json;
 pub mod error;
 pub mod etag;

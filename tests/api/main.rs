@@ -1,12 +1,14 @@
 //! The one integration-test binary: every test talks to a real server over loopback HTTP with a
 //! fresh SQLite file. One module per lab.
 
+mod browser;
 mod helpers;
 
 mod aggregates;
 mod broker;
 mod cache;
 mod connections;
+mod console;
 mod contracts;
 mod crash;
 mod http;

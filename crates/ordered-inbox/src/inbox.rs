@@ -14,8 +14,8 @@ use crate::model::{AggregateStatus, Door, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
-    AggregateCounts, AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, Page,
-    PageRequest, ResolutionRecord, TimelineEvent,
+    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
+    InventoryEntry, Page, PageRequest, ResolutionRecord, TimelineEvent,
 };
 
 /// A store failure underneath an inbox operation.
@@ -40,20 +40,12 @@ pub trait Inbox: Send + Sync {
     /// answers one outcome per delivery, in that order. A broker consumer hands over what it
     /// fetched together, so that it costs one commit.
     ///
-    /// A backend overrides this to write them all in ONE transaction: `Ok` means all committed,
-    /// `Err` that none did. The default delivers them one by one: `Ok` still means all committed,
-    /// but after an `Err` a prefix may have (each delivery is safe to repeat: a repeat is a
-    /// replay).
+    /// A backend writes them all in ONE transaction: `Ok` means all committed, `Err` that none
+    /// did.
     async fn deliver_batch(
         &self,
         deliveries: Vec<(OrderedMessage, Door)>,
-    ) -> Result<Vec<Outcome>, InboxError> {
-        let mut outcomes = Vec::with_capacity(deliveries.len());
-        for (message, door) in deliveries {
-            outcomes.push(self.deliver(message, door).await?);
-        }
-        Ok(outcomes)
-    }
+    ) -> Result<Vec<Outcome>, InboxError>;
 
     /// Resolves a dead letter for an authenticated operator, or (dry run) reports what that would
     /// do.
@@ -98,4 +90,15 @@ pub trait Inbox: Send + Sync {
 
     /// Applied messages, dead letters and last sequence of one aggregate.
     async fn counts(&self, aggregate_id: String) -> Result<AggregateCounts, InboxError>;
+
+    /// The aggregate's applied messages (its `ordered_inbox` rows) in sequence order, after
+    /// sequence `page.after`.
+    async fn applied_messages(
+        &self,
+        aggregate_id: String,
+        page: PageRequest,
+    ) -> Result<Page<AppliedMessage>, InboxError>;
+
+    /// One dead letter by its message id, with its resolution if it has one.
+    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError>;
 }

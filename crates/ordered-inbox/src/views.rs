@@ -47,6 +47,21 @@ pub const HELD_SHOWN: i64 = 1000;
 /// The most open dead letters [`AggregateView`] lists.
 pub const OPEN_DEAD_LETTERS_SHOWN: i64 = 1000;
 
+/// One applied message: a row of `ordered_inbox`. Rows recorded by the original lab before the
+/// columns existed were backfilled from their payload; a payload that never parsed leaves them
+/// unknown.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AppliedMessage {
+    pub message_id: String,
+    pub aggregate_id: Option<String>,
+    pub sequence: Option<i64>,
+    pub amount: Option<i64>,
+    /// The canonical payload as stored: opaque JSON.
+    pub payload: Value,
+    pub applied_at: Option<String>,
+}
+
 /// One line of the inventory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]

@@ -54,7 +54,7 @@ const MAX_LIMIT: i64 = 1000;
 
 /// An aggregate id: 1..64 characters of `A-Za-z0-9._:-`, but not `.` or `..`: clients normalise
 /// those path segments away, so such an aggregate could be written once and never reached again.
-fn validate_aggregate_id(name: &str, aggregate_id: &str) -> Result<(), AppError> {
+pub(crate) fn validate_aggregate_id(name: &str, aggregate_id: &str) -> Result<(), AppError> {
     if matches!(aggregate_id, "." | "..") {
         return Err(AppError::bad_request(format!(
             "{name} must not be '.' or '..': URL paths drop those segments"
@@ -75,7 +75,7 @@ fn validate_aggregate_id(name: &str, aggregate_id: &str) -> Result<(), AppError>
 }
 
 /// A message id: 1..100 characters, not blank, no control characters.
-fn validate_message_id(name: &str, message_id: &str) -> Result<(), AppError> {
+pub(crate) fn validate_message_id(name: &str, message_id: &str) -> Result<(), AppError> {
     let length = message_id.chars().count();
     let valid = (1..=MAX_MESSAGE_ID).contains(&length)
         && !message_id.trim().is_empty()
@@ -111,7 +111,10 @@ fn validate_limit(limit: Option<i64>) -> Result<i64, AppError> {
 }
 
 /// A page request from `after` (a cursor: the `next` of the previous page) and `limit`.
-fn page_request(after: Option<i64>, limit: Option<i64>) -> Result<PageRequest, AppError> {
+pub(crate) fn page_request(
+    after: Option<i64>,
+    limit: Option<i64>,
+) -> Result<PageRequest, AppError> {
     let after = match after {
         None => 0,
         Some(after) if after >= 0 => after,
@@ -125,7 +128,7 @@ fn page_request(after: Option<i64>, limit: Option<i64>) -> Result<PageRequest, A
 
 /// One page of a list as the body shows it: the items under `name`, then `next`, the `after` of
 /// the following page (null at the end), and any fields the route adds first.
-fn page_body<T: Serialize>(mut head: Value, name: &str, page: Page<T>) -> Value {
+pub(crate) fn page_body<T: Serialize>(mut head: Value, name: &str, page: Page<T>) -> Value {
     if let Some(body) = head.as_object_mut() {
         body.insert(name.to_owned(), json!(page.items));
         body.insert("next".to_owned(), json!(page.next));

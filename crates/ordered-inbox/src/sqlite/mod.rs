@@ -29,8 +29,8 @@ use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
-    AggregateCounts, AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, Page,
-    PageRequest, ResolutionRecord, TimelineEvent,
+    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
+    InventoryEntry, Page, PageRequest, ResolutionRecord, TimelineEvent,
 };
 
 impl From<StoreError> for ResolutionError {
@@ -182,13 +182,83 @@ impl Inbox for SqliteInbox {
         self.read(move |connection| views::counts(connection, &aggregate_id))
             .await
     }
+
+    async fn applied_messages(
+        &self,
+        aggregate_id: String,
+        page: PageRequest,
+    ) -> Result<Page<AppliedMessage>, InboxError> {
+        self.read(move |connection| views::applied_messages(connection, &aggregate_id, page))
+            .await
+    }
+
+    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
+        self.read(move |connection| views::dead_letter(connection, &message_id))
+            .await
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn message(id: &str, sequence: i64) -> OrderedMessage {
+    fn message(id: &str, sequence: i64, amount: i64) -> OrderedMessage {
+        OrderedMessage {
+            message_id: id.into(),
+            aggregate_id: "acct".into(),
+            sequence,
+            amount,
+        }
+    }
+
+    #[tokio::test]
+    async fn applied_messages_page_in_sequence_order_and_a_dead_letter_reads_by_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = SqliteInbox::open(
+            &dir.path().join("inbox.db"),
+            Synchronous::Normal,
+            Limits::default(),
+        )
+        .unwrap();
+        for (id, sequence, amount) in [("m-1", 1, 5), ("m-2", 2, 7), ("bad-3", 3, -1)] {
+            inbox
+                .deliver(message(id, sequence, amount), Door::General)
+                .await
+                .unwrap();
+        }
+        let first = inbox
+            .applied_messages("acct".into(), PageRequest { after: 0, limit: 1 })
+            .await
+            .unwrap();
+        assert_eq!(first.items.len(), 1);
+        assert_eq!(first.items[0].message_id, "m-1");
+        assert_eq!(first.items[0].amount, Some(5));
+        assert_eq!(
+            first.items[0].payload,
+            serde_json::json!({"AggregateId": "acct", "Sequence": 1, "Amount": 5})
+        );
+        assert_eq!(first.next, Some(1));
+        let rest = inbox
+            .applied_messages(
+                "acct".into(),
+                PageRequest {
+                    after: 1,
+                    limit: 10,
+                },
+            )
+            .await
+            .unwrap();
+        let ids: Vec<&str> = rest.items.iter().map(|m| m.message_id.as_str()).collect();
+        assert_eq!((ids, rest.next), (vec!["m-2"], None));
+
+        let poison = inbox.dead_letter("bad-3".into()).await.unwrap().unwrap();
+        assert_eq!(poison.sequence, Some(3));
+        assert_eq!(poison.status, crate::DeadLetterStatus::Open);
+        assert_eq!(inbox.dead_letter("m-1".into()).await.unwrap(), None);
+        inbox.shutdown().await;
+    }
+
+    fn message_in_a(id: &str, sequence: i64) -> OrderedMessage {
         OrderedMessage {
             message_id: id.into(),
             aggregate_id: "a".into(),
@@ -208,9 +278,9 @@ mod tests {
         .unwrap();
         let before = inbox.store().stats();
         let batch = vec![
-            (message("m-2", 2), Door::Broker),
-            (message("m-1", 1), Door::Broker),
-            (message("m-2", 2), Door::Broker),
+            (message_in_a("m-2", 2), Door::Broker),
+            (message_in_a("m-1", 1), Door::Broker),
+            (message_in_a("m-2", 2), Door::Broker),
         ];
         let outcomes = inbox.deliver_batch(batch).await.unwrap();
         assert!(matches!(outcomes[0], Outcome::Held { .. }));

@@ -7,9 +7,9 @@ use serde_json::Value;
 use super::engine::parsed;
 use crate::model::{AggregateStatus, Position};
 use crate::views::{
-    AggregateCounts, AggregateSummary, AggregateView, DeadLetterFilter, DeadLetterView, HELD_SHOWN,
-    InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page, PageRequest, Replacement, ResolutionRecord,
-    ResolutionSummary, TimelineEvent,
+    AggregateCounts, AggregateSummary, AggregateView, AppliedMessage, DeadLetterFilter,
+    DeadLetterView, HELD_SHOWN, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page, PageRequest,
+    Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
 };
 
 pub fn aggregate_summary(
@@ -291,6 +291,39 @@ pub fn resolutions(
     Ok(Page::from_rows(rows, page.limit))
 }
 
+/// The aggregate's applied messages after sequence `page.after`, in sequence order (the unique
+/// index on `(aggregate_id, sequence)` serves both the seek and the order).
+pub fn applied_messages(
+    connection: &Connection,
+    aggregate_id: &str,
+    page: PageRequest,
+) -> rusqlite::Result<Page<AppliedMessage>> {
+    let rows = connection
+        .prepare_cached(
+            "SELECT message_id, aggregate_id, sequence, amount, payload, applied_at
+               FROM ordered_inbox
+              WHERE aggregate_id = ?1 AND sequence > ?2
+              ORDER BY sequence LIMIT ?3",
+        )?
+        .query_map(
+            params![aggregate_id, page.after, page.limit.saturating_add(1)],
+            |row| {
+                let payload: String = row.get(4)?;
+                let message = AppliedMessage {
+                    message_id: row.get(0)?,
+                    aggregate_id: row.get(1)?,
+                    sequence: row.get(2)?,
+                    amount: row.get(3)?,
+                    payload: serde_json::from_str(&payload).unwrap_or(Value::String(payload)),
+                    applied_at: row.get(5)?,
+                };
+                Ok((message.sequence.unwrap_or(0), message))
+            },
+        )?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    Ok(Page::from_rows(rows, page.limit))
+}
+
 /// Applied messages, dead letters and last sequence of one aggregate.
 pub fn counts(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<AggregateCounts> {
     connection
@@ -328,6 +361,7 @@ mod tests {
             "SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = 'demo'".to_owned(),
             "SELECT sequence FROM held_messages WHERE aggregate_id = 'a' ORDER BY sequence".to_owned(),
             "SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = 'a'".to_owned(),
+            "SELECT message_id FROM ordered_inbox WHERE aggregate_id = 'a' AND sequence > 0 ORDER BY sequence".to_owned(),
         ];
         for sql in statements {
             let mut plan = connection

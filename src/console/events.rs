@@ -1,0 +1,359 @@
+//! Live updates for open console pages: every committed change to the inbox is published on a
+//! small broadcast channel, and `GET /console/events` streams it to each page as server-sent
+//! events.
+//!
+//! Bounds: the channel keeps the last [`EVENTS_KEPT`] changes for each listener (a page that
+//! falls further behind gets one `lagged` event and reloads what it shows), at most
+//! [`MAX_STREAMS`] streams are open at once (the next one answers 503), and every stream ends
+//! when shutdown begins, so an open page never holds the graceful drain.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::Stream;
+use ordered_inbox::operators::OperatorCheck;
+use ordered_inbox::views::{
+    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
+    InventoryEntry, Page, PageRequest, ResolutionRecord, TimelineEvent,
+};
+use ordered_inbox::{
+    AggregateStatus, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome, ResolutionError,
+    ResolutionRequest, Resolved,
+};
+use serde::Serialize;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, broadcast};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::AppError;
+
+/// Changes a listener may fall behind by before it is told to reload instead.
+pub const EVENTS_KEPT: usize = 64;
+/// Event streams open at once, across all clients.
+pub const MAX_STREAMS: usize = 16;
+/// A comment line this often keeps proxies and the browser from timing the stream out, and lets
+/// the server notice a page that went away.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// How long a browser waits before it reconnects a dropped stream.
+const RECONNECT_AFTER: Duration = Duration::from_secs(2);
+
+/// One committed change to the inbox, as pages receive it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InboxChange {
+    pub aggregate_id: String,
+    pub message_id: String,
+    /// What happened: a delivery's verdict (`applied`, `gap`, `quarantined` …) or `resolved`.
+    pub change: &'static str,
+}
+
+/// The console's broadcast; cheap to clone.
+#[derive(Clone)]
+pub struct ConsoleEvents {
+    sender: broadcast::Sender<InboxChange>,
+    streams: Arc<Semaphore>,
+    shutdown: CancellationToken,
+}
+
+impl ConsoleEvents {
+    /// Streams end when `shutdown` is cancelled.
+    pub fn new(shutdown: CancellationToken) -> Self {
+        ConsoleEvents {
+            sender: broadcast::Sender::new(EVENTS_KEPT),
+            streams: Arc::new(Semaphore::new(MAX_STREAMS)),
+            shutdown,
+        }
+    }
+
+    /// Tells every open page; nobody listening is fine.
+    pub fn publish(&self, change: InboxChange) {
+        let _ = self.sender.send(change);
+    }
+
+    /// A listener's stream, or `None` when [`MAX_STREAMS`] are already open.
+    fn open(&self) -> Option<impl Stream<Item = Result<Event, Infallible>> + use<>> {
+        let permit = self.streams.clone().try_acquire_owned().ok()?;
+        let listener = Listener {
+            receiver: self.sender.subscribe(),
+            shutdown: self.shutdown.clone(),
+            _permit: permit,
+            greeted: false,
+        };
+        Some(futures_util::stream::unfold(
+            listener,
+            |mut listener| async move {
+                let event = listener.next().await?;
+                Some((Ok(event), listener))
+            },
+        ))
+    }
+}
+
+/// One open stream: its place in the broadcast and its share of the stream cap.
+struct Listener {
+    receiver: broadcast::Receiver<InboxChange>,
+    shutdown: CancellationToken,
+    _permit: OwnedSemaphorePermit,
+    greeted: bool,
+}
+
+impl Listener {
+    /// The next event to send, or `None` to end the stream.
+    async fn next(&mut self) -> Option<Event> {
+        if !self.greeted {
+            self.greeted = true;
+            // The page loads what it shows once this arrives, so nothing between its first read
+            // and its subscription is missed.
+            return Some(
+                Event::default()
+                    .event("hello")
+                    .data("live")
+                    .retry(RECONNECT_AFTER),
+            );
+        }
+        let received = tokio::select! {
+            () = self.shutdown.cancelled() => return None,
+            received = self.receiver.recv() => received,
+        };
+        match received {
+            Ok(change) => Some(change_event(&change)),
+            Err(broadcast::error::RecvError::Lagged(missed)) => {
+                Some(Event::default().event("lagged").data(missed.to_string()))
+            }
+            Err(broadcast::error::RecvError::Closed) => None,
+        }
+    }
+}
+
+fn change_event(change: &InboxChange) -> Event {
+    // A struct of strings always serializes; a failure would only cost the page a reload.
+    Event::default()
+        .event("change")
+        .json_data(change)
+        .unwrap_or_else(|_| Event::default().event("lagged").data("0"))
+}
+
+/// `GET /console/events`: `text/event-stream` of `hello`, then `change` (JSON) and `lagged`.
+pub async fn events(State(console): State<ConsoleEvents>) -> Response {
+    let Some(stream) = console.open() else {
+        let mut response = AppError::problem_with_detail(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Too many console streams",
+            format!("{MAX_STREAMS} console pages are already receiving live updates; close one or retry later"),
+        )
+        .into_response();
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        return response;
+    };
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
+        .into_response()
+}
+
+/// The inbox with a console broadcast: every committed change is published after it committed.
+/// Whatever door, route or consumer writes through it, open pages hear of it.
+pub struct NotifyingInbox {
+    inner: Arc<dyn Inbox>,
+    events: ConsoleEvents,
+}
+
+impl NotifyingInbox {
+    pub fn new(inner: Arc<dyn Inbox>, events: ConsoleEvents) -> Self {
+        NotifyingInbox { inner, events }
+    }
+}
+
+/// The change a delivery's outcome made, if any: a replay writes nothing.
+fn delivery_change(outcome: &Outcome) -> Option<&'static str> {
+    match outcome {
+        Outcome::Applied { .. } => Some("applied"),
+        Outcome::Replay { .. } => None,
+        Outcome::Gap { .. } => Some("gap"),
+        Outcome::Stale { .. } => Some("stale"),
+        Outcome::PayloadConflict => Some("payload conflict"),
+        Outcome::Quarantined { .. } => Some("quarantined"),
+        Outcome::QuarantineFull { .. } => Some("quarantine full"),
+        Outcome::Held { .. } => Some("held"),
+        Outcome::HoldFull { .. } => Some("hold full"),
+    }
+}
+
+impl NotifyingInbox {
+    /// Tells open pages of a committed delivery, if it changed anything.
+    fn publish_delivery(&self, message: &OrderedMessage, outcome: &Outcome) {
+        if let Some(change) = delivery_change(outcome) {
+            self.events.publish(InboxChange {
+                aggregate_id: message.aggregate_id.clone(),
+                message_id: message.message_id.clone(),
+                change,
+            });
+        }
+    }
+}
+
+#[async_trait]
+impl Inbox for NotifyingInbox {
+    async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError> {
+        let outcome = self.inner.deliver(message.clone(), door).await?;
+        self.publish_delivery(&message, &outcome);
+        Ok(outcome)
+    }
+
+    async fn deliver_batch(
+        &self,
+        deliveries: Vec<(OrderedMessage, Door)>,
+    ) -> Result<Vec<Outcome>, InboxError> {
+        let messages: Vec<OrderedMessage> = deliveries.iter().map(|(m, _)| m.clone()).collect();
+        let outcomes = self.inner.deliver_batch(deliveries).await?;
+        for (message, outcome) in messages.iter().zip(&outcomes) {
+            self.publish_delivery(message, outcome);
+        }
+        Ok(outcomes)
+    }
+
+    async fn resolve(
+        &self,
+        request: ResolutionRequest,
+        mode: Mode,
+    ) -> Result<Resolved, ResolutionError> {
+        let resolved = self.inner.resolve(request, mode).await?;
+        if let Resolved::New(record) = &resolved {
+            self.events.publish(InboxChange {
+                aggregate_id: record.aggregate_id.clone(),
+                message_id: record.message_id.clone(),
+                change: "resolved",
+            });
+        }
+        Ok(resolved)
+    }
+
+    async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError> {
+        self.inner.check_operator(token).await
+    }
+
+    async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError> {
+        self.inner.aggregate(aggregate_id).await
+    }
+
+    async fn inventory(
+        &self,
+        status: AggregateStatus,
+        limit: i64,
+    ) -> Result<Vec<InventoryEntry>, InboxError> {
+        self.inner.inventory(status, limit).await
+    }
+
+    async fn dead_letters(
+        &self,
+        filter: DeadLetterFilter,
+        page: PageRequest,
+    ) -> Result<Page<DeadLetterView>, InboxError> {
+        self.inner.dead_letters(filter, page).await
+    }
+
+    async fn timeline(
+        &self,
+        aggregate_id: String,
+        page: PageRequest,
+    ) -> Result<Page<TimelineEvent>, InboxError> {
+        self.inner.timeline(aggregate_id, page).await
+    }
+
+    async fn resolutions(
+        &self,
+        aggregate_id: Option<String>,
+        page: PageRequest,
+    ) -> Result<Page<ResolutionRecord>, InboxError> {
+        self.inner.resolutions(aggregate_id, page).await
+    }
+
+    async fn counts(&self, aggregate_id: String) -> Result<AggregateCounts, InboxError> {
+        self.inner.counts(aggregate_id).await
+    }
+
+    async fn applied_messages(
+        &self,
+        aggregate_id: String,
+        page: PageRequest,
+    ) -> Result<Page<AppliedMessage>, InboxError> {
+        self.inner.applied_messages(aggregate_id, page).await
+    }
+
+    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
+        self.inner.dead_letter(message_id).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+
+    fn change(n: usize) -> InboxChange {
+        InboxChange {
+            aggregate_id: "a".into(),
+            message_id: format!("m-{n}"),
+            change: "applied",
+        }
+    }
+
+    /// The text an event puts on the wire.
+    fn wire(event: Event) -> String {
+        use axum::response::IntoResponse as _;
+        let stream = futures_util::stream::iter([Ok::<_, Infallible>(event)]);
+        let response = Sse::new(stream).into_response();
+        let body = axum::body::to_bytes(response.into_body(), 4096);
+        let bytes = futures_util::FutureExt::now_or_never(body)
+            .expect("a finished stream is read at once")
+            .expect("body");
+        String::from_utf8(bytes.to_vec()).expect("utf-8")
+    }
+
+    #[tokio::test]
+    async fn a_listener_is_greeted_then_hears_changes_and_a_slow_one_is_told_it_lagged() {
+        let events = ConsoleEvents::new(CancellationToken::new());
+        let mut stream = Box::pin(events.open().expect("a stream"));
+        let hello = wire(stream.next().await.unwrap().unwrap());
+        assert!(hello.contains("event: hello"), "{hello}");
+        events.publish(change(1));
+        let first = wire(stream.next().await.unwrap().unwrap());
+        assert!(first.contains("event: change"), "{first}");
+        assert!(
+            first.contains(r#"data: {"aggregateId":"a","messageId":"m-1","change":"applied"}"#),
+            "{first}"
+        );
+        for n in 0..EVENTS_KEPT + 5 {
+            events.publish(change(n));
+        }
+        let lagged = wire(stream.next().await.unwrap().unwrap());
+        assert!(lagged.contains("event: lagged\ndata: 5"), "{lagged}");
+    }
+
+    #[tokio::test]
+    async fn streams_are_capped_and_a_closed_one_frees_its_place() {
+        let events = ConsoleEvents::new(CancellationToken::new());
+        let mut open: Vec<_> = (0..MAX_STREAMS)
+            .map(|_| Box::pin(events.open().expect("under the cap")))
+            .collect();
+        assert!(events.open().is_none(), "one more than the cap is refused");
+        open.pop();
+        assert!(events.open().is_some(), "a dropped stream frees its place");
+    }
+
+    #[tokio::test]
+    async fn every_stream_ends_when_shutdown_begins() {
+        let shutdown = CancellationToken::new();
+        let events = ConsoleEvents::new(shutdown.clone());
+        let mut stream = Box::pin(events.open().expect("a stream"));
+        let _hello = stream.next().await;
+        shutdown.cancel();
+        assert!(stream.next().await.is_none());
+    }
+}
