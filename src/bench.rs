@@ -63,7 +63,25 @@ impl ServerUnderTest {
         clients: usize,
         extra: &[String],
     ) -> Result<ServerUnderTest, BenchError> {
-        let max_connections = (clients + 16).clamp(crate::config::DEFAULT_MAX_CONNECTIONS, 65_536);
+        ServerUnderTest::start_binary(&std::env::current_exe()?, synchronous, clients, extra)
+    }
+
+    /// Like [`ServerUnderTest::start_with`], running `serve` of another build of this binary
+    /// (e.g. the previous commit's, to compare two builds back to back under one load).
+    pub fn start_binary(
+        binary: &Path,
+        synchronous: Synchronous,
+        clients: usize,
+        extra: &[String],
+    ) -> Result<ServerUnderTest, BenchError> {
+        // The connection cap is named only when its default is too small for the clients, so
+        // that a build from before the flag existed can be benched too.
+        let cap = clients + 16;
+        let cap_args: Vec<String> = if cap > crate::config::DEFAULT_MAX_CONNECTIONS {
+            vec!["--max-connections".to_owned(), cap.min(65_536).to_string()]
+        } else {
+            Vec::new()
+        };
         let dir = tempfile::tempdir()?;
         let database = dir.path().join("bench.db");
         let settings = dir.path().join("runtime-settings.json");
@@ -71,7 +89,6 @@ impl ServerUnderTest {
             &settings,
             r#"{"Live":{"Label":"bench","Maximum":3,"Secret":"bench-not-a-secret"}}"#,
         )?;
-        let binary = std::env::current_exe()?;
         let mut child = Command::new(binary)
             .arg("serve")
             .args([
@@ -85,7 +102,7 @@ impl ServerUnderTest {
             .arg("--settings")
             .arg(&settings)
             .args(["--synchronous", synchronous_name(synchronous)])
-            .args(["--max-connections", &max_connections.to_string()])
+            .args(&cap_args)
             .args(extra)
             .env_remove("LAB_LOG")
             .stdin(Stdio::null())
@@ -262,6 +279,8 @@ pub struct OrderedOptions {
     pub messages: usize,
     pub concurrency: usize,
     pub synchronous: Synchronous,
+    /// The server binary to bench; `None` for this one.
+    pub server: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -344,7 +363,12 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
         ));
     }
     let streams = workload(options.aggregates, options.messages);
-    let server = ServerUnderTest::start(options.synchronous, options.concurrency)?;
+    let server = match &options.server {
+        Some(binary) => {
+            ServerUnderTest::start_binary(binary, options.synchronous, options.concurrency, &[])?
+        }
+        None => ServerUnderTest::start(options.synchronous, options.concurrency)?,
+    };
     let client = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(options.concurrency)

@@ -124,6 +124,10 @@ struct BenchOrderedArgs {
     concurrency: usize,
     #[arg(long, value_enum, default_value = "full")]
     synchronous: Synchronous,
+    /// Run this build of production-lab as the server (e.g. the previous commit's release build)
+    /// under the same load and measurements; default: this binary.
+    #[arg(long)]
+    server: Option<PathBuf>,
     /// Also write the figures as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -393,6 +397,7 @@ fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
                     messages: args.messages,
                     concurrency: args.concurrency,
                     synchronous: args.synchronous,
+                    server: args.server,
                 };
                 let report = bench::ordered(&options).await?;
                 anyhow::Ok((

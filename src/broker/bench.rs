@@ -300,6 +300,7 @@ pub async fn run(options: &BrokerBenchOptions) -> Result<BrokerReport, BenchErro
         messages: options.messages,
         concurrency: options.concurrency,
         synchronous: options.synchronous,
+        server: None,
     })
     .await?;
 
