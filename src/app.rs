@@ -9,6 +9,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::FromRef;
 use axum::routing::get;
+use ordered_inbox::postgres::{PostgresInbox, Target};
 use ordered_inbox::sqlite::SqliteInbox;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -37,8 +38,10 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct AppState {
     pub store: Store,
-    /// The ordered inbox on the same store.
+    /// The ordered inbox: on the same store, or in PostgreSQL with `--inbox`.
     pub inbox: SharedInbox,
+    /// The PostgreSQL inbox, when `--inbox` put it there (for its figures and to close it).
+    pub postgres: Option<PostgresInbox>,
     pub config: Arc<Config>,
     /// Cancelled when shutdown begins; background work watches it.
     pub shutdown: CancellationToken,
@@ -81,6 +84,8 @@ impl Application {
     pub async fn build(config: Config) -> Result<Application, StartupError> {
         require_development(&config.environment)?;
         let requested = parse_listen_url(&config.urls)?;
+        // Refuse a non-loopback PostgreSQL before touching any file.
+        let inbox_target = config.inbox.as_deref().map(Target::parse).transpose()?;
         let settings = load_settings(&config.settings)?;
         let store = Store::open(
             &config.database,
@@ -91,6 +96,14 @@ impl Application {
             path: config.database.display().to_string(),
             reason: error.to_string(),
         })?;
+        let postgres = match inbox_target {
+            Some(target) => Some(PostgresInbox::open(target, config.inbox_limits()).await?),
+            None => None,
+        };
+        let inbox: SharedInbox = match &postgres {
+            Some(postgres) => Arc::new(postgres.clone()),
+            None => Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
+        };
         let listener = TcpListener::bind(requested)
             .await
             .map_err(|error| StartupError::Bind {
@@ -117,7 +130,8 @@ impl Application {
             security: labs::security::SecurityLab::new(&context)?,
             privacy: labs::privacy::PrivacyLab::new(&context)?,
             worker: labs::worker::WorkerLab::new(&context)?,
-            inbox: Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
+            inbox,
+            postgres,
             store,
             config: Arc::new(config),
             shutdown,
@@ -163,6 +177,9 @@ impl Application {
         } = self;
         println!("{LISTENING_PREFIX}http://{address}");
         println!("Database: {}", state.store.path().display());
+        if let Some(postgres) = &state.postgres {
+            println!("Ordered inbox: PostgreSQL {}", postgres.target());
+        }
         println!("Application started. Press Ctrl+C to shut down.");
 
         let shutdown = state.shutdown.clone();
@@ -185,7 +202,34 @@ impl Application {
         state.tasks.close();
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, state.tasks.wait()).await;
         state.store.shutdown().await;
+        if let Some(postgres) = &state.postgres {
+            postgres.close();
+            println!("{}", postgres_figures_line(postgres.stats()));
+        }
         served
+    }
+}
+
+/// The line a server with a PostgreSQL inbox prints when it stops: what its operations cost.
+pub fn postgres_figures_line(stats: ordered_inbox::postgres::PostgresStats) -> String {
+    format!(
+        "{POSTGRES_FIGURES_PREFIX}{} operations, {} round trips, {} retries",
+        stats.operations, stats.round_trips, stats.retries
+    )
+}
+
+const POSTGRES_FIGURES_PREFIX: &str = "Ordered inbox figures: ";
+
+/// (operations, round trips, retries) from a [`postgres_figures_line`].
+pub fn parse_postgres_figures(line: &str) -> Option<(u64, u64, u64)> {
+    let rest = line.strip_prefix(POSTGRES_FIGURES_PREFIX)?;
+    let numbers: Vec<u64> = rest
+        .split(", ")
+        .filter_map(|part| part.split(' ').next()?.parse().ok())
+        .collect();
+    match numbers[..] {
+        [operations, round_trips, retries] => Some((operations, round_trips, retries)),
+        _ => None,
     }
 }
 
@@ -222,5 +266,19 @@ mod tests {
             Some("http://127.0.0.1:5080")
         );
         assert_eq!(listening_address("Database: /tmp/x.db"), None);
+    }
+
+    #[test]
+    fn the_postgres_figures_line_parses_back() {
+        let stats = ordered_inbox::postgres::PostgresStats {
+            operations: 10,
+            round_trips: 21,
+            retries: 2,
+        };
+        assert_eq!(
+            parse_postgres_figures(&postgres_figures_line(stats)),
+            Some((10, 21, 2))
+        );
+        assert_eq!(parse_postgres_figures("Database: x"), None);
     }
 }

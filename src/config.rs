@@ -22,6 +22,10 @@ pub struct Config {
     pub synchronous: Synchronous,
     /// Open dead letters one aggregate may hold before a new poison message is refused (429).
     pub max_open_dead_letters: usize,
+    /// `postgres://USER@127.0.0.1:PORT/DB`: keep the ordered inbox in this PostgreSQL database
+    /// (shared by any number of servers) instead of the SQLite file. Every other lab stays on
+    /// the SQLite file.
+    pub inbox: Option<String>,
 }
 
 /// SQLite's `synchronous` pragma for the write connection. FULL is the durable default.
@@ -61,6 +65,7 @@ impl Config {
             allowed_hosts: "*".to_owned(),
             synchronous: Synchronous::Full,
             max_open_dead_letters: DEFAULT_MAX_OPEN_DEAD_LETTERS as usize,
+            inbox: None,
         }
     }
 
@@ -102,6 +107,9 @@ pub enum StartupError {
     Bind { address: String, reason: String },
     #[error("invalid --allowed-hosts '{value}': {reason}")]
     AllowedHosts { value: String, reason: String },
+    /// `--inbox` names no loopback PostgreSQL, or the database could not be reached or migrated.
+    #[error("--inbox: {0}")]
+    Inbox(#[from] ordered_inbox::postgres::PostgresError),
 }
 
 pub fn require_development(environment: &str) -> Result<(), StartupError> {

@@ -60,10 +60,31 @@ enum OperatorCommand {
 }
 
 #[derive(Args)]
+#[group(required = true, multiple = false)]
 struct OperatorDatabase {
     /// The server's SQLite file (it must exist).
     #[arg(long, alias = "Production:DatabasePath")]
-    database: PathBuf,
+    database: Option<PathBuf>,
+    /// The servers' PostgreSQL inbox, postgres://USER@127.0.0.1:PORT/DB (as given to serve --inbox).
+    #[arg(long)]
+    inbox: Option<String>,
+}
+
+impl OperatorDatabase {
+    /// Where the operators live: the SQLite file, or the PostgreSQL inbox.
+    fn store(self) -> OperatorStore {
+        match (self.inbox, self.database) {
+            (Some(url), _) => OperatorStore::Postgres(url),
+            (None, Some(path)) => OperatorStore::Sqlite(path),
+            // clap's group requires one of the two.
+            (None, None) => OperatorStore::Sqlite(PathBuf::new()),
+        }
+    }
+}
+
+enum OperatorStore {
+    Sqlite(PathBuf),
+    Postgres(String),
 }
 
 #[derive(Subcommand)]
@@ -125,6 +146,10 @@ struct ServeArgs {
     #[arg(long, default_value_t = config::DEFAULT_MAX_OPEN_DEAD_LETTERS,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     max_open_dead_letters: u32,
+    /// Keep the ordered inbox in PostgreSQL, postgres://USER@127.0.0.1:PORT/DB (loopback or a
+    /// Unix socket directory only), shared by every server given the same URL.
+    #[arg(long)]
+    inbox: Option<String>,
 }
 
 #[derive(Args)]
@@ -211,7 +236,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 fn operator(command: OperatorCommand) -> anyhow::Result<()> {
     match command {
         OperatorCommand::Add { name, database } => {
-            let token = ordered_inbox::sqlite::operators::add(&database.database, &name)?;
+            let token = match database.store() {
+                OperatorStore::Sqlite(path) => ordered_inbox::sqlite::operators::add(&path, &name)?,
+                OperatorStore::Postgres(url) => {
+                    block_on(ordered_inbox::postgres::operators::add(&url, &name))??
+                }
+            };
             // The token alone on stdout, so that a script can capture it; the advice on stderr.
             println!("{token}");
             eprintln!(
@@ -219,7 +249,13 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
             );
         }
         OperatorCommand::List { database } => {
-            for record in ordered_inbox::sqlite::operators::list(&database.database)? {
+            let records = match database.store() {
+                OperatorStore::Sqlite(path) => ordered_inbox::sqlite::operators::list(&path)?,
+                OperatorStore::Postgres(url) => {
+                    block_on(ordered_inbox::postgres::operators::list(&url))??
+                }
+            };
+            for record in records {
                 let state = match &record.revoked_at {
                     Some(revoked_at) => format!("revoked {revoked_at}"),
                     None => "active".to_owned(),
@@ -228,7 +264,14 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
             }
         }
         OperatorCommand::Revoke { name, database } => {
-            let revocation = ordered_inbox::sqlite::operators::revoke(&database.database, &name)?;
+            let revocation = match database.store() {
+                OperatorStore::Sqlite(path) => {
+                    ordered_inbox::sqlite::operators::revoke(&path, &name)?
+                }
+                OperatorStore::Postgres(url) => {
+                    block_on(ordered_inbox::postgres::operators::revoke(&url, &name))??
+                }
+            };
             if revocation.already {
                 println!("{name} was already revoked at {}", revocation.revoked_at);
             } else {
@@ -237,6 +280,15 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs one future on a small runtime of its own (the operator commands against PostgreSQL).
+fn block_on<T>(future: impl std::future::Future<Output = T>) -> anyhow::Result<T> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    Ok(runtime.block_on(future))
 }
 
 fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
@@ -291,6 +343,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         allowed_hosts: args.allowed_hosts,
         synchronous: args.synchronous,
         max_open_dead_letters: args.max_open_dead_letters as usize,
+        inbox: args.inbox,
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {

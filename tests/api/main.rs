@@ -2,6 +2,7 @@
 //! fresh SQLite file. One module per lab.
 
 mod helpers;
+mod postgres;
 
 mod aggregates;
 mod cache;
