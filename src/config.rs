@@ -109,7 +109,14 @@ pub enum StartupError {
     AllowedHosts { value: String, reason: String },
     /// `--inbox` names no loopback PostgreSQL, or the database could not be reached or migrated.
     #[error("--inbox: {0}")]
-    Inbox(#[from] ordered_inbox::postgres::PostgresError),
+    Inbox(String),
+}
+
+impl From<ordered_inbox::postgres::PostgresError> for StartupError {
+    fn from(error: ordered_inbox::postgres::PostgresError) -> Self {
+        // Kept as text: the one line says it all, with no cause chain to repeat it.
+        StartupError::Inbox(error.to_string())
+    }
 }
 
 pub fn require_development(environment: &str) -> Result<(), StartupError> {

@@ -64,10 +64,12 @@ fn url_label(url: &str) -> String {
 }
 
 fn store_error(path: String, error: PostgresError) -> OperatorError {
-    OperatorError::Store {
-        path,
-        reason: error.to_string(),
-    }
+    let reason = match error {
+        // The target is already the error's `path`.
+        PostgresError::Connect { reason, .. } => reason,
+        other => other.to_string(),
+    };
+    OperatorError::Store { path, reason }
 }
 
 fn failed(target: &Target) -> impl Fn(tokio_postgres::Error) -> OperatorError + '_ {
