@@ -105,6 +105,10 @@ struct BenchOrderedArgs {
     concurrency: usize,
     #[arg(long, value_enum, default_value = "full")]
     synchronous: Synchronous,
+    /// sqlite: group commit against one transaction per message; postgres: a private
+    /// PostgreSQL through one and two servers, next to the SQLite server.
+    #[arg(long, value_enum, default_value = "sqlite")]
+    backend: bench::Backend,
     /// Also write the figures as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -302,6 +306,14 @@ fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
                     concurrency: args.concurrency,
                     synchronous: args.synchronous,
                 };
+                if args.backend == bench::Backend::Postgres {
+                    let report = bench::ordered_postgres(&options).await?;
+                    return anyhow::Ok((
+                        report.to_string(),
+                        serde_json::to_string_pretty(&report)?,
+                        args.json,
+                    ));
+                }
                 let report = bench::ordered(&options).await?;
                 anyhow::Ok((
                     report.to_string(),

@@ -370,6 +370,16 @@ impl PostgresInbox {
         }
     }
 
+    /// How many messages of `aggregate_id` are applied and the sum of their amounts: the
+    /// evidence a load's verification compares with the aggregate's `last` and `total`.
+    pub async fn applied_totals(&self, aggregate_id: String) -> Result<(i64, i64), InboxError> {
+        self.run(move |client, counters| {
+            let aggregate_id = aggregate_id.clone();
+            Box::pin(async move { views::applied_totals(client, counters, &aggregate_id).await })
+        })
+        .await
+    }
+
     /// Closes the pool: idle connections are dropped, later operations are unavailable.
     pub fn close(&self) {
         self.pool.close();

@@ -348,6 +348,22 @@ pub(super) async fn resolutions(
     Ok(Page::from_rows(rows, page.limit))
 }
 
+const APPLIED_TOTALS: &str = "
+SELECT COUNT(*), COALESCE(SUM(amount), 0)::bigint FROM ordered_inbox WHERE aggregate_id = $1";
+
+/// How many messages of one aggregate are applied, and the sum of their amounts.
+pub(super) async fn applied_totals(
+    client: &Client,
+    counters: &Counters,
+    aggregate_id: &str,
+) -> Result<(i64, i64), Failure> {
+    let statement = client.prepare_cached(APPLIED_TOTALS).await?;
+    let row = client.query_one(&statement, &[&aggregate_id]).await;
+    counters.trip();
+    let row = row?;
+    Ok((row.try_get(0)?, row.try_get(1)?))
+}
+
 /// Applied messages, dead letters and last sequence of one aggregate.
 pub(super) async fn counts(
     client: &Client,
