@@ -610,8 +610,12 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
     let mut runs = Vec::new();
 
     let server = ServerUnderTest::start(options.synchronous)?;
-    let (elapsed, latencies) =
-        http_load(&[server.address.clone()], &streams, options.concurrency).await?;
+    let (elapsed, latencies) = http_load(
+        std::slice::from_ref(&server.address),
+        &streams,
+        options.concurrency,
+    )
+    .await?;
     let rss = vec![server.peak_rss_kib()];
     let stopped = server.stop()?;
     verify_end_state(&stopped.database, &streams)?;
