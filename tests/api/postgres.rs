@@ -534,3 +534,24 @@ async fn postgres_stopped_mid_load_answers_503_never_500_and_nothing_acknowledge
     assert_eq!(tally.without_retry_after.load(Ordering::SeqCst), 0);
     assert_invariants(&url, &streams, &acknowledged);
 }
+
+#[test]
+fn two_servers_starting_together_on_a_fresh_database_migrate_once() {
+    let url = fresh_database();
+    let (dir, settings) = settings_dir();
+    let servers: Vec<ServerProcess> = std::thread::scope(|scope| {
+        let starts: Vec<_> = ["a", "b", "c"]
+            .iter()
+            .map(|name| scope.spawn(|| start_server(dir.path(), name, &settings, &url)))
+            .collect();
+        starts
+            .into_iter()
+            .map(|start| start.join().expect("a server starts"))
+            .collect()
+    });
+    assert_eq!(servers.len(), 3);
+    assert_eq!(
+        query_text(&url, "SELECT version FROM ordered_inbox_schema"),
+        [[Some("1".to_owned())]]
+    );
+}

@@ -158,21 +158,22 @@ pub(crate) async fn deliver(
         client.query(&open_dead_letters, &by_aggregate),
     );
     counters.trip();
+    // Every answer is checked, needed or not: an error anywhere aborted the transaction.
     begin?;
     locked_aggregate?;
     locked_message?;
-    let aggregate = aggregate?.map(|row| aggregate_from_row(&row)).transpose()?;
+    let (aggregate, applied, dead_letter, open) = (aggregate?, applied?, dead_letter?, open?);
+    let aggregate = aggregate.map(|row| aggregate_from_row(&row)).transpose()?;
     let facts = DeliveryFacts {
-        applied: applied?.map(|row| applied_from_row(&row)).transpose()?,
-        dead_letter: dead_letter?
+        applied: applied.map(|row| applied_from_row(&row)).transpose()?,
+        dead_letter: dead_letter
             .map(|row| known_dead_letter_from_row(&row))
             .transpose()?,
         // Only a blocked aggregate has open dead letters (as the SQLite backend reads them).
         open_dead_letters: if aggregate.as_ref().map(|row| row.status)
             == Some(AggregateStatus::Blocked)
         {
-            open?
-                .iter()
+            open.iter()
                 .map(open_from_row)
                 .collect::<Result<_, Failure>>()?
         } else {
@@ -289,10 +290,20 @@ async fn resolution_facts(
         client.query_opt(&recorded, &by_dead_letter),
     );
     counters.trip();
+    // Every answer is checked, needed or not: an error anywhere aborted the transaction.
     for lock in locks {
         lock?;
     }
-    let dead_letter = dead_letter?
+    let (dead_letter, aggregate, open, active, applied, known, recorded) = (
+        dead_letter?,
+        aggregate?,
+        open?,
+        active?,
+        applied?,
+        known?,
+        recorded?,
+    );
+    let dead_letter = dead_letter
         .map(|row| -> Result<DeadLetterFact, Failure> {
             Ok(DeadLetterFact {
                 status: parsed(&row, 0)?,
@@ -302,13 +313,12 @@ async fn resolution_facts(
         })
         .transpose()?;
     let aggregate = match aggregate_id {
-        Some(_) => aggregate?.map(|row| aggregate_from_row(&row)).transpose()?,
+        Some(_) => aggregate.map(|row| aggregate_from_row(&row)).transpose()?,
         None => None,
     };
     let blocked = aggregate.as_ref().map(|row| row.status) == Some(AggregateStatus::Blocked);
     let open_dead_letters = if blocked {
-        open?
-            .iter()
+        open.iter()
             .map(open_from_row)
             .collect::<Result<_, Failure>>()?
     } else {
@@ -316,8 +326,8 @@ async fn resolution_facts(
     };
     let (replacement_applied, replacement_dead_letter) = match replacement_id {
         Some(_) => (
-            applied?.map(|row| applied_from_row(&row)).transpose()?,
-            known?
+            applied.map(|row| applied_from_row(&row)).transpose()?,
+            known
                 .map(|row| known_dead_letter_from_row(&row))
                 .transpose()?,
         ),
@@ -325,12 +335,12 @@ async fn resolution_facts(
     };
     Ok(ResolutionFacts {
         dead_letter,
-        recorded: recorded?
+        recorded: recorded
             .map(|row| views::resolution_from_row(&row))
             .transpose()?,
         aggregate,
         open_dead_letters,
-        operator_active: active?.try_get(0)?,
+        operator_active: active.try_get(0)?,
         replacement_applied,
         replacement_dead_letter,
     })
