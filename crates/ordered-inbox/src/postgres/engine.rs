@@ -12,8 +12,9 @@
 //!
 //! Round trips: the statements of one phase are pipelined on the connection: BEGIN, the locks
 //! and the fact reads go out in one flight; the writes and COMMIT in the next. A delivery is two
-//! round trips; a resolution three or four (it reads where its dead letter lives first, and
-//! numbers its audit row before the writes).
+//! round trips and, for an apply, seven statements (BEGIN, one for both locks, one for every
+//! fact, three writes, COMMIT); a resolution three or four round trips (it reads where its dead
+//! letter lives first, and numbers its audit row before the writes).
 
 use futures_util::future::join_all;
 use futures_util::join;
@@ -35,6 +36,28 @@ use crate::resolution::{
 use crate::timeline::{OBSERVATIONS_KEPT, TimelineEntry};
 use crate::views::{CurrentState, ResolutionRecord};
 
+/// A delivery's locks, in the one order every transaction takes them: the aggregate, then the
+/// message id (the target list is evaluated left to right).
+const LOCK_DELIVERY: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0)),
+       pg_advisory_xact_lock(hashtextextended($2, 1))";
+/// A delivery's facts in one statement, read after the locks: the aggregate's row (locked
+/// `FOR UPDATE` too, so that a writer from outside the library would also wait), this id as an
+/// applied message and as a dead letter, and the aggregate's open dead letters.
+const DELIVERY_FACTS: &str = "
+WITH aggregate AS (
+    SELECT last_sequence, total, status, status_since FROM aggregate_state
+     WHERE aggregate_id = $1 FOR UPDATE),
+opened AS (
+    SELECT array_agg(message_id ORDER BY id) AS ids, array_agg(sequence ORDER BY id) AS sequences
+      FROM deadletters WHERE aggregate_id = $1 AND status = 'open')
+SELECT a.last_sequence, a.total, a.status, a.status_since,
+       o.payload, o.sequence, o.applied_at,
+       d.payload, d.reason, d.status, d.observations,
+       opened.ids, opened.sequences
+  FROM opened
+  LEFT JOIN aggregate a ON true
+  LEFT JOIN ordered_inbox o ON o.message_id = $2
+  LEFT JOIN deadletters d ON d.message_id = $2";
 const LOCK_AGGREGATE: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
 const LOCK_MESSAGE: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 1))";
 const AGGREGATE_ROW: &str = "SELECT last_sequence, total, status, status_since
@@ -132,7 +155,8 @@ async fn write(client: &Client, sql: &str, params: Vec<Param>) -> Result<Write, 
     })
 }
 
-/// Decides and records one delivery.
+/// Decides and records one delivery: BEGIN, the locks and the facts in one flight; the writes
+/// and COMMIT in the next.
 pub(crate) async fn deliver(
     client: &Client,
     counters: &Counters,
@@ -140,50 +164,73 @@ pub(crate) async fn deliver(
     door: Door,
     limits: &Limits,
 ) -> Result<Outcome, Failure> {
-    let lock_aggregate = client.prepare_cached(LOCK_AGGREGATE).await?;
-    let lock_message = client.prepare_cached(LOCK_MESSAGE).await?;
-    let aggregate_row = client.prepare_cached(AGGREGATE_ROW).await?;
-    let applied_message = client.prepare_cached(APPLIED_MESSAGE).await?;
-    let known_dead_letter = client.prepare_cached(KNOWN_DEAD_LETTER).await?;
-    let open_dead_letters = client.prepare_cached(OPEN_DEAD_LETTERS).await?;
-    let by_aggregate: [&(dyn ToSql + Sync); 1] = [&message.aggregate_id];
-    let by_message: [&(dyn ToSql + Sync); 1] = [&message.message_id];
-    let (begin, locked_aggregate, locked_message, aggregate, applied, dead_letter, open) = join!(
+    let lock = client.prepare_cached(LOCK_DELIVERY).await?;
+    let read = client.prepare_cached(DELIVERY_FACTS).await?;
+    let keys: [&(dyn ToSql + Sync); 2] = [&message.aggregate_id, &message.message_id];
+    let (begin, locked, facts) = join!(
         client.batch_execute("BEGIN"),
-        client.execute(&lock_aggregate, &by_aggregate),
-        client.execute(&lock_message, &by_message),
-        client.query_opt(&aggregate_row, &by_aggregate),
-        client.query_opt(&applied_message, &by_message),
-        client.query_opt(&known_dead_letter, &by_message),
-        client.query(&open_dead_letters, &by_aggregate),
+        client.execute(&lock, &keys),
+        client.query_one(&read, &keys),
     );
     counters.trip();
-    // Every answer is checked, needed or not: an error anywhere aborted the transaction.
     begin?;
-    locked_aggregate?;
-    locked_message?;
-    let (aggregate, applied, dead_letter, open) = (aggregate?, applied?, dead_letter?, open?);
-    let aggregate = aggregate.map(|row| aggregate_from_row(&row)).transpose()?;
-    let facts = DeliveryFacts {
-        applied: applied.map(|row| applied_from_row(&row)).transpose()?,
-        dead_letter: dead_letter
-            .map(|row| known_dead_letter_from_row(&row))
-            .transpose()?,
-        // Only a blocked aggregate has open dead letters (as the SQLite backend reads them).
-        open_dead_letters: if aggregate.as_ref().map(|row| row.status)
-            == Some(AggregateStatus::Blocked)
-        {
-            open.iter()
-                .map(open_from_row)
-                .collect::<Result<_, Failure>>()?
-        } else {
-            Vec::new()
-        },
-        aggregate,
-    };
+    locked?;
+    let facts = delivery_facts_from_row(&facts?)?;
     let plan = decide_delivery(message, door, &facts, limits, &clock::now());
     write_and_commit(client, counters, &plan.changes).await?;
     Ok(plan.outcome)
+}
+
+/// The one row of [`DELIVERY_FACTS`]: each group of columns is null when its row is missing.
+fn delivery_facts_from_row(row: &Row) -> Result<DeliveryFacts, Failure> {
+    let aggregate = match row.try_get::<_, Option<i64>>(0)? {
+        Some(last) => Some(AggregateRow {
+            last,
+            total: row.try_get(1)?,
+            status: parsed(row, 2)?,
+            since: row.try_get(3)?,
+        }),
+        None => None,
+    };
+    let applied = match row.try_get::<_, Option<String>>(4)? {
+        Some(payload) => Some(AppliedMessage {
+            payload,
+            sequence: row.try_get(5)?,
+            applied_at: row.try_get(6)?,
+        }),
+        None => None,
+    };
+    // A dead letter's reason is never null, so it tells whether the row exists.
+    let dead_letter = match row.try_get::<_, Option<String>>(8)? {
+        Some(reason) => Some(KnownDeadLetter {
+            payload: row.try_get(7)?,
+            reason: reason.parse()?,
+            status: parsed(row, 9)?,
+            observations: row.try_get(10)?,
+        }),
+        None => None,
+    };
+    // Only a blocked aggregate has open dead letters (as the SQLite backend reads them).
+    let blocked = aggregate.as_ref().map(|row| row.status) == Some(AggregateStatus::Blocked);
+    let open_dead_letters = if blocked {
+        let ids: Vec<String> = row.try_get::<_, Option<_>>(11)?.unwrap_or_default();
+        let sequences: Vec<Option<i64>> = row.try_get::<_, Option<_>>(12)?.unwrap_or_default();
+        ids.into_iter()
+            .zip(sequences)
+            .map(|(message_id, sequence)| OpenDeadLetter {
+                message_id,
+                sequence,
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Ok(DeliveryFacts {
+        applied,
+        dead_letter,
+        aggregate,
+        open_dead_letters,
+    })
 }
 
 /// Checks the preconditions and resolves the dead letter, or (dry run) reports what that would
