@@ -138,6 +138,11 @@ impl ServerUnderTest {
         })
     }
 
+    /// CPU time (user + system, clock ticks) the server used so far, where /proc tells it.
+    pub fn cpu_ticks(&self) -> Option<u64> {
+        crate::pg_cluster::process_cpu_ticks(self.child.id())
+    }
+
     /// The server's peak resident set (VmHWM) in KiB, where /proc tells it.
     pub fn peak_rss_kib(&self) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
@@ -481,6 +486,10 @@ pub struct LoadFigures {
     /// PostgreSQL only: attempts retried after a serialization failure, deadlock or unique
     /// violation.
     pub retries: Option<u64>,
+    /// CPU time the server processes spent per message, in microseconds (user + system).
+    pub server_cpu_us_per_message: Option<f64>,
+    /// PostgreSQL only: CPU time the database's processes spent per message, in microseconds.
+    pub postgres_cpu_us_per_message: Option<f64>,
 }
 
 impl std::fmt::Display for LoadFigures {
@@ -505,6 +514,12 @@ impl std::fmt::Display for LoadFigures {
         )?;
         if let (Some(trips), Some(retries)) = (self.round_trips_per_message, self.retries) {
             write!(f, "   {trips:.2} round trips/msg, {retries} retries")?;
+        }
+        if let Some(server) = self.server_cpu_us_per_message {
+            write!(f, "\n           CPU per message: server {server:.0} µs")?;
+            if let Some(postgres) = self.postgres_cpu_us_per_message {
+                write!(f, ", PostgreSQL {postgres:.0} µs")?;
+            }
         }
         Ok(())
     }
@@ -595,7 +610,20 @@ fn figures(
             .collect(),
         round_trips_per_message: None,
         retries: None,
+        server_cpu_us_per_message: None,
+        postgres_cpu_us_per_message: None,
     }
+}
+
+/// Microseconds of CPU per message from clock ticks spent during a load.
+fn cpu_us_per_message(ticks: Option<u64>, messages: usize) -> Option<f64> {
+    let seconds = ticks? as f64 / crate::pg_cluster::ticks_per_second();
+    Some(seconds * 1e6 / messages as f64)
+}
+
+/// The sum of several processes' CPU ticks, or `None` when any is unknown.
+fn sum_ticks(ticks: impl IntoIterator<Item = Option<u64>>) -> Option<u64> {
+    ticks.into_iter().sum()
 }
 
 /// Runs the load on SQLite, then on PostgreSQL through one and through two servers, verifying
@@ -610,22 +638,23 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
     let mut runs = Vec::new();
 
     let server = ServerUnderTest::start(options.synchronous)?;
+    let cpu_before = server.cpu_ticks();
     let (elapsed, latencies) = http_load(
         std::slice::from_ref(&server.address),
         &streams,
         options.concurrency,
     )
     .await?;
+    let server_ticks = server
+        .cpu_ticks()
+        .zip(cpu_before)
+        .map(|(after, before)| after.saturating_sub(before));
     let rss = vec![server.peak_rss_kib()];
     let stopped = server.stop()?;
     verify_end_state(&stopped.database, &streams)?;
-    runs.push(figures(
-        "sqlite",
-        options.messages,
-        elapsed,
-        &latencies,
-        rss,
-    ));
+    let mut sqlite = figures("sqlite", options.messages, elapsed, &latencies, rss);
+    sqlite.server_cpu_us_per_message = cpu_us_per_message(server_ticks, options.messages);
+    runs.push(sqlite);
 
     let cluster =
         crate::pg_cluster::PrivateCluster::start(crate::pg_cluster::ClusterOptions::durable())
@@ -639,9 +668,22 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
             .map(|_| ServerUnderTest::start_with(options.synchronous, &extra))
             .collect::<Result<_, _>>()?;
         let addresses: Vec<String> = started.iter().map(|s| s.address.clone()).collect();
+        let servers_before = sum_ticks(started.iter().map(ServerUnderTest::cpu_ticks));
+        let postgres_before = cluster.cpu_ticks();
         let (elapsed, latencies) = http_load(&addresses, &streams, options.concurrency).await?;
+        // Read before the servers stop: their connections' backends are still alive.
+        let postgres_ticks = cluster
+            .cpu_ticks()
+            .zip(postgres_before)
+            .map(|(after, before)| after.saturating_sub(before));
+        let server_ticks = sum_ticks(started.iter().map(ServerUnderTest::cpu_ticks))
+            .zip(servers_before)
+            .map(|(after, before)| after.saturating_sub(before));
         let rss = started.iter().map(ServerUnderTest::peak_rss_kib).collect();
         let mut run_figures = figures("postgres", options.messages, elapsed, &latencies, rss);
+        run_figures.server_cpu_us_per_message = cpu_us_per_message(server_ticks, options.messages);
+        run_figures.postgres_cpu_us_per_message =
+            cpu_us_per_message(postgres_ticks, options.messages);
         let (mut operations, mut round_trips, mut retries) = (0, 0, 0);
         for server in started {
             let stopped = server.stop()?;

@@ -361,10 +361,61 @@ impl PrivateCluster {
         Ok(())
     }
 
+    /// CPU time (user + system, in clock ticks) used so far by the postmaster and its live
+    /// children (the backends serving connections), where /proc tells it.
+    pub fn cpu_ticks(&self) -> Option<u64> {
+        let pid_file = std::fs::read_to_string(self.data.join("postmaster.pid")).ok()?;
+        let postmaster: u32 = pid_file.lines().next()?.trim().parse().ok()?;
+        let mut total = process_cpu_ticks(postmaster)?;
+        for entry in std::fs::read_dir("/proc").ok()?.filter_map(Result::ok) {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if parent_pid(pid) == Some(postmaster) {
+                total += process_cpu_ticks(pid).unwrap_or(0);
+            }
+        }
+        Some(total)
+    }
+
     /// Starts the stopped server again on the same port and data.
     pub fn start_again(&self) -> Result<(), ClusterError> {
         self.start_server()
     }
+}
+
+/// The fields of `/proc/PID/stat` after the command name (which may contain spaces): index 0 is
+/// the state, 1 the parent pid, 11 and 12 user and system time in clock ticks.
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+fn parent_pid(pid: u32) -> Option<u32> {
+    stat_fields(pid)?.get(1)?.parse().ok()
+}
+
+/// User + system CPU time of one process, in clock ticks.
+pub fn process_cpu_ticks(pid: u32) -> Option<u64> {
+    let fields = stat_fields(pid)?;
+    let user: u64 = fields.get(11)?.parse().ok()?;
+    let system: u64 = fields.get(12)?.parse().ok()?;
+    Some(user + system)
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`, 100 on Linux).
+pub fn ticks_per_second() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|output| String::from_utf8_lossy(&output.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
 }
 
 impl Drop for PrivateCluster {
