@@ -132,9 +132,16 @@ impl Target {
         if let Some(address) = config.get_hostaddrs().iter().find(|a| !a.is_loopback()) {
             return Err(PostgresError::NotLocal(address.to_string()));
         }
+        // Every statement of the inbox is a key lookup or a keyed write: a generic plan is
+        // always the right one, so the server never re-plans a prepared statement.
+        let options = match config.get_options() {
+            Some(given) => format!("{given} -c plan_cache_mode=force_generic_plan"),
+            None => "-c plan_cache_mode=force_generic_plan".to_owned(),
+        };
         config
             .connect_timeout(CONNECT_TIMEOUT)
-            .application_name("production-lab ordered inbox");
+            .application_name("production-lab ordered inbox")
+            .options(options);
         let description = describe(&config);
         Ok(Target {
             config,
