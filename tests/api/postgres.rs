@@ -35,11 +35,17 @@ pub fn fresh_database() -> String {
 
 /// A new, empty database on `cluster`; returns its URL.
 pub fn create_database(cluster: &PrivateCluster) -> String {
+    create_named_database(cluster).1
+}
+
+/// A new, empty database on `cluster`; returns its name and loopback URL.
+fn create_named_database(cluster: &PrivateCluster) -> (String, String) {
     let number = DATABASES.fetch_add(1, Ordering::Relaxed);
     let name = format!("inbox_{}_{number}", std::process::id());
-    cluster
+    let url = cluster
         .create_database(&name)
-        .unwrap_or_else(|error| panic!("create database {name}: {error}"))
+        .unwrap_or_else(|error| panic!("create database {name}: {error}"));
+    (name, url)
 }
 
 /// Runs SQL text (one or more statements, no parameters) and returns every row's values as text,
@@ -553,5 +559,37 @@ fn two_servers_starting_together_on_a_fresh_database_migrate_once() {
     assert_eq!(
         query_text(&url, "SELECT version FROM ordered_inbox_schema"),
         [[Some("1".to_owned())]]
+    );
+}
+
+#[tokio::test]
+async fn a_server_reaches_postgresql_through_a_unix_socket_directory() {
+    let cluster = shared_cluster();
+    let (name, tcp_url) = create_named_database(cluster);
+    let socket_url = cluster.socket_url(&name);
+    let app = crate::helpers::spawn_app_on_with(crate::helpers::Backend::Postgres, |config| {
+        config.inbox = Some(socket_url)
+    })
+    .await;
+    let (status, body) = status_and_json(
+        app.post_json(
+            "/aggregates/sock/messages",
+            &json!({"messageId": "s-1", "sequence": 1, "amount": 4}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, &body["outcome"]),
+        (200, &json!("applied")),
+        "{body}"
+    );
+    // The same database, seen over TCP.
+    assert_eq!(
+        query_text(
+            &tcp_url,
+            "SELECT total FROM aggregate_state WHERE aggregate_id = 'sock'"
+        ),
+        [[Some("4".to_owned())]]
     );
 }
