@@ -9,6 +9,7 @@ use std::time::Duration;
 use axum::extract::FromRef;
 use axum::routing::get;
 use axum::{Router, middleware};
+use ordered_inbox::postgres::{PostgresInbox, Target};
 use ordered_inbox::sqlite::SqliteInbox;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -43,6 +44,8 @@ pub struct AppState {
     pub inbox: SharedInbox,
     /// Live updates for open console pages.
     pub console: ConsoleEvents,
+    /// The PostgreSQL inbox, when `--inbox` put it there (for its figures and to close it).
+    pub postgres: Option<PostgresInbox>,
     pub config: Arc<Config>,
     /// Cancelled when shutdown begins; background work watches it.
     pub shutdown: CancellationToken,
@@ -73,6 +76,8 @@ impl Application {
     pub async fn build(config: Config) -> Result<Application, StartupError> {
         require_development(&config.environment)?;
         let requested = parse_listen_url(&config.urls)?;
+        // Refuse a non-loopback PostgreSQL before touching any file.
+        let inbox_target = config.inbox.as_deref().map(Target::parse).transpose()?;
         let settings = load_settings(&config.settings)?;
         let store = Store::open(
             &config.database,
@@ -83,6 +88,14 @@ impl Application {
             path: config.database.display().to_string(),
             reason: error.to_string(),
         })?;
+        let postgres = match inbox_target {
+            Some(target) => Some(PostgresInbox::open(target, config.inbox_limits()).await?),
+            None => None,
+        };
+        let inbox: SharedInbox = match &postgres {
+            Some(postgres) => Arc::new(postgres.clone()),
+            None => Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
+        };
         let listener = TcpListener::bind(requested)
             .await
             .map_err(|error| StartupError::Bind {
@@ -112,7 +125,8 @@ impl Application {
             tasks: &tasks,
         };
         let console = ConsoleEvents::new(shutdown.clone());
-        let inbox = SqliteInbox::new(store.clone(), config.inbox_limits());
+        // Every write, whatever door or consumer makes it, goes through the console's notifier.
+        let inbox: SharedInbox = Arc::new(NotifyingInbox::new(inbox, console.clone()));
         let state = AppState {
             messaging: labs::messaging::MessagingLab::new(&context)?,
             http: labs::http::HttpLab::new(&context)?,
@@ -121,8 +135,9 @@ impl Application {
             privacy: labs::privacy::PrivacyLab::new(&context)?,
             worker: labs::worker::WorkerLab::new(&context)?,
             broker,
-            inbox: Arc::new(NotifyingInbox::new(Arc::new(inbox), console.clone())),
+            inbox,
             console,
+            postgres,
             store,
             config: Arc::new(config),
             shutdown,
@@ -170,6 +185,9 @@ impl Application {
         } = self;
         println!("{LISTENING_PREFIX}http://{address}");
         println!("Database: {}", state.store.path().display());
+        if let Some(postgres) = &state.postgres {
+            println!("Ordered inbox: PostgreSQL {}", postgres.target());
+        }
         if let Some(consumer) = consumer {
             println!("{}", consumer.describe());
             let inbox = state.inbox.clone();
@@ -199,7 +217,34 @@ impl Application {
         state.tasks.close();
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, state.tasks.wait()).await;
         state.store.shutdown().await;
+        if let Some(postgres) = &state.postgres {
+            postgres.close();
+            println!("{}", postgres_figures_line(postgres.stats()));
+        }
         served
+    }
+}
+
+/// The line a server with a PostgreSQL inbox prints when it stops: what its operations cost.
+pub fn postgres_figures_line(stats: ordered_inbox::postgres::PostgresStats) -> String {
+    format!(
+        "{POSTGRES_FIGURES_PREFIX}{} operations, {} round trips, {} retries",
+        stats.operations, stats.round_trips, stats.retries
+    )
+}
+
+const POSTGRES_FIGURES_PREFIX: &str = "Ordered inbox figures: ";
+
+/// (operations, round trips, retries) from a [`postgres_figures_line`].
+pub fn parse_postgres_figures(line: &str) -> Option<(u64, u64, u64)> {
+    let rest = line.strip_prefix(POSTGRES_FIGURES_PREFIX)?;
+    let numbers: Vec<u64> = rest
+        .split(", ")
+        .filter_map(|part| part.split(' ').next()?.parse().ok())
+        .collect();
+    match numbers[..] {
+        [operations, round_trips, retries] => Some((operations, round_trips, retries)),
+        _ => None,
     }
 }
 
@@ -250,5 +295,19 @@ mod tests {
             Some("http://127.0.0.1:5080")
         );
         assert_eq!(listening_address("Database: /tmp/x.db"), None);
+    }
+
+    #[test]
+    fn the_postgres_figures_line_parses_back() {
+        let stats = ordered_inbox::postgres::PostgresStats {
+            operations: 10,
+            round_trips: 21,
+            retries: 2,
+        };
+        assert_eq!(
+            parse_postgres_figures(&postgres_figures_line(stats)),
+            Some((10, 21, 2))
+        );
+        assert_eq!(parse_postgres_figures("Database: x"), None);
     }
 }

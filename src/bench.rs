@@ -5,6 +5,11 @@
 //! measures in the same run the raw baseline: the same apply transaction, one durable
 //! transaction per message, straight through rusqlite.
 //!
+//! `bench ordered --backend postgres` starts a private PostgreSQL ([`crate::pg_cluster`], durable:
+//! `fsync` on), drives the same load through one server and through two server processes on one
+//! database, verifies the end state through the PostgreSQL inbox, and prints the figures next to
+//! the SQLite server's, measured in the same run on the same load.
+//!
 //! `bench stampede` parks 1,000 concurrent callers on the cache's shared key behind the lab gate,
 //! opens it, and checks that exactly one factory ran.
 
@@ -47,6 +52,16 @@ pub struct ServerUnderTest {
     pub address: String,
     pub database: PathBuf,
     _dir: tempfile::TempDir,
+    /// What the server printed after its listening line.
+    output: Arc<std::sync::Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+/// A stopped server: its database file (kept until `dir` is dropped) and what it printed.
+pub struct StoppedServer {
+    pub database: PathBuf,
+    pub dir: tempfile::TempDir,
+    pub output: Vec<String>,
 }
 
 impl ServerUnderTest {
@@ -129,14 +144,29 @@ impl ServerUnderTest {
                 }
             }
         };
-        // Keep draining stdout so the server never blocks on a full pipe.
-        std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+        // Keep draining stdout so the server never blocks on a full pipe, and keep the lines.
+        let output = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = output.clone();
+        let reader = std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                if let Ok(mut sink) = sink.lock() {
+                    sink.push(line);
+                }
+            }
+        });
         Ok(ServerUnderTest {
             child,
             address,
             database,
             _dir: dir,
+            output,
+            reader: Some(reader),
         })
+    }
+
+    /// CPU time (user + system, clock ticks) the server used so far, where /proc tells it.
+    pub fn cpu_ticks(&self) -> Option<u64> {
+        crate::pg_cluster::process_cpu_ticks(self.child.id())
     }
 
     /// The server's peak resident set (VmHWM) in KiB, where /proc tells it.
@@ -154,7 +184,7 @@ impl ServerUnderTest {
     }
 
     /// SIGTERM and wait (graceful shutdown closes the database cleanly).
-    pub fn stop(mut self) -> Result<(PathBuf, tempfile::TempDir), BenchError> {
+    pub fn stop(mut self) -> Result<StoppedServer, BenchError> {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
@@ -167,10 +197,23 @@ impl ServerUnderTest {
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = self.child.wait();
+        // The process is gone, so its stdout is at its end: the reader finishes.
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        let output = self
+            .output
+            .lock()
+            .map(|lines| lines.clone())
+            .unwrap_or_default();
         let database = self.database.clone();
         // Move the temp dir out so the file outlives the process handle.
         let dir = std::mem::replace(&mut self._dir, tempfile::tempdir()?);
-        Ok((database, dir))
+        Ok(StoppedServer {
+            database,
+            dir,
+            output,
+        })
     }
 }
 
@@ -401,9 +444,9 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
         .usage()
         .zip(usage_before)
         .map(|(after, before)| after.per_message(&before, options.messages));
-    let (database, _dir) = server.stop()?;
-    verify_end_state(&database, &streams)?;
-    let database_bytes = database_size(&database)?;
+    let stopped = server.stop()?;
+    verify_end_state(&stopped.database, &streams)?;
+    let database_bytes = database_size(&stopped.database)?;
 
     let raw_per_second = tokio::task::spawn_blocking({
         let streams = streams.clone();
@@ -550,6 +593,301 @@ pub fn raw_baseline(
         }
     }
     Ok(count as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Which store `bench ordered` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// The SQLite server (group commit) against one transaction per message.
+    Sqlite,
+    /// PostgreSQL through one and through two server processes, next to the SQLite server.
+    Postgres,
+}
+
+/// The figures of one HTTP load.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LoadFigures {
+    /// Where the ordered inbox was: `sqlite` or `postgres`.
+    pub store: &'static str,
+    pub servers: usize,
+    pub messages_per_second: f64,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    /// Each server's peak resident set.
+    pub server_peak_rss_mib: Vec<f64>,
+    /// PostgreSQL only: database round trips per inbox operation, as the servers counted them.
+    pub round_trips_per_message: Option<f64>,
+    /// PostgreSQL only: attempts retried after a serialization failure, deadlock or unique
+    /// violation.
+    pub retries: Option<u64>,
+    /// CPU time the server processes spent per message, in microseconds (user + system).
+    pub server_cpu_us_per_message: Option<f64>,
+    /// PostgreSQL only: CPU time the database's processes spent per message, in microseconds.
+    pub postgres_cpu_us_per_message: Option<f64>,
+}
+
+impl std::fmt::Display for LoadFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let rss: Vec<String> = self
+            .server_peak_rss_mib
+            .iter()
+            .map(|mib| format!("{mib:.1}"))
+            .collect();
+        write!(
+            f,
+            "  {:<8} {} server{}: {:>8.0} msg/s   p50 {:.2}  p95 {:.2}  p99 {:.2}  max {:.2} ms   peak RSS {} MiB",
+            self.store,
+            self.servers,
+            if self.servers == 1 { " " } else { "s" },
+            self.messages_per_second,
+            self.p50_ms,
+            self.p95_ms,
+            self.p99_ms,
+            self.max_ms,
+            rss.join(" + "),
+        )?;
+        if let (Some(trips), Some(retries)) = (self.round_trips_per_message, self.retries) {
+            write!(f, "   {trips:.2} round trips/msg, {retries} retries")?;
+        }
+        if let Some(server) = self.server_cpu_us_per_message {
+            write!(f, "\n           CPU per message: server {server:.0} µs")?;
+            if let Some(postgres) = self.postgres_cpu_us_per_message {
+                write!(f, ", PostgreSQL {postgres:.0} µs")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `bench ordered --backend postgres`: the same load on SQLite, on PostgreSQL through one
+/// server, and on PostgreSQL through two server processes.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PostgresReport {
+    pub aggregates: usize,
+    pub messages: usize,
+    pub concurrency: usize,
+    /// The SQLite server's `synchronous`; PostgreSQL runs with `fsync` on.
+    pub synchronous: &'static str,
+    pub postgres_bindir: String,
+    pub runs: Vec<LoadFigures>,
+}
+
+impl std::fmt::Display for PostgresReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "bench ordered --backend postgres: {} messages over {} aggregates, {} concurrent clients (SQLite synchronous={}, PostgreSQL fsync=on, {})",
+            self.messages,
+            self.aggregates,
+            self.concurrency,
+            self.synchronous,
+            self.postgres_bindir
+        )?;
+        let lines: Vec<String> = self.runs.iter().map(ToString::to_string).collect();
+        write!(f, "{}", lines.join("\n"))
+    }
+}
+
+/// Runs one load through `addresses` (client `i` sends to server `i % addresses.len()`).
+async fn http_load(
+    addresses: &[String],
+    streams: &[AggregateStream],
+    concurrency: usize,
+) -> Result<(Duration, Vec<Duration>), BenchError> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(concurrency)
+        .timeout(Duration::from_secs(60))
+        .build()?;
+    let mut owned: Vec<Vec<AggregateStream>> = vec![Vec::new(); concurrency];
+    for (index, stream) in streams.iter().enumerate() {
+        owned[index % concurrency].push(stream.clone());
+    }
+    let started = Instant::now();
+    let mut clients = tokio::task::JoinSet::new();
+    for (index, streams) in owned.into_iter().enumerate().filter(|(_, s)| !s.is_empty()) {
+        let client = client.clone();
+        let address = addresses[index % addresses.len()].clone();
+        clients.spawn(async move { drive_client(&client, &address, streams).await });
+    }
+    let mut latencies = Vec::new();
+    while let Some(joined) = clients.join_next().await {
+        latencies.extend(
+            joined
+                .map_err(|e| BenchError::Verification(format!("a client task failed: {e}")))??,
+        );
+    }
+    let elapsed = started.elapsed();
+    latencies.sort_unstable();
+    Ok((elapsed, latencies))
+}
+
+fn figures(
+    store: &'static str,
+    messages: usize,
+    elapsed: Duration,
+    latencies: &[Duration],
+    rss_kib: Vec<Option<u64>>,
+) -> LoadFigures {
+    LoadFigures {
+        store,
+        servers: rss_kib.len(),
+        messages_per_second: messages as f64 / elapsed.as_secs_f64(),
+        p50_ms: percentile(latencies, 0.50),
+        p95_ms: percentile(latencies, 0.95),
+        p99_ms: percentile(latencies, 0.99),
+        max_ms: latencies.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        server_peak_rss_mib: rss_kib
+            .into_iter()
+            .map(|kib| kib.unwrap_or(0) as f64 / 1024.0)
+            .collect(),
+        round_trips_per_message: None,
+        retries: None,
+        server_cpu_us_per_message: None,
+        postgres_cpu_us_per_message: None,
+    }
+}
+
+/// Microseconds of CPU per message from clock ticks spent during a load.
+fn cpu_us_per_message(ticks: Option<u64>, messages: usize) -> Option<f64> {
+    let seconds = ticks? as f64 / crate::pg_cluster::ticks_per_second();
+    Some(seconds * 1e6 / messages as f64)
+}
+
+/// The sum of several processes' CPU ticks, or `None` when any is unknown.
+fn sum_ticks(ticks: impl IntoIterator<Item = Option<u64>>) -> Option<u64> {
+    ticks.into_iter().sum()
+}
+
+/// Runs the load on SQLite, then on PostgreSQL through one and through two servers, verifying
+/// each end state.
+pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport, BenchError> {
+    if options.aggregates == 0 || options.concurrency == 0 || options.messages == 0 {
+        return Err(BenchError::Verification(
+            "aggregates, messages and concurrency must be positive".to_owned(),
+        ));
+    }
+    let streams = workload(options.aggregates, options.messages);
+    let mut runs = Vec::new();
+
+    let server = ServerUnderTest::start(options.synchronous, options.concurrency)?;
+    let cpu_before = server.cpu_ticks();
+    let (elapsed, latencies) = http_load(
+        std::slice::from_ref(&server.address),
+        &streams,
+        options.concurrency,
+    )
+    .await?;
+    let server_ticks = server
+        .cpu_ticks()
+        .zip(cpu_before)
+        .map(|(after, before)| after.saturating_sub(before));
+    let rss = vec![server.peak_rss_kib()];
+    let stopped = server.stop()?;
+    verify_end_state(&stopped.database, &streams)?;
+    let mut sqlite = figures("sqlite", options.messages, elapsed, &latencies, rss);
+    sqlite.server_cpu_us_per_message = cpu_us_per_message(server_ticks, options.messages);
+    runs.push(sqlite);
+
+    let cluster =
+        crate::pg_cluster::PrivateCluster::start(crate::pg_cluster::ClusterOptions::durable())
+            .map_err(|error| BenchError::Startup(format!("private PostgreSQL: {error}")))?;
+    for (run, servers) in [(1usize, 1usize), (2, 2)] {
+        let url = cluster
+            .create_database(&format!("bench_{run}"))
+            .map_err(|error| BenchError::Startup(format!("create database: {error}")))?;
+        let extra = ["--inbox".to_owned(), url.clone()];
+        let started: Vec<ServerUnderTest> = (0..servers)
+            .map(|_| ServerUnderTest::start_with(options.synchronous, options.concurrency, &extra))
+            .collect::<Result<_, _>>()?;
+        let addresses: Vec<String> = started.iter().map(|s| s.address.clone()).collect();
+        let servers_before = sum_ticks(started.iter().map(ServerUnderTest::cpu_ticks));
+        let postgres_before = cluster.cpu_ticks();
+        let (elapsed, latencies) = http_load(&addresses, &streams, options.concurrency).await?;
+        // Read before the servers stop: their connections' backends are still alive.
+        let postgres_ticks = cluster
+            .cpu_ticks()
+            .zip(postgres_before)
+            .map(|(after, before)| after.saturating_sub(before));
+        let server_ticks = sum_ticks(started.iter().map(ServerUnderTest::cpu_ticks))
+            .zip(servers_before)
+            .map(|(after, before)| after.saturating_sub(before));
+        let rss = started.iter().map(ServerUnderTest::peak_rss_kib).collect();
+        let mut run_figures = figures("postgres", options.messages, elapsed, &latencies, rss);
+        run_figures.server_cpu_us_per_message = cpu_us_per_message(server_ticks, options.messages);
+        run_figures.postgres_cpu_us_per_message =
+            cpu_us_per_message(postgres_ticks, options.messages);
+        let (mut operations, mut round_trips, mut retries) = (0, 0, 0);
+        for server in started {
+            let stopped = server.stop()?;
+            if let Some((ops, trips, again)) = stopped
+                .output
+                .iter()
+                .find_map(|line| crate::app::parse_postgres_figures(line))
+            {
+                operations += ops;
+                round_trips += trips;
+                retries += again;
+            }
+        }
+        if operations > 0 {
+            run_figures.round_trips_per_message = Some(round_trips as f64 / operations as f64);
+            run_figures.retries = Some(retries);
+        }
+        verify_postgres_end_state(&url, &streams).await?;
+        runs.push(run_figures);
+    }
+    drop(cluster);
+    Ok(PostgresReport {
+        aggregates: options.aggregates,
+        messages: options.messages,
+        concurrency: options.concurrency,
+        synchronous: synchronous_name(options.synchronous),
+        postgres_bindir: crate::pg_cluster::find_bindir()
+            .map(|dir| dir.display().to_string())
+            .unwrap_or_default(),
+        runs,
+    })
+}
+
+/// Every aggregate's last, total and applied rows in PostgreSQL are exactly what was sent.
+async fn verify_postgres_end_state(
+    url: &str,
+    streams: &[AggregateStream],
+) -> Result<(), BenchError> {
+    let inbox = ordered_inbox::postgres::PostgresInbox::connect(url, Limits::default())
+        .await
+        .map_err(|error| BenchError::Verification(error.to_string()))?;
+    let failed = |error: ordered_inbox::InboxError| BenchError::Verification(error.to_string());
+    for stream in streams {
+        let expected_last = stream.messages.len() as i64;
+        let expected_total: i64 = stream.messages.iter().map(|m| m.amount).sum();
+        let view = ordered_inbox::Inbox::aggregate(&inbox, stream.aggregate_id.clone())
+            .await
+            .map_err(failed)?
+            .ok_or_else(|| {
+                BenchError::Verification(format!("{}: no state row", stream.aggregate_id))
+            })?;
+        let (rows, sum) = inbox
+            .applied_totals(stream.aggregate_id.clone())
+            .await
+            .map_err(failed)?;
+        let (last, total) = (view.summary.last, view.summary.total);
+        if (last, total, rows, sum)
+            != (expected_last, expected_total, expected_last, expected_total)
+        {
+            return Err(BenchError::Verification(format!(
+                "{}: last {last}, total {total}, {rows} applied rows summing {sum}; expected last and rows {expected_last}, total {expected_total}",
+                stream.aggregate_id
+            )));
+        }
+    }
+    inbox.close();
+    Ok(())
 }
 
 pub(crate) fn percentile(sorted: &[Duration], quantile: f64) -> f64 {

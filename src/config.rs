@@ -33,6 +33,10 @@ pub struct Config {
     pub outbox_lease: Duration,
     /// Connection timeouts and the connection cap.
     pub limits: ConnectionLimits,
+    /// `postgres://USER@127.0.0.1:PORT/DB`: keep the ordered inbox in this PostgreSQL database
+    /// (shared by any number of servers) instead of the SQLite file. Every other lab stays on
+    /// the SQLite file.
+    pub inbox: Option<String>,
 }
 
 /// How long a client may take and how many connections it may hold open.
@@ -139,6 +143,7 @@ impl Config {
             nats: None,
             outbox_lease: DEFAULT_OUTBOX_LEASE,
             limits: ConnectionLimits::default(),
+            inbox: None,
         }
     }
 
@@ -189,6 +194,16 @@ pub enum StartupError {
     Broker(String),
     #[error("invalid --allowed-hosts '{value}': {reason}")]
     AllowedHosts { value: String, reason: String },
+    /// `--inbox` names no loopback PostgreSQL, or the database could not be reached or migrated.
+    #[error("--inbox: {0}")]
+    Inbox(String),
+}
+
+impl From<ordered_inbox::postgres::PostgresError> for StartupError {
+    fn from(error: ordered_inbox::postgres::PostgresError) -> Self {
+        // Kept as text: the one line says it all, with no cause chain to repeat it.
+        StartupError::Inbox(error.to_string())
+    }
 }
 
 pub fn require_development(environment: &str) -> Result<(), StartupError> {

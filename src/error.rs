@@ -156,16 +156,24 @@ impl IntoResponse for AppError {
     }
 }
 
-/// 503 for a failure a retry can clear (lock contention, a stopped writer), 500 otherwise. The
-/// detail goes to the server log only.
+/// How long a client is asked to wait before retrying after a 503 store answer, in seconds.
+pub const STORE_RETRY_AFTER_SECONDS: u32 = 1;
+
+/// 503 with `Retry-After` for a failure a retry can clear (lock contention, a stopped writer, a
+/// PostgreSQL that is down or restarting), 500 otherwise. The detail goes to the server log only.
 fn store_failure(retryable: bool, error: &dyn std::fmt::Display) -> Response {
     tracing::error!(target: "production_lab::store", %error, "store failure");
     if retryable {
-        problem_response(
+        let mut response = problem_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "The store is temporarily unavailable",
             None,
-        )
+        );
+        response.headers_mut().insert(
+            header::RETRY_AFTER,
+            header::HeaderValue::from(STORE_RETRY_AFTER_SECONDS),
+        );
+        response
     } else {
         problem_response(StatusCode::INTERNAL_SERVER_ERROR, "The store failed", None)
     }

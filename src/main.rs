@@ -78,10 +78,31 @@ enum OperatorCommand {
 }
 
 #[derive(Args)]
+#[group(required = true, multiple = false)]
 struct OperatorDatabase {
     /// The server's SQLite file (it must exist).
     #[arg(long, alias = "Production:DatabasePath")]
-    database: PathBuf,
+    database: Option<PathBuf>,
+    /// The servers' PostgreSQL inbox, postgres://USER@127.0.0.1:PORT/DB (as given to serve --inbox).
+    #[arg(long)]
+    inbox: Option<String>,
+}
+
+impl OperatorDatabase {
+    /// Where the operators live: the SQLite file, or the PostgreSQL inbox.
+    fn store(self) -> OperatorStore {
+        match (self.inbox, self.database) {
+            (Some(url), _) => OperatorStore::Postgres(url),
+            (None, Some(path)) => OperatorStore::Sqlite(path),
+            // clap's group requires one of the two.
+            (None, None) => OperatorStore::Sqlite(PathBuf::new()),
+        }
+    }
+}
+
+enum OperatorStore {
+    Sqlite(PathBuf),
+    Postgres(String),
 }
 
 #[derive(Subcommand)]
@@ -128,6 +149,10 @@ struct BenchOrderedArgs {
     /// under the same load and measurements; default: this binary.
     #[arg(long)]
     server: Option<PathBuf>,
+    /// sqlite: group commit against one transaction per message; postgres: a private
+    /// PostgreSQL through one and two servers, next to the SQLite server.
+    #[arg(long, value_enum, default_value = "sqlite")]
+    backend: bench::Backend,
     /// Also write the figures as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -183,6 +208,10 @@ struct ServeArgs {
     /// every one is busy a new one is answered 503 and closed.
     #[arg(long, value_parser = config::parse_max_connections, default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+    /// Keep the ordered inbox in PostgreSQL, postgres://USER@127.0.0.1:PORT/DB (loopback or a
+    /// Unix socket directory only), shared by every server given the same URL.
+    #[arg(long)]
+    inbox: Option<String>,
     /// Messages one aggregate may hold ahead of its turn (broker deliveries); a further one is
     /// nak'd back to the broker with a delay.
     #[arg(long, default_value_t = config::DEFAULT_MAX_HELD_PER_AGGREGATE,
@@ -359,7 +388,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 fn operator(command: OperatorCommand) -> anyhow::Result<()> {
     match command {
         OperatorCommand::Add { name, database } => {
-            let token = ordered_inbox::sqlite::operators::add(&database.database, &name)?;
+            let token = match database.store() {
+                OperatorStore::Sqlite(path) => ordered_inbox::sqlite::operators::add(&path, &name)?,
+                OperatorStore::Postgres(url) => {
+                    block_on(ordered_inbox::postgres::operators::add(&url, &name))??
+                }
+            };
             // The token alone on stdout, so that a script can capture it; the advice on stderr.
             println!("{token}");
             eprintln!(
@@ -367,7 +401,13 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
             );
         }
         OperatorCommand::List { database } => {
-            for record in ordered_inbox::sqlite::operators::list(&database.database)? {
+            let records = match database.store() {
+                OperatorStore::Sqlite(path) => ordered_inbox::sqlite::operators::list(&path)?,
+                OperatorStore::Postgres(url) => {
+                    block_on(ordered_inbox::postgres::operators::list(&url))??
+                }
+            };
+            for record in records {
                 let state = match &record.revoked_at {
                     Some(revoked_at) => format!("revoked {revoked_at}"),
                     None => "active".to_owned(),
@@ -376,7 +416,14 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
             }
         }
         OperatorCommand::Revoke { name, database } => {
-            let revocation = ordered_inbox::sqlite::operators::revoke(&database.database, &name)?;
+            let revocation = match database.store() {
+                OperatorStore::Sqlite(path) => {
+                    ordered_inbox::sqlite::operators::revoke(&path, &name)?
+                }
+                OperatorStore::Postgres(url) => {
+                    block_on(ordered_inbox::postgres::operators::revoke(&url, &name))??
+                }
+            };
             if revocation.already {
                 println!("{name} was already revoked at {}", revocation.revoked_at);
             } else {
@@ -385,6 +432,15 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs one future on a small runtime of its own (the operator commands against PostgreSQL).
+fn block_on<T>(future: impl std::future::Future<Output = T>) -> anyhow::Result<T> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    Ok(runtime.block_on(future))
 }
 
 fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
@@ -399,6 +455,14 @@ fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
                     synchronous: args.synchronous,
                     server: args.server,
                 };
+                if args.backend == bench::Backend::Postgres {
+                    let report = bench::ordered_postgres(&options).await?;
+                    return anyhow::Ok((
+                        report.to_string(),
+                        serde_json::to_string_pretty(&report)?,
+                        args.json,
+                    ));
+                }
                 let report = bench::ordered(&options).await?;
                 anyhow::Ok((
                     report.to_string(),
@@ -464,6 +528,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         max_held_per_aggregate: args.max_held_per_aggregate as usize,
         nats: args.nats.broker_config()?,
+        inbox: args.inbox,
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {

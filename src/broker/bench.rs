@@ -291,8 +291,9 @@ pub async fn run(options: &BrokerBenchOptions) -> Result<BrokerReport, BenchErro
     let batches = status["counters"]["batches"].as_u64().unwrap_or(0);
     let consumed = status["counters"]["messages"].as_u64().unwrap_or(0);
     let peak = server.peak_rss_kib();
-    let (database, _dir) = server.stop()?;
-    verify_end_state(&database, &streams)?;
+    let stopped = server.stop()?;
+    let database = &stopped.database;
+    verify_end_state(database, &streams)?;
     drop(nats);
 
     let http = crate::bench::ordered(&OrderedOptions {

@@ -6,7 +6,8 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use crate::helpers::{
-    TestApp, assert_bad_request, command, spawn_app, spawn_app_with, status_and_json,
+    Backend, TestApp, assert_bad_request, command, spawn_app_on, spawn_app_on_with, spawn_app_with,
+    status_and_json,
 };
 
 async fn deliver(
@@ -64,20 +65,24 @@ fn replace(expected_last: i64, message_id: &str, amount: i64) -> Value {
     })
 }
 
-/// Runs `production-lab operator ARGS --database PATH` as a process.
-fn operator_command(args: &[&str], database: &Path) -> std::process::Output {
+/// Runs `production-lab operator ARGS` as a process on the app's operator store
+/// (`--database PATH` or `--inbox URL`).
+fn operator_command(args: &[&str], app: &TestApp) -> std::process::Output {
+    operator_command_on(args, &app.operator_store_args())
+}
+
+fn operator_command_on(args: &[&str], store: &[std::ffi::OsString]) -> std::process::Output {
     command()
         .arg("operator")
         .args(args)
-        .arg("--database")
-        .arg(database)
+        .args(store)
         .output()
         .expect("run the operator command")
 }
 
 /// Registers an operator through the CLI and returns the token it printed.
 fn add_operator(app: &TestApp, name: &str) -> String {
-    let output = operator_command(&["add", name], &app.database);
+    let output = operator_command(&["add", name], app);
     assert!(
         output.status.success(),
         "operator add failed: {}",
@@ -96,18 +101,16 @@ async fn blocked_aggregate(app: &TestApp) {
 }
 
 fn dead_letter_status(app: &TestApp, message_id: &str) -> String {
-    app.db()
-        .query_row(
-            "SELECT status FROM deadletters WHERE message_id = ?1",
-            [message_id],
-            |row| row.get(0),
-        )
-        .expect("the dead letter row")
+    // Test ids are plain words; the quote check keeps this literal honest.
+    assert!(!message_id.contains('\''));
+    let rows = app.inbox_rows(&format!(
+        "SELECT status FROM deadletters WHERE message_id = '{message_id}'"
+    ));
+    rows.into_iter().next().expect("the dead letter row")
 }
 
 /// Every row of the tables a resolution could touch, to prove that nothing changed.
 fn ordering_rows(app: &TestApp) -> Vec<String> {
-    let db = app.db();
     let mut rows = Vec::new();
     for table in [
         "aggregate_state",
@@ -116,22 +119,20 @@ fn ordering_rows(app: &TestApp) -> Vec<String> {
         "aggregate_timeline",
         "resolutions",
     ] {
-        let mut statement = db.prepare(&format!("SELECT * FROM {table}")).unwrap();
-        let columns = statement.column_count();
-        let mut query = statement.query([]).unwrap();
-        while let Some(row) = query.next().unwrap() {
-            let values: Vec<String> = (0..columns)
-                .map(|i| format!("{:?}", row.get_ref(i).unwrap()))
-                .collect();
-            rows.push(format!("{table}: {}", values.join("|")));
-        }
+        let mut table_rows: Vec<String> = app
+            .inbox_rows(&format!("SELECT * FROM {table}"))
+            .into_iter()
+            .map(|row| format!("{table}: {row}"))
+            .collect();
+        // Physical row order is not part of the contract.
+        table_rows.sort();
+        rows.extend(table_rows);
     }
     rows
 }
 
-#[tokio::test]
-async fn many_aggregates_interleaved_keep_their_own_sequences() {
-    let app = spawn_app().await;
+async fn many_aggregates_interleaved_keep_their_own_sequences(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     let steps = [
         ("acct-1", "a1", 1, 10, 200),
         ("acct-2", "b1", 1, 1, 200),
@@ -161,30 +162,18 @@ async fn many_aggregates_interleaved_keep_their_own_sequences() {
         assert_eq!(view["status"], "flowing");
     }
     // The inbox rows carry their aggregate and sequence, backed by the canonical payload.
-    let db = app.db();
-    let row: (String, i64, i64, String) = db
-        .query_row(
-            "SELECT aggregate_id, sequence, amount, payload FROM ordered_inbox WHERE message_id = 'a2'",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
-        )
-        .unwrap();
     assert_eq!(
-        row,
-        (
-            "acct-1".to_owned(),
-            2,
-            20,
-            r#"{"AggregateId":"acct-1","Sequence":2,"Amount":20}"#.to_owned()
-        )
+        app.inbox_rows(
+            "SELECT aggregate_id, sequence, amount, payload FROM ordered_inbox WHERE message_id = 'a2'"
+        ),
+        [r#"acct-1|2|20|{"AggregateId":"acct-1","Sequence":2,"Amount":20}"#]
     );
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 7);
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM aggregate_state"), 3);
+    assert_eq!(app.inbox_scalar("SELECT COUNT(*) FROM ordered_inbox"), 7);
+    assert_eq!(app.inbox_scalar("SELECT COUNT(*) FROM aggregate_state"), 3);
 }
 
-#[tokio::test]
-async fn each_verdict_says_what_the_caller_can_do() {
-    let app = spawn_app().await;
+async fn each_verdict_says_what_the_caller_can_do(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     let (status, applied) = deliver(&app, "acct", "m-1", 1, 4).await;
     assert_eq!(status, 200);
     assert_eq!(applied["outcome"], "applied");
@@ -232,13 +221,17 @@ async fn each_verdict_says_what_the_caller_can_do() {
     assert_eq!(quarantined["deadLetter"]["observations"], 1);
 
     // Only the apply changed state.
-    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 1);
-    assert_eq!(app.scalar("SELECT total FROM aggregate_state"), 4);
+    assert_eq!(
+        app.inbox_scalar("SELECT last_sequence FROM aggregate_state"),
+        1
+    );
+    assert_eq!(app.inbox_scalar("SELECT total FROM aggregate_state"), 4);
 }
 
-#[tokio::test]
-async fn a_quarantined_id_resent_unchanged_is_quarantined_again_with_a_growing_observation_count() {
-    let app = spawn_app().await;
+async fn a_quarantined_id_resent_unchanged_is_quarantined_again_with_a_growing_observation_count(
+    backend: Backend,
+) {
+    let app = spawn_app_on(backend).await;
     blocked_aggregate(&app).await;
     for observations in 2..=3 {
         let (status, body) = deliver(&app, "a", "poison-2", 2, -1).await;
@@ -246,9 +239,9 @@ async fn a_quarantined_id_resent_unchanged_is_quarantined_again_with_a_growing_o
         assert_eq!(body["outcome"], "quarantined");
         assert_eq!(body["deadLetter"]["observations"], observations);
     }
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 1);
+    assert_eq!(app.inbox_scalar("SELECT COUNT(*) FROM deadletters"), 1);
     assert_eq!(
-        app.scalar("SELECT observations FROM deadletters WHERE message_id = 'poison-2'"),
+        app.inbox_scalar("SELECT observations FROM deadletters WHERE message_id = 'poison-2'"),
         3
     );
     // The same id with other content is not a correction: the id never changes meaning.
@@ -257,14 +250,18 @@ async fn a_quarantined_id_resent_unchanged_is_quarantined_again_with_a_growing_o
         (status, body["outcome"].clone()),
         (409, json!("payload conflict"))
     );
-    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 1);
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 1);
+    assert_eq!(
+        app.inbox_scalar("SELECT last_sequence FROM aggregate_state"),
+        1
+    );
+    assert_eq!(app.inbox_scalar("SELECT COUNT(*) FROM ordered_inbox"), 1);
     assert_eq!(dead_letter_status(&app, "poison-2"), "open");
 }
 
-#[tokio::test]
-async fn concurrent_deliveries_at_the_general_door_apply_once_and_count_every_observation() {
-    let app = spawn_app().await;
+async fn concurrent_deliveries_at_the_general_door_apply_once_and_count_every_observation(
+    backend: Backend,
+) {
+    let app = spawn_app_on(backend).await;
     let racers = futures_util::future::join_all((0..16).map(|i| {
         let app = &app;
         async move { deliver(app, "race", &format!("racer-{i}"), 1, 1).await }
@@ -289,18 +286,20 @@ async fn concurrent_deliveries_at_the_general_door_apply_once_and_count_every_ob
         poison.iter().all(|(status, _)| *status == 422),
         "{poison:?}"
     );
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 1);
-    assert_eq!(app.scalar("SELECT observations FROM deadletters"), 16);
+    assert_eq!(app.inbox_scalar("SELECT COUNT(*) FROM deadletters"), 1);
+    assert_eq!(app.inbox_scalar("SELECT observations FROM deadletters"), 16);
     assert_eq!(
-        app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'quarantined'"),
+        app.inbox_scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'quarantined'"),
         1
     );
-    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 1);
+    assert_eq!(
+        app.inbox_scalar("SELECT last_sequence FROM aggregate_state"),
+        1
+    );
 }
 
-#[tokio::test]
-async fn a_corrected_message_under_a_new_id_supersedes_the_open_dead_letter() {
-    let app = spawn_app().await;
+async fn a_corrected_message_under_a_new_id_supersedes_the_open_dead_letter(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     blocked_aggregate(&app).await;
     let (status, body) = deliver(&app, "a", "m-3", 3, 1).await;
     assert_eq!((status, body["expected"].clone()), (409, json!(2)));
@@ -323,12 +322,11 @@ async fn a_corrected_message_under_a_new_id_supersedes_the_open_dead_letter() {
     let (_, open) = get(&app, "/deadletters?status=open").await;
     assert_eq!(open["deadLetters"], json!([]));
     // Kept, not deleted.
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), 1);
+    assert_eq!(app.inbox_scalar("SELECT COUNT(*) FROM deadletters"), 1);
 }
 
-#[tokio::test]
-async fn blocked_and_waiting_aggregates_are_listed_oldest_first() {
-    let app = spawn_app().await;
+async fn blocked_and_waiting_aggregates_are_listed_oldest_first(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     assert_eq!(deliver(&app, "first-blocked", "p1", 1, -1).await.0, 422);
     assert_eq!(deliver(&app, "waiting", "w2", 2, 1).await.0, 409);
     assert_eq!(deliver(&app, "second-blocked", "p2", 1, -1).await.0, 422);
@@ -380,19 +378,20 @@ async fn blocked_and_waiting_aggregates_are_listed_oldest_first() {
     assert_bad_request(app.get("/aggregates").await).await;
 }
 
-#[tokio::test]
-async fn rejection_observations_are_bounded_per_aggregate_while_state_events_stay() {
-    let app = spawn_app().await;
+async fn rejection_observations_are_bounded_per_aggregate_while_state_events_stay(
+    backend: Backend,
+) {
+    let app = spawn_app_on(backend).await;
     assert_eq!(deliver(&app, "busy", "m-1", 1, 1).await.0, 200);
     for i in 0..130 {
         assert_eq!(deliver(&app, "busy", &format!("g-{i}"), 5, 1).await.0, 409);
     }
     assert_eq!(
-        app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'busy' AND observation_no IS NOT NULL"),
+        app.inbox_scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'busy' AND observation_no IS NOT NULL"),
         100
     );
     assert_eq!(
-        app.scalar(
+        app.inbox_scalar(
             "SELECT MIN(observation_no) FROM aggregate_timeline WHERE aggregate_id = 'busy'"
         ),
         31
@@ -408,9 +407,8 @@ async fn rejection_observations_are_bounded_per_aggregate_while_state_events_sta
     assert_eq!(page["next"], Value::Null);
 }
 
-#[tokio::test]
-async fn the_timeline_tells_the_story_in_order_and_pages() {
-    let app = spawn_app().await;
+async fn the_timeline_tells_the_story_in_order_and_pages(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     deliver(&app, "story", "m-1", 1, 1).await;
     deliver(&app, "story", "m-3", 3, 1).await;
     deliver(&app, "story", "poison-2", 2, -1).await;
@@ -457,9 +455,8 @@ async fn the_timeline_tells_the_story_in_order_and_pages() {
     assert_bad_request(app.get("/aggregates/story/timeline?after=x").await).await;
 }
 
-#[tokio::test]
-async fn every_request_shape_error_at_the_general_door_is_a_400_problem() {
-    let app = spawn_app().await;
+async fn every_request_shape_error_at_the_general_door_is_a_400_problem(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     let post = |path: String, body: Value| {
         let app = &app;
         async move { app.post_json(&path, &body).await }
@@ -525,12 +522,11 @@ async fn every_request_shape_error_at_the_general_door_is_a_400_problem() {
     )
     .await;
     assert_eq!((status, body["expected"].clone()), (409, json!(1)));
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 0);
+    assert_eq!(app.inbox_scalar("SELECT COUNT(*) FROM ordered_inbox"), 0);
 }
 
-#[tokio::test]
-async fn both_doors_share_one_identity_and_one_set_of_rows() {
-    let app = spawn_app().await;
+async fn both_doors_share_one_identity_and_one_set_of_rows(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     let classroom = json!({"messageId": "m-1", "aggregateId": "demo", "sequence": 1, "amount": 1});
     assert_eq!(
         app.post_json("/ordered/apply", &classroom).await.status(),
@@ -550,23 +546,11 @@ async fn both_doors_share_one_identity_and_one_set_of_rows() {
         json!({"messageId": "poison-2", "aggregateId": "demo", "sequence": 2, "amount": -1});
     assert_eq!(app.post_json("/ordered/apply", &poison).await.status(), 422);
     assert_eq!(app.post_json("/ordered/apply", &poison).await.status(), 422);
-    let row: (String, i64, String, String, i64) = app
-        .db()
-        .query_row(
-            "SELECT aggregate_id, sequence, payload, status, observations FROM deadletters",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
-        )
-        .unwrap();
     assert_eq!(
-        row,
-        (
-            "demo".to_owned(),
-            2,
-            r#"{"AggregateId":"demo","Sequence":2,"Amount":-1}"#.to_owned(),
-            "open".to_owned(),
-            2
-        )
+        app.inbox_rows(
+            "SELECT aggregate_id, sequence, payload, status, observations FROM deadletters"
+        ),
+        [r#"demo|2|{"AggregateId":"demo","Sequence":2,"Amount":-1}|open|2"#]
     );
     let (_, view) = get(&app, "/aggregates/demo").await;
     assert_eq!(view["status"], "blocked");
@@ -589,32 +573,28 @@ async fn both_doors_share_one_identity_and_one_set_of_rows() {
     assert_eq!(state, json!({"applied": 1, "deadletters": 1, "last": 1}));
 }
 
-#[tokio::test]
-async fn the_operator_cli_prints_a_token_once_and_keeps_only_its_hash() {
-    let app = spawn_app().await;
+async fn the_operator_cli_prints_a_token_once_and_keeps_only_its_hash(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     let token = add_operator(&app, "alice");
     assert!(token.len() >= 43, "32 random bytes, base64url: {token}");
-    let stored: String = app
-        .db()
-        .query_row(
-            "SELECT token_hash FROM operators WHERE name = 'alice'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
-    assert_eq!(stored.len(), 64);
-    assert!(!stored.contains(&token));
-    let dump = std::fs::read(&app.database).unwrap();
-    assert!(!dump.windows(token.len()).any(|w| w == token.as_bytes()));
+    let stored = app.inbox_rows("SELECT token_hash FROM operators WHERE name = 'alice'");
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].len(), 64);
+    assert!(!stored[0].contains(&token));
+    if backend == Backend::Sqlite {
+        // The whole file, not only the column: no copy of the token anywhere.
+        let dump = std::fs::read(&app.database).unwrap();
+        assert!(!dump.windows(token.len()).any(|w| w == token.as_bytes()));
+    }
 
     add_operator(&app, "bob");
-    let duplicate = operator_command(&["add", "alice"], &app.database);
+    let duplicate = operator_command(&["add", "alice"], &app);
     assert!(!duplicate.status.success());
     assert!(String::from_utf8_lossy(&duplicate.stderr).contains("already exists"));
 
-    let revoked = operator_command(&["revoke", "bob"], &app.database);
+    let revoked = operator_command(&["revoke", "bob"], &app);
     assert!(revoked.status.success());
-    let listed = operator_command(&["list"], &app.database);
+    let listed = operator_command(&["list"], &app);
     assert!(listed.status.success());
     let listing = String::from_utf8(listed.stdout).unwrap();
     let lines: Vec<&str> = listing.lines().collect();
@@ -629,14 +609,29 @@ async fn the_operator_cli_prints_a_token_once_and_keeps_only_its_hash() {
     );
     assert!(!listing.contains(&token));
 
-    let missing = operator_command(&["list"], &app.dir.path().join("typo.db"));
+    // A store that is not there is refused, not created.
+    let (missing, says) = match backend {
+        Backend::Sqlite => (
+            vec!["--database".into(), app.dir.path().join("typo.db").into()],
+            "does not exist",
+        ),
+        Backend::Postgres => (
+            vec![
+                "--inbox".into(),
+                "postgres://lab:secret@db.example.com/inbox".into(),
+            ],
+            "only loopback hosts",
+        ),
+    };
+    let missing = operator_command_on(&["list"], &missing);
     assert!(!missing.status.success());
-    assert!(String::from_utf8_lossy(&missing.stderr).contains("does not exist"));
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(stderr.contains(says), "{stderr}");
+    assert!(!stderr.contains("secret"), "{stderr}");
 }
 
-#[tokio::test]
-async fn resolution_without_an_operator_token_is_401_and_changes_nothing() {
-    let app = spawn_app().await;
+async fn resolution_without_an_operator_token_is_401_and_changes_nothing(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     blocked_aggregate(&app).await;
     let before = ordering_rows(&app);
 
@@ -671,7 +666,7 @@ async fn resolution_without_an_operator_token_is_401_and_changes_nothing() {
 
     // A revoked operator's token stops working.
     assert!(
-        operator_command(&["revoke", "alice"], &app.database)
+        operator_command(&["revoke", "alice"], &app)
             .status
             .success()
     );
@@ -680,9 +675,10 @@ async fn resolution_without_an_operator_token_is_401_and_changes_nothing() {
     assert_eq!(ordering_rows(&app), before);
 }
 
-#[tokio::test]
-async fn replace_applies_the_replacement_and_only_then_is_the_next_sequence_eligible() {
-    let app = spawn_app().await;
+async fn replace_applies_the_replacement_and_only_then_is_the_next_sequence_eligible(
+    backend: Backend,
+) {
+    let app = spawn_app_on(backend).await;
     let token = add_operator(&app, "alice");
     blocked_aggregate(&app).await;
     // Not before: sequence 3 is a gap while 2 is quarantined.
@@ -703,17 +699,9 @@ async fn replace_applies_the_replacement_and_only_then_is_the_next_sequence_elig
     );
 
     // The replacement is an applied message like any other; the dead letter is resolved.
-    let (sequence, payload): (i64, String) = app
-        .db()
-        .query_row(
-            "SELECT sequence, payload FROM ordered_inbox WHERE message_id = 'fix-2'",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .unwrap();
     assert_eq!(
-        (sequence, payload.as_str()),
-        (2, r#"{"AggregateId":"a","Sequence":2,"Amount":2}"#)
+        app.inbox_rows("SELECT sequence, payload FROM ordered_inbox WHERE message_id = 'fix-2'"),
+        [r#"2|{"AggregateId":"a","Sequence":2,"Amount":2}"#]
     );
     assert_eq!(dead_letter_status(&app, "poison-2"), "resolved");
     let (_, letters) = get(&app, "/deadletters?status=resolved&aggregateId=a").await;
@@ -759,9 +747,8 @@ async fn replace_applies_the_replacement_and_only_then_is_the_next_sequence_elig
     );
 }
 
-#[tokio::test]
-async fn skip_records_an_explicit_skip_with_zero_effect_and_advances_by_one() {
-    let app = spawn_app().await;
+async fn skip_records_an_explicit_skip_with_zero_effect_and_advances_by_one(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     let token = add_operator(&app, "alice");
     blocked_aggregate(&app).await;
     let (status, resolved) = resolve(
@@ -776,9 +763,9 @@ async fn skip_records_an_explicit_skip_with_zero_effect_and_advances_by_one() {
     assert_eq!(resolved["after"], json!({"last": 2, "total": 5}));
     assert_eq!(resolved["replacement"], Value::Null);
     // No message was applied at sequence 2: the skip is its own event, not an inbox row.
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 1);
+    assert_eq!(app.inbox_scalar("SELECT COUNT(*) FROM ordered_inbox"), 1);
     assert_eq!(
-        app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'skipped' AND sequence = 2 AND message_id = 'poison-2'"),
+        app.inbox_scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'skipped' AND sequence = 2 AND message_id = 'poison-2'"),
         1
     );
     assert_eq!(deliver(&app, "a", "late-2", 2, 1).await.0, 409);
@@ -789,9 +776,8 @@ async fn skip_records_an_explicit_skip_with_zero_effect_and_advances_by_one() {
     assert_eq!(view["openDeadLetters"], json!([]));
 }
 
-#[tokio::test]
-async fn two_operators_racing_with_the_same_expected_last_resolve_exactly_once() {
-    let app = spawn_app().await;
+async fn two_operators_racing_with_the_same_expected_last_resolve_exactly_once(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     let alice = add_operator(&app, "alice");
     let bob = add_operator(&app, "bob");
     blocked_aggregate(&app).await;
@@ -815,13 +801,17 @@ async fn two_operators_racing_with_the_same_expected_last_resolve_exactly_once()
         loser.1["current"]["deadLetter"]["resolution"]["operator"],
         winner.1["operator"]
     );
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM resolutions"), 1);
-    assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 2);
+    assert_eq!(app.inbox_scalar("SELECT COUNT(*) FROM resolutions"), 1);
+    assert_eq!(
+        app.inbox_scalar("SELECT last_sequence FROM aggregate_state"),
+        2
+    );
 }
 
-#[tokio::test]
-async fn an_identical_repeat_answers_the_original_result_and_a_different_one_conflicts() {
-    let app = spawn_app().await;
+async fn an_identical_repeat_answers_the_original_result_and_a_different_one_conflicts(
+    backend: Backend,
+) {
+    let app = spawn_app_on(backend).await;
     let token = add_operator(&app, "alice");
     blocked_aggregate(&app).await;
     let body = replace(1, "fix-2", 2);
@@ -844,9 +834,8 @@ async fn an_identical_repeat_answers_the_original_result_and_a_different_one_con
     assert_eq!(ordering_rows(&app), rows);
 }
 
-#[tokio::test]
-async fn a_dry_run_reports_the_resulting_state_and_writes_nothing() {
-    let app = spawn_app().await;
+async fn a_dry_run_reports_the_resulting_state_and_writes_nothing(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     let token = add_operator(&app, "alice");
     blocked_aggregate(&app).await;
     let before = ordering_rows(&app);
@@ -872,9 +861,8 @@ async fn a_dry_run_reports_the_resulting_state_and_writes_nothing() {
     assert!(real["resolutionId"].is_i64());
 }
 
-#[tokio::test]
-async fn resolution_preconditions_refuse_with_the_current_state() {
-    let app = spawn_app().await;
+async fn resolution_preconditions_refuse_with_the_current_state(backend: Backend) {
+    let app = spawn_app_on(backend).await;
     let token = add_operator(&app, "alice");
     blocked_aggregate(&app).await;
     let before = ordering_rows(&app);
@@ -967,6 +955,8 @@ fn fixture_copy(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     (dir, path)
 }
 
+// SQLite only: these two open database files written by earlier releases; a PostgreSQL inbox
+// has no such history (its schema starts at its own version 1).
 #[tokio::test]
 async fn a_seed_schema_database_opens_and_upgrades_in_place() {
     // Made by the seed's Initialize script and the seed's own statements (user_version 0).
@@ -1074,9 +1064,10 @@ async fn a_database_from_the_previous_release_opens_upgrades_and_keeps_its_evide
     assert_eq!(letters["deadLetters"].as_array().unwrap().len(), 2);
 }
 
-#[tokio::test]
-async fn a_full_quarantine_refuses_new_poison_ids_with_429_and_writes_one_observation() {
-    let app = spawn_app_with(|config| config.max_open_dead_letters = 3).await;
+async fn a_full_quarantine_refuses_new_poison_ids_with_429_and_writes_one_observation(
+    backend: Backend,
+) {
+    let app = spawn_app_on_with(backend, |config| config.max_open_dead_letters = 3).await;
     assert_eq!(deliver(&app, "flood", "m-1", 1, 1).await.0, 200);
     for i in 0..3 {
         assert_eq!(
@@ -1084,7 +1075,7 @@ async fn a_full_quarantine_refuses_new_poison_ids_with_429_and_writes_one_observ
             422
         );
     }
-    let rows_before = app.scalar("SELECT COUNT(*) FROM deadletters");
+    let rows_before = app.inbox_scalar("SELECT COUNT(*) FROM deadletters");
     for i in 3..10 {
         let response = app
             .post_json(
@@ -1102,9 +1093,12 @@ async fn a_full_quarantine_refuses_new_poison_ids_with_429_and_writes_one_observ
         assert_eq!(problem["openDeadLetters"], 3);
         assert_eq!(problem["limit"], 3);
     }
-    assert_eq!(app.scalar("SELECT COUNT(*) FROM deadletters"), rows_before);
     assert_eq!(
-        app.scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'flood' AND kind = 'quarantine full'"),
+        app.inbox_scalar("SELECT COUNT(*) FROM deadletters"),
+        rows_before
+    );
+    assert_eq!(
+        app.inbox_scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'flood' AND kind = 'quarantine full'"),
         7
     );
     // A known poison id is still counted, and a valid message still takes the sequence.
@@ -1117,7 +1111,7 @@ async fn a_full_quarantine_refuses_new_poison_ids_with_429_and_writes_one_observ
     assert_eq!(status, 200);
     assert_eq!(applied["superseded"].as_array().unwrap().len(), 3);
     // The classroom door keeps the same bound.
-    let classroom = spawn_app_with(|config| config.max_open_dead_letters = 1).await;
+    let classroom = spawn_app_on_with(backend, |config| config.max_open_dead_letters = 1).await;
     let poison =
         |id: &str| json!({"messageId": id, "aggregateId": "demo", "sequence": 1, "amount": -1});
     assert_eq!(
@@ -1136,21 +1130,19 @@ async fn a_full_quarantine_refuses_new_poison_ids_with_429_and_writes_one_observ
     );
 }
 
-#[tokio::test]
-async fn an_aggregate_says_when_its_list_of_open_dead_letters_is_cut() {
-    let app = spawn_app_with(|config| config.max_open_dead_letters = 2000).await;
+async fn an_aggregate_says_when_its_list_of_open_dead_letters_is_cut(backend: Backend) {
+    let app = spawn_app_on_with(backend, |config| config.max_open_dead_letters = 2000).await;
     assert_eq!(deliver(&app, "many", "m-1", 1, 1).await.0, 200);
-    // Written straight into the file: 1,001 open dead letters through HTTP would be slow here.
-    app.db()
-        .execute_batch(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1001)
-             INSERT INTO deadletters(id, message_id, reason, aggregate_id, sequence, payload,
-                                     first_seen, last_seen, observations, status)
-             SELECT i, 'p-' || i, 'negative amount', 'many', 2, '{}', '2026-01-01T00:00:00.000Z',
-                    '2026-01-01T00:00:00.000Z', 1, 'open' FROM n;
-             UPDATE aggregate_state SET status = 'blocked' WHERE aggregate_id = 'many';",
-        )
-        .unwrap();
+    // Written straight into the store: 1,001 open dead letters through HTTP would be slow here.
+    // The statements are the same in SQLite and PostgreSQL.
+    app.inbox_execute(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1001)
+         INSERT INTO deadletters(id, message_id, reason, aggregate_id, sequence, payload,
+                                 first_seen, last_seen, observations, status)
+         SELECT i, 'p-' || i, 'negative amount', 'many', 2, '{}', '2026-01-01T00:00:00.000Z',
+                '2026-01-01T00:00:00.000Z', 1, 'open' FROM n;
+         UPDATE aggregate_state SET status = 'blocked' WHERE aggregate_id = 'many';",
+    );
     let (_, view) = get(&app, "/aggregates/many").await;
     assert_eq!(view["openDeadLetters"].as_array().unwrap().len(), 1000);
     assert_eq!(view["openDeadLetterCount"], 1001);
@@ -1203,7 +1195,7 @@ async fn raw_request(app: &TestApp, method: &str, path: &str, body: &str) -> (u1
 
 #[tokio::test]
 async fn dot_segments_are_refused_as_aggregate_ids_in_every_spelling() {
-    let app = spawn_app().await;
+    let app = spawn_app_on(Backend::Sqlite).await;
     let message = r#"{"messageId":"m-1","sequence":1,"amount":1}"#;
     for id in [".", "..", "%2e", "%2E", "%2e%2e", "%2E%2e", ".%2e", "%2e."] {
         for (method, path, body) in [
@@ -1228,7 +1220,7 @@ async fn dot_segments_are_refused_as_aggregate_ids_in_every_spelling() {
 
 #[tokio::test]
 async fn two_authorization_headers_are_an_ambiguous_credential_and_resolve_nothing() {
-    let app = spawn_app().await;
+    let app = spawn_app_on(Backend::Sqlite).await;
     let alice = add_operator(&app, "alice");
     blocked_aggregate(&app).await;
     let before = ordering_rows(&app);
@@ -1258,3 +1250,26 @@ async fn two_authorization_headers_are_an_ambiguous_credential_and_resolve_nothi
     assert_eq!(ordering_rows(&app), before);
     assert_eq!(dead_letter_status(&app, "poison-2"), "open");
 }
+
+crate::on_both_backends!(
+    many_aggregates_interleaved_keep_their_own_sequences,
+    each_verdict_says_what_the_caller_can_do,
+    a_quarantined_id_resent_unchanged_is_quarantined_again_with_a_growing_observation_count,
+    concurrent_deliveries_at_the_general_door_apply_once_and_count_every_observation,
+    a_corrected_message_under_a_new_id_supersedes_the_open_dead_letter,
+    blocked_and_waiting_aggregates_are_listed_oldest_first,
+    rejection_observations_are_bounded_per_aggregate_while_state_events_stay,
+    the_timeline_tells_the_story_in_order_and_pages,
+    every_request_shape_error_at_the_general_door_is_a_400_problem,
+    both_doors_share_one_identity_and_one_set_of_rows,
+    the_operator_cli_prints_a_token_once_and_keeps_only_its_hash,
+    resolution_without_an_operator_token_is_401_and_changes_nothing,
+    replace_applies_the_replacement_and_only_then_is_the_next_sequence_eligible,
+    skip_records_an_explicit_skip_with_zero_effect_and_advances_by_one,
+    two_operators_racing_with_the_same_expected_last_resolve_exactly_once,
+    an_identical_repeat_answers_the_original_result_and_a_different_one_conflicts,
+    a_dry_run_reports_the_resulting_state_and_writes_nothing,
+    resolution_preconditions_refuse_with_the_current_state,
+    a_full_quarantine_refuses_new_poison_ids_with_429_and_writes_one_observation,
+    an_aggregate_says_when_its_list_of_open_dead_letters_is_cut,
+);

@@ -1,5 +1,10 @@
 //! The one way tests start the server: in process on an ephemeral loopback port with a fresh
 //! database file and a copy of the settings file, or as a child process of the real binary.
+//!
+//! The ordered inbox's tests run on both backends: [`spawn_app_on`] takes a [`Backend`], and
+//! [`on_both_backends!`](crate::on_both_backends) turns `async fn name(backend: Backend)` into a
+//! `sqlite::name` and a `postgres::name` test. Such tests read the inbox's rows through
+//! [`TestApp::inbox_scalar`] and [`TestApp::inbox_rows`], which ask whichever database holds them.
 // Each lab's tests use a different part of these helpers.
 #![allow(dead_code)]
 
@@ -18,6 +23,39 @@ use tokio_util::sync::CancellationToken;
 pub const SEED_SETTINGS: &str =
     r#"{"Live":{"Label":"initial","Maximum":3,"Secret":"classroom-not-a-secret"}}"#;
 
+/// Where a test server keeps the ordered inbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The SQLite file, beside every other lab (the default).
+    Sqlite,
+    /// A fresh database of the test run's private PostgreSQL (`--inbox`).
+    Postgres,
+}
+
+/// Generates, for each `async fn name(backend: Backend)` listed, the tests `sqlite::name` and
+/// `postgres::name`.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),+ $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name($crate::helpers::Backend::Sqlite).await
+                }
+            )+
+        }
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name($crate::helpers::Backend::Postgres).await
+                }
+            )+
+        }
+    };
+}
+
 /// A server running inside the test process.
 pub struct TestApp {
     /// The root URL, e.g. `http://127.0.0.1:41234`.
@@ -30,6 +68,8 @@ pub struct TestApp {
     pub state: AppState,
     /// Keeps the database and settings files alive for the test's duration.
     pub dir: TempDir,
+    /// The PostgreSQL database holding the ordered inbox, when the backend is PostgreSQL.
+    pub inbox_url: Option<String>,
     stop: CancellationToken,
     server: JoinHandle<std::io::Result<()>>,
 }
@@ -49,10 +89,23 @@ pub async fn spawn_app() -> TestApp {
 
 /// A fresh server whose configuration the test adjusts first.
 pub async fn spawn_app_with(configure: impl FnOnce(&mut Config)) -> TestApp {
+    spawn_app_on_with(Backend::Sqlite, configure).await
+}
+
+/// A fresh server with its ordered inbox on `backend`.
+pub async fn spawn_app_on(backend: Backend) -> TestApp {
+    spawn_app_on_with(backend, |_| {}).await
+}
+
+/// A fresh server with its ordered inbox on `backend`, configured by the test first.
+pub async fn spawn_app_on_with(backend: Backend, configure: impl FnOnce(&mut Config)) -> TestApp {
     let dir = tempfile::tempdir().expect("temp dir");
     let settings = dir.path().join("runtime-settings.json");
     std::fs::write(&settings, SEED_SETTINGS).expect("write settings");
     let mut config = Config::for_tests(dir.path().join("lab.db"), settings);
+    if backend == Backend::Postgres {
+        config.inbox = Some(crate::postgres::fresh_database());
+    }
     configure(&mut config);
     start(dir, config).await
 }
@@ -60,6 +113,7 @@ pub async fn spawn_app_with(configure: impl FnOnce(&mut Config)) -> TestApp {
 async fn start(dir: TempDir, config: Config) -> TestApp {
     let database = config.database.clone();
     let settings = config.settings.clone();
+    let inbox_url = config.inbox.clone();
     let application = Application::build(config).await.expect("server starts");
     let port = application.port();
     let address = application.url();
@@ -74,6 +128,7 @@ async fn start(dir: TempDir, config: Config) -> TestApp {
         settings,
         state,
         dir,
+        inbox_url,
         stop,
         server,
     }
@@ -150,14 +205,99 @@ impl TestApp {
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
-    /// Stops the server gracefully and waits for it, keeping the files.
+    /// Which backend holds the ordered inbox.
+    pub fn backend(&self) -> Backend {
+        if self.inbox_url.is_some() {
+            Backend::Postgres
+        } else {
+            Backend::Sqlite
+        }
+    }
+
+    /// The first column of the first row of a query on the ordered inbox's tables, wherever
+    /// they are, as an integer.
+    pub fn inbox_scalar(&self, sql: &str) -> i64 {
+        let rows = self.inbox_rows(sql);
+        let first = rows
+            .first()
+            .and_then(|row| row.split('|').next())
+            .unwrap_or_else(|| panic!("{sql}: no row"));
+        first
+            .parse()
+            .unwrap_or_else(|e| panic!("{sql}: {first:?} is not an integer: {e}"))
+    }
+
+    /// Every row of a query on the ordered inbox's tables, wherever they are, as its values
+    /// joined by `|` (`NULL` for null), as `sqlite3` prints them.
+    pub fn inbox_rows(&self, sql: &str) -> Vec<String> {
+        let join = |values: Vec<Option<String>>| {
+            values
+                .into_iter()
+                .map(|value| value.unwrap_or_else(|| "NULL".to_owned()))
+                .collect::<Vec<_>>()
+                .join("|")
+        };
+        match &self.inbox_url {
+            Some(url) => crate::postgres::query_text(url, sql)
+                .into_iter()
+                .map(join)
+                .collect(),
+            None => {
+                let db = self.db();
+                let mut statement = db.prepare(sql).unwrap_or_else(|e| panic!("{sql}: {e}"));
+                let columns = statement.column_count();
+                let mut query = statement.query([]).unwrap_or_else(|e| panic!("{sql}: {e}"));
+                let mut rows = Vec::new();
+                while let Some(row) = query.next().unwrap_or_else(|e| panic!("{sql}: {e}")) {
+                    let values = (0..columns)
+                        .map(|i| match row.get_ref(i).expect("a column") {
+                            rusqlite::types::ValueRef::Null => None,
+                            rusqlite::types::ValueRef::Integer(n) => Some(n.to_string()),
+                            rusqlite::types::ValueRef::Real(x) => Some(x.to_string()),
+                            rusqlite::types::ValueRef::Text(t)
+                            | rusqlite::types::ValueRef::Blob(t) => {
+                                Some(String::from_utf8_lossy(t).into_owned())
+                            }
+                        })
+                        .collect();
+                    rows.push(join(values));
+                }
+                rows
+            }
+        }
+    }
+
+    /// Runs statements on the ordered inbox's tables, wherever they are.
+    pub fn inbox_execute(&self, sql: &str) {
+        match &self.inbox_url {
+            Some(url) => {
+                crate::postgres::query_text(url, sql);
+            }
+            None => self
+                .db()
+                .execute_batch(sql)
+                .unwrap_or_else(|e| panic!("{sql}: {e}")),
+        }
+    }
+
+    /// The `operator` command's arguments that name this server's operator store.
+    pub fn operator_store_args(&self) -> Vec<std::ffi::OsString> {
+        match &self.inbox_url {
+            Some(url) => vec!["--inbox".into(), url.into()],
+            None => vec!["--database".into(), self.database.clone().into()],
+        }
+    }
+
+    /// Stops the server gracefully and waits for it, keeping the files (and the PostgreSQL
+    /// database).
     pub async fn stop(self) -> (TempDir, Config) {
         self.stop.cancel();
         self.server
             .await
             .expect("server task")
             .expect("server stops cleanly");
-        let config = Config::for_tests(self.database, self.settings);
+        let mut config = Config::for_tests(self.database, self.settings);
+        config.inbox = self.inbox_url;
         (self.dir, config)
     }
 

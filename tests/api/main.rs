@@ -3,6 +3,7 @@
 
 mod browser;
 mod helpers;
+mod postgres;
 
 mod aggregates;
 mod broker;

@@ -185,3 +185,40 @@ fn practice_takes_a_progression_and_a_starting_last() {
     assert!(!ok);
     assert!(stderr.contains("SEQUENCE:AMOUNT"), "{stderr}");
 }
+
+#[test]
+fn serve_refuses_an_inbox_that_is_not_a_loopback_postgresql_in_one_line() {
+    let base = [
+        "--urls",
+        "http://127.0.0.1:0",
+        "--environment",
+        "Development",
+    ];
+    for (inbox, says) in [
+        (
+            "postgres://lab:secret@db.example.com:5432/inbox",
+            "only loopback hosts",
+        ),
+        (
+            "postgres://lab:secret@10.1.2.3/inbox",
+            "only loopback hosts",
+        ),
+        ("mysql://lab@127.0.0.1/inbox", "postgres://"),
+        ("postgres://lab@/inbox", "names no host"),
+    ] {
+        let args: Vec<&str> = base.iter().copied().chain(["--inbox", inbox]).collect();
+        let line = refused(&args, None);
+        assert!(line.contains("--inbox") && line.contains(says), "{line}");
+        assert!(!line.contains("secret"), "the password stays out: {line}");
+    }
+    // A loopback PostgreSQL that is not there: one line naming it, not a hang or a panic.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://lab@127.0.0.1:{port}/inbox");
+    let args: Vec<&str> = base.iter().copied().chain(["--inbox", &url]).collect();
+    let line = refused(&args, None);
+    assert!(line.contains(&format!("127.0.0.1:{port}")), "{line}");
+}

@@ -27,7 +27,11 @@
 //!   writes the decided changes in one transaction serialized per aggregate).
 //! - [`sqlite`] (feature `sqlite`, on by default): the SQLite backend: one writer thread with
 //!   group commit and a savepoint per unit, read connections, the inbox's schema and migrations.
-//!   It is the only module that knows SQL.
+//! - [`postgres`] (feature `postgres`): the PostgreSQL backend, for several server processes on
+//!   one database: a connection pool, one transaction per operation serialized per aggregate by
+//!   advisory and row locks, pipelined prepared statements, versioned migrations.
+//!
+//! The two backends are the only modules that know SQL; neither holds an ordering rule.
 //! - [`clock`]: the stored timestamp format.
 //!
 //! Nothing here speaks HTTP: verdicts, conflicts and refusals are enums, and a server words them.
@@ -81,6 +85,8 @@ pub mod inbox;
 pub mod model;
 pub mod operators;
 pub mod policy;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 pub mod resolution;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;

@@ -186,7 +186,7 @@ async fn authenticate(inbox: &SharedInbox, headers: &HeaderMap) -> Result<String
     }
     let detail = if check.active == 0 {
         format!(
-            "no operator is registered yet: run `{ADD_HINT}` on the server's database file, then send Authorization: Bearer TOKEN with the printed token"
+            "no operator is registered yet: run `{ADD_HINT}` on the server's database file (with --inbox URL instead of --database when the inbox is in PostgreSQL), then send Authorization: Bearer TOKEN with the printed token"
         )
     } else {
         match credential {

@@ -1,0 +1,177 @@
+//! Operators in the PostgreSQL database: the `operator add|list|revoke` commands connect to the
+//! database directly (servers may be running against it) and bring the schema up to date first,
+//! with the same migrations the servers run.
+
+use futures_util::join;
+use tokio_postgres::types::ToSql;
+
+use super::{Client, Counters, Failure, PostgresError, Target, error_text};
+use crate::clock;
+use crate::operators::{
+    OperatorCheck, OperatorError, OperatorRecord, Revocation, new_token, token_hash, validate_name,
+};
+
+const CHECK_TOKEN: &str = "SELECT name FROM operators WHERE token_hash = $1 AND revoked_at IS NULL";
+const ACTIVE_COUNT: &str = "SELECT COUNT(*) FROM operators WHERE revoked_at IS NULL";
+const FIND: &str = "SELECT name, created_at, revoked_at FROM operators WHERE name = $1";
+
+/// Who a token belongs to, and how many operators can act now.
+pub(super) async fn check(
+    client: &Client,
+    counters: &Counters,
+    token: Option<&str>,
+) -> Result<OperatorCheck, Failure> {
+    let by_token = client.prepare_cached(CHECK_TOKEN).await?;
+    let active = client.prepare_cached(ACTIVE_COUNT).await?;
+    let hash = token.map(token_hash).unwrap_or_default();
+    let by_hash: [&(dyn ToSql + Sync); 1] = [&hash];
+    let (operator, active) = join!(
+        client.query_opt(&by_token, &by_hash),
+        client.query_one(&active, &[]),
+    );
+    counters.trip();
+    let operator = match (token, operator?) {
+        (Some(_), Some(row)) => Some(row.try_get(0)?),
+        _ => None,
+    };
+    Ok(OperatorCheck {
+        operator,
+        active: active?.try_get(0)?,
+    })
+}
+
+/// Connects for an operator command and migrates the schema.
+async fn open(url: &str) -> Result<(Target, tokio_postgres::Client), OperatorError> {
+    let target = Target::parse(url).map_err(|error| store_error(url_label(url), error))?;
+    super::schema::migrate(&target)
+        .await
+        .map_err(|error| store_error(target.to_string(), error))?;
+    let client = target
+        .connect()
+        .await
+        .map_err(|error| store_error(target.to_string(), error))?;
+    Ok((target, client))
+}
+
+/// What an error may say about a URL that could not be parsed: never the URL itself, which may
+/// hold a password.
+fn url_label(url: &str) -> String {
+    if url.starts_with("postgres") {
+        "the --inbox URL".to_owned()
+    } else {
+        "--inbox".to_owned()
+    }
+}
+
+fn store_error(path: String, error: PostgresError) -> OperatorError {
+    let reason = match error {
+        // The target is already the error's `path`.
+        PostgresError::Connect { reason, .. } => reason,
+        other => other.to_string(),
+    };
+    OperatorError::Store { path, reason }
+}
+
+fn failed(target: &Target) -> impl Fn(tokio_postgres::Error) -> OperatorError + '_ {
+    move |error| OperatorError::Store {
+        path: target.to_string(),
+        reason: error_text(&error),
+    }
+}
+
+async fn find(
+    client: &tokio_postgres::Client,
+    name: &str,
+) -> Result<Option<OperatorRecord>, tokio_postgres::Error> {
+    client
+        .query_opt(FIND, &[&name])
+        .await?
+        .map(|row| {
+            Ok(OperatorRecord {
+                name: row.try_get(0)?,
+                created_at: row.try_get(1)?,
+                revoked_at: row.try_get(2)?,
+            })
+        })
+        .transpose()
+}
+
+/// Registers `name` and returns their new token. Only its hash is stored.
+pub async fn add(url: &str, name: &str) -> Result<String, OperatorError> {
+    validate_name(name)?;
+    let (target, client) = open(url).await?;
+    if let Some(existing) = find(&client, name).await.map_err(failed(&target))? {
+        return Err(match existing.revoked_at {
+            Some(revoked_at) => OperatorError::NameRetired {
+                name: name.to_owned(),
+                revoked_at,
+            },
+            None => OperatorError::AlreadyExists(name.to_owned()),
+        });
+    }
+    let token = new_token();
+    let inserted = client
+        .execute(
+            "INSERT INTO operators(name, token_hash, created_at) VALUES ($1, $2, $3)
+             ON CONFLICT (name) DO NOTHING",
+            &[&name, &token_hash(&token), &clock::now()],
+        )
+        .await
+        .map_err(failed(&target))?;
+    if inserted == 0 {
+        // Another command registered the name between the check and the insert.
+        return Err(OperatorError::AlreadyExists(name.to_owned()));
+    }
+    Ok(token)
+}
+
+/// Every operator, the first registered first.
+pub async fn list(url: &str) -> Result<Vec<OperatorRecord>, OperatorError> {
+    let (target, client) = open(url).await?;
+    let rows = client
+        .query(
+            "SELECT name, created_at, revoked_at FROM operators ORDER BY created_at, name",
+            &[],
+        )
+        .await
+        .map_err(failed(&target))?;
+    rows.iter()
+        .map(|row| {
+            Ok(OperatorRecord {
+                name: row.try_get(0)?,
+                created_at: row.try_get(1)?,
+                revoked_at: row.try_get(2)?,
+            })
+        })
+        .collect::<Result<_, tokio_postgres::Error>>()
+        .map_err(failed(&target))
+}
+
+/// Revokes `name`: their token stops working at once. Their past resolutions keep their name.
+pub async fn revoke(url: &str, name: &str) -> Result<Revocation, OperatorError> {
+    let (target, client) = open(url).await?;
+    let revoked_at = clock::now();
+    let updated = client
+        .execute(
+            "UPDATE operators SET revoked_at = $2 WHERE name = $1 AND revoked_at IS NULL",
+            &[&name, &revoked_at],
+        )
+        .await
+        .map_err(failed(&target))?;
+    if updated == 1 {
+        return Ok(Revocation {
+            revoked_at,
+            already: false,
+        });
+    }
+    match find(&client, name).await.map_err(failed(&target))? {
+        Some(OperatorRecord {
+            revoked_at: Some(revoked_at),
+            ..
+        }) => Ok(Revocation {
+            revoked_at,
+            already: true,
+        }),
+        _ => Err(OperatorError::Unknown(name.to_owned())),
+    }
+}

@@ -1,0 +1,433 @@
+//! The evidence, read back from the PostgreSQL rows: the same queries as the SQLite backend's,
+//! each seeking an index; lists bounded by the caller's limit and paged by a cursor. A view made
+//! of several statements reads them in one REPEATABLE READ snapshot, pipelined.
+
+use futures_util::join;
+use serde_json::Value;
+use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
+
+use super::engine::parsed;
+use super::{Client, Counters, Failure};
+use crate::clock;
+use crate::model::{AggregateStatus, DeadLetterStatus, Position};
+use crate::views::{
+    AggregateCounts, AggregateSummary, AggregateView, AppliedMessage, DeadLetterFilter,
+    DeadLetterView, HELD_SHOWN, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page, PageRequest,
+    Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
+};
+
+const AGGREGATE_SUMMARY: &str = "SELECT aggregate_id, last_sequence, total, status, status_since
+  FROM aggregate_state WHERE aggregate_id = $1";
+const OPEN_COUNT: &str =
+    "SELECT COUNT(*) FROM deadletters WHERE aggregate_id = $1 AND status = 'open'";
+const INVENTORY: &str = "
+SELECT a.aggregate_id, a.last_sequence, a.total, a.status, a.status_since,
+       (SELECT COUNT(*) FROM deadletters d
+         WHERE d.aggregate_id = a.aggregate_id AND d.status = 'open'),
+       (SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = a.aggregate_id)
+  FROM aggregate_state a
+ WHERE a.status = $1
+ ORDER BY a.status_since, a.aggregate_id
+ LIMIT $2";
+const HELD_SEQUENCES: &str =
+    "SELECT sequence FROM held_messages WHERE aggregate_id = $1 ORDER BY sequence LIMIT $2";
+const HELD_COUNT: &str = "SELECT COUNT(*) FROM held_messages WHERE aggregate_id = $1";
+const APPLIED_MESSAGES: &str = "
+SELECT message_id, aggregate_id, sequence, amount, payload, applied_at FROM ordered_inbox
+ WHERE aggregate_id = $1 AND sequence > $2 ORDER BY sequence LIMIT $3";
+const DEAD_LETTER_COLUMNS: &str = "
+SELECT d.message_id, d.aggregate_id, d.sequence, d.payload, d.reason, d.first_seen, d.last_seen,
+       d.observations, d.status, d.superseded_by, d.closed_at,
+       r.id, r.action, r.operator, r.reason, r.resolved_at, r.replacement_message_id, d.id
+  FROM deadletters d LEFT JOIN resolutions r ON r.id = d.resolution_id";
+const TIMELINE: &str = "
+SELECT id, at, kind, sequence, message_id, observation_no IS NOT NULL, detail
+  FROM aggregate_timeline
+ WHERE aggregate_id = $1 AND id > $2
+ ORDER BY id LIMIT $3";
+const RESOLUTION_COLUMNS: &str = "
+SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
+       replacement_message_id, replacement_amount, before_last, before_total, after_last,
+       after_total, resolved_at
+  FROM resolutions";
+pub(super) const RESOLUTION_OF: &str = "
+SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
+       replacement_message_id, replacement_amount, before_last, before_total, after_last,
+       after_total, resolved_at
+  FROM resolutions WHERE message_id = $1";
+const COUNTS: &str = "
+SELECT (SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = $1),
+       (SELECT COUNT(*) FROM deadletters WHERE aggregate_id = $1),
+       COALESCE((SELECT last_sequence FROM aggregate_state WHERE aggregate_id = $1), 0)";
+
+const SNAPSHOT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
+
+pub(super) async fn aggregate_summary(
+    client: &Client,
+    counters: &Counters,
+    aggregate_id: &str,
+) -> Result<Option<AggregateSummary>, Failure> {
+    let statement = client.prepare_cached(AGGREGATE_SUMMARY).await?;
+    let row = client.query_opt(&statement, &[&aggregate_id]).await;
+    counters.trip();
+    row?.map(|row| summary_from_row(&row)).transpose()
+}
+
+fn summary_from_row(row: &Row) -> Result<AggregateSummary, Failure> {
+    let last: i64 = row.try_get(1)?;
+    Ok(AggregateSummary {
+        aggregate_id: row.try_get(0)?,
+        last,
+        total: row.try_get(2)?,
+        expected: last.saturating_add(1),
+        status: parsed(row, 3)?,
+        since: row.try_get(4)?,
+    })
+}
+
+/// The aggregate with its first open dead letters and their count, in one snapshot.
+pub(super) async fn aggregate_view(
+    client: &Client,
+    counters: &Counters,
+    aggregate_id: &str,
+) -> Result<Option<AggregateView>, Failure> {
+    let summary = client.prepare_cached(AGGREGATE_SUMMARY).await?;
+    let count = client.prepare_cached(OPEN_COUNT).await?;
+    let filter = DeadLetterFilter {
+        status: Some(DeadLetterStatus::Open),
+        aggregate_id: Some(aggregate_id.to_owned()),
+    };
+    let page = PageRequest {
+        after: 0,
+        limit: OPEN_DEAD_LETTERS_SHOWN,
+    };
+    let (list, list_params) = dead_letter_query(client, &filter, page).await?;
+    let list_params: Vec<&(dyn ToSql + Sync)> = list_params
+        .iter()
+        .map(|value| value.as_ref() as &(dyn ToSql + Sync))
+        .collect();
+    let by_aggregate: [&(dyn ToSql + Sync); 1] = [&aggregate_id];
+    let held = client.prepare_cached(HELD_SEQUENCES).await?;
+    let held_count = client.prepare_cached(HELD_COUNT).await?;
+    let held_params: [&(dyn ToSql + Sync); 2] = [&aggregate_id, &HELD_SHOWN];
+    let (begin, summary, open, count, held, held_count, commit) = join!(
+        client.batch_execute(SNAPSHOT),
+        client.query_opt(&summary, &by_aggregate),
+        client.query(&list, &list_params),
+        client.query_one(&count, &by_aggregate),
+        client.query(&held, &held_params),
+        client.query_one(&held_count, &by_aggregate),
+        client.batch_execute("COMMIT"),
+    );
+    counters.trip();
+    begin?;
+    commit?;
+    let held_sequences = held?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect::<Result<Vec<i64>, _>>()?;
+    let held_count: i64 = held_count?.try_get(0)?;
+    let Some(summary) = summary? else {
+        return Ok(None);
+    };
+    let open = dead_letter_page(&open?, page.limit)?;
+    Ok(Some(AggregateView {
+        summary: summary_from_row(&summary)?,
+        open_dead_letters_truncated: open.next.is_some(),
+        open_dead_letters: open.items,
+        open_dead_letter_count: count?.try_get(0)?,
+        held_sequences,
+        held_count,
+    }))
+}
+
+/// Aggregates in `status`, the longest-standing first, with their age computed here from the
+/// stored text (as the SQLite backend's `julianday` difference, rounded to whole seconds).
+pub(super) async fn inventory(
+    client: &Client,
+    counters: &Counters,
+    status: AggregateStatus,
+    limit: i64,
+) -> Result<Vec<InventoryEntry>, Failure> {
+    let statement = client.prepare_cached(INVENTORY).await?;
+    let rows = client.query(&statement, &[&status.as_str(), &limit]).await;
+    counters.trip();
+    let now = clock::now();
+    rows?
+        .iter()
+        .map(|row| {
+            let summary = summary_from_row(row)?;
+            let age_seconds = summary
+                .since
+                .as_deref()
+                .map_or(0, |since| clock::seconds_between(since, &now));
+            Ok(InventoryEntry {
+                summary,
+                age_seconds,
+                open_dead_letters: row.try_get(5)?,
+                held: row.try_get(6)?,
+            })
+        })
+        .collect()
+}
+
+fn dead_letter_from_row(row: &Row) -> Result<DeadLetterView, Failure> {
+    let payload: Option<String> = row.try_get(3)?;
+    let resolution_id: Option<i64> = row.try_get(11)?;
+    let resolution = match resolution_id {
+        Some(resolution_id) => Some(ResolutionSummary {
+            resolution_id,
+            action: parsed(row, 12)?,
+            operator: row.try_get(13)?,
+            reason: row.try_get(14)?,
+            resolved_at: row.try_get(15)?,
+            replacement_message_id: row.try_get(16)?,
+        }),
+        None => None,
+    };
+    Ok(DeadLetterView {
+        message_id: row.try_get(0)?,
+        aggregate_id: row.try_get(1)?,
+        sequence: row.try_get(2)?,
+        payload: payload.map(|text| serde_json::from_str(&text).unwrap_or(Value::String(text))),
+        reason: parsed(row, 4)?,
+        first_seen: row.try_get(5)?,
+        last_seen: row.try_get(6)?,
+        observations: row.try_get(7)?,
+        status: parsed(row, 8)?,
+        superseded_by: row.try_get(9)?,
+        closed_at: row.try_get(10)?,
+        resolution,
+    })
+}
+
+pub(super) async fn dead_letter(
+    client: &Client,
+    counters: &Counters,
+    message_id: &str,
+) -> Result<Option<DeadLetterView>, Failure> {
+    let sql = format!("{DEAD_LETTER_COLUMNS} WHERE d.message_id = $1");
+    let statement = client.prepare_cached(&sql).await?;
+    let row = client.query_opt(&statement, &[&message_id]).await;
+    counters.trip();
+    row?.map(|row| dead_letter_from_row(&row)).transpose()
+}
+
+type Params = Vec<Box<dyn ToSql + Sync + Send>>;
+
+/// The statement and parameters of one dead-letter page. Each filter combination has its own
+/// statement, so that each can seek its index; only fixed text is joined into the SQL.
+async fn dead_letter_query(
+    client: &Client,
+    filter: &DeadLetterFilter,
+    page: PageRequest,
+) -> Result<(tokio_postgres::Statement, Params), Failure> {
+    let mut params: Params = Vec::with_capacity(4);
+    let condition = match (filter.status, &filter.aggregate_id) {
+        (Some(status), Some(aggregate_id)) => {
+            params.push(Box::new(status.as_str()));
+            params.push(Box::new(aggregate_id.clone()));
+            "WHERE d.status = $1 AND d.aggregate_id = $2 AND d.id > $3 ORDER BY d.id LIMIT $4"
+        }
+        (Some(status), None) => {
+            params.push(Box::new(status.as_str()));
+            "WHERE d.status = $1 AND d.id > $2 ORDER BY d.id LIMIT $3"
+        }
+        (None, Some(aggregate_id)) => {
+            params.push(Box::new(aggregate_id.clone()));
+            "WHERE d.aggregate_id = $1 AND d.id > $2 ORDER BY d.id LIMIT $3"
+        }
+        (None, None) => "WHERE d.id > $1 ORDER BY d.id LIMIT $2",
+    };
+    params.push(Box::new(page.after));
+    params.push(Box::new(page.limit.saturating_add(1)));
+    let statement = client
+        .prepare_cached(&format!("{DEAD_LETTER_COLUMNS} {condition}"))
+        .await?;
+    Ok((statement, params))
+}
+
+fn dead_letter_page(rows: &[Row], limit: i64) -> Result<Page<DeadLetterView>, Failure> {
+    let rows = rows
+        .iter()
+        .map(|row| Ok((row.try_get::<_, i64>(17)?, dead_letter_from_row(row)?)))
+        .collect::<Result<Vec<_>, Failure>>()?;
+    Ok(Page::from_rows(rows, limit))
+}
+
+/// Dead letters in the order they were first recorded, after cursor `page.after`.
+pub(super) async fn dead_letters(
+    client: &Client,
+    counters: &Counters,
+    filter: &DeadLetterFilter,
+    page: PageRequest,
+) -> Result<Page<DeadLetterView>, Failure> {
+    let (statement, params) = dead_letter_query(client, filter, page).await?;
+    let params: Vec<&(dyn ToSql + Sync)> = params
+        .iter()
+        .map(|value| value.as_ref() as &(dyn ToSql + Sync))
+        .collect();
+    let rows = client.query(&statement, &params).await;
+    counters.trip();
+    dead_letter_page(&rows?, page.limit)
+}
+
+/// The aggregate's timeline after event `page.after`, oldest first.
+pub(super) async fn timeline(
+    client: &Client,
+    counters: &Counters,
+    aggregate_id: &str,
+    page: PageRequest,
+) -> Result<Page<TimelineEvent>, Failure> {
+    let statement = client.prepare_cached(TIMELINE).await?;
+    let limit = page.limit.saturating_add(1);
+    let rows = client
+        .query(&statement, &[&aggregate_id, &page.after, &limit])
+        .await;
+    counters.trip();
+    let rows = rows?
+        .iter()
+        .map(|row| {
+            let detail: Option<String> = row.try_get(6)?;
+            let event = TimelineEvent {
+                id: row.try_get(0)?,
+                at: row.try_get(1)?,
+                kind: parsed(row, 2)?,
+                sequence: row.try_get(3)?,
+                message_id: row.try_get(4)?,
+                observation: row.try_get(5)?,
+                detail: detail.and_then(|text| serde_json::from_str(&text).ok()),
+            };
+            Ok((event.id, event))
+        })
+        .collect::<Result<Vec<_>, Failure>>()?;
+    Ok(Page::from_rows(rows, page.limit))
+}
+
+pub(super) fn resolution_from_row(row: &Row) -> Result<ResolutionRecord, Failure> {
+    let replacement_id: Option<String> = row.try_get(8)?;
+    let replacement_amount: Option<i64> = row.try_get(9)?;
+    Ok(ResolutionRecord {
+        resolution_id: row.try_get(0)?,
+        message_id: row.try_get(1)?,
+        aggregate_id: row.try_get(2)?,
+        sequence: row.try_get(3)?,
+        action: parsed(row, 4)?,
+        operator: row.try_get(5)?,
+        reason: row.try_get(6)?,
+        expected_last: row.try_get(7)?,
+        replacement: replacement_id.map(|message_id| Replacement {
+            message_id,
+            amount: replacement_amount.unwrap_or(0),
+        }),
+        before: Position {
+            last: row.try_get(10)?,
+            total: row.try_get(11)?,
+        },
+        after: Position {
+            last: row.try_get(12)?,
+            total: row.try_get(13)?,
+        },
+        resolved_at: row.try_get(14)?,
+    })
+}
+
+/// The audit trail after resolution `page.after`, oldest first, optionally for one aggregate.
+pub(super) async fn resolutions(
+    client: &Client,
+    counters: &Counters,
+    aggregate_id: Option<&str>,
+    page: PageRequest,
+) -> Result<Page<ResolutionRecord>, Failure> {
+    let limit = page.limit.saturating_add(1);
+    let rows = match aggregate_id {
+        Some(aggregate_id) => {
+            let sql = format!(
+                "{RESOLUTION_COLUMNS} WHERE aggregate_id = $1 AND id > $2 ORDER BY id LIMIT $3"
+            );
+            let statement = client.prepare_cached(&sql).await?;
+            client
+                .query(&statement, &[&aggregate_id, &page.after, &limit])
+                .await
+        }
+        None => {
+            let sql = format!("{RESOLUTION_COLUMNS} WHERE id > $1 ORDER BY id LIMIT $2");
+            let statement = client.prepare_cached(&sql).await?;
+            client.query(&statement, &[&page.after, &limit]).await
+        }
+    };
+    counters.trip();
+    let rows = rows?
+        .iter()
+        .map(|row| {
+            let record = resolution_from_row(row)?;
+            Ok((record.resolution_id.unwrap_or(0), record))
+        })
+        .collect::<Result<Vec<_>, Failure>>()?;
+    Ok(Page::from_rows(rows, page.limit))
+}
+
+const APPLIED_TOTALS: &str = "
+SELECT COUNT(*), COALESCE(SUM(amount), 0)::bigint FROM ordered_inbox WHERE aggregate_id = $1";
+
+/// How many messages of one aggregate are applied, and the sum of their amounts.
+pub(super) async fn applied_totals(
+    client: &Client,
+    counters: &Counters,
+    aggregate_id: &str,
+) -> Result<(i64, i64), Failure> {
+    let statement = client.prepare_cached(APPLIED_TOTALS).await?;
+    let row = client.query_one(&statement, &[&aggregate_id]).await;
+    counters.trip();
+    let row = row?;
+    Ok((row.try_get(0)?, row.try_get(1)?))
+}
+
+/// Applied messages, dead letters and last sequence of one aggregate.
+pub(super) async fn counts(
+    client: &Client,
+    counters: &Counters,
+    aggregate_id: &str,
+) -> Result<AggregateCounts, Failure> {
+    let statement = client.prepare_cached(COUNTS).await?;
+    let row = client.query_one(&statement, &[&aggregate_id]).await;
+    counters.trip();
+    let row = row?;
+    Ok(AggregateCounts {
+        applied: row.try_get(0)?,
+        dead_letters: row.try_get(1)?,
+        last: row.try_get(2)?,
+    })
+}
+
+/// The aggregate's applied messages in sequence order, after sequence `page.after`.
+pub(super) async fn applied_messages(
+    client: &Client,
+    counters: &Counters,
+    aggregate_id: &str,
+    page: PageRequest,
+) -> Result<Page<AppliedMessage>, Failure> {
+    let statement = client.prepare_cached(APPLIED_MESSAGES).await?;
+    let limit = page.limit.saturating_add(1);
+    let rows = client
+        .query(&statement, &[&aggregate_id, &page.after, &limit])
+        .await;
+    counters.trip();
+    let rows = rows?
+        .iter()
+        .map(|row| {
+            let payload: String = row.try_get(4)?;
+            let message = AppliedMessage {
+                message_id: row.try_get(0)?,
+                aggregate_id: row.try_get(1)?,
+                sequence: row.try_get(2)?,
+                amount: row.try_get(3)?,
+                payload: serde_json::from_str(&payload).unwrap_or(Value::String(payload)),
+                applied_at: row.try_get(5)?,
+            };
+            Ok((message.sequence.unwrap_or(0), message))
+        })
+        .collect::<Result<Vec<_>, Failure>>()?;
+    Ok(Page::from_rows(rows, page.limit))
+}
