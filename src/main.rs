@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use ordered_inbox::operators::Registry;
 use production_lab::config::{self, Config, Synchronous};
 use production_lab::{Application, bench, practice, verify};
 
@@ -31,6 +32,11 @@ enum Command {
     Operator {
         #[command(subcommand)]
         command: OperatorCommand,
+    },
+    /// Manage the producers allowed to write (and own) aggregates on the general door.
+    Producer {
+        #[command(subcommand)]
+        command: ProducerCommand,
     },
     /// Measure the server (release build recommended): prints figures, fails on a wrong result.
     #[command(subcommand)]
@@ -70,6 +76,28 @@ enum OperatorCommand {
         database: OperatorDatabase,
     },
     /// Revoke an operator: their token stops working at once.
+    Revoke {
+        name: String,
+        #[command(flatten)]
+        database: OperatorDatabase,
+    },
+}
+
+#[derive(Subcommand)]
+enum ProducerCommand {
+    /// Register a producer and print its new token once (only its hash is stored).
+    Add {
+        /// 1..64 letters, digits, '.', '_', '-' or '@'; never reused after revocation.
+        name: String,
+        #[command(flatten)]
+        database: OperatorDatabase,
+    },
+    /// List producers with their created and revoked times (never tokens).
+    List {
+        #[command(flatten)]
+        database: OperatorDatabase,
+    },
+    /// Revoke a producer: its token stops working at once, its deliveries get 401.
     Revoke {
         name: String,
         #[command(flatten)]
@@ -322,6 +350,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Operator { command } => operator(command),
+        Command::Producer { command } => producer(command),
         Command::Publish(args) => {
             let message = ordered_inbox::OrderedMessage {
                 message_id: args.message_id,
@@ -353,17 +382,43 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn operator(command: OperatorCommand) -> anyhow::Result<()> {
+    let command = match command {
+        OperatorCommand::Add { name, database } => RegistryCommand::Add(name, database),
+        OperatorCommand::List { database } => RegistryCommand::List(database),
+        OperatorCommand::Revoke { name, database } => RegistryCommand::Revoke(name, database),
+    };
+    registry(Registry::Operators, command)
+}
+
+fn producer(command: ProducerCommand) -> anyhow::Result<()> {
+    let command = match command {
+        ProducerCommand::Add { name, database } => RegistryCommand::Add(name, database),
+        ProducerCommand::List { database } => RegistryCommand::List(database),
+        ProducerCommand::Revoke { name, database } => RegistryCommand::Revoke(name, database),
+    };
+    registry(Registry::Producers, command)
+}
+
+/// One `add|list|revoke` command of either registry.
+enum RegistryCommand {
+    Add(String, OperatorDatabase),
+    List(OperatorDatabase),
+    Revoke(String, OperatorDatabase),
+}
+
+fn registry(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> {
+    use ordered_inbox::sqlite::operators::{add_to, list_of, revoke_in};
     match command {
-        OperatorCommand::Add { name, database } => {
-            let token = ordered_inbox::sqlite::operators::add(&database.database, &name)?;
+        RegistryCommand::Add(name, database) => {
+            let token = add_to(registry, &database.database, &name)?;
             // The token alone on stdout, so that a script can capture it; the advice on stderr.
             println!("{token}");
             eprintln!(
-                "operator '{name}' added; this token is shown only once: send it as Authorization: Bearer TOKEN"
+                "{registry} '{name}' added; this token is shown only once: send it as Authorization: Bearer TOKEN"
             );
         }
-        OperatorCommand::List { database } => {
-            for record in ordered_inbox::sqlite::operators::list(&database.database)? {
+        RegistryCommand::List(database) => {
+            for record in list_of(registry, &database.database)? {
                 let state = match &record.revoked_at {
                     Some(revoked_at) => format!("revoked {revoked_at}"),
                     None => "active".to_owned(),
@@ -371,8 +426,8 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
                 println!("{}\tcreated {}\t{state}", record.name, record.created_at);
             }
         }
-        OperatorCommand::Revoke { name, database } => {
-            let revocation = ordered_inbox::sqlite::operators::revoke(&database.database, &name)?;
+        RegistryCommand::Revoke(name, database) => {
+            let revocation = revoke_in(registry, &database.database, &name)?;
             if revocation.already {
                 println!("{name} was already revoked at {}", revocation.revoked_at);
             } else {

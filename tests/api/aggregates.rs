@@ -76,7 +76,7 @@ fn operator_command(args: &[&str], database: &Path) -> std::process::Output {
 }
 
 /// Registers an operator through the CLI and returns the token it printed.
-fn add_operator(app: &TestApp, name: &str) -> String {
+pub(crate) fn add_operator(app: &TestApp, name: &str) -> String {
     let output = operator_command(&["add", name], &app.database);
     assert!(
         output.status.success(),
@@ -932,7 +932,7 @@ async fn resolution_preconditions_refuse_with_the_current_state() {
 
 /// A server on a copy of a fixture database, after checking that the server brought both the
 /// labs' schema (`user_version` 2) and the inbox's (its own version table) up to date.
-async fn spawn_on_fixture(name: &str) -> (tempfile::TempDir, TestApp) {
+pub(crate) async fn spawn_on_fixture(name: &str) -> (tempfile::TempDir, TestApp) {
     let (dir, path) = fixture_copy(name);
     let app = spawn_app_with(move |config| config.database = path).await;
     assert_eq!(app.scalar("PRAGMA user_version"), 2);
@@ -957,7 +957,7 @@ fn listed_ids(page: &Value) -> Vec<&str> {
 }
 
 /// A copy of a database file made before the ordered inbox became a library, in a fresh temp dir.
-fn fixture_copy(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+pub(crate) fn fixture_copy(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(name);
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -1031,7 +1031,7 @@ async fn a_seed_schema_database_opens_and_upgrades_in_place() {
 
 /// The token `operator add alice` printed when `release-v2.db` was made (only its hash is in the
 /// file, as in any database).
-const RELEASE_V2_ALICE: &str = "S2LvpZFmOl5E2cZW9YQsEhqXDvdgmCI8BhklzP9jMF4";
+pub(crate) const RELEASE_V2_ALICE: &str = "S2LvpZFmOl5E2cZW9YQsEhqXDvdgmCI8BhklzP9jMF4";
 
 #[tokio::test]
 async fn a_database_from_the_previous_release_opens_upgrades_and_keeps_its_evidence() {

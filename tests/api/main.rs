@@ -16,6 +16,7 @@ mod messaging;
 mod ordered;
 mod pipeline;
 mod privacy;
+mod producers;
 mod requests;
 mod security;
 mod sql;

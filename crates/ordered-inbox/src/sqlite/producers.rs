@@ -133,7 +133,19 @@ fn ownership_facts(
         Some(claim) => producer_fact(connection, &claim.producer)?,
         None => None,
     };
-    let history: bool = connection
+    let owner = ownership_state(connection, aggregate_id)?.owner;
+    // Only a claim asks whether the aggregate has history: anonymous deliveries and deliveries
+    // to an owned aggregate skip the query.
+    let history = claim.is_some() && owner.is_none() && has_history(connection, aggregate_id)?;
+    Ok(OwnershipFacts {
+        producer,
+        owner,
+        history,
+    })
+}
+
+fn has_history(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<bool> {
+    connection
         .prepare_cached(
             "SELECT EXISTS(SELECT 1 FROM aggregate_state WHERE aggregate_id = ?1)
                  OR EXISTS(SELECT 1 FROM aggregate_timeline WHERE aggregate_id = ?1)
@@ -141,12 +153,7 @@ fn ownership_facts(
                  OR EXISTS(SELECT 1 FROM ordered_inbox WHERE aggregate_id = ?1)
                  OR EXISTS(SELECT 1 FROM deadletters WHERE aggregate_id = ?1)",
         )?
-        .query_row([aggregate_id], |row| row.get(0))?;
-    Ok(OwnershipFacts {
-        producer,
-        owner: ownership_state(connection, aggregate_id)?.owner,
-        history,
-    })
+        .query_row([aggregate_id], |row| row.get(0))
 }
 
 /// The aggregate's owner and last applied sequence (unowned and 0 without a row).
