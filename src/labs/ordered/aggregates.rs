@@ -85,12 +85,14 @@ async fn deliver(
     body: Result<Json<MessageInput>, AppError>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
+    // The request's shape first, as on every JSON route (a delivery's body is no secret), then
+    // who sends it.
+    let Json(input) = body?;
+    let message = input.validate(aggregate_id)?;
     let claim = match producer_claim(&inbox, &headers).await {
         Ok(claim) => claim,
         Err(response) => return Ok(response),
     };
-    let Json(input) = body?;
-    let message = input.validate(aggregate_id)?;
     Ok(
         match inbox
             .deliver_as(message.clone(), Door::General, claim)
