@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use ordered_inbox::operators::Registry;
 use production_lab::config::{self, Config, Synchronous};
 use production_lab::{Application, bench, practice, verify};
 
@@ -31,6 +32,11 @@ enum Command {
     Operator {
         #[command(subcommand)]
         command: OperatorCommand,
+    },
+    /// Manage the producers allowed to write (and own) aggregates on the general door.
+    Producer {
+        #[command(subcommand)]
+        command: ProducerCommand,
     },
     /// Measure the server (release build recommended): prints figures, fails on a wrong result.
     #[command(subcommand)]
@@ -70,6 +76,28 @@ enum OperatorCommand {
         database: OperatorDatabase,
     },
     /// Revoke an operator: their token stops working at once.
+    Revoke {
+        name: String,
+        #[command(flatten)]
+        database: OperatorDatabase,
+    },
+}
+
+#[derive(Subcommand)]
+enum ProducerCommand {
+    /// Register a producer and print its new token once (only its hash is stored).
+    Add {
+        /// 1..64 letters, digits, '.', '_', '-' or '@'; never reused after revocation.
+        name: String,
+        #[command(flatten)]
+        database: OperatorDatabase,
+    },
+    /// List producers with their created and revoked times (never tokens).
+    List {
+        #[command(flatten)]
+        database: OperatorDatabase,
+    },
+    /// Revoke a producer: its token stops working at once, its deliveries get 401.
     Revoke {
         name: String,
         #[command(flatten)]
@@ -355,6 +383,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Operator { command } => operator(command),
+        Command::Producer { command } => producer(command),
         Command::Publish(args) => {
             let message = ordered_inbox::OrderedMessage {
                 message_id: args.message_id,
@@ -386,24 +415,52 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn operator(command: OperatorCommand) -> anyhow::Result<()> {
+    let command = match command {
+        OperatorCommand::Add { name, database } => RegistryCommand::Add(name, database),
+        OperatorCommand::List { database } => RegistryCommand::List(database),
+        OperatorCommand::Revoke { name, database } => RegistryCommand::Revoke(name, database),
+    };
+    registry(Registry::Operators, command)
+}
+
+fn producer(command: ProducerCommand) -> anyhow::Result<()> {
+    let command = match command {
+        ProducerCommand::Add { name, database } => RegistryCommand::Add(name, database),
+        ProducerCommand::List { database } => RegistryCommand::List(database),
+        ProducerCommand::Revoke { name, database } => RegistryCommand::Revoke(name, database),
+    };
+    registry(Registry::Producers, command)
+}
+
+/// One `add|list|revoke` command of either registry.
+enum RegistryCommand {
+    Add(String, OperatorDatabase),
+    List(OperatorDatabase),
+    Revoke(String, OperatorDatabase),
+}
+
+fn registry(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> {
+    use ordered_inbox::sqlite::operators::{add_to, list_of, revoke_in};
     match command {
-        OperatorCommand::Add { name, database } => {
+        RegistryCommand::Add(name, database) => {
             let token = match database.store() {
-                OperatorStore::Sqlite(path) => ordered_inbox::sqlite::operators::add(&path, &name)?,
+                OperatorStore::Sqlite(path) => add_to(registry, &path, &name)?,
                 OperatorStore::Postgres(url) => {
+                    postgres_operators(registry)?;
                     block_on(ordered_inbox::postgres::operators::add(&url, &name))??
                 }
             };
             // The token alone on stdout, so that a script can capture it; the advice on stderr.
             println!("{token}");
             eprintln!(
-                "operator '{name}' added; this token is shown only once: send it as Authorization: Bearer TOKEN"
+                "{registry} '{name}' added; this token is shown only once: send it as Authorization: Bearer TOKEN"
             );
         }
-        OperatorCommand::List { database } => {
+        RegistryCommand::List(database) => {
             let records = match database.store() {
-                OperatorStore::Sqlite(path) => ordered_inbox::sqlite::operators::list(&path)?,
+                OperatorStore::Sqlite(path) => list_of(registry, &path)?,
                 OperatorStore::Postgres(url) => {
+                    postgres_operators(registry)?;
                     block_on(ordered_inbox::postgres::operators::list(&url))??
                 }
             };
@@ -415,12 +472,11 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
                 println!("{}\tcreated {}\t{state}", record.name, record.created_at);
             }
         }
-        OperatorCommand::Revoke { name, database } => {
+        RegistryCommand::Revoke(name, database) => {
             let revocation = match database.store() {
-                OperatorStore::Sqlite(path) => {
-                    ordered_inbox::sqlite::operators::revoke(&path, &name)?
-                }
+                OperatorStore::Sqlite(path) => revoke_in(registry, &path, &name)?,
                 OperatorStore::Postgres(url) => {
+                    postgres_operators(registry)?;
                     block_on(ordered_inbox::postgres::operators::revoke(&url, &name))??
                 }
             };
@@ -432,6 +488,16 @@ fn operator(command: OperatorCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Only operators live in a PostgreSQL inbox so far; producers are kept in the SQLite file.
+fn postgres_operators(registry: Registry) -> anyhow::Result<()> {
+    match registry {
+        Registry::Operators => Ok(()),
+        Registry::Producers => anyhow::bail!(
+            "producers are kept in the SQLite inbox only for now: pass --database PATH, not --inbox"
+        ),
+    }
 }
 
 /// Runs one future on a small runtime of its own (the operator commands against PostgreSQL).

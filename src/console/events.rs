@@ -20,11 +20,12 @@ use futures_util::Stream;
 use ordered_inbox::operators::OperatorCheck;
 use ordered_inbox::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
-    InventoryEntry, Page, PageRequest, ResolutionRecord, TimelineEvent,
+    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
+    TimelineEvent, TransferConflict,
 };
 use ordered_inbox::{
-    AggregateStatus, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome, ResolutionError,
-    ResolutionRequest, Resolved,
+    AggregateStatus, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome, ProducerClaim,
+    ProducerRefusal, ResolutionError, ResolutionRequest, Resolved, TransferRecord, TransferRequest,
 };
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, broadcast};
@@ -288,6 +289,53 @@ impl Inbox for NotifyingInbox {
 
     async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
         self.inner.dead_letter(message_id).await
+    }
+
+    async fn deliver_as(
+        &self,
+        message: OrderedMessage,
+        door: Door,
+        claim: Option<ProducerClaim>,
+    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
+        let decided = self.inner.deliver_as(message.clone(), door, claim).await?;
+        if let Ok(outcome) = &decided {
+            self.publish_delivery(&message, outcome);
+        }
+        Ok(decided)
+    }
+
+    async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {
+        self.inner.check_producer(token).await
+    }
+
+    async fn start_session(
+        &self,
+        producer: String,
+    ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
+        self.inner.start_session(producer).await
+    }
+
+    async fn transfer_owner(
+        &self,
+        request: TransferRequest,
+    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
+        let transferred = self.inner.transfer_owner(request).await?;
+        if let Ok(record) = &transferred {
+            self.events.publish(InboxChange {
+                aggregate_id: record.aggregate_id.clone(),
+                message_id: String::new(),
+                change: "owner transferred",
+            });
+        }
+        Ok(transferred)
+    }
+
+    async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError> {
+        self.inner.ownership(aggregate_id).await
+    }
+
+    async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
+        self.inner.producers().await
     }
 }
 

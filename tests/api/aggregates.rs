@@ -81,7 +81,7 @@ fn operator_command_on(args: &[&str], store: &[std::ffi::OsString]) -> std::proc
 }
 
 /// Registers an operator through the CLI and returns the token it printed.
-fn add_operator(app: &TestApp, name: &str) -> String {
+pub(crate) fn add_operator(app: &TestApp, name: &str) -> String {
     let output = operator_command(&["add", name], app);
     assert!(
         output.status.success(),
@@ -920,7 +920,7 @@ async fn resolution_preconditions_refuse_with_the_current_state(backend: Backend
 
 /// A server on a copy of a fixture database, after checking that the server brought both the
 /// labs' schema (`user_version` 2) and the inbox's (its own version table) up to date.
-async fn spawn_on_fixture(name: &str) -> (tempfile::TempDir, TestApp) {
+pub(crate) async fn spawn_on_fixture(name: &str) -> (tempfile::TempDir, TestApp) {
     let (dir, path) = fixture_copy(name);
     let app = spawn_app_with(move |config| config.database = path).await;
     assert_eq!(app.scalar("PRAGMA user_version"), 2);
@@ -945,7 +945,7 @@ fn listed_ids(page: &Value) -> Vec<&str> {
 }
 
 /// A copy of a database file made before the ordered inbox became a library, in a fresh temp dir.
-fn fixture_copy(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+pub(crate) fn fixture_copy(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(name);
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -1021,7 +1021,7 @@ async fn a_seed_schema_database_opens_and_upgrades_in_place() {
 
 /// The token `operator add alice` printed when `release-v2.db` was made (only its hash is in the
 /// file, as in any database).
-const RELEASE_V2_ALICE: &str = "S2LvpZFmOl5E2cZW9YQsEhqXDvdgmCI8BhklzP9jMF4";
+pub(crate) const RELEASE_V2_ALICE: &str = "S2LvpZFmOl5E2cZW9YQsEhqXDvdgmCI8BhklzP9jMF4";
 
 #[tokio::test]
 async fn a_database_from_the_previous_release_opens_upgrades_and_keeps_its_evidence() {

@@ -17,6 +17,7 @@ mod messaging;
 mod ordered;
 mod pipeline;
 mod privacy;
+mod producers;
 mod requests;
 mod security;
 mod sql;

@@ -17,6 +17,10 @@ use crate::model::{
     QuarantineReason,
 };
 use crate::policy::{Decision, decide};
+use crate::producers::{
+    Admission, AggregateOwner, OwnershipFacts, ProducerClaim, ProducerRefusal, TransferRecord,
+    admit,
+};
 use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
 
 /// An applied message with this id, as stored.
@@ -189,6 +193,18 @@ pub enum Change {
     /// Insert the audit row, link it from the dead letter, and append its `resolved` event
     /// (whose detail carries the id the store assigns).
     RecordResolution(crate::views::ResolutionRecord),
+    /// Record `owner` as the aggregate's owner (a claim or a transfer): the aggregate's owner
+    /// columns, created with the aggregate's row if it has none yet (last 0, total 0, flowing).
+    SetOwner {
+        aggregate_id: String,
+        owner: AggregateOwner,
+        at: String,
+    },
+    /// Stamp the producer's last delivery time.
+    TouchProducer { producer: String, at: String },
+    /// Insert the transfer's audit row (the `owner transferred` event follows as an
+    /// [`Change::Append`]).
+    RecordTransfer(TransferRecord),
 }
 
 /// The verdict and the rows that record it.
@@ -196,6 +212,51 @@ pub enum Change {
 pub struct DeliveryPlan {
     pub outcome: Outcome,
     pub changes: Vec<Change>,
+}
+
+/// Decides one delivery made by `claim`'s producer (`None`: anonymous): first whether it may be
+/// decided at all ([`admit`]: epoch fencing and ownership; a refusal writes nothing), then as
+/// [`decide_delivery`]. A claim comes first in the changes, with its `claimed` event, and an
+/// authenticated delivery stamps its producer's last delivery time.
+pub fn decide_producer_delivery(
+    message: &OrderedMessage,
+    door: Door,
+    claim: Option<&ProducerClaim>,
+    ownership: &OwnershipFacts,
+    facts: &DeliveryFacts,
+    limits: &Limits,
+    now: &str,
+) -> Result<DeliveryPlan, ProducerRefusal> {
+    let admission = admit(claim, ownership)?;
+    let mut plan = decide_delivery(message, door, facts, limits, now);
+    let mut first = Vec::with_capacity(3);
+    if let Admission::Claim(owner) = admission {
+        first.push(Change::SetOwner {
+            aggregate_id: message.aggregate_id.clone(),
+            owner: owner.clone(),
+            at: now.to_owned(),
+        });
+        first.push(Change::Append(TimelineEntry {
+            aggregate_id: message.aggregate_id.clone(),
+            at: now.to_owned(),
+            kind: TimelineKind::Claimed,
+            sequence: Some(message.sequence),
+            message_id: Some(message.message_id.clone()),
+            detail: TimelineDetail::Claimed {
+                producer: owner.producer,
+                epoch: owner.epoch,
+            },
+        }));
+    }
+    if let Some(claim) = claim {
+        first.push(Change::TouchProducer {
+            producer: claim.producer.clone(),
+            at: now.to_owned(),
+        });
+    }
+    first.append(&mut plan.changes);
+    plan.changes = first;
+    Ok(plan)
 }
 
 /// Decides one delivery through `door`, stamping every row with `now`.
@@ -874,6 +935,79 @@ mod tests {
         assert!(
             put_row(&plan).is_none(),
             "a blocked aggregate stays blocked"
+        );
+    }
+
+    #[test]
+    fn a_claiming_delivery_records_its_owner_first_and_a_refused_one_writes_nothing() {
+        use crate::producers::{ProducerFact, ProducerRefusal};
+        let claim = ProducerClaim {
+            producer: "billing".into(),
+            epoch: 2,
+        };
+        let fresh = OwnershipFacts {
+            producer: Some(ProducerFact {
+                current_epoch: 2,
+                active: true,
+            }),
+            owner: None,
+            history: false,
+        };
+        let plan = decide_producer_delivery(
+            &message("m-1", 1, 5),
+            Door::General,
+            Some(&claim),
+            &fresh,
+            &DeliveryFacts::default(),
+            &Limits::default(),
+            "t1",
+        )
+        .unwrap();
+        assert!(matches!(plan.outcome, Outcome::Applied { sequence: 1, .. }));
+        assert!(matches!(
+            &plan.changes[0],
+            Change::SetOwner { owner, .. } if owner.producer == "billing" && owner.epoch == 2
+        ));
+        assert!(matches!(&plan.changes[2], Change::TouchProducer { .. }));
+        assert_eq!(kinds(&plan), [TimelineKind::Claimed, TimelineKind::Applied]);
+        let fenced = OwnershipFacts {
+            producer: Some(ProducerFact {
+                current_epoch: 3,
+                active: true,
+            }),
+            ..fresh
+        };
+        assert_eq!(
+            decide_producer_delivery(
+                &message("m-1", 1, 5),
+                Door::General,
+                Some(&claim),
+                &fenced,
+                &DeliveryFacts::default(),
+                &Limits::default(),
+                "t1",
+            ),
+            Err(ProducerRefusal::Fenced {
+                offered: 2,
+                current_epoch: 3
+            })
+        );
+        // Anonymous to an unowned aggregate: exactly the plain decision.
+        let anonymous = decide_producer_delivery(
+            &message("m-1", 1, 5),
+            Door::General,
+            None,
+            &OwnershipFacts::default(),
+            &DeliveryFacts::default(),
+            &Limits::default(),
+            "t1",
+        );
+        assert_eq!(
+            anonymous,
+            Ok(decide_general(
+                &message("m-1", 1, 5),
+                &DeliveryFacts::default()
+            ))
         );
     }
 

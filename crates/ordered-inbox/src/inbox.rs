@@ -12,10 +12,12 @@ use async_trait::async_trait;
 use crate::delivery::Outcome;
 use crate::model::{AggregateStatus, Door, OrderedMessage};
 use crate::operators::OperatorCheck;
+use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
-    InventoryEntry, Page, PageRequest, ResolutionRecord, TimelineEvent,
+    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
+    TimelineEvent, TransferConflict,
 };
 
 /// A store failure underneath an inbox operation.
@@ -101,4 +103,37 @@ pub trait Inbox: Send + Sync {
 
     /// One dead letter by its message id, with its resolution if it has one.
     async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError>;
+
+    /// Decides and records one delivery made by `claim`'s producer (`None`: anonymous), with
+    /// epoch fencing and ownership checked in the same transaction as the write
+    /// ([`crate::decide_producer_delivery`]). The inner `Err` is a refusal: nothing was written.
+    async fn deliver_as(
+        &self,
+        message: OrderedMessage,
+        door: Door,
+        claim: Option<ProducerClaim>,
+    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError>;
+
+    /// The active producer `token` belongs to (`None`: unknown or revoked).
+    async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError>;
+
+    /// Starts a new session of `producer`: its epoch goes one up, in one transaction, and every
+    /// delivery under an older epoch is fenced from then on.
+    async fn start_session(
+        &self,
+        producer: String,
+    ) -> Result<Result<i64, ProducerRefusal>, InboxError>;
+
+    /// An operator's transfer of an aggregate to a producer, checked against its preconditions
+    /// and recorded with an audit row and a timeline event, in one transaction.
+    async fn transfer_owner(
+        &self,
+        request: TransferRequest,
+    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError>;
+
+    /// The aggregate's owner and last applied sequence.
+    async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError>;
+
+    /// Every producer, the first registered first (never tokens).
+    async fn producers(&self) -> Result<Vec<ProducerView>, InboxError>;
 }

@@ -23,6 +23,8 @@
 //! - [`timeline`]: what the timeline records and the bound on rejection observations.
 //! - [`views`]: the evidence read back (aggregate, inventory, dead letters, audit trail).
 //! - [`operators`]: tokens and names of the people who may resolve.
+//! - [`producers`]: who may write an aggregate's sequence: producer sessions and epochs
+//!   (fencing), aggregate ownership and its transfer.
 //! - [`inbox`]: the [`Inbox`] trait every backend implements (async; a backend reads facts and
 //!   writes the decided changes in one transaction serialized per aggregate).
 //! - [`sqlite`] (feature `sqlite`, on by default): the SQLite backend: one writer thread with
@@ -87,6 +89,7 @@ pub mod operators;
 pub mod policy;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub mod producers;
 pub mod resolution;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
@@ -95,10 +98,15 @@ pub mod views;
 
 pub use delivery::{
     DeadLetterNote, DeliveryFacts, DeliveryPlan, HeldMessage, Outcome, decide_delivery,
+    decide_producer_delivery,
 };
 pub use inbox::{Inbox, InboxError};
 pub use model::{
     AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position, QuarantineReason,
+};
+pub use producers::{
+    AggregateOwner, OwnershipFacts, ProducerClaim, ProducerFact, ProducerRefusal, TransferRecord,
+    TransferRefusal, TransferRequest,
 };
 pub use resolution::{
     Action, ActionKind, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved,

@@ -37,7 +37,39 @@ pub struct OperatorCheck {
     pub active: i64,
 }
 
-/// Why an operator command was refused.
+/// The two kinds of registered principal, sharing names, tokens and revocation: operators (who
+/// resolve dead letters and transfer aggregates) and producers (who write aggregates' sequences).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Registry {
+    Operators,
+    Producers,
+}
+
+impl Registry {
+    /// The table that holds this registry's rows.
+    pub fn table(self) -> &'static str {
+        match self {
+            Registry::Operators => "operators",
+            Registry::Producers => "producers",
+        }
+    }
+
+    /// The word for one member, in messages.
+    pub fn noun(self) -> &'static str {
+        match self {
+            Registry::Operators => "operator",
+            Registry::Producers => "producer",
+        }
+    }
+}
+
+impl std::fmt::Display for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.noun())
+    }
+}
+
+/// Why an operator (or producer) command was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum OperatorError {
     #[error(
@@ -45,17 +77,21 @@ pub enum OperatorError {
     )]
     MissingDatabase(String),
     #[error(
-        "'{0}' is not a valid operator name: use 1 to {NAME_MAX} letters, digits, '.', '_', '-' or '@'"
+        "'{1}' is not a valid {0} name: use 1 to {NAME_MAX} letters, digits, '.', '_', '-' or '@'"
     )]
-    InvalidName(String),
-    #[error("an operator named '{0}' already exists")]
-    AlreadyExists(String),
+    InvalidName(Registry, String),
+    #[error("the {0} '{1}' already exists")]
+    AlreadyExists(Registry, String),
     #[error(
-        "an operator named '{name}' was revoked at {revoked_at}; names are not reused, so that the audit trail names one person: choose another name"
+        "the {registry} '{name}' was revoked at {revoked_at}; names are not reused, so that the audit trail names one {registry}: choose another name"
     )]
-    NameRetired { name: String, revoked_at: String },
-    #[error("no operator named '{0}'")]
-    Unknown(String),
+    NameRetired {
+        registry: Registry,
+        name: String,
+        revoked_at: String,
+    },
+    #[error("no {0} named '{1}'")]
+    Unknown(Registry, String),
     #[error("database {path}: {reason}")]
     Store { path: String, reason: String },
 }
@@ -74,7 +110,7 @@ pub fn new_token() -> String {
 }
 
 /// 1 to [`NAME_MAX`] letters, digits, `.`, `_`, `-` or `@`.
-pub fn validate_name(name: &str) -> Result<(), OperatorError> {
+pub fn validate_name(registry: Registry, name: &str) -> Result<(), OperatorError> {
     let valid = !name.is_empty()
         && name.len() <= NAME_MAX
         && name
@@ -83,7 +119,7 @@ pub fn validate_name(name: &str) -> Result<(), OperatorError> {
     if valid {
         Ok(())
     } else {
-        Err(OperatorError::InvalidName(name.to_owned()))
+        Err(OperatorError::InvalidName(registry, name.to_owned()))
     }
 }
 
@@ -108,10 +144,10 @@ mod tests {
     #[test]
     fn names_are_short_and_plain() {
         for good in ["alice", "ops.on-call_1", "a@b"] {
-            assert!(validate_name(good).is_ok(), "{good}");
+            assert!(validate_name(Registry::Operators, good).is_ok(), "{good}");
         }
         for bad in ["", "has space", &"x".repeat(65), "ünï"] {
-            assert!(validate_name(bad).is_err(), "{bad:?}");
+            assert!(validate_name(Registry::Producers, bad).is_err(), "{bad:?}");
         }
     }
 }

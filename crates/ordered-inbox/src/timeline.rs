@@ -35,6 +35,10 @@ stored_enum!(
         Drained => "drained",
         /// A message ahead of its turn refused because the aggregate holds the most it may.
         HoldFull => "hold full",
+        /// A producer's first delivery to an aggregate without history made it the owner.
+        Claimed => "claimed",
+        /// An operator gave the aggregate another owner, with an audit row.
+        OwnerTransferred => "owner transferred",
     }
 );
 
@@ -109,6 +113,19 @@ pub enum TimelineDetail {
     HoldFull {
         held: usize,
         limit: usize,
+    },
+    /// The producer that claimed the aggregate and the epoch of its session.
+    Claimed {
+        producer: String,
+        epoch: i64,
+    },
+    /// An operator's transfer: from whom (none: unowned), to whom, under which epoch, and why.
+    Transferred {
+        operator: String,
+        from: Option<String>,
+        to: String,
+        epoch: i64,
+        reason: String,
     },
     #[serde(rename_all = "camelCase")]
     Resolved {

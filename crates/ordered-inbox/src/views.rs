@@ -167,6 +167,32 @@ pub struct AggregateCounts {
 }
 
 /// Which dead letters to list.
+/// An aggregate's owner (if any) and last applied sequence: what a transfer is checked against.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct OwnershipState {
+    pub owner: Option<crate::producers::AggregateOwner>,
+    pub last: i64,
+}
+
+/// A refused transfer and the ownership as it is now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferConflict {
+    pub refusal: crate::producers::TransferRefusal,
+    pub current: OwnershipState,
+}
+
+/// A producer as `GET /producers` shows it: never the token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProducerView {
+    pub name: String,
+    pub current_epoch: i64,
+    pub owned_aggregates: i64,
+    pub last_delivery_at: Option<String>,
+    pub created_at: String,
+    pub revoked_at: Option<String>,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeadLetterFilter {
     pub status: Option<DeadLetterStatus>,

@@ -4,7 +4,7 @@
 
 use axum::Router;
 use axum::extract::{FromRef, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::routing::{get, post};
 use ordered_inbox::views::DeadLetterFilter;
@@ -12,6 +12,7 @@ use ordered_inbox::{AggregateStatus, DeadLetterStatus, Door, OrderedMessage};
 use serde::Deserialize;
 use serde_json::json;
 
+use super::producers::{producer_claim, refused};
 use super::verdicts::verdict_response;
 use super::{
     SharedInbox, page_body, page_request, validate_aggregate_id, validate_limit,
@@ -75,15 +76,32 @@ pub(crate) fn general_message(aggregate_id: String, body: &[u8]) -> Result<Order
     input.validate(aggregate_id).map_err(|e| e.to_string())
 }
 
+/// A delivery, anonymous or by a producer (`Authorization: Bearer TOKEN` and `Producer-Epoch`):
+/// the producer's epoch and the aggregate's owner are checked in the write's own transaction.
 async fn deliver(
     State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
-    Json(input): Json<MessageInput>,
+    headers: HeaderMap,
+    body: Result<Json<MessageInput>, AppError>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
+    // The request's shape first, as on every JSON route (a delivery's body is no secret), then
+    // who sends it.
+    let Json(input) = body?;
     let message = input.validate(aggregate_id)?;
-    let outcome = inbox.deliver(message.clone(), Door::General).await?;
-    Ok(verdict_response(&message, outcome))
+    let claim = match producer_claim(&inbox, &headers).await {
+        Ok(claim) => claim,
+        Err(response) => return Ok(response),
+    };
+    Ok(
+        match inbox
+            .deliver_as(message.clone(), Door::General, claim)
+            .await?
+        {
+            Ok(outcome) => verdict_response(&message, outcome),
+            Err(refusal) => refused(&message, refusal),
+        },
+    )
 }
 
 async fn aggregate(
@@ -92,7 +110,14 @@ async fn aggregate(
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
     match inbox.aggregate(aggregate_id.clone()).await? {
-        Some(view) => Ok(json_response(StatusCode::OK, json!(view))),
+        Some(view) => {
+            let ownership = inbox.ownership(aggregate_id).await?;
+            let mut body = json!(view);
+            if let Some(object) = body.as_object_mut() {
+                object.insert("owner".to_owned(), json!(ownership.owner));
+            }
+            Ok(json_response(StatusCode::OK, body))
+        }
         None => Err(AppError::problem_with_detail(
             StatusCode::NOT_FOUND,
             "Unknown aggregate",

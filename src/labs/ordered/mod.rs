@@ -4,13 +4,15 @@
 //! - [`aggregates`]: the general inbox `POST /aggregates/{id}/messages` for any aggregate, with
 //!   verdicts that say what the caller can do, and the evidence (aggregate state, blocked/waiting
 //!   inventory, timeline, dead letters);
-//! - [`resolution`]: operator-approved poison resolution and its audit trail.
+//! - [`resolution`]: operator-approved poison resolution and its audit trail;
+//! - [`producers`]: producer sessions (epochs, fencing), aggregate ownership and its transfer.
 //!
 //! The handlers take only the inbox ([`SharedInbox`]): the library decides, this module words the
 //! answers.
 
 mod aggregates;
 mod classroom;
+mod producers;
 mod resolution;
 mod verdicts;
 
@@ -41,6 +43,7 @@ where
         .merge(classroom::routes())
         .merge(aggregates::routes())
         .merge(resolution::routes())
+        .merge(producers::routes())
 }
 
 /// The largest sequence the general door accepts: 2^53, the largest integer every JSON client

@@ -127,14 +127,14 @@ struct ResolutionOptions {
 }
 
 /// What the Authorization header offered.
-enum Credential {
+pub(super) enum Credential {
     Missing,
     /// Present but not `Bearer TOKEN`.
     Unusable,
     Bearer(String),
 }
 
-fn credential(headers: &HeaderMap) -> Result<Credential, AppError> {
+pub(super) fn credential(headers: &HeaderMap) -> Result<Credential, AppError> {
     let mut values = headers.get_all(header::AUTHORIZATION).iter();
     let Some(value) = values.next() else {
         return Ok(Credential::Missing);
@@ -159,10 +159,14 @@ fn credential(headers: &HeaderMap) -> Result<Credential, AppError> {
 }
 
 /// 401 with a `WWW-Authenticate` challenge; nothing was changed.
-fn unauthorized(detail: String) -> Response {
+pub(super) fn unauthorized(detail: String) -> Response {
+    unauthorized_titled(UNAUTHORIZED_TITLE, detail)
+}
+
+/// 401 with a `WWW-Authenticate` challenge and this title; nothing was changed.
+pub(super) fn unauthorized_titled(title: &str, detail: String) -> Response {
     let mut response =
-        AppError::problem_with_detail(StatusCode::UNAUTHORIZED, UNAUTHORIZED_TITLE, detail)
-            .into_response();
+        AppError::problem_with_detail(StatusCode::UNAUTHORIZED, title, detail).into_response();
     response.headers_mut().insert(
         header::WWW_AUTHENTICATE,
         HeaderValue::from_static("Bearer realm=\"production-lab\""),
@@ -171,7 +175,10 @@ fn unauthorized(detail: String) -> Response {
 }
 
 /// The operator a request acts for, or the 401 that explains what is missing.
-async fn authenticate(inbox: &SharedInbox, headers: &HeaderMap) -> Result<String, Response> {
+pub(super) async fn authenticate(
+    inbox: &SharedInbox,
+    headers: &HeaderMap,
+) -> Result<String, Response> {
     let credential = credential(headers).map_err(IntoResponse::into_response)?;
     let token = match &credential {
         Credential::Bearer(token) => Some(token.clone()),

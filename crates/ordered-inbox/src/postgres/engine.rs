@@ -660,6 +660,13 @@ async fn writes_for(
             let params = vec![param(message_id.clone()), param(at.clone())];
             writes.push(write(client, RESOLVE_DEAD_LETTER, params).await?);
         }
+        // Producers (sessions, ownership, transfers) live in the SQLite inbox only so far: a
+        // PostgreSQL inbox knows no producer, so no decision it reads facts for asks for these.
+        Change::SetOwner { .. } | Change::TouchProducer { .. } | Change::RecordTransfer(_) => {
+            return Err(Failure::Data(
+                "producer ownership is not kept in a PostgreSQL inbox".to_owned(),
+            ));
+        }
         Change::InsertHeld {
             message,
             payload,

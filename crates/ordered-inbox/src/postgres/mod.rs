@@ -41,11 +41,15 @@ use crate::delivery::Outcome;
 use crate::inbox::{Inbox, InboxError};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage, UnknownValue};
 use crate::operators::OperatorCheck;
+use crate::producers::{
+    ProducerClaim, ProducerRefusal, TransferRecord, TransferRefusal, TransferRequest,
+};
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
     InventoryEntry, Page, PageRequest, ResolutionRecord, TimelineEvent,
 };
+use crate::views::{OwnershipState, ProducerView, TransferConflict};
 
 /// Connections each server process keeps to the database at most.
 pub const POOL_SIZE: usize = 16;
@@ -577,6 +581,56 @@ impl Inbox for PostgresInbox {
             Box::pin(async move { views::dead_letter(client, counters, &message_id).await })
         })
         .await
+    }
+
+    // Producers, their sessions and aggregate ownership are kept in the SQLite inbox only so
+    // far. A PostgreSQL inbox knows no producer: no token is a producer's, no aggregate has an
+    // owner, and a transfer names an unknown producer. Anonymous deliveries work as everywhere.
+
+    async fn deliver_as(
+        &self,
+        message: OrderedMessage,
+        door: Door,
+        claim: Option<ProducerClaim>,
+    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
+        match claim {
+            None => self.deliver(message, door).await.map(Ok),
+            Some(_) => Ok(Err(ProducerRefusal::Revoked)),
+        }
+    }
+
+    async fn check_producer(&self, _token: String) -> Result<Option<String>, InboxError> {
+        Ok(None)
+    }
+
+    async fn start_session(
+        &self,
+        _producer: String,
+    ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
+        Ok(Err(ProducerRefusal::Revoked))
+    }
+
+    async fn transfer_owner(
+        &self,
+        request: TransferRequest,
+    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
+        let current = self.ownership(request.aggregate_id.clone()).await?;
+        Ok(Err(TransferConflict {
+            refusal: TransferRefusal::UnknownProducer,
+            current,
+        }))
+    }
+
+    async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError> {
+        let counts = self.counts(aggregate_id).await?;
+        Ok(OwnershipState {
+            owner: None,
+            last: counts.last,
+        })
+    }
+
+    async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
+        Ok(Vec::new())
     }
 }
 

@@ -8,7 +8,8 @@ use tokio_postgres::types::ToSql;
 use super::{Client, Counters, Failure, PostgresError, Target, error_text};
 use crate::clock;
 use crate::operators::{
-    OperatorCheck, OperatorError, OperatorRecord, Revocation, new_token, token_hash, validate_name,
+    OperatorCheck, OperatorError, OperatorRecord, Registry, Revocation, new_token, token_hash,
+    validate_name,
 };
 
 const CHECK_TOKEN: &str = "SELECT name FROM operators WHERE token_hash = $1 AND revoked_at IS NULL";
@@ -98,15 +99,16 @@ async fn find(
 
 /// Registers `name` and returns their new token. Only its hash is stored.
 pub async fn add(url: &str, name: &str) -> Result<String, OperatorError> {
-    validate_name(name)?;
+    validate_name(Registry::Operators, name)?;
     let (target, client) = open(url).await?;
     if let Some(existing) = find(&client, name).await.map_err(failed(&target))? {
         return Err(match existing.revoked_at {
             Some(revoked_at) => OperatorError::NameRetired {
+                registry: Registry::Operators,
                 name: name.to_owned(),
                 revoked_at,
             },
-            None => OperatorError::AlreadyExists(name.to_owned()),
+            None => OperatorError::AlreadyExists(Registry::Operators, name.to_owned()),
         });
     }
     let token = new_token();
@@ -120,7 +122,10 @@ pub async fn add(url: &str, name: &str) -> Result<String, OperatorError> {
         .map_err(failed(&target))?;
     if inserted == 0 {
         // Another command registered the name between the check and the insert.
-        return Err(OperatorError::AlreadyExists(name.to_owned()));
+        return Err(OperatorError::AlreadyExists(
+            Registry::Operators,
+            name.to_owned(),
+        ));
     }
     Ok(token)
 }
@@ -172,6 +177,6 @@ pub async fn revoke(url: &str, name: &str) -> Result<Revocation, OperatorError> 
             revoked_at,
             already: true,
         }),
-        _ => Err(OperatorError::Unknown(name.to_owned())),
+        _ => Err(OperatorError::Unknown(Registry::Operators, name.to_owned())),
     }
 }

@@ -110,7 +110,7 @@ pub(super) fn parsed<T: FromStr<Err = UnknownValue>>(
     })
 }
 
-fn delivery_facts(
+pub(super) fn delivery_facts(
     connection: &Connection,
     message: &OrderedMessage,
 ) -> rusqlite::Result<DeliveryFacts> {
@@ -292,7 +292,10 @@ fn known_dead_letter(
 }
 
 /// Writes the decided changes in order. Returns the id of the resolution row, if one was written.
-fn write_changes(connection: &Connection, changes: &[Change]) -> rusqlite::Result<Option<i64>> {
+pub(super) fn write_changes(
+    connection: &Connection,
+    changes: &[Change],
+) -> rusqlite::Result<Option<i64>> {
     let mut resolution_id = None;
     for change in changes {
         match change {
@@ -400,6 +403,47 @@ fn write_changes(connection: &Connection, changes: &[Change]) -> rusqlite::Resul
                 connection
                     .prepare_cached("DELETE FROM held_messages WHERE message_id = ?1")?
                     .execute([message_id])?;
+            }
+            Change::SetOwner {
+                aggregate_id,
+                owner,
+                at,
+            } => {
+                connection
+                    .prepare_cached(
+                        "INSERT INTO aggregate_state(aggregate_id, last_sequence, total, status,
+                                                     status_since, owner, owner_epoch, owner_since)
+                         VALUES (?1, 0, 0, 'flowing', ?4, ?2, ?3, ?4)
+                         ON CONFLICT(aggregate_id) DO UPDATE SET
+                             owner = excluded.owner,
+                             owner_epoch = excluded.owner_epoch,
+                             owner_since = excluded.owner_since",
+                    )?
+                    .execute(params![aggregate_id, owner.producer, owner.epoch, at])?;
+            }
+            Change::TouchProducer { producer, at } => {
+                connection
+                    .prepare_cached("UPDATE producers SET last_delivery_at = ?2 WHERE name = ?1")?
+                    .execute(params![producer, at])?;
+            }
+            Change::RecordTransfer(record) => {
+                connection
+                    .prepare_cached(
+                        "INSERT INTO ownership_transfers(aggregate_id, operator, from_owner,
+                                                         to_owner, epoch, last, reason,
+                                                         transferred_at)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+                    )?
+                    .execute(params![
+                        record.aggregate_id,
+                        record.operator,
+                        record.from_owner,
+                        record.to_owner,
+                        record.epoch,
+                        record.last,
+                        record.reason,
+                        record.transferred_at
+                    ])?;
             }
             Change::Append(entry) => append(connection, entry)?,
             Change::RecordResolution(record) => {

@@ -10,6 +10,7 @@
 
 pub mod engine;
 pub mod operators;
+pub mod producers;
 pub mod schema;
 pub mod store;
 pub mod views;
@@ -27,10 +28,12 @@ use crate::delivery::Outcome;
 use crate::inbox::{Inbox, InboxError};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::OperatorCheck;
+use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
-    InventoryEntry, Page, PageRequest, ResolutionRecord, TimelineEvent,
+    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
+    TimelineEvent, TransferConflict,
 };
 
 impl From<StoreError> for ResolutionError {
@@ -195,6 +198,62 @@ impl Inbox for SqliteInbox {
     async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
         self.read(move |connection| views::dead_letter(connection, &message_id))
             .await
+    }
+
+    async fn deliver_as(
+        &self,
+        message: OrderedMessage,
+        door: Door,
+        claim: Option<ProducerClaim>,
+    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
+        let limits = self.limits;
+        self.store
+            .write(move |connection| {
+                producers::deliver_as_in(
+                    connection,
+                    &message,
+                    door,
+                    claim.as_ref(),
+                    &limits,
+                    &clock::now(),
+                )
+            })
+            .await
+            .map_err(InboxError::from)
+    }
+
+    async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {
+        self.read(move |connection| producers::holder(connection, &token))
+            .await
+    }
+
+    async fn start_session(
+        &self,
+        producer: String,
+    ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
+        self.store
+            .write(move |connection| producers::start_session_in(connection, &producer))
+            .await
+            .map_err(InboxError::from)
+    }
+
+    async fn transfer_owner(
+        &self,
+        request: TransferRequest,
+    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
+        self.store
+            .write(move |connection| producers::transfer_in(connection, &request, &clock::now()))
+            .await
+            .map_err(InboxError::from)
+    }
+
+    async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError> {
+        self.read(move |connection| producers::ownership_state(connection, &aggregate_id))
+            .await
+    }
+
+    async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
+        self.read(producers::producers).await
     }
 }
 

@@ -1,6 +1,7 @@
-//! Operators in the SQLite file: the `operator add|list|revoke` commands open the file directly
-//! (the server may be running: they wait for its write transactions) and bring the schema up to
-//! date first.
+//! Operators and producers in the SQLite file: the `operator|producer add|list|revoke` commands
+//! open the file directly (the server may be running: they wait for its write transactions) and
+//! bring the schema up to date first. Both registries share this code ([`Registry`]); the
+//! operator functions keep their names.
 
 use std::path::Path;
 use std::time::Duration;
@@ -9,7 +10,8 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
 use crate::clock;
 use crate::operators::{
-    OperatorCheck, OperatorError, OperatorRecord, Revocation, new_token, token_hash, validate_name,
+    OperatorCheck, OperatorError, OperatorRecord, Registry, Revocation, new_token, token_hash,
+    validate_name,
 };
 
 /// How long a command waits for a running server's write transaction to finish.
@@ -43,34 +45,57 @@ fn failed(path: &Path) -> impl Fn(rusqlite::Error) -> OperatorError + '_ {
     }
 }
 
-/// Registers `name` and returns their new token. Only its hash is stored.
+/// Registers an operator and returns their new token. Only its hash is stored.
 pub fn add(path: &Path, name: &str) -> Result<String, OperatorError> {
-    validate_name(name)?;
+    add_to(Registry::Operators, path, name)
+}
+
+/// Every operator, the first registered first.
+pub fn list(path: &Path) -> Result<Vec<OperatorRecord>, OperatorError> {
+    list_of(Registry::Operators, path)
+}
+
+/// Revokes an operator: their token stops working at once. Their past resolutions keep their name.
+pub fn revoke(path: &Path, name: &str) -> Result<Revocation, OperatorError> {
+    revoke_in(Registry::Operators, path, name)
+}
+
+/// Registers `name` in `registry` and returns the new token. Only its hash is stored; a name is
+/// never reused, even after revocation.
+pub fn add_to(registry: Registry, path: &Path, name: &str) -> Result<String, OperatorError> {
+    validate_name(registry, name)?;
     let connection = open_database(path)?;
-    if let Some(existing) = find(&connection, name).map_err(failed(path))? {
+    if let Some(existing) = find(&connection, registry, name).map_err(failed(path))? {
         return Err(match existing.revoked_at {
             Some(revoked_at) => OperatorError::NameRetired {
+                registry,
                 name: name.to_owned(),
                 revoked_at,
             },
-            None => OperatorError::AlreadyExists(name.to_owned()),
+            None => OperatorError::AlreadyExists(registry, name.to_owned()),
         });
     }
     let token = new_token();
     connection
         .execute(
-            "INSERT INTO operators(name, token_hash, created_at) VALUES (?1, ?2, ?3)",
+            &format!(
+                "INSERT INTO {}(name, token_hash, created_at) VALUES (?1, ?2, ?3)",
+                registry.table()
+            ),
             params![name, token_hash(&token), clock::now()],
         )
         .map_err(failed(path))?;
     Ok(token)
 }
 
-/// Every operator, the first registered first.
-pub fn list(path: &Path) -> Result<Vec<OperatorRecord>, OperatorError> {
+/// Every member of `registry`, the first registered first.
+pub fn list_of(registry: Registry, path: &Path) -> Result<Vec<OperatorRecord>, OperatorError> {
     let connection = open_database(path)?;
     let mut statement = connection
-        .prepare("SELECT name, created_at, revoked_at FROM operators ORDER BY created_at, name")
+        .prepare(&format!(
+            "SELECT name, created_at, revoked_at FROM {} ORDER BY created_at, name",
+            registry.table()
+        ))
         .map_err(failed(path))?;
     let records = statement
         .query_map([], record_from_row)
@@ -79,12 +104,12 @@ pub fn list(path: &Path) -> Result<Vec<OperatorRecord>, OperatorError> {
     Ok(records)
 }
 
-/// Revokes `name`: their token stops working at once. Their past resolutions keep their name.
-pub fn revoke(path: &Path, name: &str) -> Result<Revocation, OperatorError> {
+/// Revokes `name` in `registry`: the token stops working at once.
+pub fn revoke_in(registry: Registry, path: &Path, name: &str) -> Result<Revocation, OperatorError> {
     let connection = open_database(path)?;
-    let existing = find(&connection, name)
+    let existing = find(&connection, registry, name)
         .map_err(failed(path))?
-        .ok_or_else(|| OperatorError::Unknown(name.to_owned()))?;
+        .ok_or_else(|| OperatorError::Unknown(registry, name.to_owned()))?;
     if let Some(revoked_at) = existing.revoked_at {
         return Ok(Revocation {
             revoked_at,
@@ -94,7 +119,10 @@ pub fn revoke(path: &Path, name: &str) -> Result<Revocation, OperatorError> {
     let revoked_at = clock::now();
     connection
         .execute(
-            "UPDATE operators SET revoked_at = ?2 WHERE name = ?1 AND revoked_at IS NULL",
+            &format!(
+                "UPDATE {} SET revoked_at = ?2 WHERE name = ?1 AND revoked_at IS NULL",
+                registry.table()
+            ),
             params![name, revoked_at],
         )
         .map_err(failed(path))?;
@@ -104,15 +132,25 @@ pub fn revoke(path: &Path, name: &str) -> Result<Revocation, OperatorError> {
     })
 }
 
+/// The active member of `registry` a token belongs to.
+pub fn holder(
+    connection: &Connection,
+    registry: Registry,
+    token: &str,
+) -> rusqlite::Result<Option<String>> {
+    connection
+        .prepare_cached(&format!(
+            "SELECT name FROM {} WHERE token_hash = ?1 AND revoked_at IS NULL",
+            registry.table()
+        ))?
+        .query_row([token_hash(token)], |row| row.get(0))
+        .optional()
+}
+
 /// Who a token belongs to, and how many operators can act now.
 pub fn check(connection: &Connection, token: Option<&str>) -> rusqlite::Result<OperatorCheck> {
     let operator = match token {
-        Some(token) => connection
-            .prepare_cached(
-                "SELECT name FROM operators WHERE token_hash = ?1 AND revoked_at IS NULL",
-            )?
-            .query_row([token_hash(token)], |row| row.get(0))
-            .optional()?,
+        Some(token) => holder(connection, Registry::Operators, token)?,
         None => None,
     };
     let active = connection
@@ -130,10 +168,17 @@ pub fn is_active(connection: &Connection, name: &str) -> rusqlite::Result<bool> 
         .query_row([name], |row| row.get(0))
 }
 
-fn find(connection: &Connection, name: &str) -> rusqlite::Result<Option<OperatorRecord>> {
+fn find(
+    connection: &Connection,
+    registry: Registry,
+    name: &str,
+) -> rusqlite::Result<Option<OperatorRecord>> {
     connection
         .query_row(
-            "SELECT name, created_at, revoked_at FROM operators WHERE name = ?1",
+            &format!(
+                "SELECT name, created_at, revoked_at FROM {} WHERE name = ?1",
+                registry.table()
+            ),
             [name],
             record_from_row,
         )
@@ -201,8 +246,37 @@ mod tests {
         ));
         assert!(matches!(
             revoke(&path, "nobody"),
-            Err(OperatorError::Unknown(_))
+            Err(OperatorError::Unknown(..))
         ));
+    }
+
+    #[test]
+    fn producers_share_the_registry_and_their_names_are_not_reused_either() {
+        let (_dir, path) = database();
+        let billing = add_to(Registry::Producers, &path, "billing").unwrap();
+        // The registries are separate: an operator may share a producer's name.
+        add(&path, "billing").unwrap();
+        let connection = open_database(&path).unwrap();
+        assert_eq!(
+            holder(&connection, Registry::Producers, &billing)
+                .unwrap()
+                .as_deref(),
+            Some("billing")
+        );
+        assert_eq!(check(&connection, Some(&billing)).unwrap().operator, None);
+        assert!(
+            !revoke_in(Registry::Producers, &path, "billing")
+                .unwrap()
+                .already
+        );
+        assert_eq!(
+            holder(&connection, Registry::Producers, &billing).unwrap(),
+            None
+        );
+        let retired = add_to(Registry::Producers, &path, "billing").unwrap_err();
+        assert!(matches!(retired, OperatorError::NameRetired { .. }));
+        assert!(retired.to_string().contains("producer 'billing'"));
+        assert_eq!(list_of(Registry::Producers, &path).unwrap().len(), 1);
     }
 
     #[test]
@@ -216,7 +290,7 @@ mod tests {
         assert!(!missing.exists());
         assert!(matches!(
             add(&missing, "has space"),
-            Err(OperatorError::InvalidName(_))
+            Err(OperatorError::InvalidName(..))
         ));
     }
 }

@@ -124,6 +124,37 @@ CREATE TABLE held_messages(
 CREATE UNIQUE INDEX ix_held_messages_aggregate_sequence ON held_messages(aggregate_id, sequence);
 ";
 
+/// Producers and ownership (version 5): the producers registered on the machine (a token's hash,
+/// like operators, plus the epoch of their latest session and when they last delivered), each
+/// aggregate's owner and the epoch it was claimed or transferred under, and the audit rows of
+/// operators' transfers. Existing aggregates stay unowned.
+const PRODUCERS: &str = "
+CREATE TABLE producers(
+    name TEXT PRIMARY KEY,
+    token_hash TEXT NOT NULL UNIQUE,
+    created_at TEXT NOT NULL,
+    revoked_at TEXT,
+    current_epoch INTEGER NOT NULL DEFAULT 0,
+    last_delivery_at TEXT
+);
+ALTER TABLE aggregate_state ADD COLUMN owner TEXT REFERENCES producers(name);
+ALTER TABLE aggregate_state ADD COLUMN owner_epoch INTEGER;
+ALTER TABLE aggregate_state ADD COLUMN owner_since TEXT;
+CREATE INDEX ix_aggregate_state_owner ON aggregate_state(owner) WHERE owner IS NOT NULL;
+CREATE TABLE ownership_transfers(
+    id INTEGER PRIMARY KEY,
+    aggregate_id TEXT NOT NULL,
+    operator TEXT NOT NULL REFERENCES operators(name),
+    from_owner TEXT,
+    to_owner TEXT NOT NULL REFERENCES producers(name),
+    epoch INTEGER NOT NULL,
+    last INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    transferred_at TEXT NOT NULL
+);
+CREATE INDEX ix_ownership_transfers_aggregate ON ownership_transfers(aggregate_id, id);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -131,6 +162,7 @@ pub const MIGRATIONS: &[&str] = &[
     GENERAL_INBOX,
     DEAD_LETTER_NUMBERS,
     HELD_MESSAGES,
+    PRODUCERS,
 ];
 
 /// The inbox schema version this build writes.

@@ -1,0 +1,387 @@
+//! Producers: who may write an aggregate's sequence. A producer is registered on the machine like
+//! an operator (a name and the hash of a token, see [`crate::operators`]); each running instance
+//! starts a *session*, which issues the producer's next *epoch*. A delivery made under an older
+//! epoch is *fenced*: a newer instance of the same producer has taken over (Kafka's producer id
+//! and epoch). An aggregate is *owned* by at most one producer: the first authenticated delivery
+//! to an aggregate without history claims it; afterwards only its owner may write it, and an
+//! operator may transfer it.
+//!
+//! Everything here is pure: a backend reads [`OwnershipFacts`] in the same transaction as the
+//! delivery's other facts and writes the claim [`crate::delivery::Change`]s it is given.
+
+use serde::Serialize;
+
+/// The authenticated producer a delivery was made by, and the epoch of its session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProducerClaim {
+    pub producer: String,
+    pub epoch: i64,
+}
+
+/// The producer's row as the store holds it now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProducerFact {
+    /// The last epoch a session was issued (0: no session yet).
+    pub current_epoch: i64,
+    /// False once the producer was revoked.
+    pub active: bool,
+}
+
+/// Who owns an aggregate, and the epoch under which it was claimed (or transferred).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AggregateOwner {
+    pub producer: String,
+    pub epoch: i64,
+}
+
+/// What the store knows that a producer's right to write depends on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OwnershipFacts {
+    /// The claiming producer's row (`None`: unknown, or the delivery is anonymous).
+    pub producer: Option<ProducerFact>,
+    /// The aggregate's owner, if it has one.
+    pub owner: Option<AggregateOwner>,
+    /// Whether the aggregate has any history (a state row, an applied message, a dead letter, a
+    /// held message or a timeline event): only an aggregate without one can be claimed by a
+    /// delivery.
+    pub history: bool,
+}
+
+/// Why a delivery was not even decided: nothing was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProducerRefusal {
+    /// A newer session of this producer exists: this instance must stop.
+    #[error("fenced: epoch {offered} is older than the producer's current epoch {current_epoch}")]
+    Fenced { offered: i64, current_epoch: i64 },
+    /// The epoch was never issued (higher than the current one, or below 1).
+    #[error("epoch {offered} was never issued (current epoch {current_epoch})")]
+    EpochNotIssued { offered: i64, current_epoch: i64 },
+    /// The producer never started a session.
+    #[error("the producer has no session: start one first")]
+    NoSession,
+    /// The producer is unknown or was revoked.
+    #[error("the producer is not active")]
+    Revoked,
+    /// The aggregate belongs to another producer.
+    #[error("the aggregate is owned by '{owner}'")]
+    NotOwner { owner: String },
+    /// An anonymous delivery to an owned aggregate.
+    #[error("the aggregate is owned by a producer: deliver with its credentials")]
+    OwnerRequired,
+    /// An authenticated delivery to an unowned aggregate that already has history: only an
+    /// operator may give it an owner.
+    #[error("the aggregate has history and no owner: an operator must assign it")]
+    ClaimRequiresOperator,
+}
+
+/// What an admitted delivery does about ownership before it is decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    /// Anonymous, to an unowned aggregate: today's behaviour.
+    Anonymous,
+    /// The producer owns the aggregate.
+    Owner,
+    /// The producer claims the aggregate with this delivery.
+    Claim(AggregateOwner),
+}
+
+/// Decides whether a delivery may be decided at all. Epoch checks come first (a fenced instance
+/// learns it is fenced whatever it writes), then ownership.
+pub fn admit(
+    claim: Option<&ProducerClaim>,
+    facts: &OwnershipFacts,
+) -> Result<Admission, ProducerRefusal> {
+    let Some(claim) = claim else {
+        return match &facts.owner {
+            Some(_) => Err(ProducerRefusal::OwnerRequired),
+            None => Ok(Admission::Anonymous),
+        };
+    };
+    let producer = match facts.producer {
+        Some(producer) if producer.active => producer,
+        _ => return Err(ProducerRefusal::Revoked),
+    };
+    if producer.current_epoch < 1 {
+        return Err(ProducerRefusal::NoSession);
+    }
+    if claim.epoch < 1 || claim.epoch > producer.current_epoch {
+        return Err(ProducerRefusal::EpochNotIssued {
+            offered: claim.epoch,
+            current_epoch: producer.current_epoch,
+        });
+    }
+    if claim.epoch < producer.current_epoch {
+        return Err(ProducerRefusal::Fenced {
+            offered: claim.epoch,
+            current_epoch: producer.current_epoch,
+        });
+    }
+    match &facts.owner {
+        Some(owner) if owner.producer == claim.producer => Ok(Admission::Owner),
+        Some(owner) => Err(ProducerRefusal::NotOwner {
+            owner: owner.producer.clone(),
+        }),
+        None if facts.history => Err(ProducerRefusal::ClaimRequiresOperator),
+        None => Ok(Admission::Claim(AggregateOwner {
+            producer: claim.producer.clone(),
+            epoch: claim.epoch,
+        })),
+    }
+}
+
+/// A session: the epoch the next one gets.
+pub fn next_epoch(fact: ProducerFact) -> Result<i64, ProducerRefusal> {
+    if !fact.active {
+        return Err(ProducerRefusal::Revoked);
+    }
+    Ok(fact.current_epoch.saturating_add(1))
+}
+
+/// An operator's transfer of an aggregate to a producer, with preconditions like a resolution's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferRequest {
+    pub aggregate_id: String,
+    pub operator: String,
+    pub producer: String,
+    /// The owner the operator believes the aggregate has (`None`: unowned).
+    pub expected_owner: Option<String>,
+    /// The last applied sequence the operator believes the aggregate has.
+    pub expected_last: i64,
+    pub reason: String,
+}
+
+/// What a transfer's decision depends on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferFacts {
+    pub operator_active: bool,
+    /// The receiving producer's row (`None`: unknown).
+    pub producer: Option<ProducerFact>,
+    pub owner: Option<AggregateOwner>,
+    /// The aggregate's last applied sequence (0 without a row).
+    pub last: i64,
+}
+
+/// Why a transfer was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferRefusal {
+    Unauthorized,
+    /// The producer is unknown or revoked.
+    UnknownProducer,
+    /// The owner is not the one expected.
+    OwnerMismatch,
+    /// The last sequence is not the one expected.
+    LastMismatch,
+}
+
+/// The recorded transfer: the audit row's content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TransferRecord {
+    pub aggregate_id: String,
+    pub operator: String,
+    pub from_owner: Option<String>,
+    pub to_owner: String,
+    /// The receiving producer's current epoch: its owner epoch from now on.
+    pub epoch: i64,
+    pub last: i64,
+    pub reason: String,
+    pub transferred_at: String,
+}
+
+/// Decides an operator's transfer. The new owner's epoch is the producer's current one.
+pub fn decide_transfer(
+    request: &TransferRequest,
+    facts: &TransferFacts,
+    now: &str,
+) -> Result<TransferRecord, TransferRefusal> {
+    if !facts.operator_active {
+        return Err(TransferRefusal::Unauthorized);
+    }
+    let producer = match facts.producer {
+        Some(producer) if producer.active => producer,
+        _ => return Err(TransferRefusal::UnknownProducer),
+    };
+    let owner = facts.owner.as_ref().map(|owner| owner.producer.as_str());
+    if owner != request.expected_owner.as_deref() {
+        return Err(TransferRefusal::OwnerMismatch);
+    }
+    if facts.last != request.expected_last {
+        return Err(TransferRefusal::LastMismatch);
+    }
+    Ok(TransferRecord {
+        aggregate_id: request.aggregate_id.clone(),
+        operator: request.operator.clone(),
+        from_owner: owner.map(str::to_owned),
+        to_owner: request.producer.clone(),
+        epoch: producer.current_epoch,
+        last: facts.last,
+        reason: request.reason.clone(),
+        transferred_at: now.to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(producer: &str, epoch: i64) -> ProducerClaim {
+        ProducerClaim {
+            producer: producer.into(),
+            epoch,
+        }
+    }
+
+    fn facts(current_epoch: i64, owner: Option<(&str, i64)>, history: bool) -> OwnershipFacts {
+        OwnershipFacts {
+            producer: Some(ProducerFact {
+                current_epoch,
+                active: true,
+            }),
+            owner: owner.map(|(producer, epoch)| AggregateOwner {
+                producer: producer.into(),
+                epoch,
+            }),
+            history,
+        }
+    }
+
+    #[test]
+    fn an_older_epoch_is_fenced_and_a_newer_one_was_never_issued() {
+        let known = facts(3, Some(("billing", 1)), true);
+        assert_eq!(
+            admit(Some(&claim("billing", 2)), &known),
+            Err(ProducerRefusal::Fenced {
+                offered: 2,
+                current_epoch: 3
+            })
+        );
+        assert_eq!(
+            admit(Some(&claim("billing", 4)), &known),
+            Err(ProducerRefusal::EpochNotIssued {
+                offered: 4,
+                current_epoch: 3
+            })
+        );
+        assert_eq!(
+            admit(Some(&claim("billing", 0)), &known),
+            Err(ProducerRefusal::EpochNotIssued {
+                offered: 0,
+                current_epoch: 3
+            })
+        );
+        assert_eq!(
+            admit(Some(&claim("billing", 3)), &known),
+            Ok(Admission::Owner)
+        );
+    }
+
+    #[test]
+    fn the_first_authenticated_delivery_to_a_fresh_aggregate_claims_it() {
+        assert_eq!(
+            admit(Some(&claim("billing", 2)), &facts(2, None, false)),
+            Ok(Admission::Claim(AggregateOwner {
+                producer: "billing".into(),
+                epoch: 2
+            }))
+        );
+        assert_eq!(
+            admit(Some(&claim("billing", 2)), &facts(2, None, true)),
+            Err(ProducerRefusal::ClaimRequiresOperator)
+        );
+    }
+
+    #[test]
+    fn another_producer_is_not_the_owner_and_an_anonymous_one_must_authenticate() {
+        let owned = facts(1, Some(("billing", 1)), true);
+        assert_eq!(
+            admit(Some(&claim("shipping", 1)), &owned),
+            Err(ProducerRefusal::NotOwner {
+                owner: "billing".into()
+            })
+        );
+        assert_eq!(admit(None, &owned), Err(ProducerRefusal::OwnerRequired));
+        assert_eq!(
+            admit(None, &OwnershipFacts::default()),
+            Ok(Admission::Anonymous)
+        );
+    }
+
+    #[test]
+    fn a_revoked_or_sessionless_producer_writes_nothing() {
+        let revoked = OwnershipFacts {
+            producer: Some(ProducerFact {
+                current_epoch: 2,
+                active: false,
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            admit(Some(&claim("billing", 2)), &revoked),
+            Err(ProducerRefusal::Revoked)
+        );
+        assert_eq!(
+            admit(Some(&claim("billing", 1)), &facts(0, None, false)),
+            Err(ProducerRefusal::NoSession)
+        );
+        assert_eq!(
+            next_epoch(ProducerFact {
+                current_epoch: 4,
+                active: true
+            }),
+            Ok(5)
+        );
+    }
+
+    #[test]
+    fn a_transfer_checks_the_operator_the_producer_and_both_preconditions() {
+        let request = TransferRequest {
+            aggregate_id: "acct".into(),
+            operator: "alice".into(),
+            producer: "shipping".into(),
+            expected_owner: Some("billing".into()),
+            expected_last: 3,
+            reason: "billing retired".into(),
+        };
+        let facts = TransferFacts {
+            operator_active: true,
+            producer: Some(ProducerFact {
+                current_epoch: 7,
+                active: true,
+            }),
+            owner: Some(AggregateOwner {
+                producer: "billing".into(),
+                epoch: 1,
+            }),
+            last: 3,
+        };
+        let record = decide_transfer(&request, &facts, "t1").unwrap();
+        assert_eq!(
+            (record.from_owner.as_deref(), record.epoch),
+            (Some("billing"), 7)
+        );
+        let stale = TransferFacts {
+            last: 4,
+            ..facts.clone()
+        };
+        assert_eq!(
+            decide_transfer(&request, &stale, "t1"),
+            Err(TransferRefusal::LastMismatch)
+        );
+        let unowned = TransferFacts {
+            owner: None,
+            ..facts.clone()
+        };
+        assert_eq!(
+            decide_transfer(&request, &unowned, "t1"),
+            Err(TransferRefusal::OwnerMismatch)
+        );
+        let nobody = TransferFacts {
+            operator_active: false,
+            ..facts
+        };
+        assert_eq!(
+            decide_transfer(&request, &nobody, "t1"),
+            Err(TransferRefusal::Unauthorized)
+        );
+    }
+}

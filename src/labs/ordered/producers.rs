@@ -1,0 +1,284 @@
+//! Producers on the general door: `POST /producers/session` (a producer's Bearer token) starts a
+//! session and answers its new epoch; deliveries carry the token and `Producer-Epoch`, and the
+//! inbox fences older epochs and enforces aggregate ownership in the delivery's own transaction;
+//! `POST /aggregates/{id}/owner` (an operator's token) transfers an aggregate, audited;
+//! `GET /producers` lists producers (never tokens).
+
+use axum::Router;
+use axum::extract::{FromRef, State};
+use axum::http::{HeaderMap, HeaderName, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use ordered_inbox::views::OwnershipState;
+use ordered_inbox::{
+    OrderedMessage, ProducerClaim, ProducerRefusal, TransferRefusal, TransferRequest,
+};
+use serde::{Deserialize, Deserializer};
+use serde_json::json;
+
+use super::resolution::{Credential, authenticate, credential, unauthorized, unauthorized_titled};
+use super::{SharedInbox, validate_aggregate_id, validate_sequence};
+use crate::error::{AppError, Json, Path, RequestBody, json_response, problem_response_with};
+
+/// The header a producer's delivery names its session's epoch in.
+pub const PRODUCER_EPOCH: HeaderName = HeaderName::from_static("producer-epoch");
+const MAX_REASON: usize = 500;
+
+pub(super) fn routes<S>() -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    SharedInbox: FromRef<S>,
+{
+    Router::new()
+        .route("/producers", get(list))
+        .route("/producers/session", post(session))
+        .route("/aggregates/{aggregate_id}/owner", post(transfer))
+}
+
+/// Who a general-door delivery is made by: `Ok(None)` when it carries no Authorization header
+/// (anonymous, today's behaviour), the producer and epoch when it carries a producer's token and
+/// a `Producer-Epoch`, or the answer that refuses it.
+pub(super) async fn producer_claim(
+    inbox: &SharedInbox,
+    headers: &HeaderMap,
+) -> Result<Option<ProducerClaim>, Response> {
+    let token = match credential(headers).map_err(IntoResponse::into_response)? {
+        Credential::Missing => return Ok(None),
+        Credential::Unusable => {
+            return Err(producer_unauthorized(
+                "the Authorization header must be Bearer TOKEN with a producer's token".to_owned(),
+            ));
+        }
+        Credential::Bearer(token) => token,
+    };
+    let producer = inbox
+        .check_producer(token)
+        .await
+        .map_err(|error| AppError::from(error).into_response())?
+        .ok_or_else(|| {
+            producer_unauthorized(
+                "the token is not an active producer's token (unknown or revoked)".into(),
+            )
+        })?;
+    let epoch = epoch_header(headers).map_err(IntoResponse::into_response)?;
+    Ok(Some(ProducerClaim { producer, epoch }))
+}
+
+/// 401 for a producer: what its credential lacks; nothing was changed.
+fn producer_unauthorized(detail: String) -> Response {
+    unauthorized_titled("Producer authentication required", detail)
+}
+
+/// `Producer-Epoch: N`, exactly one, a whole number from 1.
+fn epoch_header(headers: &HeaderMap) -> Result<i64, AppError> {
+    const ADVICE: &str = "a producer's delivery needs one Producer-Epoch header: the epoch POST /producers/session answered";
+    let mut values = headers.get_all(&PRODUCER_EPOCH).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return Err(AppError::bad_request(ADVICE));
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|text| text.trim().parse::<i64>().ok())
+        .filter(|epoch| *epoch >= 1)
+        .ok_or_else(|| AppError::bad_request(format!("{ADVICE}, a whole number from 1")))
+}
+
+/// The answer to a delivery the inbox refused before deciding it: nothing was written.
+pub(super) fn refused(message: &OrderedMessage, refusal: ProducerRefusal) -> Response {
+    let about = |outcome: &str| {
+        json!({
+            "outcome": outcome,
+            "aggregateId": message.aggregate_id,
+            "messageId": message.message_id,
+            "retryable": false,
+        })
+    };
+    let with = |mut body: serde_json::Value, key: &str, value: serde_json::Value| {
+        if let Some(object) = body.as_object_mut() {
+            object.insert(key.to_owned(), value);
+        }
+        body
+    };
+    match refusal {
+        ProducerRefusal::Fenced {
+            offered,
+            current_epoch,
+        } => problem_response_with(
+            StatusCode::CONFLICT,
+            "Fenced",
+            Some(&format!(
+                "epoch {offered} is older than the producer's current epoch {current_epoch}: a newer instance of this producer has taken over; this instance must stop (nothing was applied)"
+            )),
+            with(about("fenced"), "currentEpoch", json!(current_epoch)),
+        ),
+        ProducerRefusal::EpochNotIssued {
+            offered,
+            current_epoch,
+        } => problem_response_with(
+            StatusCode::BAD_REQUEST,
+            "Epoch never issued",
+            Some(&format!(
+                "epoch {offered} was never issued to this producer (its current epoch is {current_epoch}); use the epoch POST /producers/session answered"
+            )),
+            with(
+                about("epoch not issued"),
+                "currentEpoch",
+                json!(current_epoch),
+            ),
+        ),
+        ProducerRefusal::NoSession => problem_response_with(
+            StatusCode::CONFLICT,
+            "No producer session",
+            Some("the producer has never started a session: POST /producers/session first"),
+            with(about("no session"), "currentEpoch", json!(0)),
+        ),
+        ProducerRefusal::Revoked => {
+            producer_unauthorized("the producer was revoked before the delivery".to_owned())
+        }
+        ProducerRefusal::NotOwner { owner } => problem_response_with(
+            StatusCode::FORBIDDEN,
+            "Not the owner",
+            Some(&format!(
+                "aggregate '{}' is owned by producer '{owner}'; only its owner may write its sequence (an operator may transfer it)",
+                message.aggregate_id
+            )),
+            with(about("not the owner"), "owner", json!(owner)),
+        ),
+        ProducerRefusal::OwnerRequired => producer_unauthorized(format!(
+            "aggregate '{}' is owned by a producer: deliver with its token (Authorization: Bearer TOKEN) and Producer-Epoch",
+            message.aggregate_id
+        )),
+        ProducerRefusal::ClaimRequiresOperator => problem_response_with(
+            StatusCode::FORBIDDEN,
+            "The aggregate has history and no owner",
+            Some(&format!(
+                "aggregate '{}' was written before any producer claimed it; only an operator may give it an owner (POST /aggregates/{{id}}/owner)",
+                message.aggregate_id
+            )),
+            with(about("claim requires operator"), "owner", json!(null)),
+        ),
+    }
+}
+
+/// `POST /producers/session`: the producer's epoch goes one up; every delivery under an older
+/// one is fenced from now on.
+async fn session(
+    State(inbox): State<SharedInbox>,
+    headers: HeaderMap,
+) -> Result<Response, AppError> {
+    let Credential::Bearer(token) = credential(&headers)? else {
+        return Ok(producer_unauthorized(
+            "send Authorization: Bearer TOKEN with a producer's token (production-lab producer add NAME --database PATH)".to_owned(),
+        ));
+    };
+    let Some(producer) = inbox.check_producer(token).await? else {
+        return Ok(producer_unauthorized(
+            "the token is not an active producer's token (unknown or revoked)".to_owned(),
+        ));
+    };
+    Ok(match inbox.start_session(producer.clone()).await? {
+        Ok(epoch) => json_response(
+            StatusCode::OK,
+            json!({"producer": producer, "epoch": epoch}),
+        ),
+        Err(_) => {
+            producer_unauthorized("the producer was revoked before the session started".to_owned())
+        }
+    })
+}
+
+/// `GET /producers`: name, current epoch, owned aggregates, last delivery; never tokens.
+async fn list(State(inbox): State<SharedInbox>) -> Result<Response, AppError> {
+    let producers = inbox.producers().await?;
+    Ok(json_response(
+        StatusCode::OK,
+        json!({"producers": producers}),
+    ))
+}
+
+/// A present member that may be null: `Some(None)` for null, `None` when it is missing.
+fn present<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Option<String>>, D::Error> {
+    Option::<String>::deserialize(deserializer).map(Some)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct TransferInput {
+    producer: String,
+    #[serde(default, deserialize_with = "present")]
+    expected_owner: Option<Option<String>>,
+    expected_last: i64,
+    reason: String,
+}
+
+impl RequestBody for TransferInput {
+    const FIELDS: &'static [&'static str] =
+        &["producer", "expectedOwner", "expectedLast", "reason"];
+}
+
+/// `POST /aggregates/{id}/owner` with an operator's token.
+async fn transfer(
+    State(inbox): State<SharedInbox>,
+    Path(aggregate_id): Path<String>,
+    headers: HeaderMap,
+    body: Result<Json<TransferInput>, AppError>,
+) -> Result<Response, AppError> {
+    validate_aggregate_id("aggregateId", &aggregate_id)?;
+    let operator = match authenticate(&inbox, &headers).await {
+        Ok(operator) => operator,
+        Err(response) => return Ok(response),
+    };
+    let Json(input) = body?;
+    let Some(expected_owner) = input.expected_owner else {
+        return Err(AppError::bad_request(
+            "expectedOwner is required: the owner you expect, or null for an unowned aggregate",
+        ));
+    };
+    validate_sequence("expectedLast", input.expected_last, 0)?;
+    let reason = input.reason.trim();
+    if reason.is_empty() || reason.chars().count() > MAX_REASON {
+        return Err(AppError::bad_request(format!(
+            "reason must say why, in 1 to {MAX_REASON} characters"
+        )));
+    }
+    let request = TransferRequest {
+        aggregate_id,
+        operator,
+        producer: input.producer,
+        expected_owner,
+        expected_last: input.expected_last,
+        reason: reason.to_owned(),
+    };
+    Ok(match inbox.transfer_owner(request).await? {
+        Ok(record) => json_response(
+            StatusCode::OK,
+            json!({"outcome": "owner transferred", "transfer": record}),
+        ),
+        Err(conflict) => transfer_refused(conflict.refusal, &conflict.current),
+    })
+}
+
+fn transfer_refused(refusal: TransferRefusal, current: &OwnershipState) -> Response {
+    let (status, title, detail) = match refusal {
+        TransferRefusal::Unauthorized => {
+            return unauthorized("the operator's token was revoked before the change".to_owned());
+        }
+        TransferRefusal::UnknownProducer => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "No such active producer",
+            "the receiving producer is unknown or revoked; nothing was changed",
+        ),
+        TransferRefusal::OwnerMismatch => (
+            StatusCode::CONFLICT,
+            "The aggregate is not owned as expected",
+            "expectedOwner differs from the aggregate's owner: review the current state and decide again",
+        ),
+        TransferRefusal::LastMismatch => (
+            StatusCode::CONFLICT,
+            "The aggregate is not at the expected last sequence",
+            "expectedLast differs from the aggregate's last sequence: review the current state and decide again",
+        ),
+    };
+    problem_response_with(status, title, Some(detail), json!({"current": current}))
+}

@@ -1,0 +1,518 @@
+//! Producers, epochs and ownership on the general door (issue 17): sessions issue epochs, an
+//! older epoch is fenced, an aggregate belongs to the producer that claimed it, an operator may
+//! transfer it; over real HTTP, real files and the real CLI.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use serde_json::{Value, json};
+
+use crate::aggregates::{RELEASE_V2_ALICE, add_operator, spawn_on_fixture};
+use crate::helpers::{TestApp, command, poll_until, spawn_app, status_and_json};
+
+/// Runs `production-lab producer ARGS --database PATH` as a process.
+fn producer_command(args: &[&str], database: &Path) -> std::process::Output {
+    command()
+        .arg("producer")
+        .args(args)
+        .arg("--database")
+        .arg(database)
+        .output()
+        .expect("run the producer command")
+}
+
+/// Registers a producer through the CLI and returns the token it printed.
+fn add_producer(app: &TestApp, name: &str) -> String {
+    let output = producer_command(&["add", name], &app.database);
+    assert!(
+        output.status.success(),
+        "producer add failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let token = String::from_utf8(output.stdout).expect("utf-8 token");
+    let token = token.trim().to_owned();
+    assert_eq!(token.lines().count(), 1, "stdout is the token alone");
+    token
+}
+
+/// `POST /producers/session` with `token`.
+async fn session(app: &TestApp, token: &str) -> (u16, Value) {
+    let response = app
+        .client
+        .post(app.url("/producers/session"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .expect("POST reaches the server");
+    status_and_json(response).await
+}
+
+/// A new session's epoch.
+async fn epoch(app: &TestApp, token: &str) -> i64 {
+    let (status, body) = session(app, token).await;
+    assert_eq!(status, 200, "{body}");
+    body["epoch"].as_i64().expect("an epoch")
+}
+
+/// A delivery with the producer's token and epoch (`None`: anonymous).
+async fn send(
+    app: &TestApp,
+    producer: Option<(&str, i64)>,
+    aggregate: &str,
+    message_id: &str,
+    sequence: i64,
+) -> (u16, Value) {
+    let body = json!({"messageId": message_id, "sequence": sequence, "amount": 1});
+    let mut request = app
+        .client
+        .post(app.url(&format!("/aggregates/{aggregate}/messages")))
+        .json(&body);
+    if let Some((token, epoch)) = producer {
+        request = request
+            .bearer_auth(token)
+            .header("producer-epoch", epoch.to_string());
+    }
+    status_and_json(request.send().await.expect("POST reaches the server")).await
+}
+
+async fn get(app: &TestApp, path: &str) -> (u16, Value) {
+    status_and_json(app.get(path).await).await
+}
+
+async fn transfer(
+    app: &TestApp,
+    token: Option<&str>,
+    aggregate: &str,
+    body: &Value,
+) -> (u16, Value) {
+    let mut request = app
+        .client
+        .post(app.url(&format!("/aggregates/{aggregate}/owner")))
+        .json(body);
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    status_and_json(request.send().await.expect("POST reaches the server")).await
+}
+
+fn applied_count(app: &TestApp, aggregate: &str) -> i64 {
+    app.db()
+        .query_row(
+            "SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = ?1",
+            [aggregate],
+            |row| row.get(0),
+        )
+        .expect("count applied messages")
+}
+
+#[tokio::test]
+async fn a_session_issues_the_next_epoch_and_the_first_delivery_claims_a_fresh_aggregate() {
+    let app = spawn_app().await;
+    let billing = add_producer(&app, "billing");
+    let (status, first) = session(&app, &billing).await;
+    assert_eq!(
+        (status, first),
+        (200, json!({"producer": "billing", "epoch": 1}))
+    );
+    let current = epoch(&app, &billing).await;
+    assert_eq!(current, 2);
+
+    let (status, applied) = send(&app, Some((&billing, 2)), "acct", "m-1", 1).await;
+    assert_eq!(status, 200, "{applied}");
+    let (_, view) = get(&app, "/aggregates/acct").await;
+    assert_eq!(view["owner"], json!({"producer": "billing", "epoch": 2}));
+    let (_, timeline) = get(&app, "/aggregates/acct/timeline").await;
+    let claimed = &timeline["events"][0];
+    assert_eq!(claimed["kind"], "claimed", "{timeline}");
+    assert_eq!(
+        claimed["detail"],
+        json!({"producer": "billing", "epoch": 2})
+    );
+
+    let (status, listed) = get(&app, "/producers").await;
+    assert_eq!(status, 200);
+    let entry = &listed["producers"][0];
+    assert_eq!(entry["name"], "billing");
+    assert_eq!(entry["currentEpoch"], 2);
+    assert_eq!(entry["ownedAggregates"], 1);
+    assert!(entry["lastDeliveryAt"].is_string(), "{listed}");
+    assert!(!listed.to_string().contains(&billing), "never a token");
+
+    // Anonymous deliveries to unowned aggregates keep working exactly as before.
+    assert_eq!(send(&app, None, "open", "o-1", 1).await.0, 200);
+    let (_, open) = get(&app, "/aggregates/open").await;
+    assert_eq!(open["owner"], Value::Null);
+}
+
+#[tokio::test]
+async fn each_ownership_and_epoch_rule_answers_its_own_status_and_writes_nothing() {
+    let app = spawn_app().await;
+    let billing = add_producer(&app, "billing");
+    let shipping = add_producer(&app, "shipping");
+    // A token without a session: 409, documented.
+    let (status, problem) = send(&app, Some((&billing, 1)), "acct", "m-1", 1).await;
+    assert_eq!(
+        (status, problem["outcome"].clone()),
+        (409, json!("no session"))
+    );
+    assert_eq!(epoch(&app, &billing).await, 1);
+    assert_eq!(epoch(&app, &billing).await, 2);
+    assert_eq!(epoch(&app, &shipping).await, 1);
+    assert_eq!(
+        send(&app, Some((&billing, 2)), "acct", "m-1", 1).await.0,
+        200
+    );
+
+    // A token without Producer-Epoch, or with a malformed one: 400.
+    let bare = app
+        .client
+        .post(app.url("/aggregates/acct/messages"))
+        .bearer_auth(&billing)
+        .json(&json!({"messageId": "m-2", "sequence": 2, "amount": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bare.status(), 400);
+    for malformed in ["two", "0", "-1", "1.5", ""] {
+        let response = app
+            .client
+            .post(app.url("/aggregates/acct/messages"))
+            .bearer_auth(&billing)
+            .header("producer-epoch", malformed)
+            .json(&json!({"messageId": "m-2", "sequence": 2, "amount": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 400, "{malformed:?}");
+    }
+    // Two Authorization headers are an ambiguous credential: 400, as for operators.
+    let twice = app
+        .client
+        .post(app.url("/aggregates/acct/messages"))
+        .header("authorization", format!("Bearer {billing}"))
+        .header("authorization", format!("Bearer {shipping}"))
+        .header("producer-epoch", "2")
+        .json(&json!({"messageId": "m-2", "sequence": 2, "amount": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(twice.status(), 400);
+    // An epoch never issued: 400.
+    let (status, problem) = send(&app, Some((&billing, 3)), "acct", "m-2", 2).await;
+    assert_eq!((status, problem["currentEpoch"].clone()), (400, json!(2)));
+    // An older epoch: fenced, not retryable, with the current epoch.
+    let (status, fenced) = send(&app, Some((&billing, 1)), "acct", "m-2", 2).await;
+    assert_eq!(status, 409, "{fenced}");
+    assert_eq!(fenced["outcome"], "fenced");
+    assert_eq!(fenced["retryable"], false);
+    assert_eq!(fenced["currentEpoch"], 2);
+    // Another producer: 403 with the owner's name.
+    let (status, forbidden) = send(&app, Some((&shipping, 1)), "acct", "s-2", 2).await;
+    assert_eq!(
+        (status, forbidden["owner"].clone()),
+        (403, json!("billing"))
+    );
+    // Anonymous to an owned aggregate: 401 with a challenge.
+    let anonymous = app
+        .post_json(
+            "/aggregates/acct/messages",
+            &json!({"messageId": "x-2", "sequence": 2, "amount": 1}),
+        )
+        .await;
+    assert_eq!(anonymous.status(), 401);
+    assert!(anonymous.headers().contains_key("www-authenticate"));
+    // An aggregate with history but no owner is claimed only by an operator.
+    assert_eq!(send(&app, None, "legacy", "l-1", 1).await.0, 200);
+    let (status, problem) = send(&app, Some((&billing, 2)), "legacy", "l-2", 2).await;
+    assert_eq!(
+        (status, problem["outcome"].clone()),
+        (403, json!("claim requires operator"))
+    );
+    assert_eq!(applied_count(&app, "acct"), 1);
+    assert_eq!(applied_count(&app, "legacy"), 1);
+
+    // A revoked producer: 401 on deliveries and sessions, and its name is never reused.
+    assert!(
+        producer_command(&["revoke", "billing"], &app.database)
+            .status
+            .success()
+    );
+    assert_eq!(
+        send(&app, Some((&billing, 2)), "acct", "m-2", 2).await.0,
+        401
+    );
+    assert_eq!(session(&app, &billing).await.0, 401);
+    let again = producer_command(&["add", "billing"], &app.database);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("names are not reused"));
+    let listed = producer_command(&["list"], &app.database);
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        text.contains("billing") && text.contains("revoked"),
+        "{text}"
+    );
+    assert_eq!(applied_count(&app, "acct"), 1);
+}
+
+#[tokio::test]
+async fn a_restarted_producer_fences_every_later_delivery_of_its_old_instance() {
+    let app = Arc::new(spawn_app().await);
+    let token = Arc::new(add_producer(&app, "billing"));
+    let old = epoch(&app, &token).await;
+    let started_new = Arc::new(AtomicBool::new(false));
+    let aggregates = ["r-0", "r-1", "r-2", "r-3"];
+    let mut senders = Vec::new();
+    for aggregate in aggregates {
+        let (app, token, started_new) = (app.clone(), token.clone(), started_new.clone());
+        senders.push(tokio::spawn(async move {
+            // The old instance keeps sending until it has seen a fence for a while.
+            let mut results = Vec::new();
+            let mut sequence = 1;
+            loop {
+                let after_new = started_new.load(Ordering::SeqCst);
+                let id = format!("{aggregate}-{sequence}");
+                let (status, _) = send(&app, Some((&token, old)), aggregate, &id, sequence).await;
+                results.push((after_new, status));
+                if status == 200 {
+                    sequence += 1;
+                }
+                if after_new && results.iter().filter(|(after, _)| *after).count() >= 5 {
+                    return results;
+                }
+            }
+        }));
+    }
+    // Let the old instance get going, then start the new one.
+    poll_until(
+        "the old instance applied a few messages",
+        || async { app.scalar("SELECT COUNT(*) FROM ordered_inbox") },
+        |count| *count >= 8,
+    )
+    .await;
+    let new = epoch(&app, &token).await;
+    started_new.store(true, Ordering::SeqCst);
+    assert_eq!(new, old + 1);
+    let mut applied_by_old = 0;
+    for sender in senders {
+        let results = sender.await.unwrap();
+        for (after_new, status) in &results {
+            if *after_new {
+                assert_eq!(
+                    *status, 409,
+                    "every old-epoch delivery after the new session"
+                );
+            }
+        }
+        applied_by_old += results.iter().filter(|(_, status)| *status == 200).count() as i64;
+    }
+    assert_eq!(
+        app.scalar("SELECT COUNT(*) FROM ordered_inbox"),
+        applied_by_old
+    );
+    // The new instance carries on where the old one stopped.
+    for aggregate in aggregates {
+        let (_, view) = get(&app, &format!("/aggregates/{aggregate}")).await;
+        let next = view["last"].as_i64().unwrap() + 1;
+        let (status, body) = send(
+            &app,
+            Some((&token, new)),
+            aggregate,
+            &format!("{aggregate}-new-{next}"),
+            next,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    }
+}
+
+#[tokio::test]
+async fn two_producers_racing_to_claim_a_fresh_aggregate_leave_exactly_one_owner() {
+    let app = Arc::new(spawn_app().await);
+    let billing = add_producer(&app, "billing");
+    let shipping = add_producer(&app, "shipping");
+    let (b, s) = (epoch(&app, &billing).await, epoch(&app, &shipping).await);
+    for round in 0..20 {
+        let aggregate = format!("fresh-{round}");
+        let (b_id, s_id) = (format!("{aggregate}-b-1"), format!("{aggregate}-s-1"));
+        let one = send(&app, Some((&billing, b)), &aggregate, &b_id, 1);
+        let two = send(&app, Some((&shipping, s)), &aggregate, &s_id, 1);
+        let ((first, _), (second, _)) = tokio::join!(one, two);
+        let mut statuses = [first, second];
+        statuses.sort_unstable();
+        assert_eq!(statuses, [200, 403], "{aggregate}");
+        let (_, view) = get(&app, &format!("/aggregates/{aggregate}")).await;
+        let owner = view["owner"]["producer"].as_str().unwrap().to_owned();
+        let winner = if first == 200 { "billing" } else { "shipping" };
+        assert_eq!(owner, winner);
+        assert_eq!(applied_count(&app, &aggregate), 1);
+    }
+}
+
+#[tokio::test]
+async fn a_transfer_racing_deliveries_cuts_the_old_owner_off_after_it_commits() {
+    let app = Arc::new(spawn_app().await);
+    let billing = Arc::new(add_producer(&app, "billing"));
+    let shipping = add_producer(&app, "shipping");
+    let alice = add_operator(&app, "alice");
+    let b = epoch(&app, &billing).await;
+    let s = epoch(&app, &shipping).await;
+    assert_eq!(
+        send(&app, Some((&billing, b)), "acct", "b-1", 1).await.0,
+        200
+    );
+
+    let transferred = Arc::new(AtomicBool::new(false));
+    let sender = {
+        let (app, billing, transferred) = (app.clone(), billing.clone(), transferred.clone());
+        tokio::spawn(async move {
+            let mut results = Vec::new();
+            let mut sequence = 2;
+            loop {
+                let after = transferred.load(Ordering::SeqCst);
+                let (status, _) = send(
+                    &app,
+                    Some((&billing, b)),
+                    "acct",
+                    &format!("b-{sequence}"),
+                    sequence,
+                )
+                .await;
+                results.push((after, status));
+                if status == 200 {
+                    sequence += 1;
+                }
+                if after && results.iter().filter(|(after, _)| *after).count() >= 5 {
+                    return results;
+                }
+            }
+        })
+    };
+    // The operator reads the state and transfers; a delivery in between is a 409 to review.
+    let record = loop {
+        let (_, view) = get(&app, "/aggregates/acct").await;
+        let body = json!({
+            "producer": "shipping",
+            "expectedOwner": "billing",
+            "expectedLast": view["last"],
+            "reason": "billing hands acct over",
+        });
+        let (status, answer) = transfer(&app, Some(&alice), "acct", &body).await;
+        if status == 200 {
+            break answer;
+        }
+        assert_eq!(status, 409, "{answer}");
+        assert_eq!(answer["current"]["owner"]["producer"], "billing");
+    };
+    transferred.store(true, Ordering::SeqCst);
+    assert_eq!(record["transfer"]["fromOwner"], "billing");
+    let results = sender.await.unwrap();
+    for (after, status) in &results {
+        if *after {
+            assert_eq!(*status, 403);
+        }
+    }
+    let by_billing = results.iter().filter(|(_, status)| *status == 200).count() as i64;
+    assert_eq!(applied_count(&app, "acct"), 1 + by_billing);
+    let (_, view) = get(&app, "/aggregates/acct").await;
+    assert_eq!(view["owner"]["producer"], "shipping");
+    let next = view["last"].as_i64().unwrap() + 1;
+    assert_eq!(
+        send(&app, Some((&shipping, s)), "acct", "s-n", next)
+            .await
+            .0,
+        200
+    );
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ownership_transfers"), 1);
+    assert_eq!(
+        app.scalar(
+            "SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'acct'
+               AND kind = 'owner transferred' AND json_extract(detail, '$.operator') = 'alice'"
+        ),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_transfer_needs_an_operator_and_its_preconditions() {
+    let app = spawn_app().await;
+    let billing = add_producer(&app, "billing");
+    add_producer(&app, "shipping");
+    let alice = add_operator(&app, "alice");
+    let b = epoch(&app, &billing).await;
+    assert_eq!(
+        send(&app, Some((&billing, b)), "acct", "b-1", 1).await.0,
+        200
+    );
+    let body = |owner: Value, last: i64| json!({"producer": "shipping", "expectedOwner": owner, "expectedLast": last, "reason": "why"});
+    // A producer's token is not an operator's.
+    assert_eq!(
+        transfer(&app, Some(&billing), "acct", &body(json!("billing"), 1))
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        transfer(&app, None, "acct", &body(json!("billing"), 1))
+            .await
+            .0,
+        401
+    );
+    let (status, conflict) = transfer(&app, Some(&alice), "acct", &body(Value::Null, 1)).await;
+    assert_eq!(status, 409);
+    assert_eq!(conflict["current"]["owner"]["producer"], "billing");
+    let (status, conflict) = transfer(&app, Some(&alice), "acct", &body(json!("billing"), 0)).await;
+    assert_eq!(
+        (status, conflict["current"]["last"].clone()),
+        (409, json!(1))
+    );
+    let missing = json!({"producer": "shipping", "expectedLast": 1, "reason": "why"});
+    assert_eq!(transfer(&app, Some(&alice), "acct", &missing).await.0, 400);
+    let nobody = json!({"producer": "nobody", "expectedOwner": "billing", "expectedLast": 1, "reason": "why"});
+    assert_eq!(transfer(&app, Some(&alice), "acct", &nobody).await.0, 422);
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM ownership_transfers"), 0);
+    assert_eq!(
+        transfer(&app, Some(&alice), "acct", &body(json!("billing"), 1))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        send(&app, Some((&billing, b)), "acct", "b-2", 2).await.0,
+        403
+    );
+}
+
+#[tokio::test]
+async fn a_database_from_the_current_release_migrates_with_every_aggregate_unowned() {
+    let (_dir, app) = spawn_on_fixture("release-v2.db").await;
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM producers"), 0);
+    assert_eq!(
+        app.scalar("SELECT COUNT(*) FROM aggregate_state WHERE owner IS NOT NULL"),
+        0
+    );
+    let (_, acct1) = get(&app, "/aggregates/acct-1").await;
+    assert_eq!(
+        (acct1["owner"].clone(), acct1["last"].clone()),
+        (Value::Null, json!(3))
+    );
+    let billing = add_producer(&app, "billing");
+    let b = epoch(&app, &billing).await;
+    // Old aggregates have history: a producer cannot claim one by delivering.
+    assert_eq!(
+        send(&app, Some((&billing, b)), "acct-1", "b-4", 4).await.0,
+        403
+    );
+    let body = json!({"producer": "billing", "expectedOwner": null, "expectedLast": 3, "reason": "billing takes acct-1 over"});
+    let (status, answer) = transfer(&app, Some(RELEASE_V2_ALICE), "acct-1", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        send(&app, Some((&billing, b)), "acct-1", "b-4", 4).await.0,
+        200
+    );
+    assert_eq!(send(&app, None, "acct-1", "anon-5", 5).await.0, 401);
+    // Unowned old aggregates keep today's anonymous behaviour.
+    let (_, acct2) = get(&app, "/aggregates/acct-2").await;
+    let next = acct2["last"].as_i64().unwrap() + 1;
+    assert_eq!(send(&app, None, "acct-2", "a2-anon", next).await.0, 200);
+}
