@@ -15,7 +15,7 @@ use crate::operators::OperatorCheck;
 use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
-    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
+    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
     InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
     TimelineEvent, TransferConflict,
 };
@@ -136,4 +136,9 @@ pub trait Inbox: Send + Sync {
 
     /// Every producer, the first registered first (never tokens).
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError>;
+
+    /// The figures an operator watches across all aggregates (see [`InboxHealth`]). Cheap enough
+    /// to call on every metrics scrape and readiness probe: a few indexed reads, no writes. An
+    /// `Err` means the store does not answer reads.
+    async fn health(&self) -> Result<InboxHealth, InboxError>;
 }

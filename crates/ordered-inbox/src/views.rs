@@ -11,6 +11,7 @@ use crate::timeline::TimelineKind;
 
 /// An aggregate's current position.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AggregateSummary {
     pub aggregate_id: String,
@@ -25,6 +26,7 @@ pub struct AggregateSummary {
 
 /// An aggregate with the dead letters that hold it up.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AggregateView {
     #[serde(flatten)]
@@ -64,6 +66,7 @@ pub struct AppliedMessage {
 
 /// One line of the inventory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct InventoryEntry {
     #[serde(flatten)]
@@ -77,6 +80,7 @@ pub struct InventoryEntry {
 
 /// The resolution of a dead letter, as its view shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ResolutionSummary {
     pub resolution_id: i64,
@@ -90,6 +94,7 @@ pub struct ResolutionSummary {
 /// A dead letter with its lifecycle. Rows recorded before the lifecycle columns existed have no
 /// sequence, payload or timestamps.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct DeadLetterView {
     pub message_id: String,
@@ -110,6 +115,7 @@ pub struct DeadLetterView {
 
 /// One timeline entry as stored.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct TimelineEvent {
     pub id: i64,
@@ -124,6 +130,7 @@ pub struct TimelineEvent {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Replacement {
     pub message_id: String,
@@ -132,6 +139,7 @@ pub struct Replacement {
 
 /// One audited resolution: who, when, what, why, and the aggregate before and after.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ResolutionRecord {
     /// `None` in a dry run, which assigns nothing.
@@ -151,6 +159,7 @@ pub struct ResolutionRecord {
 
 /// The aggregate and the dead letter as they are now: what a refused resolution shows.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct CurrentState {
     pub aggregate: Option<AggregateSummary>,
@@ -164,6 +173,18 @@ pub struct AggregateCounts {
     pub applied: i64,
     pub dead_letters: i64,
     pub last: i64,
+}
+
+/// What an operator watches across all aggregates, read in one go: how many aggregates are in
+/// each status, how many dead letters are open, and how long the longest-blocked aggregate has
+/// been blocked. Each figure comes from an index, not from a scan of the rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InboxHealth {
+    /// Every status of [`AggregateStatus::ALL`] with its count, zero included.
+    pub aggregates: Vec<(AggregateStatus, i64)>,
+    pub open_dead_letters: i64,
+    /// Seconds since the longest-blocked aggregate became blocked; `None` when none is.
+    pub longest_blocked_seconds: Option<f64>,
 }
 
 /// Which dead letters to list.

@@ -46,7 +46,7 @@ use crate::producers::{
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
-    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
+    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
     InventoryEntry, Page, PageRequest, ResolutionRecord, TimelineEvent,
 };
 use crate::views::{OwnershipState, ProducerView, TransferConflict};
@@ -543,6 +543,13 @@ impl Inbox for PostgresInbox {
         self.run(move |client, counters| {
             let aggregate_id = aggregate_id.clone();
             Box::pin(async move { views::counts(client, counters, &aggregate_id).await })
+        })
+        .await
+    }
+
+    async fn health(&self) -> Result<InboxHealth, InboxError> {
+        self.run(move |client, counters| {
+            Box::pin(async move { views::health(client, counters).await })
         })
         .await
     }

@@ -13,8 +13,8 @@ use crate::clock;
 use crate::model::{AggregateStatus, DeadLetterStatus, Position};
 use crate::views::{
     AggregateCounts, AggregateSummary, AggregateView, AppliedMessage, DeadLetterFilter,
-    DeadLetterView, HELD_SHOWN, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page, PageRequest,
-    Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
+    DeadLetterView, HELD_SHOWN, InboxHealth, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page,
+    PageRequest, Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
 };
 
 const AGGREGATE_SUMMARY: &str = "SELECT aggregate_id, last_sequence, total, status, status_since
@@ -60,6 +60,16 @@ const COUNTS: &str = "
 SELECT (SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = $1),
        (SELECT COUNT(*) FROM deadletters WHERE aggregate_id = $1),
        COALESCE((SELECT last_sequence FROM aggregate_state WHERE aggregate_id = $1), 0)";
+
+/// The operator's figures beside the per-status counts: open dead letters (a range of
+/// `ix_deadletters_status_id`) and the earliest `status_since` among blocked aggregates (the
+/// first entry of that range of `ix_aggregate_state_status`).
+const HEALTH: &str = "
+SELECT (SELECT COUNT(*) FROM deadletters WHERE status = 'open'),
+       (SELECT MIN(status_since) FROM aggregate_state WHERE status = 'blocked')";
+
+/// Aggregates per status (`ix_aggregate_state_status` leads with the status).
+const STATUS_COUNTS: &str = "SELECT status, COUNT(*) FROM aggregate_state GROUP BY status";
 
 const SNAPSHOT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
 
@@ -385,6 +395,36 @@ pub(super) async fn applied_totals(
 }
 
 /// Applied messages, dead letters and last sequence of one aggregate.
+/// What an operator watches across all aggregates; both statements in one round trip.
+pub(super) async fn health(client: &Client, counters: &Counters) -> Result<InboxHealth, Failure> {
+    let figures = client.prepare_cached(HEALTH).await?;
+    let statuses = client.prepare_cached(STATUS_COUNTS).await?;
+    let (row, rows) = join!(
+        client.query_one(&figures, &[]),
+        client.query(&statuses, &[])
+    );
+    counters.trip();
+    let (row, rows) = (row?, rows?);
+    let mut aggregates: Vec<(AggregateStatus, i64)> = AggregateStatus::ALL
+        .iter()
+        .map(|status| (*status, 0))
+        .collect();
+    for counted in rows {
+        let status: AggregateStatus = parsed(&counted, 0)?;
+        let count: i64 = counted.try_get(1)?;
+        if let Some(entry) = aggregates.iter_mut().find(|(known, _)| *known == status) {
+            entry.1 = count;
+        }
+    }
+    let since: Option<String> = row.try_get(1)?;
+    let now = clock::now();
+    Ok(InboxHealth {
+        aggregates,
+        open_dead_letters: row.try_get(0)?,
+        longest_blocked_seconds: since.map(|since| clock::seconds_between(&since, &now) as f64),
+    })
+}
+
 pub(super) async fn counts(
     client: &Client,
     counters: &Counters,

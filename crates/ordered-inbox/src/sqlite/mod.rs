@@ -20,7 +20,8 @@ use std::path::Path;
 use async_trait::async_trait;
 
 pub use store::{
-    BUSY_TIMEOUT, MAX_BATCH, Store, StoreError, StoreStats, Synchronous, is_busy, is_constraint,
+    BUSY_TIMEOUT, BatchCommitted, MAX_BATCH, Store, StoreError, StoreStats, Synchronous,
+    WriterObserver, is_busy, is_constraint,
 };
 
 use crate::clock;
@@ -31,7 +32,7 @@ use crate::operators::OperatorCheck;
 use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
-    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
+    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
     InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
     TimelineEvent, TransferConflict,
 };
@@ -254,6 +255,11 @@ impl Inbox for SqliteInbox {
 
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
         self.read(producers::producers).await
+    }
+
+    async fn health(&self) -> Result<InboxHealth, InboxError> {
+        self.read(move |connection| views::health(connection, &clock::now()))
+            .await
     }
 }
 

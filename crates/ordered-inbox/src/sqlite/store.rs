@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 use tokio::sync::oneshot;
@@ -96,6 +96,25 @@ pub fn is_constraint(error: &rusqlite::Error) -> bool {
     error.sqlite_error_code() == Some(ErrorCode::ConstraintViolation)
 }
 
+/// What the writer thread reports after each group transaction it committed. The library keeps
+/// no metrics of its own: the owner of the store passes an observer at open and records what it
+/// needs (a histogram, a log line) in its own recorder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchCommitted {
+    /// The units of work the transaction carried (1..=[`MAX_BATCH`]).
+    pub units: usize,
+    /// From `BEGIN IMMEDIATE` to the end of `COMMIT`: what the batch added to its members' wait.
+    pub transaction: Duration,
+    /// The `COMMIT` statement alone: with `synchronous=FULL`, mostly the fsync.
+    pub commit: Duration,
+}
+
+/// Called on the writer thread after every committed batch; it must return quickly (it delays
+/// the next batch).
+pub trait WriterObserver: Send + Sync {
+    fn batch_committed(&self, batch: BatchCommitted);
+}
+
 /// A cheap handle to the store; clones share the writer and the read pool.
 #[derive(Clone)]
 pub struct Store {
@@ -110,11 +129,14 @@ struct Inner {
     stats: Arc<WriterStats>,
 }
 
-/// Counters of the writer's work, for benchmarks and tests.
-#[derive(Debug, Default)]
+/// Counters of the writer's work, for benchmarks, tests and metrics.
+#[derive(Default)]
 struct WriterStats {
     commits: AtomicU64,
     units: AtomicU64,
+    /// Units sent to the writer and not yet taken into a batch.
+    queued: AtomicU64,
+    observer: Option<Arc<dyn WriterObserver>>,
 }
 
 /// How many group transactions were committed and how many units of work they carried.
@@ -182,6 +204,16 @@ impl Store {
         synchronous: Synchronous,
         migrate: impl FnOnce(&mut Connection) -> rusqlite::Result<()>,
     ) -> Result<Store, StoreError> {
+        Store::open_observed(path, synchronous, migrate, None)
+    }
+
+    /// [`Store::open`] with an observer the writer thread calls after every committed batch.
+    pub fn open_observed(
+        path: &Path,
+        synchronous: Synchronous,
+        migrate: impl FnOnce(&mut Connection) -> rusqlite::Result<()>,
+        observer: Option<Arc<dyn WriterObserver>>,
+    ) -> Result<Store, StoreError> {
         let mut connection = Connection::open(path)?;
         connection.busy_timeout(BUSY_TIMEOUT)?;
         // journal_mode cannot change inside a transaction, so it comes before the migrations.
@@ -201,7 +233,10 @@ impl Store {
         connection.set_prepared_statement_cache_capacity(WRITER_STATEMENT_CACHE);
 
         let (sender, receiver) = mpsc::channel();
-        let stats = Arc::new(WriterStats::default());
+        let stats = Arc::new(WriterStats {
+            observer,
+            ..WriterStats::default()
+        });
         let writer_stats = stats.clone();
         let thread = std::thread::Builder::new()
             .name("store-writer".to_owned())
@@ -226,6 +261,11 @@ impl Store {
         }
     }
 
+    /// Units of work sent to the writer and not yet taken into a transaction.
+    pub fn queue_depth(&self) -> u64 {
+        self.inner.stats.queued.load(Ordering::Relaxed)
+    }
+
     pub fn path(&self) -> &Path {
         &self.inner.path
     }
@@ -242,7 +282,10 @@ impl Store {
     {
         let (reply, answer) = oneshot::channel();
         let job = Box::new(TypedJob { work, reply });
+        let queued = &self.inner.stats.queued;
+        queued.fetch_add(1, Ordering::Relaxed);
         if self.inner.writer.send(WriterMessage::Work(job)).is_err() {
+            queued.fetch_sub(1, Ordering::Relaxed);
             return Err(E::from(StoreError::Unavailable(
                 "the writer has stopped".to_owned(),
             )));
@@ -357,6 +400,9 @@ fn writer_loop(
                 Err(_) => break,
             }
         }
+        stats
+            .queued
+            .fetch_sub(batch.len() as u64, Ordering::Relaxed);
         run_batch(&connection, batch, stats);
     }
     // Dropping the connection here closes it (and checkpoints the WAL when it is the last one).
@@ -365,6 +411,7 @@ fn writer_loop(
 /// Runs one group transaction and answers every unit in it.
 fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &WriterStats) {
     let units = batch.len() as u64;
+    let began = Instant::now();
     if let Err(error) = begin_immediate(connection) {
         let reason = error.to_string();
         for job in batch {
@@ -402,11 +449,19 @@ fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &Wri
             }
         }
     }
+    let committing = Instant::now();
     match connection.execute_batch("COMMIT") {
         Ok(()) => {
             // Counted before anyone is answered, so an answered caller sees its commit counted.
             stats.commits.fetch_add(1, Ordering::Relaxed);
             stats.units.fetch_add(units, Ordering::Relaxed);
+            if let Some(observer) = &stats.observer {
+                observer.batch_committed(BatchCommitted {
+                    units: units as usize,
+                    transaction: began.elapsed(),
+                    commit: committing.elapsed(),
+                });
+            }
             replies.into_iter().for_each(|reply| reply(Ok(())));
         }
         Err(error) => {
@@ -530,6 +585,70 @@ mod tests {
         );
         let (value, total) = counter_and_effects(&store).await;
         assert_eq!((value, total), (11, 5));
+    }
+
+    /// Keeps every report the writer thread sends.
+    #[derive(Default)]
+    struct Reports(Mutex<Vec<BatchCommitted>>);
+
+    impl WriterObserver for Reports {
+        fn batch_committed(&self, batch: BatchCommitted) {
+            self.0.lock().unwrap().push(batch);
+        }
+    }
+
+    #[tokio::test]
+    async fn the_observer_hears_each_committed_batch_with_its_size_and_the_queue_drains() {
+        let dir = tempfile::tempdir().unwrap();
+        let reports = Arc::new(Reports::default());
+        let store = Store::open_observed(
+            &dir.path().join("t.db"),
+            Synchronous::Normal,
+            |c| c.execute_batch("CREATE TABLE t(v INTEGER)"),
+            Some(reports.clone()),
+        )
+        .unwrap();
+        // A unit that holds the writer, so the next three queue up and share one commit.
+        let (started, wait_started) = std::sync::mpsc::channel();
+        let (release, wait_release) = std::sync::mpsc::channel::<()>();
+        let holding = store.clone();
+        let holder = tokio::spawn(async move {
+            holding
+                .write(move |_| {
+                    let _ = started.send(());
+                    let _ = wait_release.recv();
+                    Ok::<(), StoreError>(())
+                })
+                .await
+        });
+        tokio::task::spawn_blocking(move || wait_started.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let insert = |store: &Store| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .write(|c| Ok::<_, StoreError>(c.execute("INSERT INTO t VALUES (1)", [])?))
+                    .await
+            })
+        };
+        let queued = [insert(&store), insert(&store), insert(&store)];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while store.queue_depth() < 3 {
+            assert!(Instant::now() < deadline, "three units never queued");
+            tokio::task::yield_now().await;
+        }
+        release.send(()).unwrap();
+        holder.await.unwrap().unwrap();
+        for unit in queued {
+            unit.await.unwrap().unwrap();
+        }
+        assert_eq!(store.queue_depth(), 0);
+        let sizes: Vec<usize> = reports.0.lock().unwrap().iter().map(|b| b.units).collect();
+        assert_eq!(sizes, [1, 3]);
+        let last = reports.0.lock().unwrap()[1];
+        assert!(last.commit <= last.transaction);
     }
 
     #[tokio::test]

@@ -8,8 +8,8 @@ use super::engine::parsed;
 use crate::model::{AggregateStatus, Position};
 use crate::views::{
     AggregateCounts, AggregateSummary, AggregateView, AppliedMessage, DeadLetterFilter,
-    DeadLetterView, HELD_SHOWN, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page, PageRequest,
-    Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
+    DeadLetterView, HELD_SHOWN, InboxHealth, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page,
+    PageRequest, Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
 };
 
 pub fn aggregate_summary(
@@ -109,6 +109,36 @@ pub fn inventory(
             })
         })?
         .collect()
+}
+
+/// The operator's figures: one count per status (each a range of `ix_aggregate_state_status`),
+/// the open dead letters (a range of `ix_deadletters_status_id`), and the earliest `status_since`
+/// among blocked aggregates (the first entry of that range of `ix_aggregate_state_status`).
+pub fn health(connection: &Connection, now: &str) -> rusqlite::Result<InboxHealth> {
+    let mut aggregates = Vec::with_capacity(AggregateStatus::ALL.len());
+    let mut count =
+        connection.prepare_cached("SELECT COUNT(*) FROM aggregate_state WHERE status = ?1")?;
+    for status in AggregateStatus::ALL {
+        aggregates.push((
+            *status,
+            count.query_row([status.as_str()], |row| row.get(0))?,
+        ));
+    }
+    let open_dead_letters = connection
+        .prepare_cached("SELECT COUNT(*) FROM deadletters WHERE status = 'open'")?
+        .query_row([], |row| row.get(0))?;
+    let longest_blocked_seconds = connection
+        .prepare_cached(
+            "SELECT (julianday(?1) - julianday(MIN(status_since))) * 86400
+               FROM aggregate_state WHERE status = 'blocked' AND status_since IS NOT NULL",
+        )?
+        .query_row([now], |row| row.get::<_, Option<f64>>(0))?
+        .map(|seconds| seconds.max(0.0));
+    Ok(InboxHealth {
+        aggregates,
+        open_dead_letters,
+        longest_blocked_seconds,
+    })
 }
 
 const DEAD_LETTER_COLUMNS: &str = "
@@ -362,6 +392,9 @@ mod tests {
             "SELECT sequence FROM held_messages WHERE aggregate_id = 'a' ORDER BY sequence".to_owned(),
             "SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = 'a'".to_owned(),
             "SELECT message_id FROM ordered_inbox WHERE aggregate_id = 'a' AND sequence > 0 ORDER BY sequence".to_owned(),
+            "SELECT COUNT(*) FROM aggregate_state WHERE status = 'waiting'".to_owned(),
+            "SELECT COUNT(*) FROM deadletters WHERE status = 'open'".to_owned(),
+            "SELECT MIN(status_since) FROM aggregate_state WHERE status = 'blocked' AND status_since IS NOT NULL".to_owned(),
         ];
         for sql in statements {
             let mut plan = connection
@@ -377,5 +410,60 @@ mod tests {
                 "{sql}: {details:?}"
             );
         }
+    }
+
+    #[test]
+    fn health_counts_every_status_the_open_dead_letters_and_the_longest_block() {
+        use crate::model::{Door, Limits, OrderedMessage};
+        let connection = crate::sqlite::schema::migrated_in_memory();
+        let empty = health(&connection, "2026-01-01T00:10:00.000Z").unwrap();
+        assert_eq!(
+            empty.aggregates,
+            [
+                (AggregateStatus::Flowing, 0),
+                (AggregateStatus::Waiting, 0),
+                (AggregateStatus::Blocked, 0)
+            ]
+        );
+        assert_eq!(
+            (empty.open_dead_letters, empty.longest_blocked_seconds),
+            (0, None)
+        );
+
+        let deliver = |id: &str, aggregate: &str, sequence, amount, at: &str| {
+            let message = OrderedMessage {
+                message_id: id.into(),
+                aggregate_id: aggregate.into(),
+                sequence,
+                amount,
+            };
+            crate::sqlite::engine::deliver_in(
+                &connection,
+                &message,
+                Door::General,
+                &Limits::default(),
+                at,
+            )
+            .unwrap();
+        };
+        deliver("f1", "flowing", 1, 1, "2026-01-01T00:00:00.000Z");
+        deliver("w1", "waiting", 1, 1, "2026-01-01T00:00:00.000Z");
+        deliver("w3", "waiting", 3, 1, "2026-01-01T00:00:00.000Z");
+        deliver("b1", "blocked-early", 1, -1, "2026-01-01T00:01:00.000Z");
+        deliver("b1b", "blocked-early", 1, -2, "2026-01-01T00:02:00.000Z");
+        deliver("c1", "blocked-late", 1, -1, "2026-01-01T00:05:00.000Z");
+
+        let figures = health(&connection, "2026-01-01T00:10:00.000Z").unwrap();
+        assert_eq!(
+            figures.aggregates,
+            [
+                (AggregateStatus::Flowing, 1),
+                (AggregateStatus::Waiting, 1),
+                (AggregateStatus::Blocked, 2)
+            ]
+        );
+        assert_eq!(figures.open_dead_letters, 3);
+        let longest = figures.longest_blocked_seconds.unwrap();
+        assert!((longest - 540.0).abs() < 0.01, "{longest}");
     }
 }
