@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::FromRef;
-use axum::routing::get;
 use axum::{Router, middleware};
 use ordered_inbox::postgres::{PostgresInbox, Target};
 use ordered_inbox::sqlite::SqliteInbox;
@@ -19,6 +18,8 @@ use crate::config::{Config, StartupError, load_settings, parse_listen_url, requi
 use crate::console::{ConsoleEvents, NotifyingInbox};
 use crate::labs;
 use crate::labs::ordered::SharedInbox;
+use crate::observe::Metrics;
+use crate::observe::inbox::ObservedInbox;
 use crate::startup::StartupContext;
 use crate::store::Store;
 
@@ -40,12 +41,15 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 #[derive(Clone, FromRef)]
 pub struct AppState {
     pub store: Store,
-    /// The ordered inbox on the same store; every committed change is published to the console.
+    /// The ordered inbox on the same store: counted and logged ([`ObservedInbox`]), and every
+    /// committed change published to the console.
     pub inbox: SharedInbox,
     /// Live updates for open console pages.
     pub console: ConsoleEvents,
     /// The PostgreSQL inbox, when `--inbox` put it there (for its figures and to close it).
     pub postgres: Option<PostgresInbox>,
+    /// This application's own metrics recorder.
+    pub metrics: Metrics,
     pub config: Arc<Config>,
     /// Cancelled when shutdown begins; background work watches it.
     pub shutdown: CancellationToken,
@@ -79,10 +83,12 @@ impl Application {
         // Refuse a non-loopback PostgreSQL before touching any file.
         let inbox_target = config.inbox.as_deref().map(Target::parse).transpose()?;
         let settings = load_settings(&config.settings)?;
-        let store = Store::open(
+        let metrics = Metrics::new();
+        let store = Store::open_observed(
             &config.database,
             config.synchronous.into(),
             crate::schema::migrate,
+            Some(metrics.writer_observer()),
         )
         .map_err(|error| StartupError::Database {
             path: config.database.display().to_string(),
@@ -117,6 +123,7 @@ impl Application {
 
         let shutdown = CancellationToken::new();
         let tasks = TaskTracker::new();
+        crate::observe::spawn_upkeep(metrics.clone(), &tasks, shutdown.clone());
         let context = StartupContext {
             config: &config,
             store: &store,
@@ -135,9 +142,10 @@ impl Application {
             privacy: labs::privacy::PrivacyLab::new(&context)?,
             worker: labs::worker::WorkerLab::new(&context)?,
             broker,
-            inbox,
+            inbox: Arc::new(ObservedInbox::new(inbox, metrics.clone())),
             console,
             postgres,
+            metrics,
             store,
             config: Arc::new(config),
             shutdown,
@@ -248,11 +256,13 @@ pub fn parse_postgres_figures(line: &str) -> Option<(u64, u64, u64)> {
     }
 }
 
-/// Every lab's routes on one router, wrapped in the security lab's middleware.
+/// Every lab's routes on one router, wrapped in the security lab's middleware and, outside it,
+/// the request id, the request span and the HTTP metrics.
 pub fn router(state: AppState) -> Router {
     let security = state.security.clone();
+    let metrics = state.metrics.clone();
     Router::new()
-        .route("/live", get(live))
+        .merge(crate::observe::routes::routes())
         .merge(labs::ordered::routes())
         .merge(labs::sql::routes())
         .merge(labs::messaging::routes())
@@ -278,10 +288,13 @@ pub fn router(state: AppState) -> Router {
             security,
             labs::security::filter_hosts,
         ))
-}
-
-async fn live() -> &'static str {
-    "live"
+        // Outside the labs' middleware, so that a request they refuse is counted and logged too.
+        .layer(middleware::from_fn_with_state(
+            metrics,
+            crate::observe::http::track,
+        ))
+        .layer(crate::observe::http::trace_layer())
+        .layer(middleware::from_fn(crate::observe::http::request_id))
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ pub mod dotnet_json;
 pub mod error;
 pub mod etag;
 pub mod labs;
+pub mod observe;
 pub mod pg_cluster;
 pub mod practice;
 pub mod schema;

@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use ordered_inbox::operators::Registry;
 use production_lab::config::{self, Config, Synchronous};
+use production_lab::observe::{self, LogFormat};
 use production_lab::{Application, bench, practice, verify};
 
 #[derive(Parser)]
@@ -222,6 +223,10 @@ struct ServeArgs {
     #[arg(long, default_value_t = config::DEFAULT_MAX_OPEN_DEAD_LETTERS,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     max_open_dead_letters: u32,
+    /// How log lines are written to stderr: text, or one JSON object per line. LAB_LOG sets
+    /// which (e.g. LAB_LOG=info for request lines and the inbox's events; default warn).
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
     /// Time a client has to send a request head, from connecting or from its first byte after a
     /// pause (500ms, 10s or 10).
     #[arg(long, value_parser = config::parse_timeout, default_value = "10s")]
@@ -569,13 +574,11 @@ fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LAB_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    observe::init_logging(
+        args.log_format,
+        tracing_subscriber::EnvFilter::try_from_env("LAB_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+    );
     let config = Config {
         urls: args.urls,
         database: args.database.unwrap_or_else(config::default_database_path),

@@ -204,6 +204,7 @@ impl Inbox for NotifyingInbox {
     async fn health(&self) -> Result<ordered_inbox::views::InboxHealth, InboxError> {
         self.inner.health().await
     }
+
     async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError> {
         let outcome = self.inner.deliver(message.clone(), door).await?;
         self.publish_delivery(&message, &outcome);

@@ -89,6 +89,12 @@ impl SecurityLab {
     pub fn settings_watch(&self) -> WatchEvidence {
         self.shared.live.evidence()
     }
+
+    /// Why the live settings file is rejected right now (the same reason `GET /configuration`
+    /// answers 503 with); `None` while it is valid.
+    pub fn configuration_error(&self) -> Option<String> {
+        self.shared.live.status().error.clone()
+    }
 }
 
 pub fn routes<S>() -> Router<S>

@@ -441,7 +441,18 @@ impl ServerProcess {
     /// Starts `serve --urls http://127.0.0.1:0 --environment Development` on `database`, with
     /// `settings` and any extra arguments, and waits for its listening line.
     pub fn start(database: &Path, settings: &Path, extra: &[&str]) -> ServerProcess {
+        ServerProcess::start_with_env(database, settings, extra, &[])
+    }
+
+    /// [`ServerProcess::start`] with environment variables set for the process (e.g. `LAB_LOG`).
+    pub fn start_with_env(
+        database: &Path,
+        settings: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> ServerProcess {
         let mut child = command()
+            .envs(env.iter().copied())
             .arg("serve")
             .args([
                 "--urls",

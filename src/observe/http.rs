@@ -1,0 +1,196 @@
+//! What every request goes through before the labs' middleware: a request id, a span and one
+//! log line, and its count and latency.
+//!
+//! Outermost first: [`request_id`] (accepts a sane `x-request-id` or makes one, echoes it in the
+//! response header and in every problem+json body as `requestId`), [`trace_layer`] (a span with
+//! the method, the route template and the request id; one line when the response head is ready,
+//! with its status and latency), [`track`] (the HTTP metrics). The raw path and query are never
+//! logged or used as a label: they may carry ids or an email; the route template cannot.
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{HeaderName, HeaderValue, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
+use tower_http::trace::{MakeSpan, OnResponse, TraceLayer};
+use tracing::Span;
+
+use super::metrics::{Metrics, UNMATCHED_ROUTE};
+use crate::error::problem_response_with;
+
+pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
+/// The problem+json member that carries the request id.
+pub const REQUEST_ID_MEMBER: &str = "requestId";
+/// The longest request id accepted from a client.
+pub const MAX_REQUEST_ID: usize = 128;
+/// The log target of the request lines.
+pub const TARGET: &str = "production_lab::http";
+/// A problem body larger than this is passed on without the `requestId` member.
+const MAX_PROBLEM_BODY: usize = 64 * 1024;
+
+/// The request's id, as a request extension.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestId(String);
+
+impl RequestId {
+    /// The client's `x-request-id` when it sent exactly one and it is sane: 1 to
+    /// [`MAX_REQUEST_ID`] characters of `A-Z a-z 0-9 . _ : - + / = @`. Anything else is replaced,
+    /// so a log line never carries a client's control characters or an unbounded string.
+    pub fn from_request(request: &Request) -> Option<RequestId> {
+        let mut values = request.headers().get_all(REQUEST_ID_HEADER).iter();
+        let (Some(value), None) = (values.next(), values.next()) else {
+            return None;
+        };
+        let bytes = value.as_bytes();
+        let sane = (1..=MAX_REQUEST_ID).contains(&bytes.len())
+            && bytes.iter().all(|b| {
+                b.is_ascii_alphanumeric()
+                    || matches!(b, b'.' | b'_' | b':' | b'-' | b'+' | b'/' | b'=' | b'@')
+            });
+        sane.then(|| RequestId(String::from_utf8_lossy(bytes).into_owned()))
+    }
+
+    /// A fresh id: 32 hex digits.
+    pub fn generate() -> RequestId {
+        RequestId(format!("{:032x}", rand::random::<u128>()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Middleware: gives the request its id and the response its echo.
+pub async fn request_id(mut request: Request, next: Next) -> Response {
+    let id = RequestId::from_request(&request).unwrap_or_else(RequestId::generate);
+    request.extensions_mut().insert(id.clone());
+    let response = next.run(request).await;
+    let mut response = if is_problem(&response) {
+        with_request_id_member(response, &id).await
+    } else {
+        response
+    };
+    // Only sane or generated ids get here, and both are valid header values.
+    if let Ok(value) = HeaderValue::from_str(id.as_str()) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, value);
+    }
+    response
+}
+
+fn is_problem(response: &Response) -> bool {
+    response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| {
+            value.split(';').next().is_some_and(|media| {
+                media
+                    .trim()
+                    .eq_ignore_ascii_case("application/problem+json")
+            })
+        })
+}
+
+/// Adds `"requestId"` to a problem+json body (RFC 9457 allows extension members).
+async fn with_request_id_member(response: Response, id: &RequestId) -> Response {
+    let (mut parts, body) = response.into_parts();
+    let bytes = match axum::body::to_bytes(body, MAX_PROBLEM_BODY).await {
+        Ok(bytes) => bytes,
+        // A problem body too large to rewrite (none is) or one that failed mid-stream: answer
+        // with a plain problem of the same status rather than a truncated one.
+        Err(_) => {
+            let reason = parts.status.canonical_reason().unwrap_or("Error");
+            return problem_response_with(
+                parts.status,
+                reason,
+                None,
+                json!({ REQUEST_ID_MEMBER: id.as_str() }),
+            );
+        }
+    };
+    let body = match serde_json::from_slice::<Value>(&bytes) {
+        Ok(Value::Object(mut members)) => {
+            members.insert(
+                REQUEST_ID_MEMBER.to_owned(),
+                Value::String(id.as_str().to_owned()),
+            );
+            Body::from(Value::Object(members).to_string())
+        }
+        _ => Body::from(bytes),
+    };
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, body).into_response()
+}
+
+/// The route template a request matched, or [`UNMATCHED_ROUTE`].
+fn route_of<B>(request: &axum::http::Request<B>) -> String {
+    request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or(UNMATCHED_ROUTE, MatchedPath::as_str)
+        .to_owned()
+}
+
+/// The request span and the line logged when the response head is ready.
+pub fn trace_layer()
+-> TraceLayer<SharedClassifier<ServerErrorsAsFailures>, RequestSpan, (), RequestLine, (), (), ()> {
+    TraceLayer::new_for_http()
+        .make_span_with(RequestSpan)
+        .on_request(())
+        .on_response(RequestLine)
+        .on_body_chunk(())
+        .on_eos(())
+        .on_failure(())
+}
+
+/// Makes the `request` span: method, route template, request id.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestSpan;
+
+impl<B> MakeSpan<B> for RequestSpan {
+    fn make_span(&mut self, request: &axum::http::Request<B>) -> Span {
+        let request_id = request
+            .extensions()
+            .get::<RequestId>()
+            .map_or("", RequestId::as_str);
+        tracing::info_span!(
+            target: TARGET,
+            "request",
+            method = %request.method(),
+            route = %route_of(request),
+            request_id,
+        )
+    }
+}
+
+/// Logs `request finished` with the status and the latency in milliseconds: at info, or at warn
+/// for a 5xx.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLine;
+
+impl<B> OnResponse<B> for RequestLine {
+    fn on_response(self, response: &axum::http::Response<B>, latency: Duration, _span: &Span) {
+        let status = response.status().as_u16();
+        let latency_ms = latency.as_secs_f64() * 1000.0;
+        if response.status().is_server_error() {
+            tracing::warn!(target: TARGET, status, latency_ms, "request finished");
+        } else {
+            tracing::info!(target: TARGET, status, latency_ms, "request finished");
+        }
+    }
+}
+
+/// Middleware: counts the request by route template, method and status class, and records its
+/// latency to the response head.
+pub async fn track(State(metrics): State<Metrics>, request: Request, next: Next) -> Response {
+    let route = route_of(&request);
+    let method = request.method().clone();
+    let started = Instant::now();
+    let response = next.run(request).await;
+    metrics.http_request(&route, &method, response.status(), started.elapsed());
+    response
+}

@@ -1,0 +1,365 @@
+//! The inbox as the handlers hold it: any backend, wrapped so that every verdict is counted and
+//! every domain event is logged where it is decided, without the handlers knowing.
+//!
+//! Domain events go to the target `production_lab::inbox` at info, with the aggregate id and the
+//! message id — never a payload, an amount, an operator's token or a resolution's free-text
+//! reason.
+
+use async_trait::async_trait;
+use ordered_inbox::operators::OperatorCheck;
+use ordered_inbox::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
+use ordered_inbox::views::{
+    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
+    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
+    TimelineEvent, TransferConflict,
+};
+use ordered_inbox::{
+    AggregateStatus, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome, ResolutionError,
+    ResolutionRequest, Resolved,
+};
+
+use super::metrics::{Metrics, door_label, refusal_reason};
+use crate::labs::ordered::SharedInbox;
+
+/// The log target of the inbox's domain events.
+pub const TARGET: &str = "production_lab::inbox";
+
+/// Counts and logs what the wrapped inbox decides; otherwise passes every call through.
+pub struct ObservedInbox {
+    inner: SharedInbox,
+    metrics: Metrics,
+}
+
+impl ObservedInbox {
+    pub fn new(inner: SharedInbox, metrics: Metrics) -> ObservedInbox {
+        ObservedInbox { inner, metrics }
+    }
+}
+
+#[async_trait]
+impl Inbox for ObservedInbox {
+    async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError> {
+        let aggregate_id = message.aggregate_id.clone();
+        let message_id = message.message_id.clone();
+        let sequence = message.sequence;
+        let outcome = self.inner.deliver(message, door).await;
+        self.metrics.delivery(door, outcome.as_ref());
+        if let Ok(outcome) = &outcome {
+            log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
+        }
+        outcome
+    }
+
+    async fn deliver_batch(
+        &self,
+        deliveries: Vec<(OrderedMessage, Door)>,
+    ) -> Result<Vec<Outcome>, InboxError> {
+        let seen: Vec<(Door, String, String, i64)> = deliveries
+            .iter()
+            .map(|(message, door)| {
+                (
+                    *door,
+                    message.aggregate_id.clone(),
+                    message.message_id.clone(),
+                    message.sequence,
+                )
+            })
+            .collect();
+        let outcomes = self.inner.deliver_batch(deliveries).await;
+        match &outcomes {
+            Ok(outcomes) => {
+                for ((door, aggregate_id, message_id, sequence), outcome) in
+                    seen.iter().zip(outcomes)
+                {
+                    self.metrics.delivery::<InboxError>(*door, Ok(outcome));
+                    log_delivery(*door, aggregate_id, message_id, *sequence, outcome);
+                }
+            }
+            // One transaction: none of them was recorded.
+            Err(error) => {
+                for (door, ..) in &seen {
+                    self.metrics.delivery(*door, Err::<&Outcome, _>(error));
+                }
+            }
+        }
+        outcomes
+    }
+
+    async fn resolve(
+        &self,
+        request: ResolutionRequest,
+        mode: Mode,
+    ) -> Result<Resolved, ResolutionError> {
+        let action = request.action.kind();
+        let resolved = self.inner.resolve(request, mode).await;
+        self.metrics.resolution(action, resolved.as_ref());
+        if let Ok(Resolved::New(record)) = &resolved {
+            tracing::info!(
+                target: TARGET,
+                event = "resolved",
+                aggregate_id = %record.aggregate_id,
+                message_id = %record.message_id,
+                operator = %record.operator,
+                action = %record.action,
+                sequence = record.sequence,
+                "dead letter resolved by an operator"
+            );
+        }
+        resolved
+    }
+
+    async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError> {
+        self.inner.check_operator(token).await
+    }
+
+    async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError> {
+        self.inner.aggregate(aggregate_id).await
+    }
+
+    async fn inventory(
+        &self,
+        status: AggregateStatus,
+        limit: i64,
+    ) -> Result<Vec<InventoryEntry>, InboxError> {
+        self.inner.inventory(status, limit).await
+    }
+
+    async fn dead_letters(
+        &self,
+        filter: DeadLetterFilter,
+        page: PageRequest,
+    ) -> Result<Page<DeadLetterView>, InboxError> {
+        self.inner.dead_letters(filter, page).await
+    }
+
+    async fn timeline(
+        &self,
+        aggregate_id: String,
+        page: PageRequest,
+    ) -> Result<Page<TimelineEvent>, InboxError> {
+        self.inner.timeline(aggregate_id, page).await
+    }
+
+    async fn resolutions(
+        &self,
+        aggregate_id: Option<String>,
+        page: PageRequest,
+    ) -> Result<Page<ResolutionRecord>, InboxError> {
+        self.inner.resolutions(aggregate_id, page).await
+    }
+
+    async fn counts(&self, aggregate_id: String) -> Result<AggregateCounts, InboxError> {
+        self.inner.counts(aggregate_id).await
+    }
+
+    async fn applied_messages(
+        &self,
+        aggregate_id: String,
+        page: PageRequest,
+    ) -> Result<Page<AppliedMessage>, InboxError> {
+        self.inner.applied_messages(aggregate_id, page).await
+    }
+
+    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
+        self.inner.dead_letter(message_id).await
+    }
+
+    async fn health(&self) -> Result<InboxHealth, InboxError> {
+        self.inner.health().await
+    }
+
+    async fn deliver_as(
+        &self,
+        message: OrderedMessage,
+        door: Door,
+        claim: Option<ProducerClaim>,
+    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
+        let aggregate_id = message.aggregate_id.clone();
+        let message_id = message.message_id.clone();
+        let sequence = message.sequence;
+        let producer = claim.as_ref().map(|claim| claim.producer.clone());
+        let decided = self.inner.deliver_as(message, door, claim).await;
+        match &decided {
+            Ok(Ok(outcome)) => {
+                self.metrics.delivery::<InboxError>(door, Ok(outcome));
+                log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
+            }
+            Ok(Err(refusal)) => {
+                self.metrics.producer_refusal(door, refusal);
+                let producer = producer.as_deref().unwrap_or("");
+                if let ProducerRefusal::Fenced {
+                    offered,
+                    current_epoch,
+                } = refusal
+                {
+                    tracing::warn!(
+                        target: TARGET,
+                        event = "fenced",
+                        aggregate_id,
+                        message_id,
+                        producer,
+                        offered_epoch = offered,
+                        current_epoch,
+                        "delivery from a superseded producer session refused"
+                    );
+                } else {
+                    tracing::info!(
+                        target: TARGET,
+                        event = "producer_refused",
+                        aggregate_id,
+                        message_id,
+                        producer,
+                        reason = refusal_reason(refusal),
+                        "producer delivery refused before any decision"
+                    );
+                }
+            }
+            Err(error) => self.metrics.delivery(door, Err::<&Outcome, _>(error)),
+        }
+        decided
+    }
+
+    async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {
+        self.inner.check_producer(token).await
+    }
+
+    async fn start_session(
+        &self,
+        producer: String,
+    ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
+        let started = self.inner.start_session(producer.clone()).await;
+        if let Ok(Ok(epoch)) = &started {
+            tracing::info!(
+                target: TARGET,
+                event = "session_started",
+                producer,
+                epoch,
+                "producer session started; older epochs are fenced"
+            );
+        }
+        started
+    }
+
+    async fn transfer_owner(
+        &self,
+        request: TransferRequest,
+    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
+        let transferred = self.inner.transfer_owner(request).await;
+        if let Ok(Ok(record)) = &transferred {
+            tracing::info!(
+                target: TARGET,
+                event = "owner_transferred",
+                aggregate_id = %record.aggregate_id,
+                operator = %record.operator,
+                from_owner = record.from_owner.as_deref().unwrap_or(""),
+                to_owner = %record.to_owner,
+                "aggregate transferred by an operator"
+            );
+        }
+        transferred
+    }
+
+    async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError> {
+        self.inner.ownership(aggregate_id).await
+    }
+
+    async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
+        self.inner.producers().await
+    }
+}
+
+/// The domain events of one delivery: a quarantine (or a refused one), and each dead letter an
+/// applied message superseded.
+fn log_delivery(
+    door: Door,
+    aggregate_id: &str,
+    message_id: &str,
+    sequence: i64,
+    outcome: &Outcome,
+) {
+    let door = door_label(door);
+    match outcome {
+        Outcome::Quarantined {
+            expected,
+            reason,
+            dead_letter,
+        } => tracing::info!(
+            target: TARGET,
+            event = "quarantined",
+            door,
+            aggregate_id,
+            message_id,
+            sequence,
+            expected,
+            reason = %reason,
+            observations = dead_letter.map(|note| note.observations),
+            "message quarantined as a dead letter; the aggregate waits"
+        ),
+        Outcome::QuarantineFull {
+            expected,
+            open,
+            limit,
+        } => tracing::warn!(
+            target: TARGET,
+            event = "quarantine_full",
+            door,
+            aggregate_id,
+            message_id,
+            sequence,
+            expected,
+            open,
+            limit,
+            "poison message refused: the aggregate's quarantine is full"
+        ),
+        Outcome::Applied { superseded, .. } => {
+            for dead_letter in superseded {
+                tracing::info!(
+                    target: TARGET,
+                    event = "superseded",
+                    door,
+                    aggregate_id,
+                    message_id = %dead_letter,
+                    superseded_by = message_id,
+                    sequence,
+                    "dead letter superseded by a message that took its sequence"
+                );
+            }
+        }
+        Outcome::Held {
+            expected,
+            held,
+            repeated: false,
+        } => tracing::info!(
+            target: TARGET,
+            event = "held",
+            door,
+            aggregate_id,
+            message_id,
+            sequence,
+            expected,
+            held,
+            "message held until its predecessors apply"
+        ),
+        Outcome::HoldFull {
+            expected,
+            held,
+            limit,
+        } => tracing::warn!(
+            target: TARGET,
+            event = "hold_full",
+            door,
+            aggregate_id,
+            message_id,
+            sequence,
+            expected,
+            held,
+            limit,
+            "message ahead of its turn refused: the aggregate holds the most it may"
+        ),
+        Outcome::Held { repeated: true, .. }
+        | Outcome::Replay { .. }
+        | Outcome::PayloadConflict
+        | Outcome::Gap { .. }
+        | Outcome::Stale { .. } => {}
+    }
+}

@@ -1,0 +1,481 @@
+//! The application's metrics, in the Prometheus text format at `GET /metrics`.
+//!
+//! Every figure goes through the `metrics` facade into a recorder this application owns
+//! (`metrics::with_local_recorder`), never a process-global one: the test binary runs many
+//! servers in one process, and each must count only its own traffic.
+//!
+//! Labels come from enums and route templates only (door, verdict, action, outcome, status,
+//! route, method, status class), never from ids, names or payloads, so the number of series is
+//! bounded whatever the clients send.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{Method, StatusCode};
+use metrics::{Histogram, Unit};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
+use ordered_inbox::sqlite::{BatchCommitted, WriterObserver};
+use ordered_inbox::views::InboxHealth;
+use ordered_inbox::{
+    ActionKind, AggregateStatus, Door, Outcome, ProducerRefusal, ResolutionError, Resolved,
+};
+
+pub const DELIVERIES: &str = "inbox_deliveries_total";
+pub const RESOLUTIONS: &str = "inbox_resolutions_total";
+pub const PRODUCER_REFUSALS: &str = "inbox_producer_refusals_total";
+pub const AGGREGATES: &str = "inbox_aggregates";
+pub const OPEN_DEAD_LETTERS: &str = "inbox_dead_letters_open";
+pub const LONGEST_BLOCKED: &str = "inbox_longest_blocked_seconds";
+pub const STORE_READABLE: &str = "inbox_store_readable";
+pub const BATCH_SIZE: &str = "inbox_writer_batch_size";
+pub const COMMIT_SECONDS: &str = "inbox_writer_commit_seconds";
+pub const TRANSACTION_SECONDS: &str = "inbox_writer_transaction_seconds";
+pub const QUEUE_DEPTH: &str = "inbox_writer_queue_depth";
+pub const HTTP_REQUESTS: &str = "http_requests_total";
+pub const HTTP_DURATION: &str = "http_request_duration_seconds";
+
+/// The route label of a request that matched no route (404s, and refusals before routing).
+pub const UNMATCHED_ROUTE: &str = "unmatched";
+
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// This application's recorder and the handles it renders. Cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let builder = [BATCH_SIZE]
+            .into_iter()
+            .map(|name| (name, BATCH_BUCKETS))
+            .chain(
+                [COMMIT_SECONDS, TRANSACTION_SECONDS, HTTP_DURATION]
+                    .into_iter()
+                    .map(|name| (name, SECONDS_BUCKETS)),
+            )
+            .fold(PrometheusBuilder::new(), |builder, (name, buckets)| {
+                builder
+                    .set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)
+                    .expect("only an empty bucket list is refused, and these are constants")
+            });
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        let metrics = Metrics {
+            inner: Arc::new(Inner { recorder, handle }),
+        };
+        metrics.describe_and_register();
+        metrics
+    }
+
+    /// Runs `record` with this application's recorder as the current one.
+    fn with<T>(&self, record: impl FnOnce() -> T) -> T {
+        metrics::with_local_recorder(&self.inner.recorder, record)
+    }
+
+    /// Descriptions, and a zero for every counter series that can exist, so that a rate over a
+    /// verdict that has not happened yet is 0 rather than absent.
+    fn describe_and_register(&self) {
+        self.with(|| {
+            metrics::describe_counter!(
+                DELIVERIES,
+                "Deliveries decided by the ordered inbox, by door and verdict"
+            );
+            metrics::describe_counter!(
+                RESOLUTIONS,
+                "Operator resolutions of dead letters, by action and outcome"
+            );
+            metrics::describe_counter!(
+                PRODUCER_REFUSALS,
+                "Producer deliveries refused before any decision, by reason (fenced: an older epoch)"
+            );
+            metrics::describe_gauge!(AGGREGATES, "Aggregates in each status, read at scrape time");
+            metrics::describe_gauge!(OPEN_DEAD_LETTERS, "Open dead letters, read at scrape time");
+            metrics::describe_gauge!(
+                LONGEST_BLOCKED,
+                Unit::Seconds,
+                "How long the longest-blocked aggregate has been blocked (0 when none is)"
+            );
+            metrics::describe_gauge!(
+                STORE_READABLE,
+                "1 when the scrape could read the inbox's figures from the store, else 0"
+            );
+            metrics::describe_histogram!(
+                BATCH_SIZE,
+                "Units of work committed together by the store's writer (group commit)"
+            );
+            metrics::describe_histogram!(
+                COMMIT_SECONDS,
+                Unit::Seconds,
+                "Duration of the writer's COMMIT statement (with synchronous=full, the fsync)"
+            );
+            metrics::describe_histogram!(
+                TRANSACTION_SECONDS,
+                Unit::Seconds,
+                "Duration of a group transaction, from BEGIN IMMEDIATE to the end of COMMIT"
+            );
+            metrics::describe_gauge!(
+                QUEUE_DEPTH,
+                "Units of work waiting for the store's writer, read at scrape time"
+            );
+            metrics::describe_counter!(
+                HTTP_REQUESTS,
+                "HTTP requests answered, by route template, method and status class"
+            );
+            metrics::describe_histogram!(
+                HTTP_DURATION,
+                Unit::Seconds,
+                "Time from a request's arrival to its response head, by route template and method"
+            );
+            for door in [Door::Classroom, Door::General, Door::Broker] {
+                for verdict in Verdict::ALL {
+                    metrics::counter!(DELIVERIES, "door" => door_label(door), "verdict" => verdict.label())
+                        .increment(0);
+                }
+            }
+            for reason in REFUSAL_REASONS {
+                metrics::counter!(PRODUCER_REFUSALS, "reason" => reason).increment(0);
+            }
+            for action in ActionKind::ALL {
+                for outcome in ResolutionOutcome::ALL {
+                    metrics::counter!(RESOLUTIONS, "action" => action.as_str(), "outcome" => outcome.label())
+                        .increment(0);
+                }
+            }
+        });
+    }
+
+    /// Counts one delivery; `Err` is counted as the verdict `failed`.
+    pub fn delivery<E>(&self, door: Door, outcome: Result<&Outcome, &E>) {
+        let verdict = match outcome {
+            Ok(outcome) => Verdict::of(outcome),
+            Err(_) => Verdict::Failed,
+        };
+        self.with(|| {
+            metrics::counter!(DELIVERIES, "door" => door_label(door), "verdict" => verdict.label())
+                .increment(1);
+        });
+    }
+
+    /// Counts one resolution request that reached the inbox.
+    pub fn resolution(&self, action: ActionKind, result: Result<&Resolved, &ResolutionError>) {
+        let outcome = ResolutionOutcome::of(result);
+        self.with(|| {
+            metrics::counter!(RESOLUTIONS, "action" => action.as_str(), "outcome" => outcome.label())
+                .increment(1);
+        });
+    }
+
+    /// Counts one producer delivery the inbox refused (nothing was written).
+    pub fn producer_refusal(&self, door: Door, refusal: &ProducerRefusal) {
+        let reason = refusal_reason(refusal);
+        self.with(|| {
+            metrics::counter!(PRODUCER_REFUSALS, "reason" => reason).increment(1);
+            metrics::counter!(DELIVERIES, "door" => door_label(door), "verdict" => Verdict::Refused.label())
+                .increment(1);
+        });
+    }
+
+    /// Counts one answered HTTP request. `route` is a route template (or [`UNMATCHED_ROUTE`]).
+    pub fn http_request(&self, route: &str, method: &Method, status: StatusCode, took: Duration) {
+        let route = route.to_owned();
+        let method = method_label(method);
+        self.with(|| {
+            metrics::counter!(
+                HTTP_REQUESTS,
+                "route" => route.clone(),
+                "method" => method,
+                "status" => status_class(status)
+            )
+            .increment(1);
+            metrics::histogram!(HTTP_DURATION, "route" => route, "method" => method)
+                .record(took.as_secs_f64());
+        });
+    }
+
+    /// The observer the store's writer thread reports each committed batch to.
+    pub fn writer_observer(&self) -> Arc<dyn WriterObserver> {
+        self.with(|| {
+            Arc::new(WriterMetrics {
+                batch_size: metrics::histogram!(BATCH_SIZE),
+                commit: metrics::histogram!(COMMIT_SECONDS),
+                transaction: metrics::histogram!(TRANSACTION_SECONDS),
+            })
+        })
+    }
+
+    /// Sets the gauges read at scrape time and renders every metric. `health` is `None` when the
+    /// store could not be read.
+    pub fn render(&self, health: Option<&InboxHealth>, queue_depth: u64) -> String {
+        self.with(|| {
+            metrics::gauge!(QUEUE_DEPTH).set(queue_depth as f64);
+            metrics::gauge!(STORE_READABLE).set(if health.is_some() { 1.0 } else { 0.0 });
+            if let Some(health) = health {
+                for (status, count) in &health.aggregates {
+                    metrics::gauge!(AGGREGATES, "status" => status_label(*status))
+                        .set(*count as f64);
+                }
+                metrics::gauge!(OPEN_DEAD_LETTERS).set(health.open_dead_letters as f64);
+                metrics::gauge!(LONGEST_BLOCKED).set(health.longest_blocked_seconds.unwrap_or(0.0));
+            }
+        });
+        self.inner.handle.render()
+    }
+
+    /// Moves recorded histogram samples into their buckets. Rendering does it too; this keeps
+    /// memory flat when nobody scrapes (every sample is held until then).
+    pub fn upkeep(&self) {
+        self.inner.handle.run_upkeep();
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+/// Records the writer's batches into this application's histograms (handles registered once, so
+/// the writer thread never needs the recorder).
+struct WriterMetrics {
+    batch_size: Histogram,
+    commit: Histogram,
+    transaction: Histogram,
+}
+
+impl WriterObserver for WriterMetrics {
+    fn batch_committed(&self, batch: BatchCommitted) {
+        self.batch_size.record(batch.units as f64);
+        self.commit.record(batch.commit.as_secs_f64());
+        self.transaction.record(batch.transaction.as_secs_f64());
+    }
+}
+
+/// A delivery's verdict as a label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Applied,
+    Replay,
+    PayloadConflict,
+    Gap,
+    Stale,
+    Quarantined,
+    QuarantineFull,
+    Held,
+    HoldFull,
+    /// A producer's delivery refused before any decision (fenced, not the owner …).
+    Refused,
+    /// The store failed; no verdict was reached.
+    Failed,
+}
+
+impl Verdict {
+    pub const ALL: [Verdict; 11] = [
+        Verdict::Applied,
+        Verdict::Replay,
+        Verdict::PayloadConflict,
+        Verdict::Gap,
+        Verdict::Stale,
+        Verdict::Quarantined,
+        Verdict::QuarantineFull,
+        Verdict::Held,
+        Verdict::HoldFull,
+        Verdict::Refused,
+        Verdict::Failed,
+    ];
+
+    pub fn of(outcome: &Outcome) -> Verdict {
+        match outcome {
+            Outcome::Applied { .. } => Verdict::Applied,
+            Outcome::Replay { .. } => Verdict::Replay,
+            Outcome::PayloadConflict => Verdict::PayloadConflict,
+            Outcome::Gap { .. } => Verdict::Gap,
+            Outcome::Stale { .. } => Verdict::Stale,
+            Outcome::Quarantined { .. } => Verdict::Quarantined,
+            Outcome::QuarantineFull { .. } => Verdict::QuarantineFull,
+            Outcome::Held { .. } => Verdict::Held,
+            Outcome::HoldFull { .. } => Verdict::HoldFull,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Verdict::Applied => "applied",
+            Verdict::Replay => "replay",
+            Verdict::PayloadConflict => "payload_conflict",
+            Verdict::Gap => "gap",
+            Verdict::Stale => "stale",
+            Verdict::Quarantined => "quarantined",
+            Verdict::QuarantineFull => "quarantine_full",
+            Verdict::Held => "held",
+            Verdict::HoldFull => "hold_full",
+            Verdict::Refused => "refused",
+            Verdict::Failed => "failed",
+        }
+    }
+}
+
+/// What became of a resolution request, as a label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ResolutionOutcome {
+    Resolved,
+    Repeated,
+    DryRun,
+    NotFound,
+    Conflict,
+    ReplacementQuarantined,
+    Unauthorized,
+    Failed,
+}
+
+impl ResolutionOutcome {
+    const ALL: [ResolutionOutcome; 8] = [
+        ResolutionOutcome::Resolved,
+        ResolutionOutcome::Repeated,
+        ResolutionOutcome::DryRun,
+        ResolutionOutcome::NotFound,
+        ResolutionOutcome::Conflict,
+        ResolutionOutcome::ReplacementQuarantined,
+        ResolutionOutcome::Unauthorized,
+        ResolutionOutcome::Failed,
+    ];
+
+    fn of(result: Result<&Resolved, &ResolutionError>) -> ResolutionOutcome {
+        match result {
+            Ok(Resolved::New(_)) => ResolutionOutcome::Resolved,
+            Ok(Resolved::Repeated(_)) => ResolutionOutcome::Repeated,
+            Ok(Resolved::DryRun(_)) => ResolutionOutcome::DryRun,
+            Err(ResolutionError::NotFound(_)) => ResolutionOutcome::NotFound,
+            Err(ResolutionError::Conflict { .. }) => ResolutionOutcome::Conflict,
+            Err(ResolutionError::ReplacementQuarantined(_)) => {
+                ResolutionOutcome::ReplacementQuarantined
+            }
+            Err(ResolutionError::Unauthorized) => ResolutionOutcome::Unauthorized,
+            Err(ResolutionError::Store(_)) => ResolutionOutcome::Failed,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            ResolutionOutcome::Resolved => "resolved",
+            ResolutionOutcome::Repeated => "repeated",
+            ResolutionOutcome::DryRun => "dry_run",
+            ResolutionOutcome::NotFound => "not_found",
+            ResolutionOutcome::Conflict => "conflict",
+            ResolutionOutcome::ReplacementQuarantined => "replacement_quarantined",
+            ResolutionOutcome::Unauthorized => "unauthorized",
+            ResolutionOutcome::Failed => "failed",
+        }
+    }
+}
+
+/// Every label of [`refusal_reason`].
+const REFUSAL_REASONS: [&str; 7] = [
+    "fenced",
+    "epoch_not_issued",
+    "no_session",
+    "revoked",
+    "not_owner",
+    "owner_required",
+    "claim_requires_operator",
+];
+
+pub fn refusal_reason(refusal: &ProducerRefusal) -> &'static str {
+    match refusal {
+        ProducerRefusal::Fenced { .. } => "fenced",
+        ProducerRefusal::EpochNotIssued { .. } => "epoch_not_issued",
+        ProducerRefusal::NoSession => "no_session",
+        ProducerRefusal::Revoked => "revoked",
+        ProducerRefusal::NotOwner { .. } => "not_owner",
+        ProducerRefusal::OwnerRequired => "owner_required",
+        ProducerRefusal::ClaimRequiresOperator => "claim_requires_operator",
+    }
+}
+
+pub fn door_label(door: Door) -> &'static str {
+    match door {
+        Door::Classroom => "classroom",
+        Door::General => "general",
+        Door::Broker => "broker",
+    }
+}
+
+fn status_label(status: AggregateStatus) -> &'static str {
+    status.as_str()
+}
+
+/// The standard methods by name; any other token a client invents is `other`.
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::CONNECT => "CONNECT",
+        _ => "other",
+    }
+}
+
+fn status_class(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_instances_count_apart_and_render_histograms_with_buckets() {
+        let first = Metrics::new();
+        let second = Metrics::new();
+        first.delivery::<()>(Door::General, Ok(&Outcome::Gap { expected: 2 }));
+        first.http_request(
+            "/aggregates/{aggregate_id}/messages",
+            &Method::POST,
+            StatusCode::CONFLICT,
+            Duration::from_millis(3),
+        );
+        let rendered = first.render(None, 0);
+        assert!(
+            rendered.contains(r#"inbox_deliveries_total{door="general",verdict="gap"} 1"#),
+            "{rendered}"
+        );
+        assert!(
+            rendered.contains(r#"http_request_duration_seconds_bucket{route="/aggregates/{aggregate_id}/messages",method="POST",le="0.005"} 1"#),
+            "{rendered}"
+        );
+        let other = second.render(None, 0);
+        assert!(
+            other.contains(r#"inbox_deliveries_total{door="general",verdict="gap"} 0"#),
+            "{other}"
+        );
+    }
+
+    #[test]
+    fn invented_methods_share_one_label() {
+        let method = Method::from_bytes(b"BREW").unwrap();
+        assert_eq!(method_label(&method), "other");
+        assert_eq!(status_class(StatusCode::from_u16(599).unwrap()), "5xx");
+    }
+}
