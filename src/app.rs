@@ -7,12 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::FromRef;
-use axum::{Router, middleware};
+use axum::{Extension, Router, middleware};
 use ordered_inbox::postgres::{PostgresInbox, Target};
 use ordered_inbox::sqlite::SqliteInbox;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use utoipa::{Modify, OpenApi};
+use utoipa_axum::router::OpenApiRouter;
 
 use crate::config::{Config, StartupError, load_settings, parse_listen_url, require_development};
 use crate::console::{ConsoleEvents, NotifyingInbox};
@@ -20,6 +22,7 @@ use crate::labs;
 use crate::labs::ordered::SharedInbox;
 use crate::observe::Metrics;
 use crate::observe::inbox::ObservedInbox;
+use crate::observe::routes::ApiDocument;
 use crate::startup::StartupContext;
 use crate::store::Store;
 
@@ -256,12 +259,11 @@ pub fn parse_postgres_figures(line: &str) -> Option<(u64, u64, u64)> {
     }
 }
 
-/// Every lab's routes on one router, wrapped in the security lab's middleware and, outside it,
-/// the request id, the request span and the HTTP metrics.
-pub fn router(state: AppState) -> Router {
-    let security = state.security.clone();
-    let metrics = state.metrics.clone();
-    Router::new()
+/// Every route with its OpenAPI entry: each lab registers its handlers through `routes!`, which
+/// takes the path and the methods from the handler's annotation, so the router and the document
+/// are built from one source.
+pub fn api_router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(crate::openapi::ApiDoc::openapi())
         .merge(crate::observe::routes::routes())
         .merge(labs::ordered::routes())
         .merge(labs::sql::routes())
@@ -275,6 +277,29 @@ pub fn router(state: AppState) -> Router {
         .merge(labs::pipeline::routes())
         .merge(crate::broker::routes())
         .merge(crate::console::routes())
+}
+
+/// The OpenAPI document `GET /openapi.json` serves.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    let mut document = api_router().into_openapi();
+    crate::openapi::Shared.modify(&mut document);
+    document
+}
+
+/// Every lab's routes on one router, wrapped in the security lab's middleware and, outside it,
+/// the request id, the request span and the HTTP metrics.
+pub fn router(state: AppState) -> Router {
+    let security = state.security.clone();
+    let metrics = state.metrics.clone();
+    let (routes, mut document) = api_router().split_for_parts();
+    crate::openapi::Shared.modify(&mut document);
+    // The document is fixed for the process's life: render it once.
+    let rendered = document.to_json().unwrap_or_else(|error| {
+        tracing::error!(%error, "the OpenAPI document could not be rendered");
+        "{}".to_owned()
+    });
+    routes
+        .layer(Extension(ApiDocument(Arc::new(rendered))))
         .with_state(state)
         // The middleware that wraps every route (and the 404 fallback), outermost first as in
         // the seed: host filtering, forwarded headers, CORS. `layer` wraps what is already

@@ -12,6 +12,7 @@ pub mod error;
 pub mod etag;
 pub mod labs;
 pub mod observe;
+pub mod openapi;
 pub mod pg_cluster;
 pub mod practice;
 pub mod schema;

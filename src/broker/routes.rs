@@ -4,37 +4,70 @@
 //! `POST /lab/broker/pause-after-commit` (the next batch stops after its COMMIT, before its acks,
 //! so that a test can kill the process in that window).
 
-use axum::Router;
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use axum::routing::{get, post};
 use serde_json::json;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::BrokerLab;
 use crate::error::{AppError, json_response};
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     BrokerLab: FromRef<S>,
 {
-    Router::new()
-        .route("/broker", get(status))
-        .route("/broker/rejected", get(rejected))
-        .route("/lab/broker/pause-after-commit", post(pause_after_commit))
+    OpenApiRouter::new()
+        .routes(routes!(status))
+        .routes(routes!(rejected))
+        .routes(routes!(pause_after_commit))
 }
+
+/// What the consumer did, as `GET /broker` answers it.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct BrokerStatus {
+    stream: String,
+    durable: String,
+    filter_subject: String,
+    partition: u32,
+    partitions: u32,
+    connected: bool,
+    /// The consumer's pending counts as the NATS server reports them (`pending`, `ackPending`),
+    /// `{"error": …}` when it could not say, or null before the first fetch.
+    #[schema(value_type = Option<Object>)]
+    consumer: (),
+    #[schema(value_type = Object)]
+    counters: (),
+}
+
+/// The terminated deliveries, oldest first.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct RejectedList {
+    /// How many the list keeps.
+    kept: usize,
+    #[schema(value_type = Vec<Object>)]
+    rejected: (),
+}
+
+/// The problem when this server consumes no broker.
+const NO_CONSUMER: &str = "this server was started without --nats";
 
 fn require_consumer(lab: &BrokerLab) -> Result<&super::BrokerConfig, AppError> {
     lab.config().ok_or_else(|| {
-        AppError::problem_with_detail(
-            StatusCode::NOT_FOUND,
-            "No broker consumer",
-            "this server was started without --nats",
-        )
+        AppError::problem_with_detail(StatusCode::NOT_FOUND, "No broker consumer", NO_CONSUMER)
     })
 }
 
+#[utoipa::path(get, path = "/broker", tag = "broker", responses(
+    (status = 200, description = "What the consumer did", body = BrokerStatus),
+    (status = 404, description = "This server was started without --nats", body = crate::openapi::Problem, content_type = "application/problem+json"),
+))]
 async fn status(State(lab): State<BrokerLab>) -> Result<Response, AppError> {
     let config = require_consumer(&lab)?.clone();
     let consumer = match lab.consumer_info().await {
@@ -57,6 +90,10 @@ async fn status(State(lab): State<BrokerLab>) -> Result<Response, AppError> {
     ))
 }
 
+#[utoipa::path(get, path = "/broker/rejected", tag = "broker", responses(
+    (status = 200, description = "The terminated deliveries, oldest first", body = RejectedList),
+    (status = 404, description = "This server was started without --nats", body = crate::openapi::Problem, content_type = "application/problem+json"),
+))]
 async fn rejected(State(lab): State<BrokerLab>) -> Result<Response, AppError> {
     require_consumer(&lab)?;
     let rejected = lab.rejected();
@@ -66,6 +103,11 @@ async fn rejected(State(lab): State<BrokerLab>) -> Result<Response, AppError> {
     ))
 }
 
+/// The fault switch: the next batch stops after its COMMIT, before its acks.
+#[utoipa::path(post, path = "/lab/broker/pause-after-commit", tag = "broker", responses(
+    (status = 204, description = "Armed"),
+    (status = 404, description = "This server was started without --nats", body = crate::openapi::Problem, content_type = "application/problem+json"),
+))]
 async fn pause_after_commit(State(lab): State<BrokerLab>) -> Result<StatusCode, AppError> {
     require_consumer(&lab)?;
     lab.arm_pause_after_commit();

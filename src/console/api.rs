@@ -5,38 +5,63 @@
 //!   messages (`ordered_inbox` rows) in sequence order; `next` is the following page's `after`.
 //! - `GET /console/api/deadletters/{messageId}`: one dead letter, with its resolution.
 
-use axum::Router;
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use axum::routing::get;
+use ordered_inbox::views::{AppliedMessage, DeadLetterView};
 use serde::Deserialize;
 use serde_json::json;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::error::{AppError, Path, Query, json_response};
 use crate::labs::ordered::{
     SharedInbox, page_body, page_request, validate_aggregate_id, validate_message_id,
 };
 
-pub(super) fn routes<S>() -> Router<S>
+pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
 {
-    Router::new()
-        .route(
-            "/console/api/aggregates/{aggregate_id}/messages",
-            get(applied_messages),
-        )
-        .route("/console/api/deadletters/{message_id}", get(dead_letter))
+    OpenApiRouter::new()
+        .routes(routes!(applied_messages))
+        .routes(routes!(dead_letter))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct PageQuery {
+    /// The cursor: the `next` of the previous page (a sequence).
+    #[param(minimum = 0)]
     after: Option<i64>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
 }
 
+/// One page of an aggregate's applied messages.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct AppliedPage {
+    aggregate_id: String,
+    messages: Vec<AppliedMessage>,
+    /// The `after` of the following page; null at the end.
+    #[schema(required = true)]
+    next: Option<i64>,
+}
+
+#[utoipa::path(get, path = "/console/api/aggregates/{aggregate_id}/messages", tag = "console",
+    params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate"), PageQuery),
+    responses(
+        (status = 200, description = "The aggregate's applied messages in sequence order", body = AppliedPage),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn applied_messages(
     State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
@@ -51,6 +76,16 @@ async fn applied_messages(
     ))
 }
 
+#[utoipa::path(get, path = "/console/api/deadletters/{message_id}", tag = "console",
+    params(("message_id" = String, Path, min_length = 1, max_length = 100, description = "The dead letter's message id")),
+    responses(
+        (status = 200, description = "The dead letter with its lifecycle and resolution", body = DeadLetterView),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn dead_letter(
     State(inbox): State<SharedInbox>,
     Path(message_id): Path<String>,

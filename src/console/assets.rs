@@ -68,22 +68,37 @@ fn render(page: &Page) -> Response {
     response
 }
 
+#[utoipa::path(get, path = "/console", tag = "console", responses(
+    (status = 200, description = "The lesson page", body = String, content_type = "text/html"),
+))]
 pub(super) async fn lesson_page() -> Response {
     render(&LESSON)
 }
 
+#[utoipa::path(get, path = "/console/aggregates", tag = "console", responses(
+    (status = 200, description = "The aggregates page", body = String, content_type = "text/html"),
+))]
 pub(super) async fn aggregates_page() -> Response {
     render(&AGGREGATES)
 }
 
+#[utoipa::path(get, path = "/console/aggregate", tag = "console", responses(
+    (status = 200, description = "One aggregate's page (the id is in its query, read by its script)", body = String, content_type = "text/html"),
+))]
 pub(super) async fn aggregate_page() -> Response {
     render(&AGGREGATE)
 }
 
+#[utoipa::path(get, path = "/console/deadletter", tag = "console", responses(
+    (status = 200, description = "One dead letter's page (the id is in its query, read by its script)", body = String, content_type = "text/html"),
+))]
 pub(super) async fn dead_letter_page() -> Response {
     render(&DEAD_LETTER)
 }
 
+#[utoipa::path(get, path = "/console/labs", tag = "console", responses(
+    (status = 200, description = "The labs page", body = String, content_type = "text/html"),
+))]
 pub(super) async fn labs_page() -> Response {
     render(&LABS)
 }
@@ -133,6 +148,15 @@ const ASSETS: &[(&str, &str, &str)] = &[
 ];
 
 /// `GET /console/assets/{name}`: one of [`ASSETS`], else 404.
+#[utoipa::path(get, path = "/console/assets/{name}", tag = "console",
+    params(("name" = String, Path, description = "console.css, console.js, a page's script, favicon.svg")),
+    responses(
+        (status = 200, description = "The file", content(
+            (String = "text/css"), (String = "text/javascript"), (String = "image/svg+xml"),
+        )),
+        (status = 404, description = "The console has no such file", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    ),
+)]
 pub(super) async fn asset(Path(name): Path<String>) -> Result<Response, AppError> {
     let Some((_, content_type, body)) = ASSETS.iter().find(|(known, _, _)| *known == name) else {
         return Err(AppError::problem_with_detail(

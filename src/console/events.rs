@@ -140,6 +140,11 @@ fn change_event(change: &InboxChange) -> Event {
 }
 
 /// `GET /console/events`: `text/event-stream` of `hello`, then `change` (JSON) and `lagged`.
+#[utoipa::path(get, path = "/console/events", tag = "console", responses(
+    (status = 200, description = "Server-sent events: `hello`, then `change` (JSON: aggregateId, messageId, change) and `lagged`; open until the client or the server leaves", body = String, content_type = "text/event-stream"),
+    (status = 503, description = "Too many open streams; retry after the Retry-After seconds", body = crate::openapi::Problem, content_type = "application/problem+json",
+        headers(("retry-after" = String))),
+))]
 pub async fn events(State(console): State<ConsoleEvents>) -> Response {
     let Some(stream) = console.open() else {
         let mut response = AppError::problem_with_detail(

@@ -16,12 +16,12 @@ mod api;
 mod assets;
 pub mod events;
 
-use axum::Router;
 use axum::extract::FromRef;
 use axum::http::{HeaderName, HeaderValue, header};
 use axum::middleware;
 use axum::response::Response;
-use axum::routing::get;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 pub use events::{ConsoleEvents, InboxChange, NotifyingInbox};
 
@@ -32,20 +32,20 @@ use crate::labs::ordered::SharedInbox;
 pub const CONTENT_SECURITY_POLICY: &str =
     "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
     ConsoleEvents: FromRef<S>,
 {
-    Router::new()
-        .route("/console", get(assets::lesson_page))
-        .route("/console/aggregates", get(assets::aggregates_page))
-        .route("/console/aggregate", get(assets::aggregate_page))
-        .route("/console/deadletter", get(assets::dead_letter_page))
-        .route("/console/labs", get(assets::labs_page))
-        .route("/console/assets/{name}", get(assets::asset))
-        .route("/console/events", get(events::events))
+    OpenApiRouter::new()
+        .routes(routes!(assets::lesson_page))
+        .routes(routes!(assets::aggregates_page))
+        .routes(routes!(assets::aggregate_page))
+        .routes(routes!(assets::dead_letter_page))
+        .routes(routes!(assets::labs_page))
+        .routes(routes!(assets::asset))
+        .routes(routes!(events::events))
         .merge(api::routes())
         .layer(middleware::map_response(protect))
 }

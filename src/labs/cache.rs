@@ -11,17 +11,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use axum::Router;
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, Shared};
 use moka::future::Cache;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::aspnet::{is_blank_or_longer_than, query_flag};
 use crate::config::StartupError;
@@ -120,34 +121,39 @@ struct CacheProbe {
     gate: LabGate,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct CatalogView {
     name: String,
     version: i64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct SharedView {
     value: &'static str,
     generation: u64,
 }
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     Store: FromRef<S>,
     CacheLab: FromRef<S>,
 {
-    Router::new()
-        .route("/cache/catalog", get(read_catalog).post(write_catalog))
-        .route("/cache/shared", get(read_shared))
-        .route("/cache/stats", get(stats))
-        .route("/lab/cache/gate/{action}", post(set_gate))
-        .route("/lab/cache/reset", post(reset))
+    OpenApiRouter::new()
+        .routes(routes!(read_catalog, write_catalog))
+        .routes(routes!(read_shared))
+        .routes(routes!(stats))
+        .routes(routes!(set_gate))
+        .routes(routes!(reset))
 }
 
+/// The catalog row, read through the cache.
+#[utoipa::path(get, path = "/cache/catalog", tag = "cache", responses(
+    (status = 200, description = "The catalog row, from the cache or freshly read", body = CatalogView),
+    (status = 503, description = "The row could not be loaded, or the server is shutting down", body = crate::openapi::Problem, content_type = "application/problem+json"),
+))]
 async fn read_catalog(
     State(store): State<Store>,
     State(lab): State<CacheLab>,
@@ -185,8 +191,11 @@ async fn load_catalog(store: Store, probe: Arc<CacheProbe>) -> Result<CatalogVie
         })
 }
 
-#[derive(Debug, Deserialize)]
+/// The catalog's new name. Names bind case-insensitively.
+#[derive(Debug, Deserialize, ToSchema)]
 struct CatalogInput {
+    /// 1 to 30 characters (UTF-16 code units), not blank.
+    #[schema(value_type = String, required = true, min_length = 1, max_length = 30)]
     name: Option<String>,
 }
 
@@ -194,6 +203,17 @@ impl RequestBody for CatalogInput {
     const FIELDS: &'static [&'static str] = &["name"];
 }
 
+/// Writes the row, and only after the commit drops the cached copy.
+#[utoipa::path(post, path = "/cache/catalog", tag = "cache",
+    params(("failBeforeCommit" = Option<bool>, Query, description = "The fault switch: fail before the commit (503; the row and the cached copy stay)")),
+    request_body = CatalogInput,
+    responses(
+        (status = 204, description = "Written; the cached copy was dropped after the commit"),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 500, description = "The store failed, or the catalog row is missing", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The fault switch (failBeforeCommit=true) rolled the write back, or the store is unavailable", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn write_catalog(
     State(store): State<Store>,
     State(lab): State<CacheLab>,
@@ -234,6 +254,12 @@ async fn write_catalog(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+/// A shared value whose concurrent callers share one factory run (held while the lab gate is
+/// closed).
+#[utoipa::path(get, path = "/cache/shared", tag = "cache", responses(
+    (status = 200, description = "The value and the factory run that made it", body = SharedView),
+    (status = 503, description = "The value could not be made, or the server is shutting down", body = crate::openapi::Problem, content_type = "application/problem+json"),
+))]
 async fn read_shared(State(lab): State<CacheLab>) -> Result<Response, AppError> {
     let probe = lab.probe.clone();
     let view = lab
@@ -251,12 +277,15 @@ async fn read_shared(State(lab): State<CacheLab>) -> Result<Response, AppError> 
 }
 
 /// The counters, in the contract's property order.
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 struct CacheStats {
     reads: u64,
     factories: u64,
 }
 
+#[utoipa::path(get, path = "/cache/stats", tag = "cache", responses(
+    (status = 200, description = "Catalog rows read by the factory, and shared-factory runs", body = CacheStats),
+))]
 async fn stats(State(lab): State<CacheLab>) -> Response {
     let probe = &lab.probe;
     axum::Json(CacheStats {
@@ -266,6 +295,14 @@ async fn stats(State(lab): State<CacheLab>) -> Response {
     .into_response()
 }
 
+/// Closes or opens the gate that holds the shared value's factory (a lab control).
+#[utoipa::path(post, path = "/lab/cache/gate/{action}", tag = "cache", operation_id = "cache_set_gate",
+    params(("action" = String, Path, description = "`close` or `open`", example = "open")),
+    responses(
+        (status = 204, description = "The gate is in that position"),
+        (status = 400, response = crate::openapi::BadRequest),
+    ),
+)]
 async fn set_gate(
     State(lab): State<CacheLab>,
     Path(action): Path<String>,
@@ -274,6 +311,10 @@ async fn set_gate(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+/// Drops the cached shared value, so the next read runs the factory again.
+#[utoipa::path(post, path = "/lab/cache/reset", tag = "cache", responses(
+    (status = 204, description = "Dropped"),
+))]
 async fn reset(State(lab): State<CacheLab>) -> Response {
     lab.shared.invalidate().await;
     StatusCode::NO_CONTENT.into_response()

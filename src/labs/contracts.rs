@@ -4,36 +4,73 @@
 //! consumer can only learn by reading state (`GET /contracts/effect`), not from the 503 alone.
 //! `production-lab verify-base` (see [`crate::verify`]) drives all of it over HTTP.
 
+use axum::extract;
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use axum::routing::{get, post};
-use axum::{Router, extract};
 use serde_json::{Value, json};
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::error::{AppError, Path};
 use crate::store::Store;
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     Store: FromRef<S>,
 {
-    Router::new()
-        .route("/contracts/compatible", get(compatible))
-        .route("/contracts/breaking", get(breaking))
-        .route("/contracts/effect", get(effect))
-        .route("/contracts/change/{phase}", post(change))
+    OpenApiRouter::new()
+        .routes(routes!(compatible))
+        .routes(routes!(breaking))
+        .routes(routes!(effect))
+        .routes(routes!(change))
 }
 
+/// The base shape plus an optional member: a compatible change.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct CompatibleItem {
+    id: i64,
+    name: String,
+    optional: String,
+}
+
+/// `name` changed type: a breaking change.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct BreakingItem {
+    id: i64,
+    name: i64,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct Effect {
+    /// How many changes were committed.
+    value: i64,
+}
+
+#[utoipa::path(get, path = "/contracts/compatible", tag = "contracts", responses(
+    (status = 200, description = "The base shape with an added optional member", body = CompatibleItem),
+))]
 async fn compatible() -> extract::Json<Value> {
     extract::Json(json!({"id": 1, "name": "rune", "optional": "new"}))
 }
 
+#[utoipa::path(get, path = "/contracts/breaking", tag = "contracts", responses(
+    (status = 200, description = "`name` is a number here: a breaking change", body = BreakingItem),
+))]
 async fn breaking() -> extract::Json<Value> {
     extract::Json(json!({"id": 1, "name": 42}))
 }
 
+#[utoipa::path(get, path = "/contracts/effect", tag = "contracts", responses(
+    (status = 200, description = "The counted effect", body = Effect),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn effect(State(store): State<Store>) -> Result<extract::Json<Value>, AppError> {
     let value: i64 = store
         .read(|connection| {
@@ -56,6 +93,16 @@ enum Phase {
     After,
 }
 
+/// A change that always answers 503, deliberately: `before` fails before the commit (nothing
+/// changed), `after` after it (the effect was counted). Only `GET /contracts/effect` tells them
+/// apart.
+#[utoipa::path(post, path = "/contracts/change/{phase}", tag = "contracts",
+    params(("phase" = String, Path, description = "Where the controlled failure happens", example = "before")),
+    responses(
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 503, description = "Always, by design: a controlled failure before or after the commit", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn change(
     State(store): State<Store>,
     Path(phase): Path<String>,

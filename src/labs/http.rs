@@ -6,16 +6,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use axum::body::{Body, Bytes};
+use axum::extract;
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Router, extract};
 use futures_util::{StreamExt, stream};
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::aspnet::{is_blank_or_longer_than, single_query_value};
 use crate::config::StartupError;
@@ -47,21 +49,28 @@ impl HttpLab {
     }
 }
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     Store: FromRef<S>,
     HttpLab: FromRef<S>,
 {
-    Router::new()
-        .route("/documents/1", get(read_document).put(write_document))
-        .route("/lab/condition/arm", post(arm_probe))
-        .route("/lab/condition/release", post(release_probe))
-        .route("/lab/condition/evidence", get(probe_evidence))
-        .route("/api/v1/item", get(item_v1))
-        .route("/api/v1/item-extra", get(item_v1_extra))
-        .route("/api/v2/item", get(item_v2))
-        .route("/stream", get(ndjson_stream))
+    OpenApiRouter::new()
+        .routes(routes!(read_document, write_document))
+        .routes(routes!(arm_probe))
+        .routes(routes!(release_probe))
+        .routes(routes!(probe_evidence))
+        .routes(routes!(item_v1))
+        .routes(routes!(item_v1_extra))
+        .routes(routes!(item_v2))
+        .routes(routes!(ndjson_stream))
+}
+
+/// Whether a writer asked the armed probe to park it since the last arm.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ProbeEvidence {
+    entered: bool,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -158,16 +167,28 @@ impl Drop for ParkedWriter<'_> {
     }
 }
 
+/// Arms the probe: from now on a `PUT /documents/1` with `X-Lab-Pause: true` waits between its
+/// header check and its transaction until the release.
+#[utoipa::path(post, path = "/lab/condition/arm", tag = "http", responses(
+    (status = 204, description = "Armed (a closed gate stays closed)"),
+))]
 async fn arm_probe(State(lab): State<HttpLab>) -> StatusCode {
     lab.probe.arm();
     StatusCode::NO_CONTENT
 }
 
+/// Lets every parked writer go.
+#[utoipa::path(post, path = "/lab/condition/release", tag = "http", responses(
+    (status = 204, description = "Released"),
+))]
 async fn release_probe(State(lab): State<HttpLab>) -> StatusCode {
     lab.probe.release();
     StatusCode::NO_CONTENT
 }
 
+#[utoipa::path(get, path = "/lab/condition/evidence", tag = "http", responses(
+    (status = 200, description = "Whether a writer entered the probe since the last arm", body = ProbeEvidence),
+))]
 async fn probe_evidence(State(lab): State<HttpLab>) -> Response {
     json_response(StatusCode::OK, json!({"entered": lab.probe.entered()}))
 }
@@ -177,7 +198,7 @@ async fn probe_evidence(State(lab): State<HttpLab>) -> Response {
 // ---------------------------------------------------------------------------------------------
 
 /// The one document as served: `{"id","body","version"}` in this order.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 struct DocumentView {
     id: i64,
     body: String,
@@ -195,6 +216,23 @@ impl DocumentView {
     }
 }
 
+/// The document with its entity tag; `If-None-Match` with that tag answers 304.
+#[utoipa::path(get, path = "/documents/1", tag = "http",
+    params(("if-none-match" = Option<String>, Header, description = "Entity tags (`\"v1\"`, `W/\"v1\"`, `*`)")),
+    responses(
+        (status = 200, description = "The document", body = DocumentView,
+            headers(("etag" = String, description = "The version's strong tag, e.g. \"v1\""))),
+        (status = 304, description = "If-None-Match matched the current version",
+            headers(("etag" = String))),
+        (status = 400, description = "A malformed If-None-Match (the seed's JSON body), or a refused Host (problem)", content(
+            (crate::openapi::SeedError = "application/json"),
+            (crate::openapi::Problem = "application/problem+json"),
+        )),
+        (status = 404, description = "The document row is missing", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn read_document(
     State(store): State<Store>,
     headers: HeaderMap,
@@ -241,8 +279,11 @@ fn document_missing() -> AppError {
     )
 }
 
-#[derive(Debug, Deserialize)]
+/// The document's new body. Names bind case-insensitively.
+#[derive(Debug, Deserialize, ToSchema)]
 struct DocumentInput {
+    /// 1 to 50 characters (UTF-16 code units), not blank.
+    #[schema(value_type = String, required = true, min_length = 1, max_length = 50)]
     body: Option<String>,
 }
 
@@ -274,6 +315,23 @@ enum WriteOutcome {
     },
 }
 
+/// A conditional write: only the version `If-Match` names (re-checked inside the transaction).
+#[utoipa::path(put, path = "/documents/1", tag = "http",
+    params(
+        ("if-match" = Option<String>, Header, description = "Required: the ETag from GET /documents/1, or `*`"),
+        ("x-lab-pause" = Option<String>, Header, description = "`true` parks this writer at the armed probe until its release (a lab control)"),
+    ),
+    request_body = DocumentInput,
+    responses(
+        (status = 200, description = "Written: the new version", body = DocumentView,
+            headers(("etag" = String, description = "The new version's strong tag"))),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 412, description = "If-Match does not name the current version", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 428, description = "If-Match is missing", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, description = "The store is unavailable, or the server shut down while the writer was parked", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn write_document(
     State(store): State<Store>,
     State(lab): State<HttpLab>,
@@ -391,20 +449,20 @@ fn pause_requested(headers: &HeaderMap) -> Result<bool, AppError> {
 
 // Structs rather than `json!` so the properties keep the seed's order.
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 struct ItemV1 {
     id: i64,
     name: &'static str,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 struct ItemV1Extra {
     id: i64,
     name: &'static str,
     state: &'static str,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct ItemV2 {
     id: i64,
@@ -412,6 +470,9 @@ struct ItemV2 {
     state: &'static str,
 }
 
+#[utoipa::path(get, path = "/api/v1/item", tag = "http", responses(
+    (status = 200, description = "Version 1 of the item", body = ItemV1),
+))]
 async fn item_v1() -> extract::Json<ItemV1> {
     extract::Json(ItemV1 {
         id: 1,
@@ -420,6 +481,9 @@ async fn item_v1() -> extract::Json<ItemV1> {
 }
 
 /// v1 plus a property: an additive change old clients can ignore.
+#[utoipa::path(get, path = "/api/v1/item-extra", tag = "http", responses(
+    (status = 200, description = "Version 1 plus a property", body = ItemV1Extra),
+))]
 async fn item_v1_extra() -> extract::Json<ItemV1Extra> {
     extract::Json(ItemV1Extra {
         id: 1,
@@ -429,6 +493,9 @@ async fn item_v1_extra() -> extract::Json<ItemV1Extra> {
 }
 
 /// A renamed property is a breaking change, so it lives under v2.
+#[utoipa::path(get, path = "/api/v2/item", tag = "http", responses(
+    (status = 200, description = "Version 2: `name` renamed to `displayName`", body = ItemV2),
+))]
 async fn item_v2() -> extract::Json<ItemV2> {
     extract::Json(ItemV2 {
         id: 1,
@@ -510,6 +577,18 @@ fn stream_steps(ending: StreamEnding) -> Vec<StreamStep> {
     steps
 }
 
+/// Two items and a completion line, one JSON object per line; or a failure reported in-band; or
+/// the connection cut after the first item (a lab control).
+#[utoipa::path(get, path = "/stream", tag = "http",
+    params(
+        ("abortAfter" = Option<i32>, Query, minimum = 1, maximum = 1, description = "1: cut the connection after item 1 (no completion, no clean end)"),
+        ("fail" = Option<bool>, Query, description = "true: item 1, then an in-band error line instead of item 2"),
+    ),
+    responses(
+        (status = 200, description = "Newline-delimited JSON: `{\"type\":\"item\",…}` lines, then `complete` or `error`", body = String, content_type = "application/x-ndjson"),
+        (status = 400, response = crate::openapi::BadRequest),
+    ),
+)]
 async fn ndjson_stream(Query(query): Query<Vec<(String, String)>>) -> Result<Response, AppError> {
     let ending = stream_ending(&query)?;
     let body = stream::iter(stream_steps(ending)).then(|step| async move {

@@ -14,14 +14,16 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use axum::extract;
 use axum::extract::{FromRef, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Router, extract};
 use rusqlite::{OptionalExtension, params};
 use serde::Deserialize;
 use serde_json::json;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::aspnet::{RouteLong, is_blank_or_longer_than, optional_flag};
 use crate::config::StartupError;
@@ -45,18 +47,18 @@ impl MessagingLab {
     }
 }
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     Store: FromRef<S>,
     MessagingLab: FromRef<S>,
 {
-    Router::new()
-        .route("/messaging/counts", get(counts))
-        .route("/outbox/orders", post(create_order))
-        .route("/outbox/claim/{owner}", post(claim))
-        .route("/outbox/ack/{id}/{owner}", post(ack))
-        .route("/inbox/apply", post(apply_inbox))
+    OpenApiRouter::new()
+        .routes(routes!(counts))
+        .routes(routes!(create_order))
+        .routes(routes!(claim))
+        .routes(routes!(ack))
+        .routes(routes!(apply_inbox))
 }
 
 /// The one order and the one inbox message the classroom fixture accepts.
@@ -68,9 +70,11 @@ const MAX_AMOUNT: i32 = 10;
 const MAX_PAYLOAD: usize = 50;
 
 /// `?failBeforeCommit=true` (the seed's fault switch). Anything but true/false is a 400.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(rename_all = "camelCase")]
 struct FaultQuery {
+    /// The fault switch: do the work, then fail before the commit (503; nothing is kept).
     #[serde(default, deserialize_with = "optional_flag")]
     fail_before_commit: Option<bool>,
 }
@@ -86,10 +90,23 @@ fn now_millis() -> i64 {
 // ---------------------------------------------------------------------------------------------
 // Outbox: create an order with its event
 
-#[derive(Debug, Deserialize)]
+/// The classroom order. Names bind case-insensitively.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct CreateOrder {
+    /// The one classroom order.
+    #[schema(value_type = String, required = true, pattern = "^demo$", example = "demo")]
     order_id: Option<String>,
+    #[schema(minimum = 1, maximum = 10)]
+    quantity: i32,
+}
+
+/// The order as created.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct CreatedOrder {
+    order_id: String,
     quantity: i32,
 }
 
@@ -135,6 +152,17 @@ impl IntoResponse for CreateOrderError {
     }
 }
 
+/// The order row and its outbox event, in one transaction.
+#[utoipa::path(post, path = "/outbox/orders", tag = "messaging", params(FaultQuery), request_body = CreateOrder,
+    responses(
+        (status = 201, description = "The order and its event were committed together", body = CreatedOrder,
+            headers(("location" = String, description = "/outbox/orders/demo"))),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 409, description = "The order or its event already exists", body = crate::openapi::SeedError),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, description = "The fault switch (failBeforeCommit=true) rolled the order back, or the store is unavailable", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn create_order(
     State(store): State<Store>,
     Query(fault): Query<FaultQuery>,
@@ -190,7 +218,7 @@ async fn create_order(
 // Outbox: claim and acknowledge under a lease
 
 /// One leased event, as the claim answers it.
-#[derive(Debug, serde::Serialize)]
+#[derive(Debug, serde::Serialize, ToSchema)]
 struct Claimed {
     id: i64,
     payload: String,
@@ -198,6 +226,17 @@ struct Claimed {
     owner: String,
 }
 
+/// Leases the oldest claimable event to `owner`.
+#[utoipa::path(post, path = "/outbox/claim/{owner}", tag = "messaging",
+    params(("owner" = String, Path, description = "The relay claiming: `one` or `two`", example = "one")),
+    responses(
+        (status = 200, description = "The leased event; `attempts` is the lease's fencing token", body = Claimed),
+        (status = 204, description = "No event is claimable now"),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn claim(
     State(store): State<Store>,
     State(lab): State<MessagingLab>,
@@ -243,12 +282,28 @@ async fn claim(
     })
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct AckQuery {
     /// The `attempts` value the claim returned: the fencing token of that lease.
     generation: i64,
 }
 
+/// Marks the event sent, only for the current holder of the lease of that generation.
+#[utoipa::path(post, path = "/outbox/ack/{id}/{owner}", tag = "messaging",
+    params(
+        ("id" = i64, Path, description = "The event's id"),
+        ("owner" = String, Path, description = "The relay that holds the lease", example = "one"),
+        AckQuery,
+    ),
+    responses(
+        (status = 204, description = "Marked sent"),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 409, description = "The lease is not (or no longer) this owner's at this generation", body = crate::openapi::SeedError),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn ack(
     State(store): State<Store>,
     ConstrainedPath((RouteLong(id), owner)): ConstrainedPath<(RouteLong, String)>,
@@ -279,12 +334,25 @@ async fn ack(
 // ---------------------------------------------------------------------------------------------
 // Inbox
 
-#[derive(Debug, Deserialize)]
+/// The classroom message. Names bind case-insensitively.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct InboxInput {
+    /// The one classroom message.
+    #[schema(value_type = String, required = true, pattern = "^demo$", example = "demo")]
     message_id: Option<String>,
+    /// 1 to 50 characters, not blank.
+    #[schema(value_type = String, required = true, min_length = 1, max_length = 50)]
     payload: Option<String>,
+    #[schema(minimum = 1, maximum = 10)]
     amount: i32,
+}
+
+/// Whether this delivery applied the message or found it applied before.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct InboxAnswer {
+    replay: bool,
 }
 
 impl RequestBody for InboxInput {
@@ -333,6 +401,16 @@ enum InboxOutcome {
     PayloadConflict,
 }
 
+/// Applies the classroom message's effect once.
+#[utoipa::path(post, path = "/inbox/apply", tag = "messaging", params(FaultQuery), request_body = InboxInput,
+    responses(
+        (status = 200, description = "Applied now (`replay: false`) or before (`replay: true`)", body = InboxAnswer),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 409, description = "The message id was applied with another payload", body = crate::openapi::SeedError),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, description = "The fault switch (failBeforeCommit=true) rolled the effect back, or the store is unavailable", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn apply_inbox(
     State(store): State<Store>,
     Query(fault): Query<FaultQuery>,
@@ -388,7 +466,7 @@ async fn apply_inbox(
 // Counts
 
 /// The rows behind the lab, members in the seed's order.
-#[derive(Debug, serde::Serialize)]
+#[derive(Debug, serde::Serialize, ToSchema)]
 struct Counts {
     orders: i64,
     outbox: i64,
@@ -396,6 +474,11 @@ struct Counts {
     effects: i64,
 }
 
+#[utoipa::path(get, path = "/messaging/counts", tag = "messaging", responses(
+    (status = 200, description = "The rows behind the outbox and the inbox", body = Counts),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn counts(State(store): State<Store>) -> Result<extract::Json<Counts>, AppError> {
     let counts = store
         .read(|connection| {

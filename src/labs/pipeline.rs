@@ -6,14 +6,16 @@
 //! The order of the checks is the contract: body, idempotency key, `If-Match` syntax, `If-Match`
 //! presence; then, inside one write, the receipt (replay or conflict), the tag (412), the write.
 
+use axum::extract;
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Router, extract};
 use rusqlite::{OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::aspnet::optional_flag;
 use crate::dotnet_json::ObjectWriter;
@@ -21,14 +23,14 @@ use crate::error::{AppError, Json, Query, RequestBody, json_response};
 use crate::etag::{IfMatchCondition, if_match, version_etag, version_etag_value};
 use crate::store::{Store, is_constraint};
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     Store: FromRef<S>,
 {
-    Router::new()
-        .route("/pipeline", post(run_pipeline))
-        .route("/pipeline/state", get(pipeline_state))
+    OpenApiRouter::new()
+        .routes(routes!(run_pipeline))
+        .routes(routes!(pipeline_state))
 }
 
 /// The idempotency keys the classroom fixture accepts.
@@ -36,9 +38,11 @@ const REQUEST_KEYS: [&str; 2] = ["demo", "second"];
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
 const MAX_QUANTITY: i32 = 10;
 
-#[derive(Debug, Deserialize)]
+/// Names bind case-insensitively.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct PipelineInput {
+    #[schema(minimum = 1, maximum = 10)]
     quantity: i32,
 }
 
@@ -46,9 +50,11 @@ impl RequestBody for PipelineInput {
     const FIELDS: &'static [&'static str] = &["quantity"];
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(rename_all = "camelCase")]
 struct PipelineQuery {
+    /// The fault switch: commit, then answer 503 as if the success were lost.
     #[serde(default, deserialize_with = "optional_flag")]
     fail_after_commit: Option<bool>,
 }
@@ -63,7 +69,7 @@ struct PipelineRequest {
 }
 
 /// A success or a replay, members in the seed's order: `{"version":2,"replay":false}`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 struct PipelineAnswer {
     version: i64,
     replay: bool,
@@ -182,6 +188,29 @@ fn decide_and_write(
     }
 }
 
+/// Updates document 1 only when `If-Match` names its version, with an idempotency receipt and an
+/// outbox event in the same transaction.
+#[utoipa::path(post, path = "/pipeline", tag = "pipeline",
+    params(
+        PipelineQuery,
+        ("idempotency-key" = String, Header, description = "`demo` or `second`"),
+        ("if-match" = Option<String>, Header, description = "Required: the document's current entity tag (see GET /pipeline/state)"),
+    ),
+    request_body = PipelineInput,
+    responses(
+        (status = 200, description = "Applied (`replay: false`, with the new ETag) or answered from the receipt (`replay: true`)", body = PipelineAnswer,
+            headers(("etag" = Option<String>, description = "The new version's tag, when applied"))),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 409, description = "The key was used with another request or the receipt is no longer current (the seed's JSON body), or a receipt or event for the version already exists (problem)", content(
+            (crate::openapi::SeedError = "application/json"),
+            (crate::openapi::Problem = "application/problem+json"),
+        )),
+        (status = 412, description = "If-Match does not name the current version", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 428, description = "If-Match is missing", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, description = "The fault switch (failAfterCommit=true): committed, but answered as lost; or the store is unavailable", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    ),
+)]
 async fn run_pipeline(
     State(store): State<Store>,
     Query(query): Query<PipelineQuery>,
@@ -232,13 +261,18 @@ async fn run_pipeline(
 }
 
 /// The rows behind the pipeline, members in the seed's order.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 struct PipelineState {
     version: i64,
     requests: i64,
     events: i64,
 }
 
+#[utoipa::path(get, path = "/pipeline/state", tag = "pipeline", responses(
+    (status = 200, description = "The document's version, and the receipts and events recorded", body = PipelineState),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn pipeline_state(
     State(store): State<Store>,
 ) -> Result<extract::Json<PipelineState>, AppError> {

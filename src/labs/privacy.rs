@@ -11,9 +11,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use axum::Router;
 use axum::extract::{FromRef, State};
-use axum::routing::get;
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -21,6 +19,9 @@ use tracing::field::{Field, Visit};
 use tracing::{Event, Subscriber};
 use tracing_subscriber::layer::{Context, Layer};
 use tracing_subscriber::prelude::*;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::config::StartupError;
 use crate::error::Query;
@@ -107,20 +108,44 @@ impl PrivacyLab {
     }
 }
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     PrivacyLab: FromRef<S>,
 {
-    Router::new()
-        .route("/privacy/observe", get(observe))
-        .route("/privacy/evidence", get(evidence))
+    OpenApiRouter::new()
+        .routes(routes!(observe))
+        .routes(routes!(evidence))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct ObserveQuery {
+    /// An email: it reaches neither the log nor the metric, only the word `redacted`.
     email: Option<String>,
+    /// `quote` or `search`; anything else is counted as `other`.
     operation: Option<String>,
+}
+
+/// What was logged and counted for the observation.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct Observation {
+    /// `quote`, `search` or `other`.
+    operation: String,
+    /// `redacted` when an email was given, else `anonymous`.
+    identity: String,
+}
+
+/// The lab's own log lines and metric labels.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct PrivacyEvidence {
+    /// The last 32 privacy log lines.
+    messages: Vec<String>,
+    /// The operation labels counted so far.
+    metric_labels: Vec<String>,
 }
 
 // Not derived: a Debug print of the query would show the email.
@@ -133,6 +158,9 @@ impl fmt::Debug for ObserveQuery {
     }
 }
 
+#[utoipa::path(get, path = "/privacy/observe", tag = "privacy", params(ObserveQuery), responses(
+    (status = 200, description = "Logged and counted, with the email redacted", body = Observation),
+))]
 async fn observe(
     State(privacy): State<PrivacyLab>,
     Query(query): Query<ObserveQuery>,
@@ -146,6 +174,9 @@ async fn observe(
     axum::Json(json!({"operation": operation.label(), "identity": identity}))
 }
 
+#[utoipa::path(get, path = "/privacy/evidence", tag = "privacy", operation_id = "privacy_evidence", responses(
+    (status = 200, description = "The lab's log lines and metric labels", body = PrivacyEvidence),
+))]
 async fn evidence(State(privacy): State<PrivacyLab>) -> axum::Json<Value> {
     axum::Json(json!({
         "messages": privacy.messages(),

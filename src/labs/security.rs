@@ -17,11 +17,13 @@ use axum::extract::{ConnectInfo, FromRef, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::json;
 use tower_http::cors::{AllowOrigin, CorsLayer};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::config::StartupError;
 use crate::error::{AppError, Query, json_response, problem_response};
@@ -97,20 +99,90 @@ impl SecurityLab {
     }
 }
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SecurityLab: FromRef<S>,
 {
-    Router::new()
-        .route("/configuration", get(configuration))
-        .route("/cors/data", get(cors_data))
-        .route("/antiforgery/token", get(antiforgery_token))
-        .route("/antiforgery/submit", post(antiforgery_submit))
-        .route("/antiforgery/count", get(antiforgery_count))
-        .route("/encoded", get(encoded))
-        .route("/proxy", get(proxy))
-        .route("/canonical", get(canonical))
+    OpenApiRouter::new()
+        .routes(routes!(configuration))
+        .routes(routes!(cors_data))
+        .routes(routes!(antiforgery_token))
+        .routes(routes!(antiforgery_submit))
+        .routes(routes!(antiforgery_count))
+        .routes(routes!(encoded))
+        .routes(routes!(proxy))
+        .routes(routes!(canonical))
+}
+
+// The bodies below, as the OpenAPI document describes them.
+
+/// The last valid live settings; the secret itself is never shown.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct ConfigurationView {
+    label: String,
+    #[schema(minimum = 1, maximum = 10)]
+    maximum: i64,
+    has_secret: bool,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct CorsData {
+    value: String,
+    /// Always false: CORS grants no identity.
+    authenticated: bool,
+}
+
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct AntiforgeryToken {
+    /// Send it back in the `x-csrf-token` header, with the cookie.
+    request_token: String,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct SubmissionAccepted {
+    /// Submissions accepted so far.
+    accepted: u64,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct SubmissionRefused {
+    error: String,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct SubmissionCount {
+    count: u64,
+}
+
+/// The client as the server believes it.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ProxyView {
+    /// `http`, or `X-Forwarded-Proto` from the known proxy.
+    scheme: String,
+    /// The peer, or `X-Forwarded-For`'s right-most entry from the known proxy.
+    remote: Option<String>,
+    /// The Host the request arrived with.
+    host: Option<String>,
+}
+
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct CanonicalView {
+    /// The Host the request arrived with (never used for the link).
+    observed_host: Option<String>,
+    /// Built from configuration only.
+    url: String,
 }
 
 // The middleware that wraps every route (and the 404 fallback): host filtering, forwarded
@@ -185,6 +257,10 @@ pub async fn apply_forwarded_headers(
     next.run(request).await
 }
 
+#[utoipa::path(get, path = "/configuration", tag = "security", responses(
+    (status = 200, description = "The settings file is valid: its values", body = ConfigurationView),
+    (status = 503, description = "The settings file on disk is invalid; `detail` names the field", body = crate::openapi::Problem, content_type = "application/problem+json"),
+))]
 async fn configuration(State(lab): State<SecurityLab>) -> Response {
     let status = lab.shared.live.status();
     match &status.error {
@@ -207,11 +283,21 @@ async fn configuration(State(lab): State<SecurityLab>) -> Response {
     }
 }
 
+/// Classroom data readable cross-origin from `https://client.example` only.
+#[utoipa::path(get, path = "/cors/data", tag = "security", responses(
+    (status = 200, description = "Public classroom data", body = CorsData),
+))]
 async fn cors_data() -> Json<serde_json::Value> {
     // The fixture has no authentication; the field shows that CORS grants no identity.
     Json(json!({"value": "public classroom data", "authenticated": false}))
 }
 
+/// A request token, and its cookie when the client has none yet.
+#[utoipa::path(get, path = "/antiforgery/token", tag = "security", responses(
+    (status = 200, description = "The request token (the cookie is set alongside)", body = AntiforgeryToken,
+        headers(("set-cookie" = String, description = "ProductionLab.Csrf, when the request had none"))),
+    (status = 500, description = "The cookie could not be written", body = crate::openapi::Problem, content_type = "application/problem+json"),
+))]
 async fn antiforgery_token(State(lab): State<SecurityLab>, headers: HeaderMap) -> Response {
     let issued = lab.shared.antiforgery.issue(&headers);
     let mut response = Json(json!({"requestToken": issued.request_token})).into_response();
@@ -241,6 +327,17 @@ async fn antiforgery_token(State(lab): State<SecurityLab>, headers: HeaderMap) -
     response
 }
 
+/// Accepts a submission only with the antiforgery cookie and its request token.
+#[utoipa::path(post, path = "/antiforgery/submit", tag = "security",
+    params(("x-csrf-token" = Option<String>, Header, description = "The request token from GET /antiforgery/token")),
+    responses(
+        (status = 200, description = "Accepted", body = SubmissionAccepted),
+        (status = 400, description = "The token or the cookie is missing or does not match (the seed's JSON body), or a refused Host (problem)", content(
+            (SubmissionRefused = "application/json"),
+            (crate::openapi::Problem = "application/problem+json"),
+        )),
+    ),
+)]
 async fn antiforgery_submit(State(lab): State<SecurityLab>, headers: HeaderMap) -> Response {
     let lab = &lab.shared;
     if let Err(reason) = lab.antiforgery.validate(&headers) {
@@ -254,13 +351,18 @@ async fn antiforgery_submit(State(lab): State<SecurityLab>, headers: HeaderMap) 
     json_response(StatusCode::OK, json!({"accepted": accepted}))
 }
 
+#[utoipa::path(get, path = "/antiforgery/count", tag = "security", responses(
+    (status = 200, description = "Submissions accepted so far", body = SubmissionCount),
+))]
 async fn antiforgery_count(State(lab): State<SecurityLab>) -> Json<serde_json::Value> {
     let count = lab.shared.accepted_submissions.load(Ordering::Relaxed);
     Json(json!({"count": count}))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct EncodedQuery {
+    /// Any text: it is HTML-encoded into the page.
     name: Option<String>,
 }
 
@@ -269,6 +371,13 @@ struct EncodedQuery {
 const ENCODED_PAGE_POLICY: &str =
     "default-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
+#[utoipa::path(get, path = "/encoded", tag = "security", params(EncodedQuery), responses(
+    (status = 200, description = "A page with `name` encoded as text", body = String, content_type = "text/html",
+        headers(
+            ("content-security-policy" = String, description = "Nothing but the page itself"),
+            ("x-content-type-options" = String, description = "nosniff"),
+        )),
+))]
 async fn encoded(Query(query): Query<EncodedQuery>) -> impl IntoResponse {
     (
         [
@@ -294,6 +403,14 @@ fn encoded_page(name: &str) -> String {
     )
 }
 
+/// The scheme and client address, believing `X-Forwarded-*` only from the known proxy.
+#[utoipa::path(get, path = "/proxy", tag = "security",
+    params(
+        ("x-forwarded-for" = Option<String>, Header, description = "Believed only from the known proxy"),
+        ("x-forwarded-proto" = Option<String>, Header, description = "Believed only from the known proxy"),
+    ),
+    responses((status = 200, description = "The client as the server believes it", body = ProxyView)),
+)]
 async fn proxy(Extension(origin): Extension<ClientOrigin>, request: Request) -> Response {
     let host = request_host(
         request.headers(),
@@ -309,6 +426,10 @@ async fn proxy(Extension(origin): Extension<ClientOrigin>, request: Request) -> 
     )
 }
 
+/// A canonical link built from configuration, whatever Host the request carried.
+#[utoipa::path(get, path = "/canonical", tag = "security", responses(
+    (status = 200, description = "The canonical URL and the observed Host", body = CanonicalView),
+))]
 async fn canonical(request: Request) -> Json<serde_json::Value> {
     let host = request_host(
         request.headers(),

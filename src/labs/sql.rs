@@ -11,26 +11,28 @@ use std::time::{Duration, Instant};
 
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use rusqlite::{Connection, TransactionBehavior, ffi};
 use serde::Serialize;
 use tokio::sync::{Mutex, OwnedMutexGuard};
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::error::AppError;
 use crate::store::{BUSY_TIMEOUT, Store, StoreError, is_busy, is_constraint};
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     Store: FromRef<S>,
 {
-    Router::new()
-        .route("/sql/nulls", get(nulls))
-        .route("/sql/plans", get(plans))
-        .route("/lab/sql/null-check", post(null_check))
-        .route("/lab/sql/snapshot", post(snapshot))
-        .route("/lab/sql/retry", post(retry))
+    OpenApiRouter::new()
+        .routes(routes!(nulls))
+        .routes(routes!(plans))
+        .routes(routes!(null_check))
+        .routes(routes!(snapshot))
+        .routes(routes!(retry))
         .layer(Extension(CountersTurn::default()))
 }
 
@@ -77,7 +79,7 @@ fn set_counter(connection: &Connection, value: i64) -> rusqlite::Result<()> {
 // NULLs and constraints
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct NullFigures {
     /// `amount = NULL` is never true: NULL compares as unknown.
@@ -90,6 +92,11 @@ struct NullFigures {
     sum: Option<i64>,
 }
 
+#[utoipa::path(get, path = "/sql/nulls", tag = "sql", responses(
+    (status = 200, description = "How NULL compares, counts and sums", body = NullFigures),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn nulls(State(store): State<Store>) -> Result<Json<NullFigures>, AppError> {
     let figures = store
         .read(|connection| {
@@ -117,7 +124,7 @@ async fn nulls(State(store): State<Store>) -> Result<Json<NullFigures>, AppError
     Ok(Json(figures))
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct NullCheck {
     /// `CHECK(amount > 0)` lets NULL through: the check is unknown, not false.
@@ -127,6 +134,11 @@ struct NullCheck {
 
 /// Inserts NULL under a CHECK and under a NOT NULL, then undoes both inserts whatever happened:
 /// the lab observes the constraints and leaves the rows as they were.
+#[utoipa::path(post, path = "/lab/sql/null-check", tag = "sql", responses(
+    (status = 200, description = "What CHECK and NOT NULL did with a NULL (both inserts are undone)", body = NullCheck),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn null_check(State(store): State<Store>) -> Result<Json<NullCheck>, AppError> {
     let outcome = store
         .write(|connection| {
@@ -163,7 +175,7 @@ fn accepted(insert: rusqlite::Result<usize>) -> Result<bool, AppError> {
 // Query plans
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 struct Plans {
     /// The books ordered by the composite index: price, then id.
     ids: Vec<i64>,
@@ -173,6 +185,11 @@ struct Plans {
     partial: Vec<String>,
 }
 
+#[utoipa::path(get, path = "/sql/plans", tag = "sql", responses(
+    (status = 200, description = "The books by the composite index, and four query plans as this SQLite words them", body = Plans),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn plans(State(store): State<Store>) -> Result<Json<Plans>, AppError> {
     let plans = store
         .read(|connection| read_plans(connection).map_err(AppError::from))
@@ -219,7 +236,7 @@ fn query_plan(connection: &Connection, sql: &str) -> rusqlite::Result<Vec<String
 // Snapshots and the stale writer
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 struct SnapshotFigures {
     before: i64,
     during: i64,
@@ -228,6 +245,11 @@ struct SnapshotFigures {
 
 /// A deferred read transaction keeps seeing the value it first read while another connection
 /// commits a new one; a fresh connection sees the new value. Leaves the counter at 20.
+#[utoipa::path(post, path = "/lab/sql/snapshot", tag = "sql", responses(
+    (status = 200, description = "A read transaction's snapshot across another connection's commit", body = SnapshotFigures),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn snapshot(
     State(store): State<Store>,
     Extension(turn): Extension<CountersTurn>,
@@ -254,7 +276,7 @@ fn read_through_a_commit(store: &Store) -> Result<SnapshotFigures, AppError> {
     })
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 struct RetryOutcome {
     /// The stale attempt and the fresh one.
     attempts: i64,
@@ -272,6 +294,11 @@ const LOCK_RETRY_PAUSE: Duration = Duration::from_millis(5);
 /// A deferred transaction reads the counter, another connection commits a new value, and the
 /// first one's write is refused with `SQLITE_BUSY_SNAPSHOT`: its snapshot is stale and waiting
 /// cannot help. It rolls back and a fresh transaction reads again and increments. Leaves 21.
+#[utoipa::path(post, path = "/lab/sql/retry", tag = "sql", responses(
+    (status = 200, description = "A stale writer refused with SQLITE_BUSY_SNAPSHOT, then a fresh transaction", body = RetryOutcome),
+    (status = 500, description = "The store failed, or the fixture did not meet the stale-writer boundary", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn retry(
     State(store): State<Store>,
     Extension(turn): Extension<CountersTurn>,

@@ -10,15 +10,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use axum::Router;
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::config::StartupError;
 use crate::error::{AppError, Json, Path, RequestBody};
@@ -74,7 +75,7 @@ struct ScopeEvidence {
     live: AtomicU64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ScopeCounts {
     pub created: u64,
@@ -127,7 +128,7 @@ impl Drop for ItemScope {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct WorkReceipt {
     value: i32,
@@ -200,20 +201,22 @@ impl Worker {
     }
 }
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     WorkerLab: FromRef<S>,
 {
-    Router::new()
-        .route("/worker", post(enqueue))
-        .route("/worker/evidence", get(evidence))
-        .route("/lab/worker/gate/{action}", post(set_gate))
-        .route("/lab/worker/queue", get(queue_state))
+    OpenApiRouter::new()
+        .routes(routes!(enqueue))
+        .routes(routes!(evidence))
+        .routes(routes!(set_gate))
+        .routes(routes!(queue_state))
 }
 
-#[derive(Debug, Deserialize)]
+/// One item of work. Names bind case-insensitively.
+#[derive(Debug, Deserialize, ToSchema)]
 struct WorkRequest {
+    #[schema(minimum = 1, maximum = 10)]
     value: i32,
 }
 
@@ -221,6 +224,13 @@ impl RequestBody for WorkRequest {
     const FIELDS: &'static [&'static str] = &["value"];
 }
 
+/// Hands the value to the background worker and answers with its result.
+#[utoipa::path(post, path = "/worker", tag = "worker", request_body = WorkRequest, responses(
+    (status = 200, description = "The doubled value and the scope that computed it", body = WorkReceipt),
+    (status = 400, response = crate::openapi::BadRequest),
+    (status = 429, description = "Four items already wait for the worker: try again later", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 503, description = "The worker is shutting down", body = crate::openapi::Problem, content_type = "application/problem+json"),
+))]
 async fn enqueue(
     State(lab): State<WorkerLab>,
     Json(input): Json<WorkRequest>,
@@ -267,10 +277,21 @@ fn shutting_down() -> AppError {
     )
 }
 
+#[utoipa::path(get, path = "/worker/evidence", tag = "worker", operation_id = "worker_evidence", responses(
+    (status = 200, description = "Scopes created, disposed and live", body = ScopeCounts),
+))]
 async fn evidence(State(lab): State<WorkerLab>) -> Response {
     axum::Json(lab.evidence()).into_response()
 }
 
+/// Closes or opens the gate the worker waits at before each item (a lab control).
+#[utoipa::path(post, path = "/lab/worker/gate/{action}", tag = "worker", operation_id = "worker_set_gate",
+    params(("action" = String, Path, description = "`close` or `open`", example = "open")),
+    responses(
+        (status = 204, description = "The gate is in that position"),
+        (status = 400, response = crate::openapi::BadRequest),
+    ),
+)]
 async fn set_gate(
     State(lab): State<WorkerLab>,
     Path(action): Path<String>,
@@ -279,7 +300,7 @@ async fn set_gate(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 struct QueueState {
     capacity: usize,
     queued: usize,
@@ -287,6 +308,9 @@ struct QueueState {
 }
 
 /// For learners filling the queue: how many items wait, of how many, and the gate's position.
+#[utoipa::path(get, path = "/lab/worker/queue", tag = "worker", responses(
+    (status = 200, description = "Items waiting, the queue's capacity, and the gate's position", body = QueueState),
+))]
 async fn queue_state(State(lab): State<WorkerLab>) -> Response {
     let queue = &lab.queue;
     axum::Json(QueueState {

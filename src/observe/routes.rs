@@ -1,13 +1,18 @@
 //! The operator's routes: `GET /live` (the process answers), `GET /ready` (it can serve: the
-//! store answers a read and the live settings are valid) and `GET /metrics`.
+//! store answers a read and the live settings are valid), `GET /metrics` and
+//! `GET /openapi.json`.
 
-use axum::Router;
+use std::sync::Arc;
+
+use axum::Extension;
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use serde::Serialize;
 use serde_json::json;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::metrics::Metrics;
 use crate::error::problem_response_with;
@@ -18,7 +23,7 @@ use crate::store::Store;
 /// The Prometheus text exposition format, version 0.0.4.
 pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
@@ -26,32 +31,66 @@ where
     Metrics: FromRef<S>,
     Store: FromRef<S>,
 {
-    Router::new()
-        .route("/live", get(live))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
+    OpenApiRouter::new()
+        .routes(routes!(live))
+        .routes(routes!(ready))
+        .routes(routes!(metrics))
+        .routes(routes!(openapi_json))
 }
 
+/// The process answers (it says nothing of the store or the settings: see `/ready`).
+#[utoipa::path(get, path = "/live", tag = "operating", responses(
+    (status = 200, description = "The process answers", body = String, content_type = "text/plain", example = "live"),
+))]
 async fn live() -> &'static str {
     "live"
 }
 
 /// One readiness check's result.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 enum Check {
     Ok,
     Failed,
 }
 
-#[derive(Debug, Serialize)]
+/// What readiness checked.
+#[derive(Debug, Serialize, ToSchema)]
 struct Checks {
+    /// The store answers a read (the inbox's figures).
     store: Check,
+    /// The live settings file is valid (as `GET /configuration` would answer 200).
     configuration: Check,
+}
+
+/// The server can serve.
+#[derive(Serialize, ToSchema)]
+struct Ready {
+    status: ReadyStatus,
+    checks: Checks,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+enum ReadyStatus {
+    Ready,
+}
+
+/// A problem whose `detail` names what is not ready, with the checks.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+struct NotReady {
+    #[serde(flatten)]
+    problem: crate::openapi::Problem,
+    checks: Checks,
 }
 
 /// 200 `{"status":"ready","checks":{…}}` when the store answers a read and the live settings are
 /// valid; otherwise 503 problem+json whose `detail` names what is not ready.
+#[utoipa::path(get, path = "/ready", tag = "operating", responses(
+    (status = 200, description = "The store answers a read and the live settings are valid", body = Ready),
+    (status = 503, description = "Not ready: `detail` names the store, the settings or both", body = NotReady, content_type = "application/problem+json"),
+))]
 async fn ready(State(inbox): State<SharedInbox>, State(security): State<SecurityLab>) -> Response {
     let mut problems = Vec::new();
     let store = match inbox.health().await {
@@ -74,11 +113,11 @@ async fn ready(State(inbox): State<SharedInbox>, State(security): State<Security
         configuration,
     };
     if problems.is_empty() {
-        return (
-            StatusCode::OK,
-            axum::Json(json!({"status": "ready", "checks": checks})),
-        )
-            .into_response();
+        let ready = Ready {
+            status: ReadyStatus::Ready,
+            checks,
+        };
+        return (StatusCode::OK, axum::Json(ready)).into_response();
     }
     problem_response_with(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -89,6 +128,9 @@ async fn ready(State(inbox): State<SharedInbox>, State(security): State<Security
 }
 
 /// Every metric in the Prometheus text format; the inbox's gauges are read now.
+#[utoipa::path(get, path = "/metrics", tag = "operating", responses(
+    (status = 200, description = "Every metric, Prometheus text format 0.0.4", body = String, content_type = "text/plain"),
+))]
 async fn metrics(
     State(metrics): State<Metrics>,
     State(inbox): State<SharedInbox>,
@@ -108,6 +150,25 @@ async fn metrics(
             HeaderValue::from_static(PROMETHEUS_CONTENT_TYPE),
         )],
         body,
+    )
+        .into_response()
+}
+
+/// The rendered OpenAPI document, shared by every request.
+#[derive(Clone)]
+pub struct ApiDocument(pub Arc<String>);
+
+/// This document: OpenAPI 3.1, generated from the handlers.
+#[utoipa::path(get, path = "/openapi.json", tag = "operating", responses(
+    (status = 200, description = "The OpenAPI 3.1 document of every route", body = Object, content_type = "application/json"),
+))]
+async fn openapi_json(Extension(document): Extension<ApiDocument>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        document.0.as_str().to_owned(),
     )
         .into_response()
 }

@@ -14,6 +14,7 @@ mod contracts;
 mod crash;
 mod http;
 mod messaging;
+mod openapi;
 mod operating;
 mod ordered;
 mod pipeline;

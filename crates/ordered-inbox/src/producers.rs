@@ -29,6 +29,7 @@ pub struct ProducerFact {
 
 /// Who owns an aggregate, and the epoch under which it was claimed (or transferred).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AggregateOwner {
     pub producer: String,
     pub epoch: i64,
@@ -175,6 +176,7 @@ pub enum TransferRefusal {
 
 /// The recorded transfer: the audit row's content.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct TransferRecord {
     pub aggregate_id: String,

@@ -53,6 +53,7 @@ pub const OPEN_DEAD_LETTERS_SHOWN: i64 = 1000;
 /// columns existed were backfilled from their payload; a payload that never parsed leaves them
 /// unknown.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AppliedMessage {
     pub message_id: String,
@@ -190,6 +191,7 @@ pub struct InboxHealth {
 /// Which dead letters to list.
 /// An aggregate's owner (if any) and last applied sequence: what a transfer is checked against.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct OwnershipState {
     pub owner: Option<crate::producers::AggregateOwner>,
     pub last: i64,
@@ -204,6 +206,7 @@ pub struct TransferConflict {
 
 /// A producer as `GET /producers` shows it: never the token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ProducerView {
     pub name: String,

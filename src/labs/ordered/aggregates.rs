@@ -2,45 +2,53 @@
 //! of what the consumer accepted: `GET /aggregates/{id}`, `GET /aggregates?status=`,
 //! `GET /aggregates/{id}/timeline` and `GET /deadletters`.
 
-use axum::Router;
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use axum::routing::{get, post};
-use ordered_inbox::views::DeadLetterFilter;
+use ordered_inbox::views::{
+    AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, TimelineEvent,
+};
 use ordered_inbox::{AggregateStatus, DeadLetterStatus, Door, OrderedMessage};
 use serde::Deserialize;
 use serde_json::json;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::producers::{producer_claim, refused};
-use super::verdicts::verdict_response;
+use super::verdicts::{DeliveryAccepted, DeliveryRefused, Quarantined, verdict_response};
 use super::{
     SharedInbox, page_body, page_request, validate_aggregate_id, validate_limit,
     validate_message_id, validate_sequence,
 };
 use crate::error::{AppError, Json, Path, Query, RequestBody, json_response};
 
-pub(super) fn routes<S>() -> Router<S>
+pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
 {
-    Router::new()
-        .route("/aggregates", get(inventory))
-        .route("/aggregates/{aggregate_id}", get(aggregate))
-        .route("/aggregates/{aggregate_id}/messages", post(deliver))
-        .route("/aggregates/{aggregate_id}/timeline", get(timeline))
-        .route("/deadletters", get(dead_letters))
+    OpenApiRouter::new()
+        .routes(routes!(inventory))
+        .routes(routes!(aggregate))
+        .routes(routes!(deliver))
+        .routes(routes!(timeline))
+        .routes(routes!(dead_letters))
 }
 
 /// A delivery to the general door. The aggregate comes from the path; a body `aggregateId`, if
-/// present, must name the same one.
-#[derive(Debug, Deserialize)]
+/// present, must name the same one. Names bind case-insensitively.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct MessageInput {
+    /// 1 to 100 characters, not blank, no control characters; never changes meaning.
+    #[schema(min_length = 1, max_length = 100)]
     message_id: String,
+    #[schema(minimum = 1, maximum = 9007199254740992_i64)]
     sequence: i64,
+    /// A negative amount is poison: it is quarantined.
     amount: i32,
+    #[schema(nullable = false)]
     aggregate_id: Option<String>,
 }
 
@@ -78,6 +86,29 @@ pub(crate) fn general_message(aggregate_id: String, body: &[u8]) -> Result<Order
 
 /// A delivery, anonymous or by a producer (`Authorization: Bearer TOKEN` and `Producer-Epoch`):
 /// the producer's epoch and the aggregate's owner are checked in the write's own transaction.
+#[utoipa::path(post, path = "/aggregates/{aggregate_id}/messages", tag = "ordered",
+    params(
+        ("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate"),
+        ("producer-epoch" = Option<i64>, Header, minimum = 1, description = "With a producer's token: the epoch POST /producers/session answered"),
+    ),
+    request_body = MessageInput,
+    security((), ("producer" = [])),
+    responses(
+        (status = 200, description = "Applied (the next sequence), or a replay of an applied id", body = DeliveryAccepted),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 401, description = "A producer's credential is missing, unknown or revoked, or the aggregate's owner must deliver", body = crate::openapi::Problem, content_type = "application/problem+json",
+            headers(("www-authenticate" = String))),
+        (status = 403, description = "Not the aggregate's owner, or an unowned aggregate with history that only an operator may give an owner", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "A gap (deliver `expected` first), a stale sequence or a payload conflict (JSON); or the producer is fenced or has no session (problem): nothing changed", content(
+            (DeliveryRefused = "application/json"),
+            (crate::openapi::Problem = "application/problem+json"),
+        )),
+        (status = 422, description = "Quarantined as a dead letter: the aggregate waits for an operator or a corrected message", body = Quarantined),
+        (status = 429, description = "The aggregate's quarantine is full: the poison message was not recorded", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn deliver(
     State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
@@ -104,6 +135,16 @@ async fn deliver(
     )
 }
 
+#[utoipa::path(get, path = "/aggregates/{aggregate_id}", tag = "ordered",
+    params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate")),
+    responses(
+        (status = 200, description = "The aggregate's position, status and open dead letters", body = AggregateView),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 404, description = "No message was ever recorded for it", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn aggregate(
     State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
@@ -128,13 +169,32 @@ async fn aggregate(
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct InventoryQuery {
+    /// Which aggregates to list.
+    #[param(value_type = AggregateStatus, required = true)]
     status: Option<String>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
 }
 
+/// The aggregates in one status, the longest-standing first.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct Inventory {
+    status: AggregateStatus,
+    aggregates: Vec<InventoryEntry>,
+}
+
 /// `GET /aggregates?status=blocked|waiting|flowing`: the longest-standing first, with ages.
+#[utoipa::path(get, path = "/aggregates", tag = "ordered", params(InventoryQuery), responses(
+    (status = 200, description = "The aggregates in that status, the longest-standing first", body = Inventory),
+    (status = 400, response = crate::openapi::BadRequest),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn inventory(
     State(inbox): State<SharedInbox>,
     Query(query): Query<InventoryQuery>,
@@ -152,14 +212,40 @@ async fn inventory(
     ))
 }
 
-#[derive(Debug, Deserialize)]
-struct PageQuery {
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(super) struct PageQuery {
+    /// The cursor: the `next` of the previous page (0 or absent for the first).
+    #[param(minimum = 0)]
     after: Option<i64>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
+}
+
+/// One page of an aggregate's timeline.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct TimelinePage {
+    aggregate_id: String,
+    events: Vec<TimelineEvent>,
+    /// The `after` of the following page; null at the end.
+    #[schema(required = true)]
+    next: Option<i64>,
 }
 
 /// `GET /aggregates/{id}/timeline?after=&limit=`: oldest first; `next` is the `after` of the
 /// following page, or null at the end.
+#[utoipa::path(get, path = "/aggregates/{aggregate_id}/timeline", tag = "ordered",
+    params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate"), PageQuery),
+    responses(
+        (status = 200, description = "Every change and rejection of the aggregate, oldest first", body = TimelinePage),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn timeline(
     State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
@@ -174,17 +260,43 @@ async fn timeline(
     ))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(rename_all = "camelCase")]
 struct DeadLetterQuery {
+    /// Only dead letters in this status.
+    #[param(value_type = Option<DeadLetterStatus>)]
     status: Option<String>,
+    /// Only this aggregate's.
+    #[param(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
     aggregate_id: Option<String>,
+    /// The cursor: the `next` of the previous page.
+    #[param(minimum = 0)]
     after: Option<i64>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
+}
+
+/// One page of dead letters.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct DeadLetterPage {
+    dead_letters: Vec<DeadLetterView>,
+    /// The `after` of the following page; null at the end.
+    #[schema(required = true)]
+    next: Option<i64>,
 }
 
 /// `GET /deadletters?status=open|resolved|superseded&aggregateId=&after=&limit=`: in the order
 /// they were first recorded; `next` pages on.
+#[utoipa::path(get, path = "/deadletters", tag = "ordered", params(DeadLetterQuery), responses(
+    (status = 200, description = "Dead letters in the order they were first recorded", body = DeadLetterPage),
+    (status = 400, response = crate::openapi::BadRequest),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn dead_letters(
     State(inbox): State<SharedInbox>,
     Query(query): Query<DeadLetterQuery>,

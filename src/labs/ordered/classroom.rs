@@ -2,38 +2,88 @@
 //! 1..10, and `GET /ordered/state`. Same inbox and tables as the general door; the seed's bodies,
 //! statuses and identity rule.
 
+use axum::extract;
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use axum::routing::{get, post};
-use axum::{Router, extract};
 use ordered_inbox::views::AggregateCounts;
 use ordered_inbox::{Door, OrderedMessage, Outcome};
 use serde::Deserialize;
 use serde_json::json;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::{SharedInbox, quarantine_full};
 use crate::aspnet::is_blank_or_longer_than;
 use crate::error::{AppError, Json, RequestBody, json_response};
 
-pub(super) fn routes<S>() -> Router<S>
+pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
 {
-    Router::new()
-        .route("/ordered/apply", post(apply))
-        .route("/ordered/state", get(state))
+    OpenApiRouter::new()
+        .routes(routes!(apply))
+        .routes(routes!(state))
 }
 
 /// The classroom body. Every property is required: a missing one is a 400, not a default.
-#[derive(Debug, Deserialize)]
+/// Names bind case-insensitively.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct OrderedInput {
+    /// 1 to 20 characters (UTF-16 code units), not blank.
+    #[schema(value_type = String, required = true, min_length = 1, max_length = 20)]
     message_id: Option<String>,
+    /// The one classroom aggregate.
+    #[schema(value_type = String, required = true, pattern = "^demo$", example = "demo")]
     aggregate_id: Option<String>,
+    #[schema(minimum = 1, maximum = 10)]
     sequence: i32,
+    /// A negative amount is poison: it is quarantined.
     amount: i32,
+}
+
+/// A classroom answer, in the seed's shape: the outcome, with the sequence applied or the one
+/// expected next.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ClassroomAnswer {
+    #[schema(inline)]
+    outcome: ClassroomOutcome,
+    /// The applied sequence (`applied` only).
+    #[schema(required = false)]
+    sequence: i64,
+    /// The sequence the aggregate needs next (`gap`, `stale`, `quarantined`).
+    #[schema(required = false)]
+    expected: i64,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+enum ClassroomOutcome {
+    #[schema(rename = "applied")]
+    Applied,
+    #[schema(rename = "replay")]
+    Replay,
+    #[schema(rename = "payload conflict")]
+    PayloadConflict,
+    #[schema(rename = "gap")]
+    Gap,
+    #[schema(rename = "stale")]
+    Stale,
+    #[schema(rename = "quarantined")]
+    Quarantined,
+}
+
+/// The classroom aggregate's rows, in the seed's names.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ClassroomState {
+    applied: i64,
+    deadletters: i64,
+    last: i64,
 }
 
 impl RequestBody for OrderedInput {
@@ -72,6 +122,18 @@ impl OrderedInput {
     }
 }
 
+/// The lesson's door: one aggregate `demo`, sequences 1..10, the seed's answers.
+#[utoipa::path(post, path = "/ordered/apply", tag = "ordered", request_body = OrderedInput,
+    responses(
+        (status = 200, description = "`applied` (the next sequence) or `replay` (a known id, same content)", body = ClassroomAnswer),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 409, description = "`gap`, `stale` or `payload conflict`: nothing changed", body = ClassroomAnswer),
+        (status = 422, description = "`quarantined`: a dead letter was recorded; the aggregate did not advance", body = ClassroomAnswer),
+        (status = 429, description = "The aggregate's quarantine is full: the poison message was not recorded", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn apply(
     State(inbox): State<SharedInbox>,
     Json(input): Json<OrderedInput>,
@@ -118,6 +180,11 @@ fn classroom_response(message: &OrderedMessage, outcome: &Outcome) -> Response {
 /// The classroom aggregate's counts and last sequence. The seed took `MAX(last_sequence)` over
 /// every aggregate, which was the same thing while `demo` was the only one; now that the general
 /// door serves any aggregate, all three numbers describe `demo` alone.
+#[utoipa::path(get, path = "/ordered/state", tag = "ordered", responses(
+    (status = 200, description = "The classroom aggregate's applied messages, dead letters and last sequence", body = ClassroomState),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn state(
     State(inbox): State<SharedInbox>,
 ) -> Result<extract::Json<serde_json::Value>, AppError> {

@@ -18,7 +18,6 @@ mod verdicts;
 
 use std::sync::Arc;
 
-use axum::Router;
 use axum::extract::FromRef;
 use axum::http::StatusCode;
 use axum::response::Response;
@@ -26,6 +25,7 @@ use ordered_inbox::views::{Page, PageRequest};
 use ordered_inbox::{Inbox, OrderedMessage};
 use serde::Serialize;
 use serde_json::{Value, json};
+use utoipa_axum::router::OpenApiRouter;
 
 use crate::error::{AppError, problem_response_with};
 
@@ -34,12 +34,12 @@ pub(crate) use aggregates::general_message;
 /// The inbox the handlers use, whatever store is underneath.
 pub type SharedInbox = Arc<dyn Inbox>;
 
-pub fn routes<S>() -> Router<S>
+pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
 {
-    Router::new()
+    OpenApiRouter::new()
         .merge(classroom::routes())
         .merge(aggregates::routes())
         .merge(resolution::routes())

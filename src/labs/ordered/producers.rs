@@ -4,17 +4,18 @@
 //! `POST /aggregates/{id}/owner` (an operator's token) transfers an aggregate, audited;
 //! `GET /producers` lists producers (never tokens).
 
-use axum::Router;
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use ordered_inbox::views::OwnershipState;
+use ordered_inbox::views::{OwnershipState, ProducerView};
 use ordered_inbox::{
     OrderedMessage, ProducerClaim, ProducerRefusal, TransferRefusal, TransferRequest,
 };
 use serde::{Deserialize, Deserializer};
 use serde_json::json;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::resolution::{Credential, authenticate, credential, unauthorized, unauthorized_titled};
 use super::{SharedInbox, validate_aggregate_id, validate_sequence};
@@ -24,15 +25,67 @@ use crate::error::{AppError, Json, Path, RequestBody, json_response, problem_res
 pub const PRODUCER_EPOCH: HeaderName = HeaderName::from_static("producer-epoch");
 const MAX_REASON: usize = 500;
 
-pub(super) fn routes<S>() -> Router<S>
+pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
 {
-    Router::new()
-        .route("/producers", get(list))
-        .route("/producers/session", post(session))
-        .route("/aggregates/{aggregate_id}/owner", post(transfer))
+    OpenApiRouter::new()
+        .routes(routes!(list))
+        .routes(routes!(session))
+        .routes(routes!(transfer))
+}
+
+// The bodies below, as the OpenAPI document describes them.
+
+/// A producer's new session.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct Session {
+    producer: String,
+    /// Send it as `Producer-Epoch` with every delivery of this session.
+    epoch: i64,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ProducerList {
+    producers: Vec<ProducerView>,
+}
+
+/// A transfer's answer: the audited record.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct Transferred {
+    #[schema(pattern = "^owner transferred$")]
+    outcome: String,
+    transfer: ordered_inbox::TransferRecord,
+}
+
+/// A refused transfer: what failed, and the aggregate's owner and last sequence now.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct TransferRefused {
+    #[serde(flatten)]
+    problem: crate::openapi::Problem,
+    current: OwnershipState,
+}
+
+/// An operator's transfer of an aggregate. Names bind case-insensitively.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct TransferBody {
+    /// The receiving producer.
+    producer: String,
+    /// The owner the operator expects now, or null for an unowned aggregate (required).
+    #[schema(required = true)]
+    expected_owner: Option<String>,
+    #[schema(minimum = 0, maximum = 9007199254740992_i64)]
+    expected_last: i64,
+    /// Why, for the audit trail: 1 to 500 characters, not blank.
+    #[schema(min_length = 1, max_length = 500, pattern = "\\S")]
+    reason: String,
 }
 
 /// Who a general-door delivery is made by: `Ok(None)` when it carries no Authorization header
@@ -163,6 +216,14 @@ pub(super) fn refused(message: &OrderedMessage, refusal: ProducerRefusal) -> Res
 
 /// `POST /producers/session`: the producer's epoch goes one up; every delivery under an older
 /// one is fenced from now on.
+#[utoipa::path(post, path = "/producers/session", tag = "ordered", security(("producer" = [])), responses(
+    (status = 200, description = "The producer's new epoch; older ones are fenced from now on", body = Session),
+    (status = 400, response = crate::openapi::BadRequest),
+    (status = 401, description = "No active producer's token", body = crate::openapi::Problem, content_type = "application/problem+json",
+        headers(("www-authenticate" = String))),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn session(
     State(inbox): State<SharedInbox>,
     headers: HeaderMap,
@@ -189,6 +250,11 @@ async fn session(
 }
 
 /// `GET /producers`: name, current epoch, owned aggregates, last delivery; never tokens.
+#[utoipa::path(get, path = "/producers", tag = "ordered", responses(
+    (status = 200, description = "Every producer, the first registered first (never tokens)", body = ProducerList),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn list(State(inbox): State<SharedInbox>) -> Result<Response, AppError> {
     let producers = inbox.producers().await?;
     Ok(json_response(
@@ -218,6 +284,21 @@ impl RequestBody for TransferInput {
 }
 
 /// `POST /aggregates/{id}/owner` with an operator's token.
+#[utoipa::path(post, path = "/aggregates/{aggregate_id}/owner", tag = "ordered",
+    params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate")),
+    request_body = TransferBody,
+    security(("operator" = [])),
+    responses(
+        (status = 200, description = "Transferred, with the audit record", body = Transferred),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 401, description = "No operator's token", body = crate::openapi::Problem, content_type = "application/problem+json",
+            headers(("www-authenticate" = String))),
+        (status = 409, description = "The owner or the last sequence is not the expected one; `current` shows them", body = TransferRefused, content_type = "application/problem+json"),
+        (status = 422, description = "The receiving producer is unknown or revoked", body = TransferRefused, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn transfer(
     State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,

@@ -2,15 +2,16 @@
 //! (Bearer token of an operator registered with `production-lab operator add`) and the audit trail
 //! `GET /resolutions`.
 
-use axum::Router;
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use ordered_inbox::views::ResolutionRecord;
+use ordered_inbox::views::{CurrentState, ResolutionRecord};
 use ordered_inbox::{Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::{
     SharedInbox, page_body, page_request, validate_aggregate_id, validate_message_id,
@@ -23,29 +24,36 @@ use crate::error::{
 /// How to register the first operator, for answers given while there is none.
 const ADD_HINT: &str = "production-lab operator add NAME --database PATH";
 
-pub(super) fn routes<S>() -> Router<S>
+pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
 {
-    Router::new()
-        .route(
-            "/deadletters/{message_id}/resolution",
-            post(resolve_dead_letter),
-        )
-        .route("/resolutions", get(audit_trail))
+    OpenApiRouter::new()
+        .routes(routes!(resolve_dead_letter))
+        .routes(routes!(audit_trail))
 }
 
 const MAX_REASON: usize = 500;
 const UNAUTHORIZED_TITLE: &str = "Operator authentication required";
 
-#[derive(Debug, Deserialize)]
+/// An operator's decision on a dead letter. Names bind case-insensitively.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct ResolutionInput {
+    /// `replace` (apply `replacement` in the dead letter's place) or `skip` (take the sequence
+    /// with no effect).
+    #[schema(value_type = ordered_inbox::ActionKind)]
     action: String,
+    /// The aggregate's last sequence the operator decided on; a different one answers 409.
+    #[schema(minimum = 0, maximum = 9007199254740992_i64)]
     expected_last: i64,
+    /// Why, for the audit trail: 1 to 500 characters.
+    #[schema(min_length = 1, max_length = 500)]
     reason: String,
+    /// Required for `replace`, absent for `skip`.
     #[serde(default)]
+    #[schema(value_type = Option<ReplacementInput>)]
     replacement: Value,
 }
 
@@ -53,9 +61,11 @@ impl RequestBody for ResolutionInput {
     const FIELDS: &'static [&'static str] = &["action", "expectedLast", "reason", "replacement"];
 }
 
-#[derive(Debug, Deserialize)]
+/// The message applied in the dead letter's place: a new id.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct ReplacementInput {
+    #[schema(min_length = 1, max_length = 100)]
     message_id: String,
     amount: i32,
 }
@@ -120,9 +130,11 @@ impl ResolutionInput {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(rename_all = "camelCase")]
 struct ResolutionOptions {
+    /// Report what the resolution would do, and write nothing.
     dry_run: Option<bool>,
 }
 
@@ -209,7 +221,35 @@ pub(super) async fn authenticate(
     Err(unauthorized(detail))
 }
 
+/// A refused resolution: what failed, and the aggregate and the dead letter as they are now.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ResolutionConflict {
+    #[serde(flatten)]
+    problem: crate::openapi::Problem,
+    current: CurrentState,
+}
+
 /// `POST /deadletters/{messageId}/resolution[?dryRun=true]`.
+#[utoipa::path(post, path = "/deadletters/{message_id}/resolution", tag = "ordered",
+    params(
+        ("message_id" = String, Path, min_length = 1, max_length = 100, description = "The dead letter's message id"),
+        ResolutionOptions,
+    ),
+    request_body = ResolutionInput,
+    security(("operator" = [])),
+    responses(
+        (status = 200, description = "Resolved (or, with dryRun, what resolving would do), with the audit record", body = ResolutionAnswer),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 401, description = "No operator's token: none was sent, it is not active, or no operator is registered yet", body = crate::openapi::Problem, content_type = "application/problem+json",
+            headers(("www-authenticate" = String, description = "Bearer realm=\"production-lab\""))),
+        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "A precondition failed; `current` shows the aggregate and the dead letter now", body = ResolutionConflict, content_type = "application/problem+json"),
+        (status = 422, description = "The replacement would be quarantined too; nothing changed", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
 async fn resolve_dead_letter(
     State(inbox): State<SharedInbox>,
     Path(dead_letter_id): Path<String>,
@@ -240,7 +280,7 @@ async fn resolve_dead_letter(
 }
 
 /// A resolution's body: the outcome, then the audit record's members.
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct ResolutionAnswer {
     outcome: &'static str,
@@ -328,16 +368,39 @@ fn conflict_words(kind: &ConflictKind) -> (&'static str, String) {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(rename_all = "camelCase")]
 struct AuditQuery {
+    /// Only this aggregate's resolutions.
+    #[param(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
     aggregate_id: Option<String>,
+    /// The cursor: the `next` of the previous page.
+    #[param(minimum = 0)]
     after: Option<i64>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
+}
+
+/// One page of the audit trail.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct AuditPage {
+    resolutions: Vec<ResolutionRecord>,
+    /// The `after` of the following page; null at the end.
+    #[schema(required = true)]
+    next: Option<i64>,
 }
 
 /// `GET /resolutions?aggregateId=&after=&limit=`: who resolved what, when, why, and the
 /// aggregate's last before and after, oldest first.
+#[utoipa::path(get, path = "/resolutions", tag = "ordered", params(AuditQuery), responses(
+    (status = 200, description = "The audit trail, oldest first", body = AuditPage),
+    (status = 400, response = crate::openapi::BadRequest),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
+))]
 async fn audit_trail(
     State(inbox): State<SharedInbox>,
     Query(query): Query<AuditQuery>,

@@ -6,6 +6,7 @@ use axum::response::{IntoResponse, Response};
 use ordered_inbox::delivery::AppliedRecord;
 use ordered_inbox::{DeadLetterNote, DeadLetterStatus, OrderedMessage, Outcome, QuarantineReason};
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::quarantine_full;
 
@@ -48,20 +49,37 @@ pub(super) fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Re
     }
 }
 
+/// The 200 answers of a delivery, for the OpenAPI document.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub(super) enum DeliveryAccepted<'a> {
+    Applied(Applied<'a>),
+    Replay(Replay<'a>),
+}
+
+/// The 409 answers of a delivery, for the OpenAPI document.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub(super) enum DeliveryRefused<'a> {
+    OutOfOrder(OutOfOrder<'a>),
+    PayloadConflict(PayloadConflict<'a>),
+}
+
 fn answer(status: StatusCode, body: impl Serialize) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
 /// The members every verdict starts with.
-#[derive(Clone, Copy, Serialize)]
+#[derive(Clone, Copy, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct About<'a> {
     aggregate_id: &'a str,
     message_id: &'a str,
 }
 
-#[derive(Serialize)]
-struct Applied<'a> {
+#[derive(Serialize, ToSchema)]
+pub(super) struct Applied<'a> {
+    #[schema(value_type = String, pattern = "^applied$")]
     outcome: &'static str,
     #[serde(flatten)]
     about: About<'a>,
@@ -82,7 +100,7 @@ fn applied(about: About<'_>, sequence: i64, total: i64, superseded: Vec<String>)
     }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct Original {
     outcome: &'static str,
@@ -90,8 +108,9 @@ struct Original {
     applied_at: Option<String>,
 }
 
-#[derive(Serialize)]
-struct Replay<'a> {
+#[derive(Serialize, ToSchema)]
+pub(super) struct Replay<'a> {
+    #[schema(value_type = String, pattern = "^replay$")]
     outcome: &'static str,
     #[serde(flatten)]
     about: About<'a>,
@@ -115,8 +134,9 @@ fn replay(about: About<'_>, original: AppliedRecord) -> Replay<'_> {
 }
 
 /// A gap or a stale sequence: where the message stands against the aggregate.
-#[derive(Serialize)]
-struct OutOfOrder<'a> {
+#[derive(Serialize, ToSchema)]
+pub(super) struct OutOfOrder<'a> {
+    #[schema(value_type = String, pattern = "^(gap|stale)$")]
     outcome: &'static str,
     #[serde(flatten)]
     about: About<'a>,
@@ -151,8 +171,9 @@ fn stale<'a>(about: About<'a>, message: &OrderedMessage, expected: i64) -> OutOf
     }
 }
 
-#[derive(Serialize)]
-struct PayloadConflict<'a> {
+#[derive(Serialize, ToSchema)]
+pub(super) struct PayloadConflict<'a> {
+    #[schema(value_type = String, pattern = "^payload conflict$")]
     outcome: &'static str,
     #[serde(flatten)]
     about: About<'a>,
@@ -169,22 +190,23 @@ fn payload_conflict(about: About<'_>) -> PayloadConflict<'_> {
     }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 struct DeadLetterState {
     status: DeadLetterStatus,
     observations: Option<i64>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct NextStep {
     requires_operator: bool,
     how: String,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct Quarantined<'a> {
+pub(super) struct Quarantined<'a> {
+    #[schema(value_type = String, pattern = "^quarantined$")]
     outcome: &'static str,
     #[serde(flatten)]
     about: About<'a>,
