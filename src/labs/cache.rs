@@ -297,7 +297,7 @@ async fn stats(State(lab): State<CacheLab>) -> Response {
 
 /// Closes or opens the gate that holds the shared value's factory (a lab control).
 #[utoipa::path(post, path = "/lab/cache/gate/{action}", tag = "cache", operation_id = "cache_set_gate",
-    params(("action" = String, Path, description = "`close` or `open`", example = "open")),
+    params(("action" = inline(crate::labs::gate::GateAction), Path, description = "`close` holds the work until `open`")),
     responses(
         (status = 204, description = "The gate is in that position"),
         (status = 400, response = crate::openapi::BadRequest),

@@ -87,7 +87,8 @@ async fn effect(State(store): State<Store>) -> Result<extract::Json<Value>, AppE
 }
 
 /// Where the controlled failure happens relative to the commit.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, ToSchema)]
+#[schema(rename_all = "lowercase")]
 enum Phase {
     Before,
     After,
@@ -97,7 +98,7 @@ enum Phase {
 /// changed), `after` after it (the effect was counted). Only `GET /contracts/effect` tells them
 /// apart.
 #[utoipa::path(post, path = "/contracts/change/{phase}", tag = "contracts",
-    params(("phase" = String, Path, description = "Where the controlled failure happens", example = "before")),
+    params(("phase" = inline(Phase), Path, description = "Where the controlled failure happens")),
     responses(
         (status = 400, response = crate::openapi::BadRequest),
         (status = 503, description = "Always, by design: a controlled failure before or after the commit", body = crate::openapi::Problem, content_type = "application/problem+json"),

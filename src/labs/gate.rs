@@ -7,6 +7,15 @@ use tokio::sync::watch;
 
 use crate::error::AppError;
 
+/// What a gate route may do, for the OpenAPI document.
+#[derive(utoipa::ToSchema)]
+#[schema(rename_all = "lowercase")]
+#[allow(dead_code)]
+pub enum GateAction {
+    Close,
+    Open,
+}
+
 /// Open at start. Clones share one switch.
 #[derive(Clone)]
 pub struct LabGate {

@@ -65,6 +65,15 @@ where
 const CLASSROOM_ID: &str = "demo";
 /// The two relay owners that may claim events.
 const OWNERS: [&str; 2] = ["one", "two"];
+
+/// [`OWNERS`], for the OpenAPI document.
+#[derive(ToSchema)]
+#[schema(rename_all = "lowercase")]
+#[allow(dead_code)]
+enum Owner {
+    One,
+    Two,
+}
 const MAX_QUANTITY: i32 = 10;
 const MAX_AMOUNT: i32 = 10;
 const MAX_PAYLOAD: usize = 50;
@@ -228,7 +237,7 @@ struct Claimed {
 
 /// Leases the oldest claimable event to `owner`.
 #[utoipa::path(post, path = "/outbox/claim/{owner}", tag = "messaging",
-    params(("owner" = String, Path, description = "The relay claiming: `one` or `two`", example = "one")),
+    params(("owner" = inline(Owner), Path, description = "The relay claiming")),
     responses(
         (status = 200, description = "The leased event; `attempts` is the lease's fencing token", body = Claimed),
         (status = 204, description = "No event is claimable now"),
@@ -293,7 +302,7 @@ struct AckQuery {
 #[utoipa::path(post, path = "/outbox/ack/{id}/{owner}", tag = "messaging",
     params(
         ("id" = i64, Path, description = "The event's id"),
-        ("owner" = String, Path, description = "The relay that holds the lease", example = "one"),
+        ("owner" = inline(Owner), Path, description = "The relay that holds the lease"),
         AckQuery,
     ),
     responses(

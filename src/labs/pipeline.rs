@@ -35,6 +35,15 @@ where
 
 /// The idempotency keys the classroom fixture accepts.
 const REQUEST_KEYS: [&str; 2] = ["demo", "second"];
+
+/// [`REQUEST_KEYS`], for the OpenAPI document.
+#[derive(ToSchema)]
+#[schema(rename_all = "lowercase")]
+#[allow(dead_code)]
+enum RequestKey {
+    Demo,
+    Second,
+}
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
 const MAX_QUANTITY: i32 = 10;
 
@@ -193,7 +202,7 @@ fn decide_and_write(
 #[utoipa::path(post, path = "/pipeline", tag = "pipeline",
     params(
         PipelineQuery,
-        ("idempotency-key" = String, Header, description = "`demo` or `second`"),
+        ("idempotency-key" = inline(RequestKey), Header, description = "The request's idempotency key"),
         ("if-match" = Option<String>, Header, description = "Required: the document's current entity tag (see GET /pipeline/state)"),
     ),
     request_body = PipelineInput,

@@ -286,7 +286,7 @@ async fn evidence(State(lab): State<WorkerLab>) -> Response {
 
 /// Closes or opens the gate the worker waits at before each item (a lab control).
 #[utoipa::path(post, path = "/lab/worker/gate/{action}", tag = "worker", operation_id = "worker_set_gate",
-    params(("action" = String, Path, description = "`close` or `open`", example = "open")),
+    params(("action" = inline(crate::labs::gate::GateAction), Path, description = "`close` holds the work until `open`")),
     responses(
         (status = 204, description = "The gate is in that position"),
         (status = 400, response = crate::openapi::BadRequest),

@@ -68,6 +68,11 @@ async fn the_document_is_openapi_3_1_with_the_problem_schema_and_unique_operatio
             "Problem requires {member}: {problem}"
         );
     }
+    // Statuses are spelled as the bodies spell them.
+    assert_eq!(
+        document["components"]["schemas"]["AggregateStatus"]["enum"],
+        serde_json::json!(["flowing", "waiting", "blocked"])
+    );
     let mut ids = BTreeSet::new();
     for (path, method) in operations(&document) {
         let operation = &document["paths"][&path][&method];

@@ -51,6 +51,7 @@ pub(super) fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Re
 
 /// The 200 answers of a delivery, for the OpenAPI document.
 #[derive(ToSchema)]
+#[serde(untagged)]
 #[allow(dead_code)]
 pub(super) enum DeliveryAccepted<'a> {
     Applied(Applied<'a>),
@@ -59,6 +60,7 @@ pub(super) enum DeliveryAccepted<'a> {
 
 /// The 409 answers of a delivery, for the OpenAPI document.
 #[derive(ToSchema)]
+#[serde(untagged)]
 #[allow(dead_code)]
 pub(super) enum DeliveryRefused<'a> {
     OutOfOrder(OutOfOrder<'a>),
