@@ -24,6 +24,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::config::Synchronous;
+use crate::progress::{Progress, ProgressCounter};
 use ordered_inbox::{Door, Limits, OrderedMessage, Outcome};
 
 #[derive(Debug, thiserror::Error)]
@@ -425,12 +426,14 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
     }
     let address = Arc::new(server.address.clone());
     let usage_before = server.usage();
+    let progress = Progress::start("bench ordered: HTTP", options.messages as u64, "messages");
     let started = Instant::now();
     let mut clients = tokio::task::JoinSet::new();
     for streams in owned.into_iter().filter(|s| !s.is_empty()) {
         let client = client.clone();
         let address = address.clone();
-        clients.spawn(async move { drive_client(&client, &address, streams).await });
+        let counter = progress.counter();
+        clients.spawn(async move { drive_client(&client, &address, streams, &counter).await });
     }
     let mut latencies = Vec::with_capacity(options.messages);
     while let Some(joined) = clients.join_next().await {
@@ -439,6 +442,7 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
         latencies.extend(client_latencies);
     }
     let elapsed = started.elapsed();
+    progress.finish();
     let peak_rss_kib = server.peak_rss_kib();
     let server_cost = server
         .usage()
@@ -448,13 +452,20 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
     verify_end_state(&stopped.database, &streams)?;
     let database_bytes = database_size(&stopped.database)?;
 
+    let progress = Progress::start(
+        "bench ordered: raw baseline",
+        options.messages as u64,
+        "messages",
+    );
     let raw_per_second = tokio::task::spawn_blocking({
         let streams = streams.clone();
         let synchronous = options.synchronous;
-        move || raw_baseline(&streams, synchronous)
+        let counter = progress.counter();
+        move || raw_baseline(&streams, synchronous, Some(&counter))
     })
     .await
     .map_err(|e| BenchError::Verification(format!("the raw baseline panicked: {e}")))??;
+    progress.finish();
 
     latencies.sort_unstable();
     let http_per_second = options.messages as f64 / elapsed.as_secs_f64();
@@ -492,6 +503,7 @@ async fn drive_client(
     client: &reqwest::Client,
     address: &str,
     streams: Vec<AggregateStream>,
+    progress: &ProgressCounter,
 ) -> Result<Vec<Duration>, BenchError> {
     let longest = streams.iter().map(|s| s.messages.len()).max().unwrap_or(0);
     let mut latencies = Vec::new();
@@ -517,6 +529,7 @@ async fn drive_client(
                     message.aggregate_id, message.sequence
                 )));
             }
+            progress.add(1);
         }
     }
     Ok(latencies)
@@ -558,6 +571,7 @@ pub fn verify_end_state(database: &Path, streams: &[AggregateStream]) -> Result<
 pub fn raw_baseline(
     streams: &[AggregateStream],
     synchronous: Synchronous,
+    progress: Option<&ProgressCounter>,
 ) -> Result<f64, BenchError> {
     let dir = tempfile::tempdir()?;
     let mut connection = Connection::open(dir.path().join("raw.db"))?;
@@ -590,6 +604,9 @@ pub fn raw_baseline(
                 )));
             }
             count += 1;
+            if let Some(progress) = progress {
+                progress.add(1);
+            }
         }
     }
     Ok(count as f64 / started.elapsed().as_secs_f64())
@@ -707,12 +724,19 @@ async fn http_load(
     for (index, stream) in streams.iter().enumerate() {
         owned[index % concurrency].push(stream.clone());
     }
+    let total: usize = streams.iter().map(|stream| stream.messages.len()).sum();
+    let progress = Progress::start(
+        &format!("bench ordered: HTTP to {} server(s)", addresses.len()),
+        total as u64,
+        "messages",
+    );
     let started = Instant::now();
     let mut clients = tokio::task::JoinSet::new();
     for (index, streams) in owned.into_iter().enumerate().filter(|(_, s)| !s.is_empty()) {
         let client = client.clone();
         let address = addresses[index % addresses.len()].clone();
-        clients.spawn(async move { drive_client(&client, &address, streams).await });
+        let counter = progress.counter();
+        clients.spawn(async move { drive_client(&client, &address, streams, &counter).await });
     }
     let mut latencies = Vec::new();
     while let Some(joined) = clients.join_next().await {
@@ -722,6 +746,7 @@ async fn http_load(
         );
     }
     let elapsed = started.elapsed();
+    progress.finish();
     latencies.sort_unstable();
     Ok((elapsed, latencies))
 }
@@ -943,14 +968,17 @@ pub async fn stampede(callers: usize) -> Result<StampedeReport, BenchError> {
         .timeout(Duration::from_secs(60))
         .build()?;
     expect_status(&client, &format!("{address}/lab/cache/gate/close"), 204).await?;
+    let progress = Progress::start("bench stampede: answered", callers as u64, "callers");
     let mut waiting = tokio::task::JoinSet::new();
     for _ in 0..callers {
         let client = client.clone();
         let url = format!("{address}/cache/shared");
+        let counter = progress.counter();
         waiting.spawn(async move {
             let response = client.get(url).send().await?;
             let status = response.status();
             let body: Value = response.json().await?;
+            counter.add(1);
             Ok::<_, reqwest::Error>((status, body, Instant::now()))
         });
     }
@@ -989,6 +1017,7 @@ pub async fn stampede(callers: usize) -> Result<StampedeReport, BenchError> {
         }
         last_answer = last_answer.max(at);
     }
+    progress.finish();
     let stats: Value = client.get(&stats_url).send().await?.json().await?;
     let factories = stats["factories"].as_i64().unwrap_or(-1);
     let peak = server.peak_rss_kib();

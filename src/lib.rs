@@ -15,6 +15,7 @@ pub mod observe;
 pub mod openapi;
 pub mod pg_cluster;
 pub mod practice;
+pub mod progress;
 pub mod schema;
 pub mod server;
 pub mod startup;

@@ -649,3 +649,51 @@ async fn a_fenced_producer_delivery_is_counted_by_reason_and_as_a_refused_verdic
         1.0
     );
 }
+
+#[tokio::test]
+async fn bench_reports_progress_on_stderr_and_keeps_stdout_and_json_for_the_figures() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json_path = dir.path().join("figures.json");
+    let output = tokio::task::spawn_blocking({
+        let json_path = json_path.clone();
+        move || {
+            command()
+                .args(["bench", "ordered", "--aggregates", "4", "--messages", "120"])
+                .args(["--concurrency", "2", "--synchronous", "normal", "--json"])
+                .arg(&json_path)
+                .output()
+                .expect("run the bench")
+        }
+    })
+    .await
+    .expect("the bench process");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+
+    // Not a terminal here: plain lines, one at the start and one at the end of each phase.
+    for line in [
+        "bench ordered: HTTP: 0/120 messages",
+        "bench ordered: HTTP: 120/120 (100%) in ",
+        "bench ordered: raw baseline: 120/120 (100%) in ",
+    ] {
+        assert!(stderr.contains(line), "no {line:?} in stderr:\n{stderr}");
+    }
+    assert!(
+        !stdout.contains("(100%)"),
+        "progress reached stdout:\n{stdout}"
+    );
+    assert!(
+        stdout.starts_with("bench ordered: 120 messages over 4 aggregates"),
+        "{stdout}"
+    );
+    let figures: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON file"))
+            .expect("JSON figures");
+    assert_eq!(figures["messages"], 120);
+    assert!(
+        figures["httpMessagesPerSecond"]
+            .as_f64()
+            .is_some_and(|rate| rate > 0.0)
+    );
+}
