@@ -279,13 +279,6 @@ pub fn api_router() -> OpenApiRouter<AppState> {
         .merge(crate::console::routes())
 }
 
-/// The OpenAPI document `GET /openapi.json` serves.
-pub fn openapi() -> utoipa::openapi::OpenApi {
-    let mut document = api_router().into_openapi();
-    crate::openapi::Shared.modify(&mut document);
-    document
-}
-
 /// Every lab's routes on one router, wrapped in the security lab's middleware and, outside it,
 /// the request id, the request span and the HTTP metrics.
 pub fn router(state: AppState) -> Router {

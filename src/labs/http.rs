@@ -218,7 +218,7 @@ impl DocumentView {
 
 /// The document with its entity tag; `If-None-Match` with that tag answers 304.
 #[utoipa::path(get, path = "/documents/1", tag = "http",
-    params(("if-none-match" = Option<String>, Header, description = "Entity tags (`\"v1\"`, `W/\"v1\"`, `*`)")),
+    params(("if-none-match" = Option<String>, Header, pattern = "^[ \\t]*(\\*|(W/)?\"[\\x21\\x23-\\x7E]*\"([ \\t]*,[ \\t]*(W/)?\"[\\x21\\x23-\\x7E]*\")*)[ \\t]*$", description = "Entity tags (`\"v1\"`, `W/\"v1\"`, `*`); anything else answers 400")),
     responses(
         (status = 200, description = "The document", body = DocumentView,
             headers(("etag" = String, description = "The version's strong tag, e.g. \"v1\""))),
@@ -318,7 +318,7 @@ enum WriteOutcome {
 /// A conditional write: only the version `If-Match` names (re-checked inside the transaction).
 #[utoipa::path(put, path = "/documents/1", tag = "http",
     params(
-        ("if-match" = Option<String>, Header, description = "Required: the ETag from GET /documents/1, or `*`"),
+        ("if-match" = String, Header, pattern = "^[ \\t]*(\\*|(W/)?\"[\\x21\\x23-\\x7E]*\"([ \\t]*,[ \\t]*(W/)?\"[\\x21\\x23-\\x7E]*\")*)[ \\t]*$", description = "The ETag from GET /documents/1, or `*` (missing: 428)"),
         ("x-lab-pause" = Option<String>, Header, description = "`true` parks this writer at the armed probe until its release (a lab control)"),
     ),
     request_body = DocumentInput,

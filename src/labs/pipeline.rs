@@ -203,7 +203,7 @@ fn decide_and_write(
     params(
         PipelineQuery,
         ("idempotency-key" = inline(RequestKey), Header, description = "The request's idempotency key"),
-        ("if-match" = Option<String>, Header, description = "Required: the document's current entity tag (see GET /pipeline/state)"),
+        ("if-match" = String, Header, pattern = "^[ \\t]*(\\*|(W/)?\"[\\x21\\x23-\\x7E]*\"([ \\t]*,[ \\t]*(W/)?\"[\\x21\\x23-\\x7E]*\")*)[ \\t]*$", description = "The document's current entity tag, see GET /pipeline/state (missing: 428)"),
     ),
     request_body = PipelineInput,
     responses(

@@ -329,7 +329,10 @@ async fn antiforgery_token(State(lab): State<SecurityLab>, headers: HeaderMap) -
 
 /// Accepts a submission only with the antiforgery cookie and its request token.
 #[utoipa::path(post, path = "/antiforgery/submit", tag = "security",
-    params(("x-csrf-token" = Option<String>, Header, description = "The request token from GET /antiforgery/token")),
+    params(
+        ("x-csrf-token" = String, Header, description = "The request token from GET /antiforgery/token"),
+        ("ProductionLab.Csrf" = String, Cookie, description = "The cookie GET /antiforgery/token set"),
+    ),
     responses(
         (status = 200, description = "Accepted", body = SubmissionAccepted),
         (status = 400, description = "The token or the cookie is missing or does not match (the seed's JSON body), or a refused Host (problem)", content(

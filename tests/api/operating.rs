@@ -380,6 +380,10 @@ async fn a_sane_request_id_is_echoed_in_the_header_and_in_every_problem() {
         .await
         .expect("request");
     assert_eq!(live.headers()["x-request-id"], "probe-1");
+    // A path no route matches gets one too.
+    let unmatched = app.get("/no/such/route").await;
+    assert_eq!(unmatched.status(), 404);
+    assert!(unmatched.headers().contains_key("x-request-id"));
 }
 
 #[tokio::test]

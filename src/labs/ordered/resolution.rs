@@ -38,23 +38,54 @@ const MAX_REASON: usize = 500;
 const UNAUTHORIZED_TITLE: &str = "Operator authentication required";
 
 /// An operator's decision on a dead letter. Names bind case-insensitively.
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ResolutionInput {
-    /// `replace` (apply `replacement` in the dead letter's place) or `skip` (take the sequence
-    /// with no effect).
-    #[schema(value_type = ordered_inbox::ActionKind)]
+    action: String,
+    expected_last: i64,
+    reason: String,
+    #[serde(default)]
+    replacement: Value,
+}
+
+/// [`ResolutionInput`] as the OpenAPI document describes it: a replacement or a skip.
+#[derive(ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+enum ResolutionDecision {
+    Replace(ReplaceDecision),
+    Skip(SkipDecision),
+}
+
+/// Apply `replacement` in the dead letter's place.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct ReplaceDecision {
+    #[schema(pattern = "^replace$", example = "replace")]
     action: String,
     /// The aggregate's last sequence the operator decided on; a different one answers 409.
     #[schema(minimum = 0, maximum = 9007199254740992_i64)]
     expected_last: i64,
-    /// Why, for the audit trail: 1 to 500 characters.
-    #[schema(min_length = 1, max_length = 500)]
+    /// Why, for the audit trail: 1 to 500 characters, not blank.
+    #[schema(min_length = 1, max_length = 500, pattern = "\\S")]
     reason: String,
-    /// Required for `replace`, absent for `skip`.
-    #[serde(default)]
-    #[schema(value_type = Option<ReplacementInput>)]
-    replacement: Value,
+    replacement: ReplacementInput,
+}
+
+/// Take the dead letter's sequence with no effect.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct SkipDecision {
+    #[schema(pattern = "^skip$", example = "skip")]
+    action: String,
+    /// The aggregate's last sequence the operator decided on; a different one answers 409.
+    #[schema(minimum = 0, maximum = 9007199254740992_i64)]
+    expected_last: i64,
+    /// Why, for the audit trail: 1 to 500 characters, not blank.
+    #[schema(min_length = 1, max_length = 500, pattern = "\\S")]
+    reason: String,
 }
 
 impl RequestBody for ResolutionInput {
@@ -236,7 +267,7 @@ struct ResolutionConflict {
         ("message_id" = String, Path, min_length = 1, max_length = 100, description = "The dead letter's message id"),
         ResolutionOptions,
     ),
-    request_body = ResolutionInput,
+    request_body = ResolutionDecision,
     security(("operator" = [])),
     responses(
         (status = 200, description = "Resolved (or, with dryRun, what resolving would do), with the audit record", body = ResolutionAnswer),
