@@ -306,6 +306,8 @@ pub fn router(state: AppState) -> Router {
             security,
             labs::security::filter_hosts,
         ))
+        // The router's own bare 404 and 405 become problem+json like every other error.
+        .layer(middleware::from_fn(crate::error::bare_status_as_problem))
         // Outside the labs' middleware, so that a request they refuse is counted and logged too.
         .layer(middleware::from_fn_with_state(
             metrics,

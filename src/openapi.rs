@@ -49,6 +49,24 @@ pub struct SeedError {
 #[allow(dead_code)]
 pub struct BadRequest(Problem);
 
+/// The body did not arrive within the body-read timeout; the connection is closed.
+#[derive(ToResponse)]
+#[response(content_type = "application/problem+json")]
+#[allow(dead_code)]
+pub struct RequestTimeout(Problem);
+
+/// The body is larger than the server's limit (2 MiB).
+#[derive(ToResponse)]
+#[response(content_type = "application/problem+json")]
+#[allow(dead_code)]
+pub struct ContentTooLarge(Problem);
+
+/// The JSON body names a charset other than UTF-8.
+#[derive(ToResponse)]
+#[response(content_type = "application/problem+json")]
+#[allow(dead_code)]
+pub struct UnsupportedMediaType(Problem);
+
 /// The store is temporarily unavailable (its writer is busy past its retries, or stopping);
 /// a retry can succeed.
 #[derive(ToResponse)]
@@ -75,7 +93,14 @@ pub struct StoreFailed(Problem);
     ),
     components(
         schemas(Problem),
-        responses(BadRequest, StoreUnavailable, StoreFailed)
+        responses(
+            BadRequest,
+            RequestTimeout,
+            ContentTooLarge,
+            UnsupportedMediaType,
+            StoreUnavailable,
+            StoreFailed
+        )
     ),
     tags(
         (name = "operating", description = "Liveness, readiness, metrics and this document"),
@@ -96,7 +121,8 @@ pub struct StoreFailed(Problem);
 pub struct ApiDoc;
 
 /// Adds what every operation shares: a `400` problem (the host filter runs before any route,
-/// and most routes validate their input) unless the operation documents its own, and the
+/// and most routes validate their input) unless the operation documents its own; for an
+/// operation with a body, what reading any body can answer (408, 413, 415); and the
 /// `x-request-id` request header and response header.
 pub struct Shared;
 
@@ -144,11 +170,21 @@ impl Modify for Shared {
 }
 
 fn share(operation: &mut Operation) {
-    operation
-        .responses
-        .responses
-        .entry("400".to_owned())
-        .or_insert_with(|| RefOr::Ref(Ref::from_response_name("BadRequest")));
+    let mut shared = vec![("400", "BadRequest")];
+    if operation.request_body.is_some() {
+        shared.extend([
+            ("408", "RequestTimeout"),
+            ("413", "ContentTooLarge"),
+            ("415", "UnsupportedMediaType"),
+        ]);
+    }
+    for (status, response) in shared {
+        operation
+            .responses
+            .responses
+            .entry(status.to_owned())
+            .or_insert_with(|| RefOr::Ref(Ref::from_response_name(response)));
+    }
     let request_id = request_id_header();
     let parameters = operation.parameters.get_or_insert_with(Vec::new);
     let named = |parameter: &RefOr<Parameter>| match parameter {

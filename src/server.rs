@@ -47,7 +47,7 @@ use tower::ServiceExt;
 use tower_http::timeout::DeadlineBody;
 
 use crate::config::ConnectionLimits;
-use crate::error::{bare_status_as_problem, problem_response};
+use crate::error::problem_response;
 
 /// The largest request body any route reads; a larger one answers 413.
 pub const MAX_REQUEST_BODY_BYTES: usize = 2 * 1024 * 1024;
@@ -69,9 +69,9 @@ pub async fn serve(
     shutdown: CancellationToken,
     grace: Duration,
 ) -> io::Result<()> {
-    let router = router
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
-        .layer(axum::middleware::from_fn(bare_status_as_problem));
+    // The router's bare 404/405 become problems inside `app::router`, within the request-id
+    // layer, so that they carry the request's id too.
+    let router = router.layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES));
     let registry = Arc::new(Registry::new(limits.max_connections));
     let refusals = Arc::new(Semaphore::new(MAX_REFUSALS_IN_FLIGHT));
     let connections = TaskTracker::new();

@@ -140,8 +140,23 @@ fn change_event(change: &InboxChange) -> Event {
 }
 
 /// `GET /console/events`: `text/event-stream` of `hello`, then `change` (JSON) and `lagged`.
+/// One server-sent event of `GET /console/events`, as the OpenAPI document describes it.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct ConsoleEvent {
+    /// `hello` (first), `change` or `lagged`.
+    #[schema(pattern = "^(hello|change|lagged)$")]
+    event: String,
+    /// `hello`: `live`; `change`: JSON `{aggregateId, messageId, change}`; `lagged`: how many
+    /// changes were missed.
+    data: String,
+    /// The reconnection delay the `hello` event sets, in milliseconds.
+    #[schema(required = false)]
+    retry: i64,
+}
+
 #[utoipa::path(get, path = "/console/events", tag = "console", responses(
-    (status = 200, description = "Server-sent events: `hello`, then `change` (JSON: aggregateId, messageId, change) and `lagged`; open until the client or the server leaves", body = String, content_type = "text/event-stream"),
+    (status = 200, description = "Server-sent events: `hello`, then `change` and `lagged`; open until the client or the server leaves", body = ConsoleEvent, content_type = "text/event-stream"),
     (status = 503, description = "Too many open streams; retry after the Retry-After seconds", body = crate::openapi::Problem, content_type = "application/problem+json",
         headers(("retry-after" = String))),
 ))]

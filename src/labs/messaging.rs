@@ -308,6 +308,7 @@ struct AckQuery {
     responses(
         (status = 204, description = "Marked sent"),
         (status = 400, response = crate::openapi::BadRequest),
+        (status = 404, description = "`id` is not a 64-bit integer: no route matches, as ASP.NET's `{id:long}` constraint answers", body = crate::openapi::Problem, content_type = "application/problem+json"),
         (status = 409, description = "The lease is not (or no longer) this owner's at this generation", body = crate::openapi::SeedError),
         (status = 500, response = crate::openapi::StoreFailed),
         (status = 503, response = crate::openapi::StoreUnavailable),
