@@ -27,6 +27,7 @@ pub const RESOLUTIONS: &str = "inbox_resolutions_total";
 pub const PRODUCER_REFUSALS: &str = "inbox_producer_refusals_total";
 pub const AGGREGATES: &str = "inbox_aggregates";
 pub const OPEN_DEAD_LETTERS: &str = "inbox_dead_letters_open";
+pub const HELD_MESSAGES: &str = "inbox_held_messages";
 pub const LONGEST_BLOCKED: &str = "inbox_longest_blocked_seconds";
 pub const STORE_READABLE: &str = "inbox_store_readable";
 pub const BATCH_SIZE: &str = "inbox_writer_batch_size";
@@ -102,6 +103,10 @@ impl Metrics {
             );
             metrics::describe_gauge!(AGGREGATES, "Aggregates in each status, read at scrape time");
             metrics::describe_gauge!(OPEN_DEAD_LETTERS, "Open dead letters, read at scrape time");
+            metrics::describe_gauge!(
+                HELD_MESSAGES,
+                "Messages held ahead of their turn (broker door), read at scrape time"
+            );
             metrics::describe_gauge!(
                 LONGEST_BLOCKED,
                 Unit::Seconds,
@@ -227,6 +232,7 @@ impl Metrics {
                         .set(*count as f64);
                 }
                 metrics::gauge!(OPEN_DEAD_LETTERS).set(health.open_dead_letters as f64);
+                metrics::gauge!(HELD_MESSAGES).set(health.held_messages as f64);
                 metrics::gauge!(LONGEST_BLOCKED).set(health.longest_blocked_seconds.unwrap_or(0.0));
             }
         });

@@ -100,6 +100,7 @@ async fn metrics_count_deliveries_by_door_and_verdict_and_read_the_inbox_gauges_
         1.0
     );
     assert_eq!(value(&metrics, "inbox_dead_letters_open"), 1.0);
+    assert_eq!(value(&metrics, "inbox_held_messages"), 0.0);
     let blocked_for = value(&metrics, "inbox_longest_blocked_seconds");
     assert!((0.0..60.0).contains(&blocked_for), "{blocked_for}");
     assert_eq!(value(&metrics, "inbox_store_readable"), 1.0);

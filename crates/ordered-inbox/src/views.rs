@@ -184,6 +184,8 @@ pub struct InboxHealth {
     /// Every status of [`AggregateStatus::ALL`] with its count, zero included.
     pub aggregates: Vec<(AggregateStatus, i64)>,
     pub open_dead_letters: i64,
+    /// Messages held ahead of their turn (broker door) until their predecessors apply.
+    pub held_messages: i64,
     /// Seconds since the longest-blocked aggregate became blocked; `None` when none is.
     pub longest_blocked_seconds: Option<f64>,
 }

@@ -62,11 +62,12 @@ SELECT (SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = $1),
        COALESCE((SELECT last_sequence FROM aggregate_state WHERE aggregate_id = $1), 0)";
 
 /// The operator's figures beside the per-status counts: open dead letters (a range of
-/// `ix_deadletters_status_id`) and the earliest `status_since` among blocked aggregates (the
-/// first entry of that range of `ix_aggregate_state_status`).
+/// `ix_deadletters_status_id`), the earliest `status_since` among blocked aggregates (the
+/// first entry of that range of `ix_aggregate_state_status`), and the held messages.
 const HEALTH: &str = "
 SELECT (SELECT COUNT(*) FROM deadletters WHERE status = 'open'),
-       (SELECT MIN(status_since) FROM aggregate_state WHERE status = 'blocked')";
+       (SELECT MIN(status_since) FROM aggregate_state WHERE status = 'blocked'),
+       (SELECT COUNT(*) FROM held_messages)";
 
 /// Aggregates per status (`ix_aggregate_state_status` leads with the status).
 const STATUS_COUNTS: &str = "SELECT status, COUNT(*) FROM aggregate_state GROUP BY status";
@@ -421,6 +422,7 @@ pub(super) async fn health(client: &Client, counters: &Counters) -> Result<Inbox
     Ok(InboxHealth {
         aggregates,
         open_dead_letters: row.try_get(0)?,
+        held_messages: row.try_get(2)?,
         longest_blocked_seconds: since.map(|since| clock::seconds_between(&since, &now) as f64),
     })
 }

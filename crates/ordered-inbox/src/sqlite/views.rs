@@ -112,8 +112,10 @@ pub fn inventory(
 }
 
 /// The operator's figures: one count per status (each a range of `ix_aggregate_state_status`),
-/// the open dead letters (a range of `ix_deadletters_status_id`), and the earliest `status_since`
-/// among blocked aggregates (the first entry of that range of `ix_aggregate_state_status`).
+/// the open dead letters (a range of `ix_deadletters_status_id`), the held messages (the whole
+/// of `ix_held_messages_aggregate_sequence`, as small as the holds are), and the earliest
+/// `status_since` among blocked aggregates (the first entry of that range of
+/// `ix_aggregate_state_status`).
 pub fn health(connection: &Connection, now: &str) -> rusqlite::Result<InboxHealth> {
     let mut aggregates = Vec::with_capacity(AggregateStatus::ALL.len());
     let mut count =
@@ -127,6 +129,9 @@ pub fn health(connection: &Connection, now: &str) -> rusqlite::Result<InboxHealt
     let open_dead_letters = connection
         .prepare_cached("SELECT COUNT(*) FROM deadletters WHERE status = 'open'")?
         .query_row([], |row| row.get(0))?;
+    let held_messages = connection
+        .prepare_cached("SELECT COUNT(*) FROM held_messages")?
+        .query_row([], |row| row.get(0))?;
     let longest_blocked_seconds = connection
         .prepare_cached(
             "SELECT (julianday(?1) - julianday(MIN(status_since))) * 86400
@@ -137,6 +142,7 @@ pub fn health(connection: &Connection, now: &str) -> rusqlite::Result<InboxHealt
     Ok(InboxHealth {
         aggregates,
         open_dead_letters,
+        held_messages,
         longest_blocked_seconds,
     })
 }
@@ -452,17 +458,33 @@ mod tests {
         deliver("b1", "blocked-early", 1, -1, "2026-01-01T00:01:00.000Z");
         deliver("b1b", "blocked-early", 1, -2, "2026-01-01T00:02:00.000Z");
         deliver("c1", "blocked-late", 1, -1, "2026-01-01T00:05:00.000Z");
+        // Through the broker door a message ahead of its turn is held (the aggregate waits).
+        let ahead = OrderedMessage {
+            message_id: "h2".into(),
+            aggregate_id: "holding".into(),
+            sequence: 2,
+            amount: 1,
+        };
+        crate::sqlite::engine::deliver_in(
+            &connection,
+            &ahead,
+            Door::Broker,
+            &Limits::default(),
+            "2026-01-01T00:06:00.000Z",
+        )
+        .unwrap();
 
         let figures = health(&connection, "2026-01-01T00:10:00.000Z").unwrap();
         assert_eq!(
             figures.aggregates,
             [
                 (AggregateStatus::Flowing, 1),
-                (AggregateStatus::Waiting, 1),
+                (AggregateStatus::Waiting, 2),
                 (AggregateStatus::Blocked, 2)
             ]
         );
         assert_eq!(figures.open_dead_letters, 3);
+        assert_eq!(figures.held_messages, 1);
         let longest = figures.longest_blocked_seconds.unwrap();
         assert!((longest - 540.0).abs() < 0.01, "{longest}");
     }
