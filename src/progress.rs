@@ -148,6 +148,14 @@ impl ProgressCounter {
             bar.inc(units);
         }
     }
+
+    /// Sets the count to `done`, for a phase that polls a total rather than counting steps.
+    pub fn reach(&self, done: u64) {
+        self.done.fetch_max(done, Ordering::Relaxed);
+        if let Some(bar) = &self.bar {
+            bar.set_position(self.done.load(Ordering::Relaxed));
+        }
+    }
 }
 
 /// `done/total (p%)`.

@@ -239,6 +239,12 @@ pub async fn run(options: &BrokerBenchOptions) -> Result<BrokerReport, BenchErro
         rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
     )?;
     reader.busy_timeout(Duration::from_secs(5))?;
+    let progress = crate::progress::Progress::start(
+        "bench broker: applied from the stream",
+        messages.len() as u64,
+        "messages",
+    );
+    let counter = progress.counter();
     let started = Instant::now();
     let sent = publish(&context, "ordered", &messages).await?;
     let published = started.elapsed();
@@ -247,6 +253,7 @@ pub async fn run(options: &BrokerBenchOptions) -> Result<BrokerReport, BenchErro
     loop {
         let applied: i64 =
             reader.query_row("SELECT COUNT(*) FROM ordered_inbox", [], |row| row.get(0))?;
+        counter.reach(u64::try_from(applied).unwrap_or(0));
         if applied >= target {
             break;
         }
@@ -258,6 +265,7 @@ pub async fn run(options: &BrokerBenchOptions) -> Result<BrokerReport, BenchErro
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let elapsed = started.elapsed();
+    progress.finish();
 
     let mut applied_at = reader.prepare(
         "SELECT message_id,
