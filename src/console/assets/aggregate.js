@@ -39,6 +39,8 @@
         ['total', a.total],
         ['since', C.time(a.since)],
         ['open dead letters', a.openDeadLetterCount],
+        // Broker deliveries ahead of their turn, waiting for a predecessor.
+        ['held', a.heldCount ? `${a.heldCount}: ${a.heldSequences.join(', ')}` : '0'],
       ]);
       C.fillTable('open-deadletters', a.openDeadLetters, [
         (d) => C.link('/console/deadletter', { id: d.messageId }, d.messageId),

@@ -42,6 +42,7 @@
       (a) => a.last,
       (a) => a.expected,
       (a) => a.openDeadLetters,
+      (a) => a.held,
       (a) => C.time(a.since),
     ]);
     const perStatus = wanted
