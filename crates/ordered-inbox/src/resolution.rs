@@ -17,7 +17,7 @@
 
 use crate::delivery::{
     AppliedMessage, Change, DeliveryFacts, DrainStart, HeldMessage, KnownDeadLetter,
-    OpenDeadLetter, Outcome, decide_delivery, drain, supersede_at,
+    OpenDeadLetter, Outcome, decide_delivery_as, drain, supersede_at,
 };
 use crate::model::{
     AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
@@ -63,6 +63,9 @@ impl Action {
 /// One resolution request, from an authenticated operator.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolutionRequest {
+    /// The namespace of the dead letter's message id: the producer that delivered it (`None`:
+    /// an anonymous delivery). A replacement is applied in the same namespace.
+    pub producer: Option<String>,
     pub dead_letter_id: String,
     pub operator: String,
     pub action: Action,
@@ -200,6 +203,7 @@ pub fn decide_resolution(
         return Err(Refusal::Unauthorized);
     }
     let mut changes = vec![Change::ResolveDeadLetter {
+        producer: request.producer.clone(),
         message_id: request.dead_letter_id.clone(),
         at: now.to_owned(),
     }];
@@ -217,6 +221,7 @@ pub fn decide_resolution(
     };
     let record = ResolutionRecord {
         resolution_id: None,
+        producer: request.producer.clone(),
         message_id: request.dead_letter_id.clone(),
         aggregate_id: aggregate_id.clone(),
         sequence,
@@ -290,6 +295,7 @@ fn same_request(original: &ResolutionRecord, request: &ResolutionRequest) -> boo
 
 /// The dead letter's aggregate and sequence, checked to be next.
 struct Target<'a> {
+    producer: Option<&'a str>,
     dead_letter_id: &'a str,
     aggregate_id: &'a str,
     sequence: i64,
@@ -321,6 +327,7 @@ fn check_target<'a>(
         }));
     }
     Ok(Target {
+        producer: request.producer.as_deref(),
         dead_letter_id: &request.dead_letter_id,
         aggregate_id,
         sequence,
@@ -363,7 +370,14 @@ fn replace(
         held_message: facts.replacement_held.clone(),
         held: facts.held.clone(),
     };
-    let plan = decide_delivery(&replacement, Door::General, &delivery_facts, limits, now);
+    let plan = decide_delivery_as(
+        target.producer,
+        &replacement,
+        Door::General,
+        &delivery_facts,
+        limits,
+        now,
+    );
     match plan.outcome {
         Outcome::Applied {
             sequence, total, ..
@@ -459,6 +473,7 @@ mod tests {
 
     fn request(action: Action, expected_last: i64) -> ResolutionRequest {
         ResolutionRequest {
+            producer: None,
             dead_letter_id: "poison-2".into(),
             operator: "alice".into(),
             action,

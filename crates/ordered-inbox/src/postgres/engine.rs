@@ -526,7 +526,7 @@ async fn current_state(
     counters: &Counters,
     dead_letter_id: &str,
 ) -> Result<CurrentState, Failure> {
-    let dead_letter = views::dead_letter(client, counters, dead_letter_id).await?;
+    let dead_letter = views::dead_letter(client, counters, None, dead_letter_id).await?;
     let aggregate = match dead_letter
         .as_ref()
         .and_then(|dead| dead.aggregate_id.as_deref())
@@ -605,6 +605,7 @@ async fn writes_for(
             message,
             payload,
             applied_at,
+            ..
         } => {
             let params = vec![
                 param(message.message_id.clone()),
@@ -621,6 +622,7 @@ async fn writes_for(
             payload,
             reason,
             at,
+            ..
         } => {
             let params = vec![
                 param(message.message_id.clone()),
@@ -636,6 +638,7 @@ async fn writes_for(
             message_id,
             observations,
             at,
+            ..
         } => {
             let params = vec![
                 param(message_id.clone()),
@@ -648,6 +651,7 @@ async fn writes_for(
             message_ids,
             by,
             at,
+            ..
         } => {
             let params = vec![
                 param(message_ids.clone()),
@@ -656,7 +660,7 @@ async fn writes_for(
             ];
             writes.push(write(client, SUPERSEDE_DEAD_LETTERS, params).await?);
         }
-        Change::ResolveDeadLetter { message_id, at } => {
+        Change::ResolveDeadLetter { message_id, at, .. } => {
             let params = vec![param(message_id.clone()), param(at.clone())];
             writes.push(write(client, RESOLVE_DEAD_LETTER, params).await?);
         }

@@ -582,10 +582,17 @@ impl Inbox for PostgresInbox {
         .await
     }
 
-    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
+    async fn dead_letter(
+        &self,
+        producer: Option<String>,
+        message_id: String,
+    ) -> Result<Option<DeadLetterView>, InboxError> {
         self.run(move |client, counters| {
+            let producer = producer.clone();
             let message_id = message_id.clone();
-            Box::pin(async move { views::dead_letter(client, counters, &message_id).await })
+            Box::pin(async move {
+                views::dead_letter(client, counters, producer.as_deref(), &message_id).await
+            })
         })
         .await
     }

@@ -198,6 +198,7 @@ fn dead_letter_from_row(row: &Row) -> Result<DeadLetterView, Failure> {
         None => None,
     };
     Ok(DeadLetterView {
+        producer: None,
         message_id: row.try_get(0)?,
         aggregate_id: row.try_get(1)?,
         sequence: row.try_get(2)?,
@@ -216,8 +217,12 @@ fn dead_letter_from_row(row: &Row) -> Result<DeadLetterView, Failure> {
 pub(super) async fn dead_letter(
     client: &Client,
     counters: &Counters,
+    producer: Option<&str>,
     message_id: &str,
 ) -> Result<Option<DeadLetterView>, Failure> {
+    if producer.is_some() {
+        return Ok(None);
+    }
     let sql = format!("{DEAD_LETTER_COLUMNS} WHERE d.message_id = $1");
     let statement = client.prepare_cached(&sql).await?;
     let row = client.query_opt(&statement, &[&message_id]).await;
@@ -321,6 +326,7 @@ pub(super) fn resolution_from_row(row: &Row) -> Result<ResolutionRecord, Failure
     let replacement_amount: Option<i64> = row.try_get(9)?;
     Ok(ResolutionRecord {
         resolution_id: row.try_get(0)?,
+        producer: None,
         message_id: row.try_get(1)?,
         aggregate_id: row.try_get(2)?,
         sequence: row.try_get(3)?,
@@ -461,6 +467,7 @@ pub(super) async fn applied_messages(
         .map(|row| {
             let payload: String = row.try_get(4)?;
             let message = AppliedMessage {
+                producer: None,
                 message_id: row.try_get(0)?,
                 aggregate_id: row.try_get(1)?,
                 sequence: row.try_get(2)?,
