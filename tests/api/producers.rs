@@ -789,72 +789,72 @@ async fn two_producers_hammering_the_same_ids_apply_each_message_once_and_never_
     );
 }
 
-// PostgreSQL keeps no producers yet: these run on SQLite only.
-mod sqlite {
-    use crate::helpers::Backend;
+crate::on_both_backends!(
+    a_session_issues_the_next_epoch_and_the_first_delivery_claims_a_fresh_aggregate,
+    each_ownership_and_epoch_rule_answers_its_own_status_and_writes_nothing,
+    a_restarted_producer_fences_every_later_delivery_of_its_old_instance,
+    two_producers_racing_to_claim_a_fresh_aggregate_leave_exactly_one_owner,
+    a_transfer_racing_deliveries_cuts_the_old_owner_off_after_it_commits,
+    a_transfer_needs_an_operator_and_its_preconditions,
+    the_same_message_id_from_two_producers_is_two_messages_and_each_keeps_its_own_rules,
+    a_producers_quarantined_message_is_its_own_dead_letter_addressed_with_its_producer,
+    two_producers_hammering_the_same_ids_apply_each_message_once_and_never_fail,
+);
 
-    #[tokio::test]
-    async fn a_session_issues_the_next_epoch_and_the_first_delivery_claims_a_fresh_aggregate() {
-        super::a_session_issues_the_next_epoch_and_the_first_delivery_claims_a_fresh_aggregate(
-            Backend::Sqlite,
-        )
-        .await
+#[tokio::test]
+async fn a_postgresql_inbox_of_the_current_release_migrates_with_every_message_anonymous() {
+    // A database as the current release leaves it: schema 2, one applied message, a resolved
+    // dead letter with its audit row.
+    let url = crate::postgres::fresh_database();
+    let mut setup = String::from(
+        r#"CREATE TABLE ordered_inbox_schema(version integer PRIMARY KEY,
+                                             applied_at text COLLATE "C" NOT NULL);"#,
+    );
+    for script in &ordered_inbox::postgres::schema::MIGRATIONS[..2] {
+        setup.push_str(script);
     }
-
-    #[tokio::test]
-    async fn each_ownership_and_epoch_rule_answers_its_own_status_and_writes_nothing() {
-        super::each_ownership_and_epoch_rule_answers_its_own_status_and_writes_nothing(
-            Backend::Sqlite,
-        )
-        .await
-    }
-
-    #[tokio::test]
-    async fn a_restarted_producer_fences_every_later_delivery_of_its_old_instance() {
-        super::a_restarted_producer_fences_every_later_delivery_of_its_old_instance(Backend::Sqlite)
-            .await
-    }
-
-    #[tokio::test]
-    async fn two_producers_racing_to_claim_a_fresh_aggregate_leave_exactly_one_owner() {
-        super::two_producers_racing_to_claim_a_fresh_aggregate_leave_exactly_one_owner(
-            Backend::Sqlite,
-        )
-        .await
-    }
-
-    #[tokio::test]
-    async fn a_transfer_racing_deliveries_cuts_the_old_owner_off_after_it_commits() {
-        super::a_transfer_racing_deliveries_cuts_the_old_owner_off_after_it_commits(Backend::Sqlite)
-            .await
-    }
-
-    #[tokio::test]
-    async fn a_transfer_needs_an_operator_and_its_preconditions() {
-        super::a_transfer_needs_an_operator_and_its_preconditions(Backend::Sqlite).await
-    }
-
-    #[tokio::test]
-    async fn the_same_message_id_from_two_producers_is_two_messages_and_each_keeps_its_own_rules() {
-        super::the_same_message_id_from_two_producers_is_two_messages_and_each_keeps_its_own_rules(
-            Backend::Sqlite,
-        )
-        .await
-    }
-
-    #[tokio::test]
-    async fn a_producers_quarantined_message_is_its_own_dead_letter_addressed_with_its_producer() {
-        super::a_producers_quarantined_message_is_its_own_dead_letter_addressed_with_its_producer(
-            Backend::Sqlite,
-        )
-        .await
-    }
-
-    #[tokio::test]
-    async fn two_producers_hammering_the_same_ids_apply_each_message_once_and_never_fail() {
-        super::two_producers_hammering_the_same_ids_apply_each_message_once_and_never_fail(
-            Backend::Sqlite,
-        )
-        .await
-    }
+    setup.push_str(
+        r#"INSERT INTO ordered_inbox_schema VALUES (1, 't'), (2, 't');
+        INSERT INTO operators VALUES ('alice', 'h', 't', NULL);
+        INSERT INTO aggregate_state VALUES ('acct', 1, 5, 'flowing', 't');
+        INSERT INTO ordered_inbox VALUES
+            ('m-1', '{"AggregateId":"acct","Sequence":1,"Amount":5}',
+             'acct', 1, 5, 't1');
+        INSERT INTO deadletters(message_id, reason, aggregate_id, sequence, payload, first_seen,
+                                last_seen, status, resolution_id, id)
+        VALUES ('bad-2', 'negative amount', 'legacy', 1, '{}', 't2', 't2', 'resolved', 1, 1);
+        INSERT INTO resolutions VALUES (1, 'bad-2', 'legacy', 1, 'skip', 'alice', 'why', 0,
+                                        NULL, NULL, 0, 0, 1, 0, 't3');"#,
+    );
+    crate::postgres::query_text(&url, &setup);
+    let app = crate::helpers::spawn_app_on_with(Backend::Postgres, |config| {
+        config.inbox = Some(url.clone())
+    })
+    .await;
+    assert_eq!(
+        app.inbox_rows(
+            "SELECT 'i', producer, message_id FROM ordered_inbox
+             UNION ALL SELECT 'd', producer, message_id FROM deadletters
+             UNION ALL SELECT 'r', producer, message_id FROM resolutions"
+        ),
+        ["i||m-1", "d||bad-2", "r||bad-2"]
+    );
+    // The anonymous m-1 is still known: a replay; its aggregate stays unowned.
+    let (status, replay) = send_amount(&app, None, "acct", "m-1", 1, 5).await;
+    assert_eq!((status, replay["outcome"].clone()), (200, json!("replay")));
+    let (_, letter) = get(&app, "/console/api/deadletters/bad-2").await;
+    assert_eq!(letter["resolution"]["operator"], "alice", "{letter}");
+    // A producer's m-1 is another message.
+    let billing = add_producer(&app, "billing");
+    let b = epoch(&app, &billing).await;
+    let (status, applied) = send(&app, Some((&billing, b)), "fresh", "m-1", 1).await;
+    assert_eq!(
+        (status, applied["outcome"].clone()),
+        (200, json!("applied")),
+        "{applied}"
+    );
+    assert_eq!(
+        identities(&app, "ordered_inbox", "m-1"),
+        ["|m-1", "billing|m-1"]
+    );
 }
