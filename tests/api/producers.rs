@@ -789,7 +789,70 @@ async fn two_producers_hammering_the_same_ids_apply_each_message_once_and_never_
     );
 }
 
+async fn resolving_a_producers_dead_letter_supersedes_an_anonymous_one_with_the_same_id(
+    backend: Backend,
+) {
+    let app = spawn_app_on(backend).await;
+    let alice = add_operator(&app, "alice");
+    // An anonymous history: m-1 applied, bad-2 quarantined at sequence 2.
+    assert_eq!(send(&app, None, "shared", "m-1", 1).await.0, 200);
+    assert_eq!(
+        send_amount(&app, None, "shared", "bad-2", 2, -1).await.0,
+        422
+    );
+    // The operator hands the aggregate to billing, whose own bad-2 is quarantined there too.
+    let billing = add_producer(&app, "billing");
+    let b = epoch(&app, &billing).await;
+    let body = json!({"producer": "billing", "expectedOwner": null, "expectedLast": 1, "reason": "billing takes over"});
+    assert_eq!(transfer(&app, Some(&alice), "shared", &body).await.0, 200);
+    let (status, poison) = send_amount(&app, Some((&billing, b)), "shared", "bad-2", 2, -5).await;
+    assert_eq!(
+        (status, poison["outcome"].clone()),
+        (422, json!("quarantined"))
+    );
+    assert_eq!(
+        identities(&app, "deadletters", "bad-2"),
+        ["|bad-2", "billing|bad-2"]
+    );
+    // Resolving billing's bad-2 with a replacement takes sequence 2: the anonymous bad-2 waiting
+    // there is superseded by it, not left open behind the aggregate's last.
+    let replace = json!({
+        "action": "replace",
+        "expectedLast": 1,
+        "reason": "billing confirmed the amount",
+        "replacement": {"messageId": "fix-2", "amount": 5},
+    });
+    let (status, resolved) = crate::aggregates::resolve_at(
+        &app,
+        Some(&alice),
+        "/deadletters/bad-2/resolution?producer=billing",
+        &replace,
+    )
+    .await;
+    assert_eq!(status, 200, "{resolved}");
+    let (_, anonymous) = get(&app, "/console/api/deadletters/bad-2").await;
+    assert_eq!(
+        (
+            anonymous["status"].clone(),
+            anonymous["supersededBy"].clone()
+        ),
+        (json!("superseded"), json!("fix-2")),
+        "{anonymous}"
+    );
+    let (_, view) = get(&app, "/aggregates/shared").await;
+    assert_eq!(
+        (view["last"].clone(), view["status"].clone()),
+        (json!(2), json!("flowing"))
+    );
+    // The replacement is billing's message.
+    assert_eq!(
+        identities(&app, "ordered_inbox", "fix-2"),
+        ["billing|fix-2"]
+    );
+}
+
 crate::on_both_backends!(
+    resolving_a_producers_dead_letter_supersedes_an_anonymous_one_with_the_same_id,
     a_session_issues_the_next_epoch_and_the_first_delivery_claims_a_fresh_aggregate,
     each_ownership_and_epoch_rule_answers_its_own_status_and_writes_nothing,
     a_restarted_producer_fences_every_later_delivery_of_its_old_instance,

@@ -46,6 +46,8 @@ pub struct KnownDeadLetter {
 /// An open dead letter of the aggregate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpenDeadLetter {
+    /// The namespace of its message id: the producer that delivered it (`None`: anonymous).
+    pub producer: Option<String>,
     pub message_id: String,
     /// Unknown for dead letters recorded before sequences were kept.
     pub sequence: Option<i64>,
@@ -1104,6 +1106,7 @@ mod tests {
             dead_letter: Some(known_poison(DeadLetterStatus::Open)),
             aggregate: at(0, 0, AggregateStatus::Blocked),
             open_dead_letters: vec![OpenDeadLetter {
+                producer: None,
                 message_id: "p".into(),
                 sequence: Some(1),
             }],
@@ -1190,10 +1193,12 @@ mod tests {
             aggregate: at(0, 0, AggregateStatus::Blocked),
             open_dead_letters: vec![
                 OpenDeadLetter {
+                    producer: None,
                     message_id: "p".into(),
                     sequence: Some(1),
                 },
                 OpenDeadLetter {
+                    producer: None,
                     message_id: "legacy".into(),
                     sequence: None,
                 },
@@ -1225,6 +1230,7 @@ mod tests {
         let open: Vec<OpenDeadLetter> = ["p", "q"]
             .into_iter()
             .map(|id| OpenDeadLetter {
+                producer: None,
                 message_id: id.into(),
                 sequence: Some(1),
             })

@@ -337,11 +337,16 @@ fn check_target<'a>(
 
 /// The other open dead letters: the one being resolved is closed first, so that the replacement
 /// or the skip does not supersede it.
-fn others_open(facts: &ResolutionFacts, resolved: &str) -> Vec<OpenDeadLetter> {
+/// Identity is (producer, message id): an open dead letter with the same id in another
+/// namespace is another one.
+fn others_open(facts: &ResolutionFacts, target: &Target<'_>) -> Vec<OpenDeadLetter> {
     facts
         .open_dead_letters
         .iter()
-        .filter(|letter| letter.message_id != resolved)
+        .filter(|letter| {
+            letter.message_id != target.dead_letter_id
+                || letter.producer.as_deref() != target.producer
+        })
         .cloned()
         .collect()
 }
@@ -366,7 +371,7 @@ fn replace(
         applied: facts.replacement_applied.clone(),
         dead_letter: facts.replacement_dead_letter.clone(),
         aggregate: facts.aggregate.clone(),
-        open_dead_letters: others_open(facts, target.dead_letter_id),
+        open_dead_letters: others_open(facts, target),
         held_message: facts.replacement_held.clone(),
         held: facts.held.clone(),
     };
@@ -437,7 +442,7 @@ fn skip(
             operator: operator.to_owned(),
         },
     }));
-    let mut open = others_open(facts, target.dead_letter_id);
+    let mut open = others_open(facts, target);
     let superseded = supersede_at(
         target.aggregate_id,
         target.sequence,
@@ -500,6 +505,7 @@ mod tests {
             open_dead_letters: ["poison-2", "other-2"]
                 .into_iter()
                 .map(|id| OpenDeadLetter {
+                    producer: None,
                     message_id: id.into(),
                     sequence: Some(2),
                 })

@@ -58,7 +58,8 @@ WITH aggregate AS (
     SELECT last_sequence, total, status, status_since, owner, owner_epoch FROM aggregate_state
      WHERE aggregate_id = $1 FOR UPDATE),
 opened AS (
-    SELECT array_agg(message_id ORDER BY id) AS ids, array_agg(sequence ORDER BY id) AS sequences
+    SELECT array_agg(message_id ORDER BY id) AS ids, array_agg(sequence ORDER BY id) AS sequences,
+           array_agg(NULLIF(producer, '') ORDER BY id) AS producers
       FROM deadletters WHERE aggregate_id = $1 AND status = 'open'),
 held AS (
     SELECT array_agg(message_id ORDER BY sequence) AS ids,
@@ -73,7 +74,7 @@ SELECT a.last_sequence, a.total, a.status, a.status_since,
        opened.ids, opened.sequences,
        h.message_id, h.aggregate_id, h.sequence, h.amount, h.payload, h.held_at,
        held.ids, held.sequences, held.amounts, held.payloads, held.held_at,
-       a.owner, a.owner_epoch
+       a.owner, a.owner_epoch, opened.producers
   FROM opened
   CROSS JOIN held
   LEFT JOIN aggregate a ON true
@@ -121,8 +122,8 @@ const APPLIED_MESSAGE: &str = "SELECT payload, sequence, applied_at FROM ordered
   WHERE message_id = $1 AND producer = $2";
 const KNOWN_DEAD_LETTER: &str = "SELECT payload, reason, status, observations FROM deadletters
   WHERE message_id = $1 AND producer = $2";
-const OPEN_DEAD_LETTERS: &str = "SELECT message_id, sequence FROM deadletters
-  WHERE aggregate_id = $1 AND status = 'open' ORDER BY id";
+const OPEN_DEAD_LETTERS: &str = "SELECT message_id, sequence, NULLIF(producer, '')
+  FROM deadletters WHERE aggregate_id = $1 AND status = 'open' ORDER BY id";
 const DEAD_LETTER_HOME: &str =
     "SELECT aggregate_id FROM deadletters WHERE message_id = $1 AND producer = $2";
 const DEAD_LETTER_FACT: &str = "SELECT status, aggregate_id, sequence FROM deadletters
@@ -530,9 +531,12 @@ fn delivery_facts_from_row(row: &Row, aggregate_id: &str) -> Result<DeliveryFact
     let open_dead_letters = if blocked {
         let ids: Vec<String> = row.try_get::<_, Option<_>>(11)?.unwrap_or_default();
         let sequences: Vec<Option<i64>> = row.try_get::<_, Option<_>>(12)?.unwrap_or_default();
+        let producers: Vec<Option<String>> = row.try_get::<_, Option<_>>(26)?.unwrap_or_default();
         ids.into_iter()
             .zip(sequences)
-            .map(|(message_id, sequence)| OpenDeadLetter {
+            .zip(producers)
+            .map(|((message_id, sequence), producer)| OpenDeadLetter {
+                producer,
                 message_id,
                 sequence,
             })
@@ -1140,6 +1144,7 @@ fn known_dead_letter_from_row(row: &Row) -> Result<KnownDeadLetter, Failure> {
 
 fn open_from_row(row: &Row) -> Result<OpenDeadLetter, Failure> {
     Ok(OpenDeadLetter {
+        producer: row.try_get(2)?,
         message_id: row.try_get(0)?,
         sequence: row.try_get(1)?,
     })

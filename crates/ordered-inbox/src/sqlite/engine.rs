@@ -231,11 +231,12 @@ fn open_dead_letters(
     }
     connection
         .prepare_cached(
-            "SELECT message_id, sequence FROM deadletters
+            "SELECT message_id, sequence, NULLIF(producer, '') FROM deadletters
               WHERE aggregate_id = ?1 AND status = 'open'",
         )?
         .query_map([aggregate_id], |row| {
             Ok(OpenDeadLetter {
+                producer: row.get(2)?,
                 message_id: row.get(0)?,
                 sequence: row.get(1)?,
             })
