@@ -419,6 +419,12 @@ mod tests {
             "SELECT COUNT(*) FROM aggregate_state WHERE status = 'waiting'".to_owned(),
             "SELECT COUNT(*) FROM deadletters WHERE status = 'open'".to_owned(),
             "SELECT MIN(status_since) FROM aggregate_state WHERE status = 'blocked' AND status_since IS NOT NULL".to_owned(),
+            // A message's identity, (producer, message id), in every table that has one.
+            "SELECT payload FROM ordered_inbox WHERE producer = 'billing' AND message_id = 'm'".to_owned(),
+            "SELECT payload FROM deadletters WHERE producer = '' AND message_id = 'm'".to_owned(),
+            format!("{DEAD_LETTER_COLUMNS} WHERE d.producer = 'billing' AND d.message_id = 'm'"),
+            format!("{RESOLUTION_COLUMNS} WHERE producer = 'billing' AND message_id = 'm'"),
+            "UPDATE deadletters SET status = 'superseded' WHERE aggregate_id = 'a' AND message_id = 'm' AND status = 'open'".to_owned(),
         ];
         for sql in statements {
             let mut plan = connection
