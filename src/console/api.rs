@@ -17,8 +17,8 @@ use utoipa_axum::routes;
 
 use crate::error::{AppError, Path, Query, json_response};
 use crate::labs::ordered::{
-    SharedInbox, page_body, page_request, producer_namespace, validate_aggregate_id,
-    validate_message_id,
+    SharedInbox, identity_words, page_body, page_request, producer_namespace,
+    validate_aggregate_id, validate_message_id,
 };
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
@@ -104,12 +104,18 @@ async fn dead_letter(
 ) -> Result<Response, AppError> {
     validate_message_id("messageId", &message_id)?;
     let producer = producer_namespace(of.producer)?;
-    match inbox.dead_letter(producer, message_id.clone()).await? {
+    match inbox
+        .dead_letter(producer.clone(), message_id.clone())
+        .await?
+    {
         Some(view) => Ok(json_response(StatusCode::OK, json!(view))),
         None => Err(AppError::problem_with_detail(
             StatusCode::NOT_FOUND,
             "No such dead letter",
-            format!("no dead letter has message id '{message_id}'"),
+            format!(
+                "no dead letter has {}",
+                identity_words(producer.as_deref(), &message_id)
+            ),
         )),
     }
 }

@@ -696,6 +696,14 @@ async fn a_producers_quarantined_message_is_its_own_dead_letter_addressed_with_i
         (json!("acct-s"), json!(1))
     );
     assert_eq!(get(&app, "/console/api/deadletters/bad-2").await.0, 404);
+    let (status, missing) = get(&app, "/console/api/deadletters/bad-9?producer=billing").await;
+    assert_eq!(
+        (status, missing["detail"].clone()),
+        (
+            404,
+            json!("no dead letter has message id 'bad-9' of producer 'billing'")
+        )
+    );
     assert_eq!(
         get(&app, "/console/api/deadletters/bad-2?producer=no%20such")
             .await

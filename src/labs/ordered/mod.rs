@@ -94,6 +94,15 @@ pub(crate) fn producer_namespace(producer: Option<String>) -> Result<Option<Stri
     }
 }
 
+/// A message identity in words, for a problem's detail: an anonymous delivery's id alone, a
+/// producer's with its producer.
+pub(crate) fn identity_words(producer: Option<&str>, message_id: &str) -> String {
+    match producer {
+        None => format!("message id '{message_id}'"),
+        Some(producer) => format!("message id '{message_id}' of producer '{producer}'"),
+    }
+}
+
 pub(crate) fn validate_message_id(name: &str, message_id: &str) -> Result<(), AppError> {
     let length = message_id.chars().count();
     let valid = (1..=MAX_MESSAGE_ID).contains(&length)

@@ -302,7 +302,7 @@ async fn resolve_dead_letter(
     };
     let producer = super::producer_namespace(options.producer)?;
     let Json(input) = body?;
-    let request = input.into_request(producer, dead_letter_id, operator)?;
+    let request = input.into_request(producer.clone(), dead_letter_id, operator)?;
     let mode = if options.dry_run.unwrap_or(false) {
         Mode::DryRun
     } else {
@@ -313,7 +313,7 @@ async fn resolve_dead_letter(
             resolution_answer("resolved", false, record)
         }
         Ok(Resolved::DryRun(record)) => resolution_answer("dry run", true, record),
-        Err(error) => refusal(error),
+        Err(error) => refusal(producer.as_deref(), error),
     })
 }
 
@@ -336,12 +336,15 @@ fn resolution_answer(outcome: &'static str, dry_run: bool, record: ResolutionRec
     (StatusCode::OK, axum::Json(body)).into_response()
 }
 
-fn refusal(error: ResolutionError) -> Response {
+fn refusal(producer: Option<&str>, error: ResolutionError) -> Response {
     match error {
         ResolutionError::NotFound(message_id) => AppError::problem_with_detail(
             StatusCode::NOT_FOUND,
             "No such dead letter",
-            format!("no dead letter has message id '{message_id}'"),
+            format!(
+                "no dead letter has {}",
+                super::identity_words(producer, &message_id)
+            ),
         )
         .into_response(),
         ResolutionError::Conflict { kind, current } => {
