@@ -929,3 +929,71 @@ async fn a_postgresql_inbox_of_the_current_release_migrates_with_every_message_a
         ["|m-1", "billing|m-1"]
     );
 }
+
+#[tokio::test]
+async fn on_postgresql_a_producers_deliveries_share_its_row_and_a_session_waits_for_them() {
+    let app = spawn_app_on(Backend::Postgres).await;
+    let billing = add_producer(&app, "billing");
+    let b = epoch(&app, &billing).await;
+    let url = app.inbox_url.clone().expect("a PostgreSQL inbox");
+    // Another transaction holds billing's row as a delivery in flight does: FOR SHARE.
+    let (holder, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    holder
+        .batch_execute("BEGIN; SELECT 1 FROM producers WHERE name = 'billing' FOR SHARE")
+        .await
+        .expect("share billing's row");
+    // Deliveries of the same producer are not held up by it, on any aggregate.
+    for aggregate in ["par-1", "par-2"] {
+        let id = format!("{aggregate}-1");
+        let (status, body) = send(&app, Some((&billing, b)), aggregate, &id, 1).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // A new session updates the row: it waits for the delivery in flight to commit.
+    let session = {
+        let (client, url, token) = (
+            app.client.clone(),
+            app.url("/producers/session"),
+            billing.clone(),
+        );
+        tokio::spawn(async move {
+            let response = client
+                .post(url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .expect("POST");
+            status_and_json(response).await
+        })
+    };
+    poll_until(
+        "the session waits for billing's row",
+        || async {
+            crate::postgres::query_text(
+                &url,
+                "SELECT COUNT(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+        },
+        |rows| rows.first().and_then(|row| row[0].as_deref()) == Some("1"),
+    )
+    .await;
+    assert!(
+        !session.is_finished(),
+        "the session went past a delivery in flight"
+    );
+    holder.batch_execute("COMMIT").await.expect("commit");
+    assert_eq!(
+        session.await.expect("the session task"),
+        (200, json!({"producer": "billing", "epoch": b + 1}))
+    );
+    let (status, fenced) = send(&app, Some((&billing, b)), "par-1", "p-2", 2).await;
+    assert_eq!((status, fenced["outcome"].clone()), (409, json!("fenced")));
+    let (_, listed) = get(&app, "/producers").await;
+    assert!(
+        listed["producers"][0]["lastDeliveryAt"].is_string(),
+        "{listed}"
+    );
+}

@@ -213,8 +213,14 @@ pub enum Change {
         owner: AggregateOwner,
         at: String,
     },
-    /// Stamp the producer's last delivery time.
-    TouchProducer { producer: String, at: String },
+    /// Stamp the producer's last delivery time (a delivery to `aggregate_id`: a backend may keep
+    /// the time per aggregate, so that one producer's deliveries to different aggregates never
+    /// write the same row).
+    TouchProducer {
+        producer: String,
+        aggregate_id: String,
+        at: String,
+    },
     /// Insert the transfer's audit row (the `owner transferred` event follows as an
     /// [`Change::Append`]).
     RecordTransfer(TransferRecord),
@@ -265,6 +271,7 @@ pub fn decide_producer_delivery(
     if let Some(claim) = claim {
         first.push(Change::TouchProducer {
             producer: claim.producer.clone(),
+            aggregate_id: message.aggregate_id.clone(),
             at: now.to_owned(),
         });
     }

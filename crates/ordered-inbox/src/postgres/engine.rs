@@ -7,9 +7,10 @@
 //! per message identity it reads or writes (`hashtextextended(key, 1)`, the key being the message
 //! id in the anonymous namespace and `producer:message_id` in a producer's, see [`message_key`]),
 //! because an identity spans aggregates: the same id sent to two aggregates at once must not get
-//! two meanings. A producer's delivery then locks its producer's row `FOR UPDATE`: a new session
+//! two meanings. A producer's delivery then locks its producer's row `FOR SHARE`: a new session
 //! (which updates that row) commits either before the delivery reads the epoch or after the
-//! delivery committed. Locks are taken in one order (the aggregate, then message keys sorted,
+//! delivery committed; deliveries of one producer to different aggregates do not wait for each
+//! other. Locks are taken in one order (the aggregate, then message keys sorted,
 //! then the producer's row), and all are released at COMMIT or ROLLBACK. The facts are read after the locks (READ COMMITTED: each statement sees everything
 //! committed before it), so they are exactly what the previous writer of the aggregate left.
 //!
@@ -81,12 +82,13 @@ SELECT a.last_sequence, a.total, a.status, a.status_since,
   LEFT JOIN ordered_inbox o ON o.producer = $3 AND o.message_id = $2
   LEFT JOIN deadletters d ON d.producer = $3 AND d.message_id = $2
   LEFT JOIN held_messages h ON h.message_id = $2 AND $3 = ''";
-/// A producer's facts, read after the delivery's locks: its row, locked `FOR UPDATE` until the
-/// delivery commits (a session bumping the epoch waits, or the delivery waits for it and reads
-/// the new epoch), and whether the aggregate has any history (only a fresh one can be claimed).
+/// A producer's facts, read after the delivery's locks: its row, locked `FOR SHARE` until the
+/// delivery commits (a session's or a revocation's UPDATE of the row waits for it, or the
+/// delivery waits for that UPDATE and reads the new epoch; deliveries of one producer share the
+/// lock), and whether the aggregate has any history (only a fresh one can be claimed).
 const PRODUCER_FACTS: &str = "
 WITH p AS (
-    SELECT current_epoch, revoked_at IS NULL AS active FROM producers WHERE name = $2 FOR UPDATE)
+    SELECT current_epoch, revoked_at IS NULL AS active FROM producers WHERE name = $2 FOR SHARE)
 SELECT p.current_epoch, p.active,
        EXISTS(SELECT 1 FROM aggregate_state WHERE aggregate_id = $1)
     OR EXISTS(SELECT 1 FROM aggregate_timeline WHERE aggregate_id = $1)
@@ -109,7 +111,12 @@ ON CONFLICT (aggregate_id) DO UPDATE SET
     owner = excluded.owner,
     owner_epoch = excluded.owner_epoch,
     owner_since = excluded.owner_since";
-const TOUCH_PRODUCER: &str = "UPDATE producers SET last_delivery_at = $2 WHERE name = $1";
+/// The last delivery time per (producer, aggregate): the aggregate's lock already serializes
+/// this row, and the producer's row is only share-locked by deliveries, so one producer's
+/// deliveries to different aggregates run in parallel.
+const TOUCH_PRODUCER: &str = "
+INSERT INTO producer_deliveries(producer, aggregate_id, last_delivery_at) VALUES ($1, $2, $3)
+ON CONFLICT (producer, aggregate_id) DO UPDATE SET last_delivery_at = excluded.last_delivery_at";
 const RECORD_TRANSFER: &str = "
 INSERT INTO ownership_transfers(aggregate_id, operator, from_owner, to_owner, epoch, last, reason,
                                 transferred_at)
@@ -1003,8 +1010,16 @@ async fn writes_for(
             ];
             writes.push(write(client, SET_OWNER, params).await?);
         }
-        Change::TouchProducer { producer, at } => {
-            let params = vec![param(producer.clone()), param(at.clone())];
+        Change::TouchProducer {
+            producer,
+            aggregate_id,
+            at,
+        } => {
+            let params = vec![
+                param(producer.clone()),
+                param(aggregate_id.clone()),
+                param(at.clone()),
+            ];
             writes.push(write(client, TOUCH_PRODUCER, params).await?);
         }
         Change::RecordTransfer(record) => {

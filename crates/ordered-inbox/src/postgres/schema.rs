@@ -126,7 +126,7 @@ CREATE UNIQUE INDEX ix_held_messages_aggregate_sequence ON held_messages(aggrega
 
 /// Producers, ownership and per-producer message identity (version 3; the SQLite backend's
 /// versions 5 and 6 in one step): the producers registered on the machine (a token's hash, the
-/// epoch of their latest session, when they last delivered), each aggregate's owner and the epoch
+/// epoch of their latest session; when they last delivered, per aggregate), each aggregate's owner and the epoch
 /// it was claimed or transferred under, the audit rows of operators' transfers; and the
 /// namespace of a message id: `ordered_inbox`, `deadletters` and `resolutions` gain `producer`
 /// (`''`: the anonymous namespace, where every existing row goes) and their identity becomes
@@ -137,8 +137,16 @@ CREATE TABLE producers(
     token_hash text COLLATE "C" NOT NULL UNIQUE,
     created_at text COLLATE "C" NOT NULL,
     revoked_at text COLLATE "C",
-    current_epoch bigint NOT NULL DEFAULT 0,
-    last_delivery_at text COLLATE "C"
+    current_epoch bigint NOT NULL DEFAULT 0
+);
+-- The last delivery time per (producer, aggregate) rather than a column of the producer's row
+-- (as in SQLite): the row is only share-locked by deliveries, so that one producer's deliveries
+-- to different aggregates run in parallel; GET /producers shows the latest.
+CREATE TABLE producer_deliveries(
+    producer text COLLATE "C" NOT NULL REFERENCES producers(name),
+    aggregate_id text COLLATE "C" NOT NULL,
+    last_delivery_at text COLLATE "C" NOT NULL,
+    PRIMARY KEY (producer, aggregate_id)
 );
 ALTER TABLE aggregate_state
     ADD COLUMN owner text COLLATE "C" REFERENCES producers(name),

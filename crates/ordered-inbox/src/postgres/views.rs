@@ -60,7 +60,8 @@ SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expecte
   FROM resolutions WHERE message_id = $1 AND producer = $2";
 /// Every producer, the first registered first: never tokens.
 const PRODUCERS: &str = "
-SELECT p.name, p.current_epoch, p.created_at, p.revoked_at, p.last_delivery_at,
+SELECT p.name, p.current_epoch, p.created_at, p.revoked_at,
+       (SELECT MAX(d.last_delivery_at) FROM producer_deliveries d WHERE d.producer = p.name),
        (SELECT COUNT(*) FROM aggregate_state a WHERE a.owner = p.name)
   FROM producers p ORDER BY p.created_at, p.name";
 const COUNTS: &str = "

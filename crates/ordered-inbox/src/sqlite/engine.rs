@@ -466,7 +466,8 @@ pub(super) fn write_changes(
                     )?
                     .execute(params![aggregate_id, owner.producer, owner.epoch, at])?;
             }
-            Change::TouchProducer { producer, at } => {
+            // The single writer serializes every delivery: one row per producer costs nothing.
+            Change::TouchProducer { producer, at, .. } => {
                 connection
                     .prepare_cached("UPDATE producers SET last_delivery_at = ?2 WHERE name = ?1")?
                     .execute(params![producer, at])?;
