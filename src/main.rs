@@ -450,10 +450,9 @@ fn registry(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> 
         RegistryCommand::Add(name, database) => {
             let token = match database.store() {
                 OperatorStore::Sqlite(path) => add_to(registry, &path, &name)?,
-                OperatorStore::Postgres(url) => {
-                    postgres_operators(registry)?;
-                    block_on(ordered_inbox::postgres::operators::add(&url, &name))??
-                }
+                OperatorStore::Postgres(url) => block_on(
+                    ordered_inbox::postgres::operators::add_to(registry, &url, &name),
+                )??,
             };
             // The token alone on stdout, so that a script can capture it; the advice on stderr.
             println!("{token}");
@@ -465,8 +464,7 @@ fn registry(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> 
             let records = match database.store() {
                 OperatorStore::Sqlite(path) => list_of(registry, &path)?,
                 OperatorStore::Postgres(url) => {
-                    postgres_operators(registry)?;
-                    block_on(ordered_inbox::postgres::operators::list(&url))??
+                    block_on(ordered_inbox::postgres::operators::list_of(registry, &url))??
                 }
             };
             for record in records {
@@ -480,10 +478,9 @@ fn registry(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> 
         RegistryCommand::Revoke(name, database) => {
             let revocation = match database.store() {
                 OperatorStore::Sqlite(path) => revoke_in(registry, &path, &name)?,
-                OperatorStore::Postgres(url) => {
-                    postgres_operators(registry)?;
-                    block_on(ordered_inbox::postgres::operators::revoke(&url, &name))??
-                }
+                OperatorStore::Postgres(url) => block_on(
+                    ordered_inbox::postgres::operators::revoke_in(registry, &url, &name),
+                )??,
             };
             if revocation.already {
                 println!("{name} was already revoked at {}", revocation.revoked_at);
@@ -493,16 +490,6 @@ fn registry(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> 
         }
     }
     Ok(())
-}
-
-/// Only operators live in a PostgreSQL inbox so far; producers are kept in the SQLite file.
-fn postgres_operators(registry: Registry) -> anyhow::Result<()> {
-    match registry {
-        Registry::Operators => Ok(()),
-        Registry::Producers => anyhow::bail!(
-            "producers are kept in the SQLite inbox only for now: pass --database PATH, not --inbox"
-        ),
-    }
 }
 
 /// Runs one future on a small runtime of its own (the operator commands against PostgreSQL).

@@ -17,7 +17,8 @@ use utoipa_axum::routes;
 
 use crate::error::{AppError, Path, Query, json_response};
 use crate::labs::ordered::{
-    SharedInbox, page_body, page_request, validate_aggregate_id, validate_message_id,
+    SharedInbox, identity_words, page_body, page_request, producer_namespace,
+    validate_aggregate_id, validate_message_id,
 };
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
@@ -76,8 +77,18 @@ async fn applied_messages(
     ))
 }
 
+/// Whose message id a dead letter is.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+struct DeadLetterOf {
+    /// The producer that delivered it (a message id belongs to its producer); absent for an
+    /// anonymous delivery's dead letter.
+    #[param(min_length = 1, max_length = 64)]
+    producer: Option<String>,
+}
+
 #[utoipa::path(get, path = "/console/api/deadletters/{message_id}", tag = "console",
-    params(("message_id" = String, Path, min_length = 1, max_length = 100, description = "The dead letter's message id")),
+    params(("message_id" = String, Path, min_length = 1, max_length = 100, description = "The dead letter's message id"), DeadLetterOf),
     responses(
         (status = 200, description = "The dead letter with its lifecycle and resolution", body = DeadLetterView),
         (status = 400, response = crate::openapi::BadRequest),
@@ -89,14 +100,22 @@ async fn applied_messages(
 async fn dead_letter(
     State(inbox): State<SharedInbox>,
     Path(message_id): Path<String>,
+    Query(of): Query<DeadLetterOf>,
 ) -> Result<Response, AppError> {
     validate_message_id("messageId", &message_id)?;
-    match inbox.dead_letter(message_id.clone()).await? {
+    let producer = producer_namespace(of.producer)?;
+    match inbox
+        .dead_letter(producer.clone(), message_id.clone())
+        .await?
+    {
         Some(view) => Ok(json_response(StatusCode::OK, json!(view))),
         None => Err(AppError::problem_with_detail(
             StatusCode::NOT_FOUND,
             "No such dead letter",
-            format!("no dead letter has message id '{message_id}'"),
+            format!(
+                "no dead letter has {}",
+                identity_words(producer.as_deref(), &message_id)
+            ),
         )),
     }
 }

@@ -311,8 +311,12 @@ impl Inbox for NotifyingInbox {
         self.inner.applied_messages(aggregate_id, page).await
     }
 
-    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
-        self.inner.dead_letter(message_id).await
+    async fn dead_letter(
+        &self,
+        producer: Option<String>,
+        message_id: String,
+    ) -> Result<Option<DeadLetterView>, InboxError> {
+        self.inner.dead_letter(producer, message_id).await
     }
 
     async fn deliver_as(

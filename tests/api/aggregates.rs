@@ -44,7 +44,12 @@ async fn resolve(
     .await
 }
 
-async fn resolve_at(app: &TestApp, token: Option<&str>, path: &str, body: &Value) -> (u16, Value) {
+pub(crate) async fn resolve_at(
+    app: &TestApp,
+    token: Option<&str>,
+    path: &str,
+    body: &Value,
+) -> (u16, Value) {
     let mut request = app.client.post(app.url(path)).json(body);
     if let Some(token) = token {
         request = request.bearer_auth(token);

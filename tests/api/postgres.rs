@@ -651,6 +651,7 @@ async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
         .await
         .unwrap();
     let skip = ResolutionRequest {
+        producer: None,
         dead_letter_id: "m-2".into(),
         operator: "alice".into(),
         action: Action::Skip,

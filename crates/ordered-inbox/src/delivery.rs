@@ -46,6 +46,8 @@ pub struct KnownDeadLetter {
 /// An open dead letter of the aggregate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpenDeadLetter {
+    /// The namespace of its message id: the producer that delivered it (`None`: anonymous).
+    pub producer: Option<String>,
     pub message_id: String,
     /// Unknown for dead letters recorded before sequences were kept.
     pub sequence: Option<i64>,
@@ -152,12 +154,16 @@ pub enum Change {
         aggregate_id: String,
         row: AggregateRow,
     },
+    /// An applied message, its id in `producer`'s namespace (`None`: the anonymous one).
     InsertApplied {
+        producer: Option<String>,
         message: OrderedMessage,
         payload: String,
         applied_at: String,
     },
+    /// A new dead letter, its id in `producer`'s namespace (`None`: the anonymous one).
     InsertDeadLetter {
+        producer: Option<String>,
         message: OrderedMessage,
         payload: String,
         reason: QuarantineReason,
@@ -165,18 +171,25 @@ pub enum Change {
     },
     /// A dead letter seen again: its count becomes `observations`.
     ObserveDeadLetter {
+        producer: Option<String>,
         message_id: String,
         observations: i64,
         at: String,
     },
-    /// Open dead letters whose sequence `by` took.
+    /// The aggregate's open dead letters with these ids (whatever their namespace: all of them
+    /// wait for the same sequence), whose sequence `by` took.
     SupersedeDeadLetters {
+        aggregate_id: String,
         message_ids: Vec<String>,
         by: String,
         at: String,
     },
     /// The dead letter an operator resolves; the audit row follows as [`Change::RecordResolution`].
-    ResolveDeadLetter { message_id: String, at: String },
+    ResolveDeadLetter {
+        producer: Option<String>,
+        message_id: String,
+        at: String,
+    },
     /// Insert one held message: a plain row keyed by `message.message_id`, with its aggregate,
     /// sequence, amount, canonical `payload` and `at` (when it was held). At most one message is
     /// held per (aggregate, sequence); the core never asks for a second.
@@ -200,8 +213,14 @@ pub enum Change {
         owner: AggregateOwner,
         at: String,
     },
-    /// Stamp the producer's last delivery time.
-    TouchProducer { producer: String, at: String },
+    /// Stamp the producer's last delivery time (a delivery to `aggregate_id`: a backend may keep
+    /// the time per aggregate, so that one producer's deliveries to different aggregates never
+    /// write the same row).
+    TouchProducer {
+        producer: String,
+        aggregate_id: String,
+        at: String,
+    },
     /// Insert the transfer's audit row (the `owner transferred` event follows as an
     /// [`Change::Append`]).
     RecordTransfer(TransferRecord),
@@ -228,7 +247,8 @@ pub fn decide_producer_delivery(
     now: &str,
 ) -> Result<DeliveryPlan, ProducerRefusal> {
     let admission = admit(claim, ownership)?;
-    let mut plan = decide_delivery(message, door, facts, limits, now);
+    let producer = claim.map(|claim| claim.producer.as_str());
+    let mut plan = decide_delivery_as(producer, message, door, facts, limits, now);
     let mut first = Vec::with_capacity(3);
     if let Admission::Claim(owner) = admission {
         first.push(Change::SetOwner {
@@ -251,6 +271,7 @@ pub fn decide_producer_delivery(
     if let Some(claim) = claim {
         first.push(Change::TouchProducer {
             producer: claim.producer.clone(),
+            aggregate_id: message.aggregate_id.clone(),
             at: now.to_owned(),
         });
     }
@@ -259,7 +280,7 @@ pub fn decide_producer_delivery(
     Ok(plan)
 }
 
-/// Decides one delivery through `door`, stamping every row with `now`.
+/// Decides one anonymous delivery through `door`, stamping every row with `now`.
 pub fn decide_delivery(
     message: &OrderedMessage,
     door: Door,
@@ -267,7 +288,23 @@ pub fn decide_delivery(
     limits: &Limits,
     now: &str,
 ) -> DeliveryPlan {
+    decide_delivery_as(None, message, door, facts, limits, now)
+}
+
+/// Decides one delivery whose message id is in `producer`'s namespace (`None`: the anonymous
+/// one). The facts about the id (`applied`, `dead_letter`, `held_message`) must be read in that
+/// namespace: a message's identity is (producer, message id). Held messages are anonymous (only
+/// the broker door holds), so a backend reads no `held_message` for a producer's id.
+pub fn decide_delivery_as(
+    producer: Option<&str>,
+    message: &OrderedMessage,
+    door: Door,
+    facts: &DeliveryFacts,
+    limits: &Limits,
+    now: &str,
+) -> DeliveryPlan {
     let decision = Delivery {
+        producer,
         message,
         facts,
         payload: message.canonical_payload(),
@@ -317,6 +354,8 @@ pub fn decide_delivery(
 
 /// One delivery being decided: the message, what is known, and the shared stamps.
 struct Delivery<'a> {
+    /// The namespace of the message's id (`None`: anonymous).
+    producer: Option<&'a str>,
     message: &'a OrderedMessage,
     facts: &'a DeliveryFacts,
     payload: String,
@@ -407,6 +446,7 @@ impl Delivery<'_> {
         };
         let changes = vec![
             Change::ObserveDeadLetter {
+                producer: self.producer.map(str::to_owned),
                 message_id: self.message.message_id.clone(),
                 observations,
                 at: self.now.to_owned(),
@@ -535,6 +575,7 @@ impl Delivery<'_> {
         let note = match &self.facts.dead_letter {
             None => {
                 changes.push(Change::InsertDeadLetter {
+                    producer: self.producer.map(str::to_owned),
                     message: self.message.clone(),
                     payload: self.payload.clone(),
                     reason,
@@ -548,6 +589,7 @@ impl Delivery<'_> {
             Some(known) if known.payload.as_deref() == Some(self.payload.as_str()) => {
                 let observations = known.observations.saturating_add(1);
                 changes.push(Change::ObserveDeadLetter {
+                    producer: self.producer.map(str::to_owned),
                     message_id: self.message.message_id.clone(),
                     observations,
                     at: self.now.to_owned(),
@@ -595,6 +637,7 @@ impl Delivery<'_> {
         };
         let mut changes = vec![
             Change::InsertApplied {
+                producer: self.producer.map(str::to_owned),
                 message: self.message.clone(),
                 payload: self.payload.clone(),
                 applied_at: self.now.to_owned(),
@@ -664,7 +707,8 @@ pub(crate) struct DrainStart<'a> {
 
 /// Releases the held messages that have become next, in sequence order, each through the
 /// ordinary policy: a valid one applies, a poison one is quarantined (it blocks the aggregate and
-/// stops the drain). Returns the aggregate's row afterwards: blocked after a poison, waiting
+/// stops the drain). Held messages came through the broker door, which delivers anonymously, so
+/// their rows are in the anonymous namespace whoever's delivery drains them. Returns the aggregate's row afterwards: blocked after a poison, waiting
 /// while messages stay held behind a gap, flowing otherwise. The caller writes it.
 pub(crate) fn drain(
     start: DrainStart<'_>,
@@ -717,6 +761,7 @@ pub(crate) fn drain(
                 release(changes);
                 let total = row.total.saturating_add(message.amount);
                 changes.push(Change::InsertApplied {
+                    producer: None,
                     message: message.clone(),
                     payload: next.payload.clone(),
                     applied_at: now.to_owned(),
@@ -746,6 +791,7 @@ pub(crate) fn drain(
             Decision::Quarantine { reason, .. } if open.len() < limits.max_open_dead_letters => {
                 release(changes);
                 changes.push(Change::InsertDeadLetter {
+                    producer: None,
                     message: message.clone(),
                     payload: next.payload.clone(),
                     reason,
@@ -795,6 +841,7 @@ pub(crate) fn supersede_at(
         return superseded;
     }
     changes.push(Change::SupersedeDeadLetters {
+        aggregate_id: aggregate_id.to_owned(),
         message_ids: superseded.clone(),
         by: taken_by.to_owned(),
         at: now.to_owned(),
@@ -1066,6 +1113,7 @@ mod tests {
             dead_letter: Some(known_poison(DeadLetterStatus::Open)),
             aggregate: at(0, 0, AggregateStatus::Blocked),
             open_dead_letters: vec![OpenDeadLetter {
+                producer: None,
                 message_id: "p".into(),
                 sequence: Some(1),
             }],
@@ -1152,10 +1200,12 @@ mod tests {
             aggregate: at(0, 0, AggregateStatus::Blocked),
             open_dead_letters: vec![
                 OpenDeadLetter {
+                    producer: None,
                     message_id: "p".into(),
                     sequence: Some(1),
                 },
                 OpenDeadLetter {
+                    producer: None,
                     message_id: "legacy".into(),
                     sequence: None,
                 },
@@ -1187,6 +1237,7 @@ mod tests {
         let open: Vec<OpenDeadLetter> = ["p", "q"]
             .into_iter()
             .map(|id| OpenDeadLetter {
+                producer: None,
                 message_id: id.into(),
                 sequence: Some(1),
             })
@@ -1213,6 +1264,56 @@ mod tests {
         };
         let again = decide_delivery(&message("p", 1, -1), Door::General, &known, &limits, "t1");
         assert!(matches!(again.outcome, Outcome::Quarantined { .. }));
+    }
+
+    #[test]
+    fn a_producers_rows_carry_its_namespace_and_drained_held_messages_stay_anonymous() {
+        let facts = DeliveryFacts {
+            aggregate: at(0, 0, AggregateStatus::Waiting),
+            held: vec![held("m-2", 2, 1), held("bad-3", 3, -1)],
+            ..DeliveryFacts::default()
+        };
+        let plan = decide_delivery_as(
+            Some("billing"),
+            &message("m-1", 1, 1),
+            Door::General,
+            &facts,
+            &Limits::default(),
+            "t1",
+        );
+        let namespaces: Vec<(&str, Option<&str>)> = plan
+            .changes
+            .iter()
+            .filter_map(|change| match change {
+                Change::InsertApplied {
+                    producer, message, ..
+                }
+                | Change::InsertDeadLetter {
+                    producer, message, ..
+                } => Some((message.message_id.as_str(), producer.as_deref())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            namespaces,
+            [("m-1", Some("billing")), ("m-2", None), ("bad-3", None)]
+        );
+        let known = DeliveryFacts {
+            dead_letter: Some(known_poison(DeadLetterStatus::Open)),
+            ..DeliveryFacts::default()
+        };
+        let again = decide_delivery_as(
+            Some("billing"),
+            &message("p", 1, -1),
+            Door::General,
+            &known,
+            &Limits::default(),
+            "t1",
+        );
+        assert!(again.changes.iter().any(|change| matches!(
+            change,
+            Change::ObserveDeadLetter { producer: Some(p), .. } if p == "billing"
+        )));
     }
 
     fn held(id: &str, sequence: i64, amount: i64) -> HeldMessage {

@@ -101,8 +101,13 @@ pub trait Inbox: Send + Sync {
         page: PageRequest,
     ) -> Result<Page<AppliedMessage>, InboxError>;
 
-    /// One dead letter by its message id, with its resolution if it has one.
-    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError>;
+    /// One dead letter by its identity, with its resolution if it has one: the namespace of the
+    /// producer that delivered it (`None`: the anonymous namespace) and its message id.
+    async fn dead_letter(
+        &self,
+        producer: Option<String>,
+        message_id: String,
+    ) -> Result<Option<DeadLetterView>, InboxError>;
 
     /// Decides and records one delivery made by `claim`'s producer (`None`: anonymous), with
     /// epoch fencing and ownership checked in the same transaction as the write

@@ -66,6 +66,7 @@
 //! // An operator, registered out of band, skips the poison record: no effect, last moves to 2.
 //! operators::add(&path, "alice")?;
 //! let skip = ResolutionRequest {
+//!     producer: None, // an anonymous delivery's dead letter
 //!     dead_letter_id: "bad-2".into(),
 //!     operator: "alice".into(),
 //!     action: Action::Skip,
@@ -98,7 +99,7 @@ pub mod views;
 
 pub use delivery::{
     DeadLetterNote, DeliveryFacts, DeliveryPlan, HeldMessage, Outcome, decide_delivery,
-    decide_producer_delivery,
+    decide_delivery_as, decide_producer_delivery,
 };
 pub use inbox::{Inbox, InboxError};
 pub use model::{

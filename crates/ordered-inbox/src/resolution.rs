@@ -17,7 +17,7 @@
 
 use crate::delivery::{
     AppliedMessage, Change, DeliveryFacts, DrainStart, HeldMessage, KnownDeadLetter,
-    OpenDeadLetter, Outcome, decide_delivery, drain, supersede_at,
+    OpenDeadLetter, Outcome, decide_delivery_as, drain, supersede_at,
 };
 use crate::model::{
     AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
@@ -63,6 +63,9 @@ impl Action {
 /// One resolution request, from an authenticated operator.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolutionRequest {
+    /// The namespace of the dead letter's message id: the producer that delivered it (`None`:
+    /// an anonymous delivery). A replacement is applied in the same namespace.
+    pub producer: Option<String>,
     pub dead_letter_id: String,
     pub operator: String,
     pub action: Action,
@@ -200,6 +203,7 @@ pub fn decide_resolution(
         return Err(Refusal::Unauthorized);
     }
     let mut changes = vec![Change::ResolveDeadLetter {
+        producer: request.producer.clone(),
         message_id: request.dead_letter_id.clone(),
         at: now.to_owned(),
     }];
@@ -217,6 +221,7 @@ pub fn decide_resolution(
     };
     let record = ResolutionRecord {
         resolution_id: None,
+        producer: request.producer.clone(),
         message_id: request.dead_letter_id.clone(),
         aggregate_id: aggregate_id.clone(),
         sequence,
@@ -290,6 +295,7 @@ fn same_request(original: &ResolutionRecord, request: &ResolutionRequest) -> boo
 
 /// The dead letter's aggregate and sequence, checked to be next.
 struct Target<'a> {
+    producer: Option<&'a str>,
     dead_letter_id: &'a str,
     aggregate_id: &'a str,
     sequence: i64,
@@ -321,6 +327,7 @@ fn check_target<'a>(
         }));
     }
     Ok(Target {
+        producer: request.producer.as_deref(),
         dead_letter_id: &request.dead_letter_id,
         aggregate_id,
         sequence,
@@ -330,11 +337,16 @@ fn check_target<'a>(
 
 /// The other open dead letters: the one being resolved is closed first, so that the replacement
 /// or the skip does not supersede it.
-fn others_open(facts: &ResolutionFacts, resolved: &str) -> Vec<OpenDeadLetter> {
+/// Identity is (producer, message id): an open dead letter with the same id in another
+/// namespace is another one.
+fn others_open(facts: &ResolutionFacts, target: &Target<'_>) -> Vec<OpenDeadLetter> {
     facts
         .open_dead_letters
         .iter()
-        .filter(|letter| letter.message_id != resolved)
+        .filter(|letter| {
+            letter.message_id != target.dead_letter_id
+                || letter.producer.as_deref() != target.producer
+        })
         .cloned()
         .collect()
 }
@@ -359,11 +371,18 @@ fn replace(
         applied: facts.replacement_applied.clone(),
         dead_letter: facts.replacement_dead_letter.clone(),
         aggregate: facts.aggregate.clone(),
-        open_dead_letters: others_open(facts, target.dead_letter_id),
+        open_dead_letters: others_open(facts, target),
         held_message: facts.replacement_held.clone(),
         held: facts.held.clone(),
     };
-    let plan = decide_delivery(&replacement, Door::General, &delivery_facts, limits, now);
+    let plan = decide_delivery_as(
+        target.producer,
+        &replacement,
+        Door::General,
+        &delivery_facts,
+        limits,
+        now,
+    );
     match plan.outcome {
         Outcome::Applied {
             sequence, total, ..
@@ -423,7 +442,7 @@ fn skip(
             operator: operator.to_owned(),
         },
     }));
-    let mut open = others_open(facts, target.dead_letter_id);
+    let mut open = others_open(facts, target);
     let superseded = supersede_at(
         target.aggregate_id,
         target.sequence,
@@ -459,6 +478,7 @@ mod tests {
 
     fn request(action: Action, expected_last: i64) -> ResolutionRequest {
         ResolutionRequest {
+            producer: None,
             dead_letter_id: "poison-2".into(),
             operator: "alice".into(),
             action,
@@ -485,6 +505,7 @@ mod tests {
             open_dead_letters: ["poison-2", "other-2"]
                 .into_iter()
                 .map(|id| OpenDeadLetter {
+                    producer: None,
                     message_id: id.into(),
                     sequence: Some(2),
                 })

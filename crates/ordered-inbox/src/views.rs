@@ -56,6 +56,9 @@ pub const OPEN_DEAD_LETTERS_SHOWN: i64 = 1000;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AppliedMessage {
+    /// The producer whose message id this is (absent: the anonymous namespace).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub producer: Option<String>,
     pub message_id: String,
     pub aggregate_id: Option<String>,
     pub sequence: Option<i64>,
@@ -98,6 +101,9 @@ pub struct ResolutionSummary {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct DeadLetterView {
+    /// The producer whose message id this is (absent: the anonymous namespace).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub producer: Option<String>,
     pub message_id: String,
     pub aggregate_id: Option<String>,
     pub sequence: Option<i64>,
@@ -145,6 +151,9 @@ pub struct Replacement {
 pub struct ResolutionRecord {
     /// `None` in a dry run, which assigns nothing.
     pub resolution_id: Option<i64>,
+    /// The producer whose message id the dead letter is (absent: the anonymous namespace).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub producer: Option<String>,
     pub message_id: String,
     pub aggregate_id: String,
     pub sequence: i64,

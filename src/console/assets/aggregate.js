@@ -43,7 +43,7 @@
         ['held', a.heldCount ? `${a.heldCount}: ${a.heldSequences.join(', ')}` : '0'],
       ]);
       C.fillTable('open-deadletters', a.openDeadLetters, [
-        (d) => C.link('/console/deadletter', { id: d.messageId }, d.messageId),
+        (d) => C.link('/console/deadletter', C.deadLetterParams(d), d.messageId),
         (d) => d.sequence, (d) => d.reason, (d) => d.observations, (d) => C.time(d.firstSeen),
       ]);
     } else {
@@ -53,7 +53,7 @@
     }
     const closed = resolved.deadLetters.concat(superseded.deadLetters);
     C.fillTable('closed-deadletters', closed, [
-      (d) => C.link('/console/deadletter', { id: d.messageId }, d.messageId),
+      (d) => C.link('/console/deadletter', C.deadLetterParams(d), d.messageId),
       (d) => d.sequence,
       (d) => d.status,
       (d) => (d.resolution ? `${d.resolution.action} by ${d.resolution.operator}` : d.supersededBy),
@@ -75,7 +75,7 @@
     document.getElementById('timeline-next').disabled = next === null;
     C.fillTable('audit', audit.resolutions, [
       (r) => r.resolutionId,
-      (r) => C.link('/console/deadletter', { id: r.messageId }, r.messageId),
+      (r) => C.link('/console/deadletter', C.deadLetterParams(r), r.messageId),
       (r) => (r.replacement ? `replace with ${r.replacement.messageId} (amount ${r.replacement.amount})` : r.action),
       (r) => r.operator,
       (r) => r.reason,

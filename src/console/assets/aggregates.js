@@ -53,7 +53,7 @@
       : '';
     count.textContent = `${entries.length} shown: ${perStatus}${cut}`;
     C.fillTable('open-deadletters', open.deadLetters, [
-      (d) => C.link('/console/deadletter', { id: d.messageId }, d.messageId),
+      (d) => C.link('/console/deadletter', C.deadLetterParams(d), d.messageId),
       (d) => C.link('/console/aggregate', { id: d.aggregateId || '' }, d.aggregateId || '—'),
       (d) => d.sequence,
       (d) => d.reason,

@@ -46,6 +46,14 @@ const LabConsole = (() => {
     return el('a', { href: pageUrl(path, params), text });
   }
 
+  /**
+   * The address parameters of a dead letter's page: its message id, and its producer when a
+   * producer delivered it (a message id belongs to its producer).
+   */
+  function deadLetterParams(letter) {
+    return letter.producer ? { id: letter.messageId, producer: letter.producer } : { id: letter.messageId };
+  }
+
   /** The query parameter `name` of this page's address, or ''. */
   function param(name) {
     return new URLSearchParams(window.location.search).get(name) || '';
@@ -203,7 +211,7 @@ const LabConsole = (() => {
   }
 
   return {
-    el, display, time, duration, pageUrl, link, param, request, get, getOk, problemText,
+    el, display, time, duration, pageUrl, link, deadLetterParams, param, request, get, getOk, problemText,
     fillTable, fillFacts, refresher, live, tone,
   };
 })();

@@ -5,6 +5,14 @@
 (() => {
   const C = LabConsole;
   const id = C.param('id');
+  // A producer's dead letter is addressed with its producer (absent: an anonymous delivery's).
+  const producer = C.param('producer');
+  const query = (extra) => {
+    const params = new URLSearchParams(extra);
+    if (producer) params.set('producer', producer);
+    const text = params.toString();
+    return text ? `?${text}` : '';
+  };
   const problem = document.getElementById('dl-error');
   const form = document.getElementById('resolve-form');
   const expectedLast = document.getElementById('expected-last');
@@ -25,7 +33,7 @@
   };
 
   async function load() {
-    const answer = await C.get(`/console/api/deadletters/${encodeURIComponent(id)}`);
+    const answer = await C.get(`/console/api/deadletters/${encodeURIComponent(id)}${query({})}`);
     if (!answer.ok) {
       show(C.problemText(answer));
       return;
@@ -38,6 +46,7 @@
       : null;
     C.fillFacts('dl-details', [
       ['message id', d.messageId],
+      ...(d.producer ? [['producer', d.producer]] : []),
       ['aggregate', d.aggregateId ? C.link('/console/aggregate', { id: d.aggregateId }, d.aggregateId) : null],
       ['sequence', d.sequence],
       ['status', C.el('span', { text: d.status, 'data-tone': C.tone(d.status) })],
@@ -185,7 +194,7 @@
     render('sending', 'preview', [paragraph(dryRun ? 'Previewing…' : 'Resolving…')]);
     // Read at the moment of sending and passed on directly: the token lives in the input only.
     const token = document.getElementById('token').value.trim();
-    const path = `/deadletters/${encodeURIComponent(id)}/resolution${dryRun ? '?dryRun=true' : ''}`;
+    const path = `/deadletters/${encodeURIComponent(id)}/resolution${query(dryRun ? { dryRun: 'true' } : {})}`;
     try {
       const answer = await C.request('POST', path, { body: input.body, token });
       const [state, lines] = explain(answer, input.body);

@@ -78,6 +78,31 @@ pub(crate) fn validate_aggregate_id(name: &str, aggregate_id: &str) -> Result<()
 }
 
 /// A message id: 1..100 characters, not blank, no control characters.
+/// The namespace a `?producer=` names: a registered producer's name, checked for shape only
+/// (an unknown one simply finds no dead letter).
+pub(crate) fn producer_namespace(producer: Option<String>) -> Result<Option<String>, AppError> {
+    match producer {
+        None => Ok(None),
+        Some(name) => {
+            ordered_inbox::operators::validate_name(
+                ordered_inbox::operators::Registry::Producers,
+                &name,
+            )
+            .map_err(|error| AppError::bad_request(format!("producer: {error}")))?;
+            Ok(Some(name))
+        }
+    }
+}
+
+/// A message identity in words, for a problem's detail: an anonymous delivery's id alone, a
+/// producer's with its producer.
+pub(crate) fn identity_words(producer: Option<&str>, message_id: &str) -> String {
+    match producer {
+        None => format!("message id '{message_id}'"),
+        Some(producer) => format!("message id '{message_id}' of producer '{producer}'"),
+    }
+}
+
 pub(crate) fn validate_message_id(name: &str, message_id: &str) -> Result<(), AppError> {
     let length = message_id.chars().count();
     let valid = (1..=MAX_MESSAGE_ID).contains(&length)

@@ -108,6 +108,7 @@ impl RequestBody for ReplacementInput {
 impl ResolutionInput {
     fn into_request(
         self,
+        producer: Option<String>,
         dead_letter_id: String,
         operator: String,
     ) -> Result<ResolutionRequest, AppError> {
@@ -152,6 +153,7 @@ impl ResolutionInput {
             _ => return Err(AppError::bad_request("action must be replace or skip")),
         };
         Ok(ResolutionRequest {
+            producer,
             dead_letter_id,
             operator,
             action,
@@ -167,6 +169,10 @@ impl ResolutionInput {
 struct ResolutionOptions {
     /// Report what the resolution would do, and write nothing.
     dry_run: Option<bool>,
+    /// The producer whose message id the dead letter is (a message id belongs to its producer);
+    /// absent for a dead letter of an anonymous delivery.
+    #[param(min_length = 1, max_length = 64)]
+    producer: Option<String>,
 }
 
 /// What the Authorization header offered.
@@ -294,8 +300,9 @@ async fn resolve_dead_letter(
         Ok(operator) => operator,
         Err(response) => return Ok(response),
     };
+    let producer = super::producer_namespace(options.producer)?;
     let Json(input) = body?;
-    let request = input.into_request(dead_letter_id, operator)?;
+    let request = input.into_request(producer.clone(), dead_letter_id, operator)?;
     let mode = if options.dry_run.unwrap_or(false) {
         Mode::DryRun
     } else {
@@ -306,7 +313,7 @@ async fn resolve_dead_letter(
             resolution_answer("resolved", false, record)
         }
         Ok(Resolved::DryRun(record)) => resolution_answer("dry run", true, record),
-        Err(error) => refusal(error),
+        Err(error) => refusal(producer.as_deref(), error),
     })
 }
 
@@ -329,12 +336,15 @@ fn resolution_answer(outcome: &'static str, dry_run: bool, record: ResolutionRec
     (StatusCode::OK, axum::Json(body)).into_response()
 }
 
-fn refusal(error: ResolutionError) -> Response {
+fn refusal(producer: Option<&str>, error: ResolutionError) -> Response {
     match error {
         ResolutionError::NotFound(message_id) => AppError::problem_with_detail(
             StatusCode::NOT_FOUND,
             "No such dead letter",
-            format!("no dead letter has message id '{message_id}'"),
+            format!(
+                "no dead letter has {}",
+                super::identity_words(producer, &message_id)
+            ),
         )
         .into_response(),
         ResolutionError::Conflict { kind, current } => {

@@ -4,10 +4,14 @@
 //! Serialization: before reading any fact, the transaction takes
 //! `pg_advisory_xact_lock(hashtextextended(aggregate_id, 0))` (which exists before the aggregate's
 //! row does) and locks the aggregate's row `FOR UPDATE` where it exists; then one advisory lock
-//! per message id it reads or writes (`hashtextextended(message_id, 1)`), because a message id is
-//! global: the same id sent to two aggregates at once must not get two meanings. Locks are taken
-//! in one order (the aggregate, then message ids sorted), and all are released at COMMIT or
-//! ROLLBACK. The facts are read after the locks (READ COMMITTED: each statement sees everything
+//! per message identity it reads or writes (`hashtextextended(key, 1)`, the key being the message
+//! id in the anonymous namespace and `producer:message_id` in a producer's, see [`message_key`]),
+//! because an identity spans aggregates: the same id sent to two aggregates at once must not get
+//! two meanings. A producer's delivery then locks its producer's row `FOR SHARE`: a new session
+//! (which updates that row) commits either before the delivery reads the epoch or after the
+//! delivery committed; deliveries of one producer to different aggregates do not wait for each
+//! other. Locks are taken in one order (the aggregate, then message keys sorted,
+//! then the producer's row), and all are released at COMMIT or ROLLBACK. The facts are read after the locks (READ COMMITTED: each statement sees everything
 //! committed before it), so they are exactly what the previous writer of the aggregate left.
 //!
 //! Round trips: the statements of one phase are pipelined on the connection: BEGIN, the locks
@@ -26,29 +30,37 @@ use super::{Client, Counters, Failure};
 use crate::clock;
 use crate::delivery::{
     AppliedMessage, Change, DeliveryFacts, HeldMessage, KnownDeadLetter, OpenDeadLetter, Outcome,
-    decide_delivery,
+    decide_producer_delivery,
 };
 use crate::model::{AggregateRow, AggregateStatus, Door, Limits, OrderedMessage};
+use crate::producers::{
+    AggregateOwner, OwnershipFacts, ProducerClaim, ProducerFact, ProducerRefusal, TransferFacts,
+    TransferRecord, TransferRequest, decide_transfer, next_epoch,
+};
 use crate::resolution::{
     Action, DeadLetterFact, Mode, Refusal, ResolutionError, ResolutionFacts, ResolutionRequest,
     Resolved, decide_resolution, resolved_event,
 };
 use crate::timeline::{OBSERVATIONS_KEPT, TimelineEntry};
+use crate::timeline::{TimelineDetail, TimelineKind};
 use crate::views::{CurrentState, ResolutionRecord};
+use crate::views::{OwnershipState, TransferConflict};
 
 /// A delivery's locks, in the one order every transaction takes them: the aggregate, then the
 /// message id (the target list is evaluated left to right).
 const LOCK_DELIVERY: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0)),
        pg_advisory_xact_lock(hashtextextended($2, 1))";
 /// A delivery's facts in one statement, read after the locks: the aggregate's row (locked
-/// `FOR UPDATE` too, so that a writer from outside the library would also wait), this id as an
-/// applied message and as a dead letter, and the aggregate's open dead letters.
+/// `FOR UPDATE` too, so that a writer from outside the library would also wait) with its owner,
+/// this identity (`$3` the namespace, `$2` the id) as an applied message and as a dead letter (and
+/// as a held message: only anonymous ids are held), and the aggregate's open dead letters.
 const DELIVERY_FACTS: &str = "
 WITH aggregate AS (
-    SELECT last_sequence, total, status, status_since FROM aggregate_state
+    SELECT last_sequence, total, status, status_since, owner, owner_epoch FROM aggregate_state
      WHERE aggregate_id = $1 FOR UPDATE),
 opened AS (
-    SELECT array_agg(message_id ORDER BY id) AS ids, array_agg(sequence ORDER BY id) AS sequences
+    SELECT array_agg(message_id ORDER BY id) AS ids, array_agg(sequence ORDER BY id) AS sequences,
+           array_agg(NULLIF(producer, '') ORDER BY id) AS producers
       FROM deadletters WHERE aggregate_id = $1 AND status = 'open'),
 held AS (
     SELECT array_agg(message_id ORDER BY sequence) AS ids,
@@ -62,28 +74,70 @@ SELECT a.last_sequence, a.total, a.status, a.status_since,
        d.payload, d.reason, d.status, d.observations,
        opened.ids, opened.sequences,
        h.message_id, h.aggregate_id, h.sequence, h.amount, h.payload, h.held_at,
-       held.ids, held.sequences, held.amounts, held.payloads, held.held_at
+       held.ids, held.sequences, held.amounts, held.payloads, held.held_at,
+       a.owner, a.owner_epoch, opened.producers
   FROM opened
   CROSS JOIN held
   LEFT JOIN aggregate a ON true
-  LEFT JOIN ordered_inbox o ON o.message_id = $2
-  LEFT JOIN deadletters d ON d.message_id = $2
-  LEFT JOIN held_messages h ON h.message_id = $2";
+  LEFT JOIN ordered_inbox o ON o.producer = $3 AND o.message_id = $2
+  LEFT JOIN deadletters d ON d.producer = $3 AND d.message_id = $2
+  LEFT JOIN held_messages h ON h.message_id = $2 AND $3 = ''";
+/// A producer's facts, read after the delivery's locks: its row, locked `FOR SHARE` until the
+/// delivery commits (a session's or a revocation's UPDATE of the row waits for it, or the
+/// delivery waits for that UPDATE and reads the new epoch; deliveries of one producer share the
+/// lock), and whether the aggregate has any history (only a fresh one can be claimed).
+const PRODUCER_FACTS: &str = "
+WITH p AS (
+    SELECT current_epoch, revoked_at IS NULL AS active FROM producers WHERE name = $2 FOR SHARE)
+SELECT p.current_epoch, p.active,
+       EXISTS(SELECT 1 FROM aggregate_state WHERE aggregate_id = $1)
+    OR EXISTS(SELECT 1 FROM aggregate_timeline WHERE aggregate_id = $1)
+    OR EXISTS(SELECT 1 FROM held_messages WHERE aggregate_id = $1)
+    OR EXISTS(SELECT 1 FROM ordered_inbox WHERE aggregate_id = $1)
+    OR EXISTS(SELECT 1 FROM deadletters WHERE aggregate_id = $1)
+  FROM (SELECT 1) AS one LEFT JOIN p ON true";
+const PRODUCER_ROW_LOCKED: &str =
+    "SELECT current_epoch, revoked_at IS NULL FROM producers WHERE name = $1 FOR UPDATE";
+const PRODUCER_ROW_SHARED: &str =
+    "SELECT current_epoch, revoked_at IS NULL FROM producers WHERE name = $1 FOR SHARE";
+const SET_EPOCH: &str = "UPDATE producers SET current_epoch = $2 WHERE name = $1";
+const OWNERSHIP_LOCKED: &str = "SELECT owner, owner_epoch, last_sequence FROM aggregate_state
+  WHERE aggregate_id = $1 FOR UPDATE";
+const SET_OWNER: &str = "
+INSERT INTO aggregate_state(aggregate_id, last_sequence, total, status, status_since, owner,
+                            owner_epoch, owner_since)
+VALUES ($1, 0, 0, 'flowing', $4, $2, $3, $4)
+ON CONFLICT (aggregate_id) DO UPDATE SET
+    owner = excluded.owner,
+    owner_epoch = excluded.owner_epoch,
+    owner_since = excluded.owner_since";
+/// The last delivery time per (producer, aggregate): the aggregate's lock already serializes
+/// this row, and the producer's row is only share-locked by deliveries, so one producer's
+/// deliveries to different aggregates run in parallel.
+const TOUCH_PRODUCER: &str = "
+INSERT INTO producer_deliveries(producer, aggregate_id, last_delivery_at) VALUES ($1, $2, $3)
+ON CONFLICT (producer, aggregate_id) DO UPDATE SET last_delivery_at = excluded.last_delivery_at";
+const RECORD_TRANSFER: &str = "
+INSERT INTO ownership_transfers(aggregate_id, operator, from_owner, to_owner, epoch, last, reason,
+                                transferred_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
 const LOCK_AGGREGATE: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
 const LOCK_MESSAGE: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 1))";
 const AGGREGATE_ROW: &str = "SELECT last_sequence, total, status, status_since
   FROM aggregate_state WHERE aggregate_id = $1 FOR UPDATE";
-const APPLIED_MESSAGE: &str =
-    "SELECT payload, sequence, applied_at FROM ordered_inbox WHERE message_id = $1";
-const KNOWN_DEAD_LETTER: &str =
-    "SELECT payload, reason, status, observations FROM deadletters WHERE message_id = $1";
-const OPEN_DEAD_LETTERS: &str = "SELECT message_id, sequence FROM deadletters
-  WHERE aggregate_id = $1 AND status = 'open' ORDER BY id";
-const DEAD_LETTER_HOME: &str = "SELECT aggregate_id FROM deadletters WHERE message_id = $1";
-const DEAD_LETTER_FACT: &str =
-    "SELECT status, aggregate_id, sequence FROM deadletters WHERE message_id = $1";
+const APPLIED_MESSAGE: &str = "SELECT payload, sequence, applied_at FROM ordered_inbox
+  WHERE message_id = $1 AND producer = $2";
+const KNOWN_DEAD_LETTER: &str = "SELECT payload, reason, status, observations FROM deadletters
+  WHERE message_id = $1 AND producer = $2";
+const OPEN_DEAD_LETTERS: &str = "SELECT message_id, sequence, NULLIF(producer, '')
+  FROM deadletters WHERE aggregate_id = $1 AND status = 'open' ORDER BY id";
+const DEAD_LETTER_HOME: &str =
+    "SELECT aggregate_id FROM deadletters WHERE message_id = $1 AND producer = $2";
+const DEAD_LETTER_FACT: &str = "SELECT status, aggregate_id, sequence FROM deadletters
+  WHERE message_id = $1 AND producer = $2";
+/// Only anonymous ids are held (the broker door delivers anonymously).
 const HELD_MESSAGE: &str = "SELECT message_id, aggregate_id, sequence, amount, payload, held_at
-  FROM held_messages WHERE message_id = $1";
+  FROM held_messages WHERE message_id = $1 AND $2 = ''";
 const HELD_FOR: &str = "SELECT message_id, aggregate_id, sequence, amount, payload, held_at
   FROM held_messages WHERE aggregate_id = $1 ORDER BY sequence";
 const INSERT_HELD: &str = "
@@ -102,8 +156,9 @@ ON CONFLICT (aggregate_id) DO UPDATE SET
     status = excluded.status,
     status_since = excluded.status_since";
 const INSERT_APPLIED: &str = "
-INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence, amount, applied_at)
-VALUES ($1, $2, $3, $4, $5, $6)";
+INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence, amount, applied_at,
+                          producer)
+VALUES ($1, $2, $3, $4, $5, $6, $7)";
 /// Dead letters are numbered in commit order (the cursor of `/deadletters` pages): the counter
 /// row stays locked until COMMIT, so a number is never handed out ahead of an earlier one's
 /// commit. Rows written by other means are respected through `MAX(id)`.
@@ -114,15 +169,15 @@ WITH numbered AS (
      WHERE name = 'deadletters'
  RETURNING value)
 INSERT INTO deadletters(id, message_id, reason, aggregate_id, sequence, payload, first_seen,
-                        last_seen, observations, status)
-SELECT value, $1, $2, $3, $4, $5, $6, $6, 1, 'open' FROM numbered";
-const OBSERVE_DEAD_LETTER: &str =
-    "UPDATE deadletters SET observations = $2, last_seen = $3 WHERE message_id = $1";
+                        last_seen, observations, status, producer)
+SELECT value, $1, $2, $3, $4, $5, $6, $6, 1, 'open', $7 FROM numbered";
+const OBSERVE_DEAD_LETTER: &str = "UPDATE deadletters SET observations = $2, last_seen = $3
+  WHERE message_id = $1 AND producer = $4";
 const SUPERSEDE_DEAD_LETTERS: &str = "
 UPDATE deadletters SET status = 'superseded', superseded_by = $2, closed_at = $3
- WHERE message_id = ANY($1) AND status = 'open'";
-const RESOLVE_DEAD_LETTER: &str =
-    "UPDATE deadletters SET status = 'resolved', closed_at = $2 WHERE message_id = $1";
+ WHERE aggregate_id = $4 AND message_id = ANY($1) AND status = 'open'";
+const RESOLVE_DEAD_LETTER: &str = "UPDATE deadletters SET status = 'resolved', closed_at = $2
+  WHERE message_id = $1 AND producer = $3";
 const APPEND_EVENT: &str = "
 INSERT INTO aggregate_timeline(aggregate_id, at, kind, sequence, message_id, detail)
 VALUES ($1, $2, $3, $4, $5, $6)";
@@ -150,9 +205,26 @@ RETURNING value";
 const INSERT_RESOLUTION: &str = "
 INSERT INTO resolutions(id, message_id, aggregate_id, sequence, action, operator, reason,
                         expected_last, replacement_message_id, replacement_amount,
-                        before_last, before_total, after_last, after_total, resolved_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
-const LINK_RESOLUTION: &str = "UPDATE deadletters SET resolution_id = $2 WHERE message_id = $1";
+                        before_last, before_total, after_last, after_total, resolved_at,
+                        producer)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)";
+const LINK_RESOLUTION: &str =
+    "UPDATE deadletters SET resolution_id = $2 WHERE message_id = $1 AND producer = $3";
+
+/// The column value of a namespace: `''` is the anonymous one.
+pub(super) fn namespace(producer: Option<&str>) -> &str {
+    producer.unwrap_or("")
+}
+
+/// The advisory-lock key of a message identity: the id itself in the anonymous namespace (as
+/// before producers existed), `producer:id` in a producer's. Two identities whose keys collide
+/// only wait for each other; the facts are read by identity either way.
+fn message_key(producer: Option<&str>, message_id: &str) -> String {
+    match producer {
+        None => message_id.to_owned(),
+        Some(producer) => format!("{producer}:{message_id}"),
+    }
+}
 
 /// A statement parameter owned by a pending write.
 type Param = Box<dyn ToSql + Sync + Send>;
@@ -174,8 +246,9 @@ async fn write(client: &Client, sql: &str, params: Vec<Param>) -> Result<Write, 
     })
 }
 
-/// Decides and records one delivery: BEGIN, the locks and the facts in one flight; the writes
-/// and COMMIT in the next.
+/// Decides and records one anonymous delivery, without an ownership check (the classroom and
+/// broker doors): BEGIN, the locks and the facts in one flight; the writes and COMMIT in the
+/// next.
 pub(crate) async fn deliver(
     client: &Client,
     counters: &Counters,
@@ -186,18 +259,249 @@ pub(crate) async fn deliver(
     let lock = client.prepare_cached(LOCK_DELIVERY).await?;
     let read = client.prepare_cached(DELIVERY_FACTS).await?;
     let keys: [&(dyn ToSql + Sync); 2] = [&message.aggregate_id, &message.message_id];
+    let anonymous = namespace(None);
+    let by_identity: [&(dyn ToSql + Sync); 3] =
+        [&message.aggregate_id, &message.message_id, &anonymous];
     let (begin, locked, facts) = join!(
         client.batch_execute("BEGIN"),
         client.execute(&lock, &keys),
-        client.query_one(&read, &keys),
+        client.query_one(&read, &by_identity),
     );
     counters.trip();
     begin?;
     locked?;
     let facts = delivery_facts_from_row(&facts?, &message.aggregate_id)?;
-    let plan = decide_delivery(message, door, &facts, limits, &clock::now());
+    let plan = crate::delivery::decide_delivery(message, door, &facts, limits, &clock::now());
     write_and_commit(client, counters, &plan.changes).await?;
     Ok(plan.outcome)
+}
+
+/// Decides and records one delivery made by `claim`'s producer (`None`: anonymous), with epoch
+/// fencing and ownership checked on facts read under the delivery's locks (the producer's row
+/// locked too): BEGIN, the locks and the facts in one flight; the writes and COMMIT (or, for a
+/// refusal, ROLLBACK) in the next.
+pub(crate) async fn deliver_as(
+    client: &Client,
+    counters: &Counters,
+    message: &OrderedMessage,
+    door: Door,
+    claim: Option<&ProducerClaim>,
+    limits: &Limits,
+) -> Result<Result<Outcome, ProducerRefusal>, Failure> {
+    let producer = claim.map(|claim| claim.producer.as_str());
+    let lock = client.prepare_cached(LOCK_DELIVERY).await?;
+    let read = client.prepare_cached(DELIVERY_FACTS).await?;
+    let producer_read = client.prepare_cached(PRODUCER_FACTS).await?;
+    let key = message_key(producer, &message.message_id);
+    let keys: [&(dyn ToSql + Sync); 2] = [&message.aggregate_id, &key];
+    let space = namespace(producer);
+    let by_identity: [&(dyn ToSql + Sync); 3] =
+        [&message.aggregate_id, &message.message_id, &space];
+    let by_producer: [&(dyn ToSql + Sync); 2] = [&message.aggregate_id, &space];
+    let producer_facts = futures_util::future::OptionFuture::from(
+        claim.map(|_| client.query_one(&producer_read, &by_producer)),
+    );
+    let (begin, locked, facts, producer_facts) = join!(
+        client.batch_execute("BEGIN"),
+        client.execute(&lock, &keys),
+        client.query_one(&read, &by_identity),
+        producer_facts,
+    );
+    counters.trip();
+    begin?;
+    locked?;
+    let facts = facts?;
+    let owner = match facts.try_get::<_, Option<String>>(24)? {
+        Some(producer) => Some(AggregateOwner {
+            producer,
+            epoch: facts.try_get::<_, Option<i64>>(25)?.unwrap_or(0),
+        }),
+        None => None,
+    };
+    let facts = delivery_facts_from_row(&facts, &message.aggregate_id)?;
+    let ownership = match producer_facts.transpose()? {
+        Some(row) => OwnershipFacts {
+            producer: match row.try_get::<_, Option<i64>>(0)? {
+                Some(current_epoch) => Some(ProducerFact {
+                    current_epoch,
+                    active: row.try_get(1)?,
+                }),
+                None => None,
+            },
+            history: owner.is_none() && row.try_get::<_, bool>(2)?,
+            owner,
+        },
+        None => OwnershipFacts {
+            producer: None,
+            owner,
+            history: false,
+        },
+    };
+    let now = clock::now();
+    match decide_producer_delivery(message, door, claim, &ownership, &facts, limits, &now) {
+        Ok(plan) => {
+            write_and_commit(client, counters, &plan.changes).await?;
+            Ok(Ok(plan.outcome))
+        }
+        Err(refusal) => {
+            client.batch_execute("ROLLBACK").await?;
+            counters.trip();
+            Ok(Err(refusal))
+        }
+    }
+}
+
+/// Starts a session of `producer`: its row locked, the next epoch decided, written, committed.
+pub(crate) async fn start_session(
+    client: &Client,
+    counters: &Counters,
+    producer: &str,
+) -> Result<Result<i64, ProducerRefusal>, Failure> {
+    let read = client.prepare_cached(PRODUCER_ROW_LOCKED).await?;
+    let by_name: [&(dyn ToSql + Sync); 1] = [&producer];
+    let (begin, row) = join!(
+        client.batch_execute("BEGIN"),
+        client.query_opt(&read, &by_name)
+    );
+    counters.trip();
+    begin?;
+    let decided = match row?.map(|row| producer_fact_from_row(&row)).transpose()? {
+        Some(fact) => next_epoch(fact),
+        None => Err(ProducerRefusal::Revoked),
+    };
+    let epoch = match decided {
+        Ok(epoch) => epoch,
+        Err(refusal) => {
+            client.batch_execute("ROLLBACK").await?;
+            counters.trip();
+            return Ok(Err(refusal));
+        }
+    };
+    let set = client.prepare_cached(SET_EPOCH).await?;
+    let by_name_epoch: [&(dyn ToSql + Sync); 2] = [&producer, &epoch];
+    let (written, commit) = join!(
+        client.execute(&set, &by_name_epoch),
+        client.batch_execute("COMMIT"),
+    );
+    counters.trip();
+    written.map_err(Failure::Commit)?;
+    commit.map_err(Failure::Commit)?;
+    Ok(Ok(epoch))
+}
+
+/// An operator's transfer: the aggregate locked as for a delivery, the receiving producer's row
+/// shared-locked, the preconditions decided by the core, the owner columns, the audit row and
+/// the timeline event written and committed; a refusal rolls back with the ownership as it is.
+pub(crate) async fn transfer(
+    client: &Client,
+    counters: &Counters,
+    request: &TransferRequest,
+) -> Result<Result<TransferRecord, TransferConflict>, Failure> {
+    let lock = client.prepare_cached(LOCK_AGGREGATE).await?;
+    let state = client.prepare_cached(OWNERSHIP_LOCKED).await?;
+    let operator = client.prepare_cached(OPERATOR_ACTIVE).await?;
+    let producer = client.prepare_cached(PRODUCER_ROW_SHARED).await?;
+    let by_aggregate: [&(dyn ToSql + Sync); 1] = [&request.aggregate_id];
+    let by_operator: [&(dyn ToSql + Sync); 1] = [&request.operator];
+    let by_producer: [&(dyn ToSql + Sync); 1] = [&request.producer];
+    let (begin, locked, state, operator, producer) = join!(
+        client.batch_execute("BEGIN"),
+        client.execute(&lock, &by_aggregate),
+        client.query_opt(&state, &by_aggregate),
+        client.query_one(&operator, &by_operator),
+        client.query_opt(&producer, &by_producer),
+    );
+    counters.trip();
+    begin?;
+    locked?;
+    let current = match state? {
+        Some(row) => ownership_from_row(&row)?,
+        None => OwnershipState::default(),
+    };
+    let facts = TransferFacts {
+        operator_active: operator?.try_get(0)?,
+        producer: producer?
+            .map(|row| producer_fact_from_row(&row))
+            .transpose()?,
+        owner: current.owner.clone(),
+        last: current.last,
+    };
+    let now = clock::now();
+    let record = match decide_transfer(request, &facts, &now) {
+        Ok(record) => record,
+        Err(refusal) => {
+            client.batch_execute("ROLLBACK").await?;
+            counters.trip();
+            return Ok(Err(TransferConflict { refusal, current }));
+        }
+    };
+    let changes = [
+        Change::SetOwner {
+            aggregate_id: record.aggregate_id.clone(),
+            owner: AggregateOwner {
+                producer: record.to_owner.clone(),
+                epoch: record.epoch,
+            },
+            at: now.clone(),
+        },
+        Change::RecordTransfer(record.clone()),
+        Change::Append(crate::timeline::TimelineEntry {
+            aggregate_id: record.aggregate_id.clone(),
+            at: now.clone(),
+            kind: TimelineKind::OwnerTransferred,
+            sequence: None,
+            message_id: None,
+            detail: TimelineDetail::Transferred {
+                operator: record.operator.clone(),
+                from: record.from_owner.clone(),
+                to: record.to_owner.clone(),
+                epoch: record.epoch,
+                reason: record.reason.clone(),
+            },
+        }),
+    ];
+    write_and_commit(client, counters, &changes).await?;
+    Ok(Ok(record))
+}
+
+/// The aggregate's owner and last applied sequence (unowned and 0 without a row).
+pub(crate) async fn ownership(
+    client: &Client,
+    counters: &Counters,
+    aggregate_id: &str,
+) -> Result<OwnershipState, Failure> {
+    let read = client
+        .prepare_cached(
+            "SELECT owner, owner_epoch, last_sequence FROM aggregate_state WHERE aggregate_id = $1",
+        )
+        .await?;
+    let row = client.query_opt(&read, &[&aggregate_id]).await;
+    counters.trip();
+    Ok(match row? {
+        Some(row) => ownership_from_row(&row)?,
+        None => OwnershipState::default(),
+    })
+}
+
+fn ownership_from_row(row: &Row) -> Result<OwnershipState, Failure> {
+    let owner = match row.try_get::<_, Option<String>>(0)? {
+        Some(producer) => Some(AggregateOwner {
+            producer,
+            epoch: row.try_get::<_, Option<i64>>(1)?.unwrap_or(0),
+        }),
+        None => None,
+    };
+    Ok(OwnershipState {
+        owner,
+        last: row.try_get(2)?,
+    })
+}
+
+fn producer_fact_from_row(row: &Row) -> Result<ProducerFact, Failure> {
+    Ok(ProducerFact {
+        current_epoch: row.try_get(0)?,
+        active: row.try_get(1)?,
+    })
 }
 
 /// The one row of [`DELIVERY_FACTS`]: each group of columns is null when its row is missing.
@@ -234,9 +538,12 @@ fn delivery_facts_from_row(row: &Row, aggregate_id: &str) -> Result<DeliveryFact
     let open_dead_letters = if blocked {
         let ids: Vec<String> = row.try_get::<_, Option<_>>(11)?.unwrap_or_default();
         let sequences: Vec<Option<i64>> = row.try_get::<_, Option<_>>(12)?.unwrap_or_default();
+        let producers: Vec<Option<String>> = row.try_get::<_, Option<_>>(26)?.unwrap_or_default();
         ids.into_iter()
             .zip(sequences)
-            .map(|(message_id, sequence)| OpenDeadLetter {
+            .zip(producers)
+            .map(|((message_id, sequence), producer)| OpenDeadLetter {
+                producer,
                 message_id,
                 sequence,
             })
@@ -325,7 +632,8 @@ pub(crate) async fn resolve(
 ) -> Result<Result<Resolved, ResolutionError>, Failure> {
     // Where the dead letter lives decides which aggregate to lock; a dead letter never moves.
     let home = client.prepare_cached(DEAD_LETTER_HOME).await?;
-    let by_dead_letter: [&(dyn ToSql + Sync); 1] = [&request.dead_letter_id];
+    let space = namespace(request.producer.as_deref());
+    let by_dead_letter: [&(dyn ToSql + Sync); 2] = [&request.dead_letter_id, &space];
     let (begin, home) = join!(
         client.batch_execute("BEGIN"),
         client.query_opt(&home, &by_dead_letter),
@@ -380,11 +688,15 @@ async fn resolution_facts(
         Action::Replace { message_id, .. } => Some(message_id.as_str()),
         Action::Skip => None,
     };
-    let mut message_ids: Vec<&str> = std::iter::once(request.dead_letter_id.as_str())
+    // The replacement is applied in the dead letter's namespace.
+    let producer = request.producer.as_deref();
+    let space = namespace(producer);
+    let mut message_keys: Vec<String> = std::iter::once(request.dead_letter_id.as_str())
         .chain(replacement_id)
+        .map(|id| message_key(producer, id))
         .collect();
-    message_ids.sort_unstable();
-    message_ids.dedup();
+    message_keys.sort_unstable();
+    message_keys.dedup();
     let no_aggregate = String::new();
     let aggregate_key = aggregate_id.unwrap_or(&no_aggregate);
     let replacement_key = replacement_id.unwrap_or("");
@@ -395,9 +707,9 @@ async fn resolution_facts(
         .iter()
         .map(|id| (&lock_aggregate, [id as &(dyn ToSql + Sync)]))
         .chain(
-            message_ids
+            message_keys
                 .iter()
-                .map(|id| (&lock_message, [id as &(dyn ToSql + Sync)])),
+                .map(|key| (&lock_message, [key as &(dyn ToSql + Sync)])),
         )
         .collect();
     let locks = join_all(
@@ -405,10 +717,10 @@ async fn resolution_facts(
             .iter()
             .map(|(statement, params)| client.execute(*statement, params)),
     );
-    let by_dead_letter: [&(dyn ToSql + Sync); 1] = [&request.dead_letter_id];
+    let by_dead_letter: [&(dyn ToSql + Sync); 2] = [&request.dead_letter_id, &space];
     let by_aggregate: [&(dyn ToSql + Sync); 1] = [&aggregate_key];
     let by_operator: [&(dyn ToSql + Sync); 1] = [&request.operator];
-    let by_replacement: [&(dyn ToSql + Sync); 1] = [&replacement_key];
+    let by_replacement: [&(dyn ToSql + Sync); 2] = [&replacement_key, &space];
     let (
         locks,
         dead_letter,
@@ -514,7 +826,15 @@ async fn refusal_error(
         Refusal::Unauthorized => ResolutionError::Unauthorized,
         Refusal::Conflict(kind) => ResolutionError::Conflict {
             kind,
-            current: Box::new(current_state(client, counters, &request.dead_letter_id).await?),
+            current: Box::new(
+                current_state(
+                    client,
+                    counters,
+                    request.producer.as_deref(),
+                    &request.dead_letter_id,
+                )
+                .await?,
+            ),
         },
     })
 }
@@ -524,9 +844,10 @@ async fn refusal_error(
 async fn current_state(
     client: &Client,
     counters: &Counters,
+    producer: Option<&str>,
     dead_letter_id: &str,
 ) -> Result<CurrentState, Failure> {
-    let dead_letter = views::dead_letter(client, counters, dead_letter_id).await?;
+    let dead_letter = views::dead_letter(client, counters, producer, dead_letter_id).await?;
     let aggregate = match dead_letter
         .as_ref()
         .and_then(|dead| dead.aggregate_id.as_deref())
@@ -602,6 +923,7 @@ async fn writes_for(
             writes.push(write(client, PUT_AGGREGATE, params).await?);
         }
         Change::InsertApplied {
+            producer,
             message,
             payload,
             applied_at,
@@ -613,10 +935,12 @@ async fn writes_for(
                 param(message.sequence),
                 param(message.amount),
                 param(applied_at.clone()),
+                param(namespace(producer.as_deref()).to_owned()),
             ];
             writes.push(write(client, INSERT_APPLIED, params).await?);
         }
         Change::InsertDeadLetter {
+            producer,
             message,
             payload,
             reason,
@@ -629,10 +953,12 @@ async fn writes_for(
                 param(message.sequence),
                 param(payload.clone()),
                 param(at.clone()),
+                param(namespace(producer.as_deref()).to_owned()),
             ];
             writes.push(write(client, INSERT_DEAD_LETTER, params).await?);
         }
         Change::ObserveDeadLetter {
+            producer,
             message_id,
             observations,
             at,
@@ -641,10 +967,12 @@ async fn writes_for(
                 param(message_id.clone()),
                 param(*observations),
                 param(at.clone()),
+                param(namespace(producer.as_deref()).to_owned()),
             ];
             writes.push(write(client, OBSERVE_DEAD_LETTER, params).await?);
         }
         Change::SupersedeDeadLetters {
+            aggregate_id,
             message_ids,
             by,
             at,
@@ -653,19 +981,59 @@ async fn writes_for(
                 param(message_ids.clone()),
                 param(by.clone()),
                 param(at.clone()),
+                param(aggregate_id.clone()),
             ];
             writes.push(write(client, SUPERSEDE_DEAD_LETTERS, params).await?);
         }
-        Change::ResolveDeadLetter { message_id, at } => {
-            let params = vec![param(message_id.clone()), param(at.clone())];
+        Change::ResolveDeadLetter {
+            producer,
+            message_id,
+            at,
+        } => {
+            let params = vec![
+                param(message_id.clone()),
+                param(at.clone()),
+                param(namespace(producer.as_deref()).to_owned()),
+            ];
             writes.push(write(client, RESOLVE_DEAD_LETTER, params).await?);
         }
-        // Producers (sessions, ownership, transfers) live in the SQLite inbox only so far: a
-        // PostgreSQL inbox knows no producer, so no decision it reads facts for asks for these.
-        Change::SetOwner { .. } | Change::TouchProducer { .. } | Change::RecordTransfer(_) => {
-            return Err(Failure::Data(
-                "producer ownership is not kept in a PostgreSQL inbox".to_owned(),
-            ));
+        Change::SetOwner {
+            aggregate_id,
+            owner,
+            at,
+        } => {
+            let params = vec![
+                param(aggregate_id.clone()),
+                param(owner.producer.clone()),
+                param(owner.epoch),
+                param(at.clone()),
+            ];
+            writes.push(write(client, SET_OWNER, params).await?);
+        }
+        Change::TouchProducer {
+            producer,
+            aggregate_id,
+            at,
+        } => {
+            let params = vec![
+                param(producer.clone()),
+                param(aggregate_id.clone()),
+                param(at.clone()),
+            ];
+            writes.push(write(client, TOUCH_PRODUCER, params).await?);
+        }
+        Change::RecordTransfer(record) => {
+            let params = vec![
+                param(record.aggregate_id.clone()),
+                param(record.operator.clone()),
+                param(record.from_owner.clone()),
+                param(record.to_owner.clone()),
+                param(record.epoch),
+                param(record.last),
+                param(record.reason.clone()),
+                param(record.transferred_at.clone()),
+            ];
+            writes.push(write(client, RECORD_TRANSFER, params).await?);
         }
         Change::InsertHeld {
             message,
@@ -695,7 +1063,11 @@ async fn writes_for(
                 .try_get(0)?;
             counters.trip();
             writes.push(write(client, INSERT_RESOLUTION, resolution_params(record, id)).await?);
-            let link = vec![param(record.message_id.clone()), param(id)];
+            let link = vec![
+                param(record.message_id.clone()),
+                param(id),
+                param(namespace(record.producer.as_deref()).to_owned()),
+            ];
             writes.push(write(client, LINK_RESOLUTION, link).await?);
             writes.push(append(client, &resolved_event(record, id)).await?);
             *resolution_id = Some(id);
@@ -728,6 +1100,7 @@ fn resolution_params(record: &ResolutionRecord, id: i64) -> Vec<Param> {
         param(record.after.last),
         param(record.after.total),
         param(record.resolved_at.clone()),
+        param(namespace(record.producer.as_deref()).to_owned()),
     ]
 }
 
@@ -786,6 +1159,7 @@ fn known_dead_letter_from_row(row: &Row) -> Result<KnownDeadLetter, Failure> {
 
 fn open_from_row(row: &Row) -> Result<OpenDeadLetter, Failure> {
     Ok(OpenDeadLetter {
+        producer: row.try_get(2)?,
         message_id: row.try_get(0)?,
         sequence: row.try_get(1)?,
     })

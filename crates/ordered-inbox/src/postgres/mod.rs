@@ -41,9 +41,7 @@ use crate::delivery::Outcome;
 use crate::inbox::{Inbox, InboxError};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage, UnknownValue};
 use crate::operators::OperatorCheck;
-use crate::producers::{
-    ProducerClaim, ProducerRefusal, TransferRecord, TransferRefusal, TransferRequest,
-};
+use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
@@ -582,17 +580,20 @@ impl Inbox for PostgresInbox {
         .await
     }
 
-    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
+    async fn dead_letter(
+        &self,
+        producer: Option<String>,
+        message_id: String,
+    ) -> Result<Option<DeadLetterView>, InboxError> {
         self.run(move |client, counters| {
+            let producer = producer.clone();
             let message_id = message_id.clone();
-            Box::pin(async move { views::dead_letter(client, counters, &message_id).await })
+            Box::pin(async move {
+                views::dead_letter(client, counters, producer.as_deref(), &message_id).await
+            })
         })
         .await
     }
-
-    // Producers, their sessions and aggregate ownership are kept in the SQLite inbox only so
-    // far. A PostgreSQL inbox knows no producer: no token is a producer's, no aggregate has an
-    // owner, and a transfer names an unknown producer. Anonymous deliveries work as everywhere.
 
     async fn deliver_as(
         &self,
@@ -600,44 +601,60 @@ impl Inbox for PostgresInbox {
         door: Door,
         claim: Option<ProducerClaim>,
     ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
-        match claim {
-            None => self.deliver(message, door).await.map(Ok),
-            Some(_) => Ok(Err(ProducerRefusal::Revoked)),
-        }
+        let limits = self.limits;
+        self.run(move |client, counters| {
+            let message = message.clone();
+            let claim = claim.clone();
+            Box::pin(async move {
+                engine::deliver_as(client, counters, &message, door, claim.as_ref(), &limits).await
+            })
+        })
+        .await
     }
 
-    async fn check_producer(&self, _token: String) -> Result<Option<String>, InboxError> {
-        Ok(None)
+    async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {
+        self.run(move |client, counters| {
+            let token = token.clone();
+            Box::pin(async move { operators::producer(client, counters, &token).await })
+        })
+        .await
     }
 
     async fn start_session(
         &self,
-        _producer: String,
+        producer: String,
     ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
-        Ok(Err(ProducerRefusal::Revoked))
+        self.run(move |client, counters| {
+            let producer = producer.clone();
+            Box::pin(async move { engine::start_session(client, counters, &producer).await })
+        })
+        .await
     }
 
     async fn transfer_owner(
         &self,
         request: TransferRequest,
     ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
-        let current = self.ownership(request.aggregate_id.clone()).await?;
-        Ok(Err(TransferConflict {
-            refusal: TransferRefusal::UnknownProducer,
-            current,
-        }))
+        self.run(move |client, counters| {
+            let request = request.clone();
+            Box::pin(async move { engine::transfer(client, counters, &request).await })
+        })
+        .await
     }
 
     async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError> {
-        let counts = self.counts(aggregate_id).await?;
-        Ok(OwnershipState {
-            owner: None,
-            last: counts.last,
+        self.run(move |client, counters| {
+            let aggregate_id = aggregate_id.clone();
+            Box::pin(async move { engine::ownership(client, counters, &aggregate_id).await })
         })
+        .await
     }
 
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
-        Ok(Vec::new())
+        self.run(move |client, counters| {
+            Box::pin(async move { views::producers(client, counters).await })
+        })
+        .await
     }
 }
 

@@ -1,6 +1,7 @@
-//! Operators in the PostgreSQL database: the `operator add|list|revoke` commands connect to the
-//! database directly (servers may be running against it) and bring the schema up to date first,
-//! with the same migrations the servers run.
+//! Operators and producers in the PostgreSQL database: the `operator|producer add|list|revoke`
+//! commands connect to the database directly (servers may be running against it) and bring the
+//! schema up to date first, with the same migrations the servers run. Both registries share this
+//! code ([`Registry`]); the operator functions keep their names.
 
 use futures_util::join;
 use tokio_postgres::types::ToSql;
@@ -14,7 +15,23 @@ use crate::operators::{
 
 const CHECK_TOKEN: &str = "SELECT name FROM operators WHERE token_hash = $1 AND revoked_at IS NULL";
 const ACTIVE_COUNT: &str = "SELECT COUNT(*) FROM operators WHERE revoked_at IS NULL";
-const FIND: &str = "SELECT name, created_at, revoked_at FROM operators WHERE name = $1";
+const PRODUCER_BY_TOKEN: &str =
+    "SELECT name FROM producers WHERE token_hash = $1 AND revoked_at IS NULL";
+
+/// The active producer a token belongs to.
+pub(super) async fn producer(
+    client: &Client,
+    counters: &Counters,
+    token: &str,
+) -> Result<Option<String>, Failure> {
+    let statement = client.prepare_cached(PRODUCER_BY_TOKEN).await?;
+    let row = client.query_opt(&statement, &[&token_hash(token)]).await;
+    counters.trip();
+    Ok(match row? {
+        Some(row) => Some(row.try_get(0)?),
+        None => None,
+    })
+}
 
 /// Who a token belongs to, and how many operators can act now.
 pub(super) async fn check(
@@ -82,10 +99,16 @@ fn failed(target: &Target) -> impl Fn(tokio_postgres::Error) -> OperatorError + 
 
 async fn find(
     client: &tokio_postgres::Client,
+    registry: Registry,
     name: &str,
 ) -> Result<Option<OperatorRecord>, tokio_postgres::Error> {
+    // The table name is one of two fixed words ([`Registry::table`]), never input.
+    let find = format!(
+        "SELECT name, created_at, revoked_at FROM {} WHERE name = $1",
+        registry.table()
+    );
     client
-        .query_opt(FIND, &[&name])
+        .query_opt(&find, &[&name])
         .await?
         .map(|row| {
             Ok(OperatorRecord {
@@ -97,45 +120,68 @@ async fn find(
         .transpose()
 }
 
-/// Registers `name` and returns their new token. Only its hash is stored.
+/// Registers an operator and returns their new token. Only its hash is stored.
 pub async fn add(url: &str, name: &str) -> Result<String, OperatorError> {
-    validate_name(Registry::Operators, name)?;
+    add_to(Registry::Operators, url, name).await
+}
+
+/// Every operator, the first registered first.
+pub async fn list(url: &str) -> Result<Vec<OperatorRecord>, OperatorError> {
+    list_of(Registry::Operators, url).await
+}
+
+/// Revokes an operator: their token stops working at once. Their past resolutions keep their
+/// name.
+pub async fn revoke(url: &str, name: &str) -> Result<Revocation, OperatorError> {
+    revoke_in(Registry::Operators, url, name).await
+}
+
+/// Registers `name` in `registry` and returns the new token. Only its hash is stored; a name is
+/// never reused, even after revocation.
+pub async fn add_to(registry: Registry, url: &str, name: &str) -> Result<String, OperatorError> {
+    validate_name(registry, name)?;
     let (target, client) = open(url).await?;
-    if let Some(existing) = find(&client, name).await.map_err(failed(&target))? {
+    if let Some(existing) = find(&client, registry, name)
+        .await
+        .map_err(failed(&target))?
+    {
         return Err(match existing.revoked_at {
             Some(revoked_at) => OperatorError::NameRetired {
-                registry: Registry::Operators,
+                registry,
                 name: name.to_owned(),
                 revoked_at,
             },
-            None => OperatorError::AlreadyExists(Registry::Operators, name.to_owned()),
+            None => OperatorError::AlreadyExists(registry, name.to_owned()),
         });
     }
     let token = new_token();
     let inserted = client
         .execute(
-            "INSERT INTO operators(name, token_hash, created_at) VALUES ($1, $2, $3)
-             ON CONFLICT (name) DO NOTHING",
+            &format!(
+                "INSERT INTO {}(name, token_hash, created_at) VALUES ($1, $2, $3)
+                 ON CONFLICT (name) DO NOTHING",
+                registry.table()
+            ),
             &[&name, &token_hash(&token), &clock::now()],
         )
         .await
         .map_err(failed(&target))?;
     if inserted == 0 {
         // Another command registered the name between the check and the insert.
-        return Err(OperatorError::AlreadyExists(
-            Registry::Operators,
-            name.to_owned(),
-        ));
+        return Err(OperatorError::AlreadyExists(registry, name.to_owned()));
     }
     Ok(token)
 }
 
-/// Every operator, the first registered first.
-pub async fn list(url: &str) -> Result<Vec<OperatorRecord>, OperatorError> {
+/// Every member of `registry`, the first registered first.
+pub async fn list_of(registry: Registry, url: &str) -> Result<Vec<OperatorRecord>, OperatorError> {
     let (target, client) = open(url).await?;
     let rows = client
         .query(
-            "SELECT name, created_at, revoked_at FROM operators ORDER BY created_at, name",
+            &format!(
+                "SELECT name, created_at, revoked_at FROM {} ORDER BY created_at, name",
+                registry.table()
+            ),
             &[],
         )
         .await
@@ -152,13 +198,20 @@ pub async fn list(url: &str) -> Result<Vec<OperatorRecord>, OperatorError> {
         .map_err(failed(&target))
 }
 
-/// Revokes `name`: their token stops working at once. Their past resolutions keep their name.
-pub async fn revoke(url: &str, name: &str) -> Result<Revocation, OperatorError> {
+/// Revokes `name` in `registry`: the token stops working at once.
+pub async fn revoke_in(
+    registry: Registry,
+    url: &str,
+    name: &str,
+) -> Result<Revocation, OperatorError> {
     let (target, client) = open(url).await?;
     let revoked_at = clock::now();
     let updated = client
         .execute(
-            "UPDATE operators SET revoked_at = $2 WHERE name = $1 AND revoked_at IS NULL",
+            &format!(
+                "UPDATE {} SET revoked_at = $2 WHERE name = $1 AND revoked_at IS NULL",
+                registry.table()
+            ),
             &[&name, &revoked_at],
         )
         .await
@@ -169,7 +222,10 @@ pub async fn revoke(url: &str, name: &str) -> Result<Revocation, OperatorError> 
             already: false,
         });
     }
-    match find(&client, name).await.map_err(failed(&target))? {
+    match find(&client, registry, name)
+        .await
+        .map_err(failed(&target))?
+    {
         Some(OperatorRecord {
             revoked_at: Some(revoked_at),
             ..
@@ -177,6 +233,6 @@ pub async fn revoke(url: &str, name: &str) -> Result<Revocation, OperatorError> 
             revoked_at,
             already: true,
         }),
-        _ => Err(OperatorError::Unknown(Registry::Operators, name.to_owned())),
+        _ => Err(OperatorError::Unknown(registry, name.to_owned())),
     }
 }

@@ -14,7 +14,7 @@ use crate::model::{AggregateStatus, DeadLetterStatus, Position};
 use crate::views::{
     AggregateCounts, AggregateSummary, AggregateView, AppliedMessage, DeadLetterFilter,
     DeadLetterView, HELD_SHOWN, InboxHealth, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page,
-    PageRequest, Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
+    PageRequest, ProducerView, Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
 };
 
 const AGGREGATE_SUMMARY: &str = "SELECT aggregate_id, last_sequence, total, status, status_since
@@ -34,12 +34,14 @@ const HELD_SEQUENCES: &str =
     "SELECT sequence FROM held_messages WHERE aggregate_id = $1 ORDER BY sequence LIMIT $2";
 const HELD_COUNT: &str = "SELECT COUNT(*) FROM held_messages WHERE aggregate_id = $1";
 const APPLIED_MESSAGES: &str = "
-SELECT message_id, aggregate_id, sequence, amount, payload, applied_at FROM ordered_inbox
+SELECT message_id, aggregate_id, sequence, amount, payload, applied_at, NULLIF(producer, '')
+  FROM ordered_inbox
  WHERE aggregate_id = $1 AND sequence > $2 ORDER BY sequence LIMIT $3";
 const DEAD_LETTER_COLUMNS: &str = "
 SELECT d.message_id, d.aggregate_id, d.sequence, d.payload, d.reason, d.first_seen, d.last_seen,
        d.observations, d.status, d.superseded_by, d.closed_at,
-       r.id, r.action, r.operator, r.reason, r.resolved_at, r.replacement_message_id, d.id
+       r.id, r.action, r.operator, r.reason, r.resolved_at, r.replacement_message_id, d.id,
+       NULLIF(d.producer, '')
   FROM deadletters d LEFT JOIN resolutions r ON r.id = d.resolution_id";
 const TIMELINE: &str = "
 SELECT id, at, kind, sequence, message_id, observation_no IS NOT NULL, detail
@@ -49,13 +51,19 @@ SELECT id, at, kind, sequence, message_id, observation_no IS NOT NULL, detail
 const RESOLUTION_COLUMNS: &str = "
 SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
        replacement_message_id, replacement_amount, before_last, before_total, after_last,
-       after_total, resolved_at
+       after_total, resolved_at, NULLIF(producer, '')
   FROM resolutions";
 pub(super) const RESOLUTION_OF: &str = "
 SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
        replacement_message_id, replacement_amount, before_last, before_total, after_last,
-       after_total, resolved_at
-  FROM resolutions WHERE message_id = $1";
+       after_total, resolved_at, NULLIF(producer, '')
+  FROM resolutions WHERE message_id = $1 AND producer = $2";
+/// Every producer, the first registered first: never tokens.
+const PRODUCERS: &str = "
+SELECT p.name, p.current_epoch, p.created_at, p.revoked_at,
+       (SELECT MAX(d.last_delivery_at) FROM producer_deliveries d WHERE d.producer = p.name),
+       (SELECT COUNT(*) FROM aggregate_state a WHERE a.owner = p.name)
+  FROM producers p ORDER BY p.created_at, p.name";
 const COUNTS: &str = "
 SELECT (SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = $1),
        (SELECT COUNT(*) FROM deadletters WHERE aggregate_id = $1),
@@ -198,6 +206,7 @@ fn dead_letter_from_row(row: &Row) -> Result<DeadLetterView, Failure> {
         None => None,
     };
     Ok(DeadLetterView {
+        producer: row.try_get(18)?,
         message_id: row.try_get(0)?,
         aggregate_id: row.try_get(1)?,
         sequence: row.try_get(2)?,
@@ -216,11 +225,13 @@ fn dead_letter_from_row(row: &Row) -> Result<DeadLetterView, Failure> {
 pub(super) async fn dead_letter(
     client: &Client,
     counters: &Counters,
+    producer: Option<&str>,
     message_id: &str,
 ) -> Result<Option<DeadLetterView>, Failure> {
-    let sql = format!("{DEAD_LETTER_COLUMNS} WHERE d.message_id = $1");
+    let sql = format!("{DEAD_LETTER_COLUMNS} WHERE d.message_id = $1 AND d.producer = $2");
     let statement = client.prepare_cached(&sql).await?;
-    let row = client.query_opt(&statement, &[&message_id]).await;
+    let space = super::engine::namespace(producer);
+    let row = client.query_opt(&statement, &[&message_id, &space]).await;
     counters.trip();
     row?.map(|row| dead_letter_from_row(&row)).transpose()
 }
@@ -321,6 +332,7 @@ pub(super) fn resolution_from_row(row: &Row) -> Result<ResolutionRecord, Failure
     let replacement_amount: Option<i64> = row.try_get(9)?;
     Ok(ResolutionRecord {
         resolution_id: row.try_get(0)?,
+        producer: row.try_get(15)?,
         message_id: row.try_get(1)?,
         aggregate_id: row.try_get(2)?,
         sequence: row.try_get(3)?,
@@ -461,6 +473,7 @@ pub(super) async fn applied_messages(
         .map(|row| {
             let payload: String = row.try_get(4)?;
             let message = AppliedMessage {
+                producer: row.try_get(6)?,
                 message_id: row.try_get(0)?,
                 aggregate_id: row.try_get(1)?,
                 sequence: row.try_get(2)?,
@@ -472,4 +485,27 @@ pub(super) async fn applied_messages(
         })
         .collect::<Result<Vec<_>, Failure>>()?;
     Ok(Page::from_rows(rows, page.limit))
+}
+
+/// Every producer, the first registered first: never tokens.
+pub(super) async fn producers(
+    client: &Client,
+    counters: &Counters,
+) -> Result<Vec<ProducerView>, Failure> {
+    let statement = client.prepare_cached(PRODUCERS).await?;
+    let rows = client.query(&statement, &[]).await;
+    counters.trip();
+    rows?
+        .iter()
+        .map(|row| {
+            Ok(ProducerView {
+                name: row.try_get(0)?,
+                current_epoch: row.try_get(1)?,
+                created_at: row.try_get(2)?,
+                revoked_at: row.try_get(3)?,
+                last_delivery_at: row.try_get(4)?,
+                owned_aggregates: row.try_get(5)?,
+            })
+        })
+        .collect()
 }

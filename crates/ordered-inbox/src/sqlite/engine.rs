@@ -31,7 +31,7 @@ pub fn deliver_in(
     limits: &Limits,
     now: &str,
 ) -> Result<Outcome, StoreError> {
-    let facts = delivery_facts(connection, message)?;
+    let facts = delivery_facts(connection, None, message)?;
     let plan = decide_delivery(message, door, &facts, limits, now);
     write_changes(connection, &plan.changes)?;
     Ok(plan.outcome)
@@ -70,7 +70,11 @@ fn refusal_error(
         Refusal::NotFound => ResolutionError::NotFound(request.dead_letter_id.clone()),
         Refusal::ReplacementQuarantined(reason) => ResolutionError::ReplacementQuarantined(reason),
         Refusal::Unauthorized => ResolutionError::Unauthorized,
-        Refusal::Conflict(kind) => match current_state(connection, &request.dead_letter_id) {
+        Refusal::Conflict(kind) => match current_state(
+            connection,
+            request.producer.as_deref(),
+            &request.dead_letter_id,
+        ) {
             Ok(current) => ResolutionError::Conflict {
                 kind,
                 current: Box::new(current),
@@ -83,9 +87,10 @@ fn refusal_error(
 /// The aggregate and the dead letter as they are now, for a refusal's body.
 pub fn current_state(
     connection: &Connection,
+    producer: Option<&str>,
     dead_letter_id: &str,
 ) -> rusqlite::Result<CurrentState> {
-    let dead_letter = views::dead_letter(connection, dead_letter_id)?;
+    let dead_letter = views::dead_letter(connection, producer, dead_letter_id)?;
     let aggregate = match dead_letter
         .as_ref()
         .and_then(|dead| dead.aggregate_id.as_deref())
@@ -110,16 +115,28 @@ pub(super) fn parsed<T: FromStr<Err = UnknownValue>>(
     })
 }
 
+/// The column value of a namespace: `''` is the anonymous one.
+pub(super) fn namespace(producer: Option<&str>) -> &str {
+    producer.unwrap_or("")
+}
+
+/// The facts of a delivery whose id is in `producer`'s namespace (`None`: anonymous). Held
+/// messages are anonymous (only the broker door holds), so a producer's id is never held.
 pub(super) fn delivery_facts(
     connection: &Connection,
+    producer: Option<&str>,
     message: &OrderedMessage,
 ) -> rusqlite::Result<DeliveryFacts> {
     let aggregate = aggregate_row(connection, &message.aggregate_id)?;
     let open_dead_letters = open_dead_letters(connection, &message.aggregate_id, &aggregate)?;
+    let held_message = match producer {
+        None => held_message(connection, &message.message_id)?,
+        Some(_) => None,
+    };
     Ok(DeliveryFacts {
-        applied: applied_message(connection, &message.message_id)?,
-        dead_letter: known_dead_letter(connection, &message.message_id)?,
-        held_message: held_message(connection, &message.message_id)?,
+        applied: applied_message(connection, producer, &message.message_id)?,
+        dead_letter: known_dead_letter(connection, producer, &message.message_id)?,
+        held_message,
         held: held_for(connection, &message.aggregate_id)?,
         aggregate,
         open_dead_letters,
@@ -130,17 +147,22 @@ fn resolution_facts(
     connection: &Connection,
     request: &ResolutionRequest,
 ) -> rusqlite::Result<ResolutionFacts> {
+    let producer = request.producer.as_deref();
     let dead_letter = connection
         .prepare_cached(
-            "SELECT status, aggregate_id, sequence FROM deadletters WHERE message_id = ?1",
+            "SELECT status, aggregate_id, sequence FROM deadletters
+              WHERE producer = ?1 AND message_id = ?2",
         )?
-        .query_row([&request.dead_letter_id], |row| {
-            Ok(DeadLetterFact {
-                status: parsed(row, 0)?,
-                aggregate_id: row.get(1)?,
-                sequence: row.get(2)?,
-            })
-        })
+        .query_row(
+            params![namespace(producer), request.dead_letter_id],
+            |row| {
+                Ok(DeadLetterFact {
+                    status: parsed(row, 0)?,
+                    aggregate_id: row.get(1)?,
+                    sequence: row.get(2)?,
+                })
+            },
+        )
         .optional()?;
     let aggregate = match dead_letter.as_ref().and_then(|d| d.aggregate_id.as_deref()) {
         Some(aggregate_id) => aggregate_row(connection, aggregate_id)?,
@@ -152,9 +174,12 @@ fn resolution_facts(
     };
     let (replacement_applied, replacement_dead_letter, replacement_held) = match &request.action {
         crate::Action::Replace { message_id, .. } => (
-            applied_message(connection, message_id)?,
-            known_dead_letter(connection, message_id)?,
-            held_message(connection, message_id)?,
+            applied_message(connection, producer, message_id)?,
+            known_dead_letter(connection, producer, message_id)?,
+            match producer {
+                None => held_message(connection, message_id)?,
+                Some(_) => None,
+            },
         ),
         crate::Action::Skip => (None, None, None),
     };
@@ -163,7 +188,7 @@ fn resolution_facts(
         None => Vec::new(),
     };
     Ok(ResolutionFacts {
-        recorded: views::resolution_of(connection, &request.dead_letter_id)?,
+        recorded: views::resolution_of(connection, producer, &request.dead_letter_id)?,
         operator_active: super::operators::is_active(connection, &request.operator)?,
         dead_letter,
         aggregate,
@@ -206,11 +231,12 @@ fn open_dead_letters(
     }
     connection
         .prepare_cached(
-            "SELECT message_id, sequence FROM deadletters
+            "SELECT message_id, sequence, NULLIF(producer, '') FROM deadletters
               WHERE aggregate_id = ?1 AND status = 'open'",
         )?
         .query_map([aggregate_id], |row| {
             Ok(OpenDeadLetter {
+                producer: row.get(2)?,
                 message_id: row.get(0)?,
                 sequence: row.get(1)?,
             })
@@ -220,13 +246,15 @@ fn open_dead_letters(
 
 fn applied_message(
     connection: &Connection,
+    producer: Option<&str>,
     message_id: &str,
 ) -> rusqlite::Result<Option<AppliedMessage>> {
     connection
         .prepare_cached(
-            "SELECT payload, sequence, applied_at FROM ordered_inbox WHERE message_id = ?1",
+            "SELECT payload, sequence, applied_at FROM ordered_inbox
+              WHERE producer = ?1 AND message_id = ?2",
         )?
-        .query_row([message_id], |row| {
+        .query_row(params![namespace(producer), message_id], |row| {
             Ok(AppliedMessage {
                 payload: row.get(0)?,
                 sequence: row.get(1)?,
@@ -274,13 +302,15 @@ fn held_for(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<Vec
 
 fn known_dead_letter(
     connection: &Connection,
+    producer: Option<&str>,
     message_id: &str,
 ) -> rusqlite::Result<Option<KnownDeadLetter>> {
     connection
         .prepare_cached(
-            "SELECT payload, reason, status, observations FROM deadletters WHERE message_id = ?1",
+            "SELECT payload, reason, status, observations FROM deadletters
+              WHERE producer = ?1 AND message_id = ?2",
         )?
-        .query_row([message_id], |row| {
+        .query_row(params![namespace(producer), message_id], |row| {
             Ok(KnownDeadLetter {
                 payload: row.get(0)?,
                 reason: parsed(row, 1)?,
@@ -303,6 +333,7 @@ pub(super) fn write_changes(
                 put_aggregate(connection, aggregate_id, row)?;
             }
             Change::InsertApplied {
+                producer,
                 message,
                 payload,
                 applied_at,
@@ -310,8 +341,8 @@ pub(super) fn write_changes(
                 connection
                     .prepare_cached(
                         "INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence,
-                                                   amount, applied_at)
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                                                   amount, applied_at, producer)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                     )?
                     .execute(params![
                         message.message_id,
@@ -319,10 +350,12 @@ pub(super) fn write_changes(
                         message.aggregate_id,
                         message.sequence,
                         message.amount,
-                        applied_at
+                        applied_at,
+                        namespace(producer.as_deref())
                     ])?;
             }
             Change::InsertDeadLetter {
+                producer,
                 message,
                 payload,
                 reason,
@@ -332,9 +365,9 @@ pub(super) fn write_changes(
                     .prepare_cached(
                         "INSERT INTO deadletters(id, message_id, reason, aggregate_id, sequence,
                                                  payload, first_seen, last_seen, observations,
-                                                 status)
+                                                 status, producer)
                          VALUES ((SELECT IFNULL(MAX(id), 0) + 1 FROM deadletters),
-                                 ?1, ?2, ?3, ?4, ?5, ?6, ?6, 1, 'open')",
+                                 ?1, ?2, ?3, ?4, ?5, ?6, ?6, 1, 'open', ?7)",
                     )?
                     .execute(params![
                         message.message_id,
@@ -342,10 +375,12 @@ pub(super) fn write_changes(
                         message.aggregate_id,
                         message.sequence,
                         payload,
-                        at
+                        at,
+                        namespace(producer.as_deref())
                     ])?;
             }
             Change::ObserveDeadLetter {
+                producer,
                 message_id,
                 observations,
                 at,
@@ -353,11 +388,17 @@ pub(super) fn write_changes(
                 connection
                     .prepare_cached(
                         "UPDATE deadletters SET observations = ?2, last_seen = ?3
-                          WHERE message_id = ?1",
+                          WHERE producer = ?4 AND message_id = ?1",
                     )?
-                    .execute(params![message_id, observations, at])?;
+                    .execute(params![
+                        message_id,
+                        observations,
+                        at,
+                        namespace(producer.as_deref())
+                    ])?;
             }
             Change::SupersedeDeadLetters {
+                aggregate_id,
                 message_ids,
                 by,
                 at,
@@ -365,19 +406,23 @@ pub(super) fn write_changes(
                 let mut statement = connection.prepare_cached(
                     "UPDATE deadletters SET status = 'superseded', superseded_by = ?2,
                                             closed_at = ?3
-                      WHERE message_id = ?1 AND status = 'open'",
+                      WHERE aggregate_id = ?4 AND message_id = ?1 AND status = 'open'",
                 )?;
                 for message_id in message_ids {
-                    statement.execute(params![message_id, by, at])?;
+                    statement.execute(params![message_id, by, at, aggregate_id])?;
                 }
             }
-            Change::ResolveDeadLetter { message_id, at } => {
+            Change::ResolveDeadLetter {
+                producer,
+                message_id,
+                at,
+            } => {
                 connection
                     .prepare_cached(
                         "UPDATE deadletters SET status = 'resolved', closed_at = ?2
-                          WHERE message_id = ?1",
+                          WHERE producer = ?3 AND message_id = ?1",
                     )?
-                    .execute(params![message_id, at])?;
+                    .execute(params![message_id, at, namespace(producer.as_deref())])?;
             }
             Change::InsertHeld {
                 message,
@@ -421,7 +466,8 @@ pub(super) fn write_changes(
                     )?
                     .execute(params![aggregate_id, owner.producer, owner.epoch, at])?;
             }
-            Change::TouchProducer { producer, at } => {
+            // The single writer serializes every delivery: one row per producer costs nothing.
+            Change::TouchProducer { producer, at, .. } => {
                 connection
                     .prepare_cached("UPDATE producers SET last_delivery_at = ?2 WHERE name = ?1")?
                     .execute(params![producer, at])?;
@@ -494,8 +540,8 @@ fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusq
             "INSERT INTO resolutions(message_id, aggregate_id, sequence, action, operator, reason,
                                      expected_last, replacement_message_id, replacement_amount,
                                      before_last, before_total, after_last, after_total,
-                                     resolved_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
+                                     resolved_at, producer)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
              RETURNING id",
         )?
         .query_row(
@@ -514,12 +560,19 @@ fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusq
                 record.after.last,
                 record.after.total,
                 record.resolved_at,
+                namespace(record.producer.as_deref()),
             ],
             |row| row.get(0),
         )?;
     connection
-        .prepare_cached("UPDATE deadletters SET resolution_id = ?2 WHERE message_id = ?1")?
-        .execute(params![record.message_id, id])?;
+        .prepare_cached(
+            "UPDATE deadletters SET resolution_id = ?2 WHERE producer = ?3 AND message_id = ?1",
+        )?
+        .execute(params![
+            record.message_id,
+            id,
+            namespace(record.producer.as_deref())
+        ])?;
     Ok(id)
 }
 
@@ -672,6 +725,7 @@ mod tests {
         deliver(&connection, &message("m-1", "a", 1, 5), "t0");
         deliver(&connection, &message("poison-2", "a", 2, -1), "t0");
         let skip = ResolutionRequest {
+            producer: None,
             dead_letter_id: "poison-2".into(),
             operator: "alice".into(),
             action: Action::Skip,
@@ -696,7 +750,7 @@ mod tests {
             })
         );
         assert_eq!(
-            views::resolution_of(&connection, "poison-2").unwrap(),
+            views::resolution_of(&connection, None, "poison-2").unwrap(),
             Some(record)
         );
         let event = rows(

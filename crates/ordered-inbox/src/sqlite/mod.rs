@@ -196,9 +196,15 @@ impl Inbox for SqliteInbox {
             .await
     }
 
-    async fn dead_letter(&self, message_id: String) -> Result<Option<DeadLetterView>, InboxError> {
-        self.read(move |connection| views::dead_letter(connection, &message_id))
-            .await
+    async fn dead_letter(
+        &self,
+        producer: Option<String>,
+        message_id: String,
+    ) -> Result<Option<DeadLetterView>, InboxError> {
+        self.read(move |connection| {
+            views::dead_letter(connection, producer.as_deref(), &message_id)
+        })
+        .await
     }
 
     async fn deliver_as(
@@ -316,10 +322,14 @@ mod tests {
         let ids: Vec<&str> = rest.items.iter().map(|m| m.message_id.as_str()).collect();
         assert_eq!((ids, rest.next), (vec!["m-2"], None));
 
-        let poison = inbox.dead_letter("bad-3".into()).await.unwrap().unwrap();
+        let poison = inbox
+            .dead_letter(None, "bad-3".into())
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(poison.sequence, Some(3));
         assert_eq!(poison.status, crate::DeadLetterStatus::Open);
-        assert_eq!(inbox.dead_letter("m-1".into()).await.unwrap(), None);
+        assert_eq!(inbox.dead_letter(None, "m-1".into()).await.unwrap(), None);
         inbox.shutdown().await;
     }
 

@@ -27,7 +27,8 @@ pub fn deliver_as_in(
     now: &str,
 ) -> Result<Result<Outcome, ProducerRefusal>, StoreError> {
     let ownership = ownership_facts(connection, &message.aggregate_id, claim)?;
-    let facts = delivery_facts(connection, message)?;
+    let producer = claim.map(|claim| claim.producer.as_str());
+    let facts = delivery_facts(connection, producer, message)?;
     match decide_producer_delivery(message, door, claim, &ownership, &facts, limits, now) {
         Ok(plan) => {
             write_changes(connection, &plan.changes)?;

@@ -155,6 +155,99 @@ CREATE TABLE ownership_transfers(
 CREATE INDEX ix_ownership_transfers_aggregate ON ownership_transfers(aggregate_id, id);
 ";
 
+/// A message id belongs to its producer (version 6): `ordered_inbox` and `deadletters` gain a
+/// `producer` column (`''`: the anonymous namespace, where every existing row goes) and their
+/// identity becomes `(producer, message_id)`; `resolutions`, whose foreign key names the dead
+/// letter, follows. `message_id` was each table's PRIMARY KEY, which no `ALTER TABLE` changes, so
+/// the three tables are rebuilt following SQLite's procedure for other schema changes (foreign
+/// keys off around the transaction, see [`migrate`]): create the new table, copy every column and
+/// value, drop the old one, rename the new one, recreate the indexes. There are no views or
+/// triggers on them. The new column comes last, so existing columns keep their positions.
+const PRODUCER_IDENTITY: &str = "
+CREATE TABLE ordered_inbox_v6(
+    message_id TEXT,
+    payload TEXT NOT NULL,
+    aggregate_id TEXT,
+    sequence INTEGER,
+    amount INTEGER,
+    applied_at TEXT,
+    producer TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY(producer, message_id)
+);
+INSERT INTO ordered_inbox_v6(message_id, payload, aggregate_id, sequence, amount, applied_at)
+SELECT message_id, payload, aggregate_id, sequence, amount, applied_at FROM ordered_inbox;
+
+CREATE TABLE deadletters_v6(
+    message_id TEXT,
+    reason TEXT NOT NULL,
+    aggregate_id TEXT,
+    sequence INTEGER,
+    payload TEXT,
+    first_seen TEXT,
+    last_seen TEXT,
+    observations INTEGER NOT NULL DEFAULT 1,
+    status TEXT NOT NULL DEFAULT 'open',
+    superseded_by TEXT,
+    closed_at TEXT,
+    resolution_id INTEGER,
+    id INTEGER,
+    producer TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY(producer, message_id)
+);
+INSERT INTO deadletters_v6(message_id, reason, aggregate_id, sequence, payload, first_seen,
+                           last_seen, observations, status, superseded_by, closed_at,
+                           resolution_id, id)
+SELECT message_id, reason, aggregate_id, sequence, payload, first_seen, last_seen, observations,
+       status, superseded_by, closed_at, resolution_id, id
+  FROM deadletters;
+
+CREATE TABLE resolutions_v6(
+    id INTEGER PRIMARY KEY,
+    message_id TEXT NOT NULL,
+    aggregate_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    action TEXT NOT NULL CHECK(action IN ('replace', 'skip')),
+    operator TEXT NOT NULL REFERENCES operators(name),
+    reason TEXT NOT NULL,
+    expected_last INTEGER NOT NULL,
+    replacement_message_id TEXT,
+    replacement_amount INTEGER,
+    before_last INTEGER NOT NULL,
+    before_total INTEGER NOT NULL,
+    after_last INTEGER NOT NULL,
+    after_total INTEGER NOT NULL,
+    resolved_at TEXT NOT NULL,
+    producer TEXT NOT NULL DEFAULT '',
+    UNIQUE(producer, message_id),
+    FOREIGN KEY(producer, message_id) REFERENCES deadletters(producer, message_id)
+);
+INSERT INTO resolutions_v6(id, message_id, aggregate_id, sequence, action, operator, reason,
+                           expected_last, replacement_message_id, replacement_amount,
+                           before_last, before_total, after_last, after_total, resolved_at)
+SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
+       replacement_message_id, replacement_amount, before_last, before_total, after_last,
+       after_total, resolved_at
+  FROM resolutions;
+
+DROP TABLE resolutions;
+DROP TABLE deadletters;
+DROP TABLE ordered_inbox;
+ALTER TABLE ordered_inbox_v6 RENAME TO ordered_inbox;
+ALTER TABLE deadletters_v6 RENAME TO deadletters;
+ALTER TABLE resolutions_v6 RENAME TO resolutions;
+
+CREATE UNIQUE INDEX ix_ordered_inbox_aggregate_sequence ON ordered_inbox(aggregate_id, sequence);
+CREATE INDEX ix_deadletters_open ON deadletters(aggregate_id, sequence) WHERE status = 'open';
+CREATE INDEX ix_deadletters_status ON deadletters(status, first_seen);
+CREATE INDEX ix_deadletters_first_seen ON deadletters(first_seen);
+CREATE INDEX ix_deadletters_aggregate ON deadletters(aggregate_id, status, first_seen);
+CREATE UNIQUE INDEX ix_deadletters_id ON deadletters(id);
+CREATE INDEX ix_deadletters_status_id ON deadletters(status, id);
+CREATE INDEX ix_deadletters_aggregate_id ON deadletters(aggregate_id, status, id);
+CREATE INDEX ix_deadletters_aggregate_all_id ON deadletters(aggregate_id, id);
+CREATE INDEX ix_resolutions_aggregate ON resolutions(aggregate_id, id);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -163,7 +256,12 @@ pub const MIGRATIONS: &[&str] = &[
     DEAD_LETTER_NUMBERS,
     HELD_MESSAGES,
     PRODUCERS,
+    PRODUCER_IDENTITY,
 ];
+
+/// The migrations that rebuild tables (0-based, as in [`MIGRATIONS`]): they run with foreign
+/// keys off, and check them before they commit.
+const REBUILDS: &[usize] = &[5];
 
 /// The inbox schema version this build writes.
 pub fn current_version() -> i64 {
@@ -184,6 +282,10 @@ pub fn migrate(connection: &mut Connection) -> rusqlite::Result<()> {
         ));
     }
     for (index, script) in MIGRATIONS.iter().enumerate().skip(found.max(0) as usize) {
+        if REBUILDS.contains(&index) {
+            rebuild(connection, index, script)?;
+            continue;
+        }
         let transaction = connection.transaction()?;
         transaction.execute_batch(script)?;
         transaction.execute_batch(
@@ -197,6 +299,43 @@ pub fn migrate(connection: &mut Connection) -> rusqlite::Result<()> {
         transaction.commit()?;
     }
     Ok(())
+}
+
+/// A migration that rebuilds tables, as SQLite's procedure for schema changes asks: foreign keys
+/// off outside the transaction (the pragma is a no-op inside one), the script, a foreign key
+/// check that must find nothing, the version, commit; foreign keys back as they were.
+fn rebuild(connection: &mut Connection, index: usize, script: &str) -> rusqlite::Result<()> {
+    let enforced: bool = connection.query_row("PRAGMA foreign_keys", [], |row| row.get(0))?;
+    connection.pragma_update(None, "foreign_keys", false)?;
+    let result = (|| {
+        let transaction = connection.transaction()?;
+        transaction.execute_batch(script)?;
+        let violations: i64 = transaction.query_row(
+            "SELECT COUNT(*) FROM pragma_foreign_key_check('resolutions')",
+            [],
+            |row| row.get(0),
+        )?;
+        if violations > 0 {
+            return Err(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CONSTRAINT_FOREIGNKEY),
+                Some(format!(
+                    "inbox migration {} would leave {violations} foreign key violations",
+                    index + 1
+                )),
+            ));
+        }
+        transaction.execute_batch(
+            "CREATE TABLE IF NOT EXISTS ordered_inbox_schema(version INTEGER NOT NULL);
+             DELETE FROM ordered_inbox_schema;",
+        )?;
+        transaction.execute(
+            "INSERT INTO ordered_inbox_schema(version) VALUES (?1)",
+            [index as i64 + 1],
+        )?;
+        transaction.commit()
+    })();
+    connection.pragma_update(None, "foreign_keys", enforced)?;
+    result
 }
 
 /// The version recorded, or the one a file from before the version table is at.
@@ -268,6 +407,94 @@ mod tests {
             numbered,
             [("poison-1".to_owned(), 1), ("poison-2".to_owned(), 2)]
         );
+    }
+
+    #[test]
+    fn version_6_rebuilds_the_identity_tables_with_every_row_anonymous() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        connection
+            .pragma_update(None, "foreign_keys", true)
+            .unwrap();
+        for script in &MIGRATIONS[..5] {
+            connection.execute_batch(script).unwrap();
+        }
+        connection
+            .execute_batch(
+                "CREATE TABLE ordered_inbox_schema(version INTEGER NOT NULL);
+                 INSERT INTO ordered_inbox_schema VALUES (5);
+                 INSERT INTO operators VALUES ('alice', 'h', 't', NULL);
+                 INSERT INTO ordered_inbox VALUES ('m-1', '{\"p\":1}', 'a', 1, 1, 't1');
+                 INSERT INTO deadletters(message_id, reason, aggregate_id, sequence, payload,
+                                         first_seen, last_seen, status, resolution_id, id)
+                 VALUES ('bad-2', 'negative amount', 'a', 2, '{}', 't2', 't3', 'resolved', 1, 1);
+                 INSERT INTO resolutions VALUES (1, 'bad-2', 'a', 2, 'skip', 'alice', 'why', 1,
+                                                 NULL, NULL, 1, 1, 2, 1, 't4');",
+            )
+            .unwrap();
+        migrate(&mut connection).unwrap();
+        assert_eq!(found_version(&connection).unwrap(), 6);
+        let foreign_keys: bool = connection
+            .query_row("PRAGMA foreign_keys", [], |row| row.get(0))
+            .unwrap();
+        assert!(foreign_keys, "foreign keys are back on");
+        let rows: Vec<String> = connection
+            .prepare(
+                "SELECT 'i|' || producer || '|' || message_id || '|' || payload || '|' || applied_at
+                   FROM ordered_inbox
+                 UNION ALL
+                 SELECT 'd|' || producer || '|' || message_id || '|' || status || '|' || id
+                   FROM deadletters
+                 UNION ALL
+                 SELECT 'r|' || producer || '|' || message_id || '|' || operator || '|' || id
+                   FROM resolutions",
+            )
+            .unwrap()
+            .query_map([], |row| row.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                "i||m-1|{\"p\":1}|t1",
+                "d||bad-2|resolved|1",
+                "r||bad-2|alice|1"
+            ]
+        );
+        // The same id in another namespace is another row; in the same one it is refused.
+        connection
+            .execute(
+                "INSERT INTO ordered_inbox(message_id, payload, producer) VALUES ('m-1', '{}', 'billing')",
+                [],
+            )
+            .unwrap();
+        assert!(
+            connection
+                .execute(
+                    "INSERT INTO ordered_inbox(message_id, payload) VALUES ('m-1', '{}')",
+                    []
+                )
+                .is_err()
+        );
+        // The resolution's foreign key follows the dead letter's new identity.
+        assert!(
+            connection
+                .execute(
+                    "INSERT INTO resolutions VALUES (2, 'bad-2', 'a', 2, 'skip', 'alice', 'why', 1,
+                                                     NULL, NULL, 1, 1, 2, 1, 't4', 'billing')",
+                    []
+                )
+                .is_err()
+        );
+        let indexes: i64 = connection
+            .query_row(
+                "SELECT COUNT(*) FROM sqlite_schema WHERE type = 'index' AND name LIKE 'ix_%'
+                   AND tbl_name IN ('ordered_inbox', 'deadletters', 'resolutions')",
+                [],
+                |row| row.get(0),
+            )
+            .unwrap();
+        assert_eq!(indexes, 10);
     }
 
     #[test]

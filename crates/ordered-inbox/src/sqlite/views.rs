@@ -150,7 +150,8 @@ pub fn health(connection: &Connection, now: &str) -> rusqlite::Result<InboxHealt
 const DEAD_LETTER_COLUMNS: &str = "
 SELECT d.message_id, d.aggregate_id, d.sequence, d.payload, d.reason, d.first_seen, d.last_seen,
        d.observations, d.status, d.superseded_by, d.closed_at,
-       r.id, r.action, r.operator, r.reason, r.resolved_at, r.replacement_message_id, d.id
+       r.id, r.action, r.operator, r.reason, r.resolved_at, r.replacement_message_id, d.id,
+       NULLIF(d.producer, '')
   FROM deadletters d LEFT JOIN resolutions r ON r.id = d.resolution_id";
 
 fn dead_letter_from_row(row: &Row<'_>) -> rusqlite::Result<DeadLetterView> {
@@ -168,6 +169,7 @@ fn dead_letter_from_row(row: &Row<'_>) -> rusqlite::Result<DeadLetterView> {
         None => None,
     };
     Ok(DeadLetterView {
+        producer: row.get(18)?,
         message_id: row.get(0)?,
         aggregate_id: row.get(1)?,
         sequence: row.get(2)?,
@@ -183,13 +185,20 @@ fn dead_letter_from_row(row: &Row<'_>) -> rusqlite::Result<DeadLetterView> {
     })
 }
 
+/// One dead letter by its identity: `producer`'s namespace (`None`: anonymous) and message id.
 pub fn dead_letter(
     connection: &Connection,
+    producer: Option<&str>,
     message_id: &str,
 ) -> rusqlite::Result<Option<DeadLetterView>> {
     connection
-        .prepare_cached(&format!("{DEAD_LETTER_COLUMNS} WHERE d.message_id = ?1"))?
-        .query_row([message_id], dead_letter_from_row)
+        .prepare_cached(&format!(
+            "{DEAD_LETTER_COLUMNS} WHERE d.producer = ?1 AND d.message_id = ?2"
+        ))?
+        .query_row(
+            params![super::engine::namespace(producer), message_id],
+            dead_letter_from_row,
+        )
         .optional()
 }
 
@@ -259,7 +268,7 @@ pub fn timeline(
 const RESOLUTION_COLUMNS: &str = "
 SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
        replacement_message_id, replacement_amount, before_last, before_total, after_last,
-       after_total, resolved_at
+       after_total, resolved_at, NULLIF(producer, '')
   FROM resolutions";
 
 fn resolution_from_row(row: &Row<'_>) -> rusqlite::Result<ResolutionRecord> {
@@ -267,6 +276,7 @@ fn resolution_from_row(row: &Row<'_>) -> rusqlite::Result<ResolutionRecord> {
     let replacement_amount: Option<i64> = row.get(9)?;
     Ok(ResolutionRecord {
         resolution_id: row.get(0)?,
+        producer: row.get(15)?,
         message_id: row.get(1)?,
         aggregate_id: row.get(2)?,
         sequence: row.get(3)?,
@@ -293,11 +303,17 @@ fn resolution_from_row(row: &Row<'_>) -> rusqlite::Result<ResolutionRecord> {
 /// The resolution of a dead letter, if it has one.
 pub fn resolution_of(
     connection: &Connection,
+    producer: Option<&str>,
     message_id: &str,
 ) -> rusqlite::Result<Option<ResolutionRecord>> {
     connection
-        .prepare_cached(&format!("{RESOLUTION_COLUMNS} WHERE message_id = ?1"))?
-        .query_row([message_id], resolution_from_row)
+        .prepare_cached(&format!(
+            "{RESOLUTION_COLUMNS} WHERE producer = ?1 AND message_id = ?2"
+        ))?
+        .query_row(
+            params![super::engine::namespace(producer), message_id],
+            resolution_from_row,
+        )
         .optional()
 }
 
@@ -336,7 +352,8 @@ pub fn applied_messages(
 ) -> rusqlite::Result<Page<AppliedMessage>> {
     let rows = connection
         .prepare_cached(
-            "SELECT message_id, aggregate_id, sequence, amount, payload, applied_at
+            "SELECT message_id, aggregate_id, sequence, amount, payload, applied_at,
+                    NULLIF(producer, '')
                FROM ordered_inbox
               WHERE aggregate_id = ?1 AND sequence > ?2
               ORDER BY sequence LIMIT ?3",
@@ -346,6 +363,7 @@ pub fn applied_messages(
             |row| {
                 let payload: String = row.get(4)?;
                 let message = AppliedMessage {
+                    producer: row.get(6)?,
                     message_id: row.get(0)?,
                     aggregate_id: row.get(1)?,
                     sequence: row.get(2)?,
@@ -401,6 +419,12 @@ mod tests {
             "SELECT COUNT(*) FROM aggregate_state WHERE status = 'waiting'".to_owned(),
             "SELECT COUNT(*) FROM deadletters WHERE status = 'open'".to_owned(),
             "SELECT MIN(status_since) FROM aggregate_state WHERE status = 'blocked' AND status_since IS NOT NULL".to_owned(),
+            // A message's identity, (producer, message id), in every table that has one.
+            "SELECT payload FROM ordered_inbox WHERE producer = 'billing' AND message_id = 'm'".to_owned(),
+            "SELECT payload FROM deadletters WHERE producer = '' AND message_id = 'm'".to_owned(),
+            format!("{DEAD_LETTER_COLUMNS} WHERE d.producer = 'billing' AND d.message_id = 'm'"),
+            format!("{RESOLUTION_COLUMNS} WHERE producer = 'billing' AND message_id = 'm'"),
+            "UPDATE deadletters SET status = 'superseded' WHERE aggregate_id = 'a' AND message_id = 'm' AND status = 'open'".to_owned(),
         ];
         for sql in statements {
             let mut plan = connection
