@@ -264,8 +264,9 @@ fn applied_message(
         .optional()
 }
 
-const HELD_COLUMNS: &str =
-    "SELECT message_id, aggregate_id, sequence, amount, payload, held_at FROM held_messages";
+/// The columns [`held_from_row`] reads, in its order.
+const HELD_BY_MESSAGE_ID: &str = "SELECT message_id, aggregate_id, sequence, amount, payload, \
+     held_at FROM held_messages WHERE message_id = ?1";
 
 fn held_from_row(row: &Row<'_>) -> rusqlite::Result<HeldMessage> {
     Ok(HeldMessage {
@@ -285,20 +286,27 @@ fn held_message(
     message_id: &str,
 ) -> rusqlite::Result<Option<HeldMessage>> {
     connection
-        .prepare_cached(&format!("{HELD_COLUMNS} WHERE message_id = ?1"))?
+        .prepare_cached(HELD_BY_MESSAGE_ID)?
         .query_row([message_id], held_from_row)
         .optional()
 }
 
-/// The aggregate's held messages in sequence order (a seek on its unique index).
+/// The aggregate's held messages (a seek on its unique index), in sequence order.
+///
+/// Sorted here rather than with `ORDER BY`: SQLite re-prepares that statement on every run
+/// (`held_rows_are_read_without_re_preparing` shows it), which cost more than the delivery's own
+/// writes. The rows are few: at most `Limits::max_held_per_aggregate`.
 fn held_for(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<Vec<HeldMessage>> {
-    connection
-        .prepare_cached(&format!(
-            "{HELD_COLUMNS} WHERE aggregate_id = ?1 ORDER BY sequence"
-        ))?
+    let mut held: Vec<HeldMessage> = connection
+        .prepare_cached(HELD_FOR_AGGREGATE)?
         .query_map([aggregate_id], held_from_row)?
-        .collect()
+        .collect::<rusqlite::Result<_>>()?;
+    held.sort_unstable_by_key(|row| row.message.sequence);
+    Ok(held)
 }
+
+const HELD_FOR_AGGREGATE: &str = "SELECT message_id, aggregate_id, sequence, amount, payload, \
+     held_at FROM held_messages WHERE aggregate_id = ?1";
 
 fn known_dead_letter(
     connection: &Connection,
@@ -856,6 +864,33 @@ mod tests {
                 "{details:?}"
             );
         }
+    }
+
+    #[test]
+    fn held_rows_are_read_without_re_preparing() {
+        let connection = migrated();
+        // Held out of order, so the sort has something to do.
+        for (id, sequence) in [("m-4", 4), ("m-2", 2), ("m-3", 3)] {
+            deliver_in(
+                &connection,
+                &message(id, "a", sequence, 1),
+                Door::Broker,
+                &Limits::default(),
+                "t1",
+            )
+            .unwrap();
+        }
+        for _ in 0..20 {
+            let held = held_for(&connection, "a").unwrap();
+            let sequences: Vec<i64> = held.iter().map(|row| row.message.sequence).collect();
+            assert_eq!(sequences, [2, 3, 4]);
+        }
+        let statement = connection.prepare_cached(HELD_FOR_AGGREGATE).unwrap();
+        assert_eq!(
+            statement.get_status(rusqlite::StatementStatus::RePrepare),
+            0,
+            "every delivery reads the held rows; a re-prepare per read is a parse per delivery"
+        );
     }
 
     #[test]

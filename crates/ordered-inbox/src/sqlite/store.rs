@@ -423,15 +423,16 @@ fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &Wri
     }
     let mut replies = Vec::with_capacity(batch.len());
     for job in batch {
-        if let Err(error) = connection.execute_batch("SAVEPOINT work") {
+        if let Err(error) = run_cached(connection, "SAVEPOINT work") {
             job.abandon(StoreError::Sqlite(error));
             continue;
         }
         let (keep, reply) = job.run(connection);
         let closed = if keep {
-            connection.execute_batch("RELEASE work")
+            run_cached(connection, "RELEASE work")
         } else {
-            connection.execute_batch("ROLLBACK TO work; RELEASE work")
+            run_cached(connection, "ROLLBACK TO work")
+                .and_then(|()| run_cached(connection, "RELEASE work"))
         };
         match closed {
             Ok(()) => replies.push(reply),
@@ -450,7 +451,7 @@ fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &Wri
         }
     }
     let committing = Instant::now();
-    match connection.execute_batch("COMMIT") {
+    match run_cached(connection, "COMMIT") {
         Ok(()) => {
             // Counted before anyone is answered, so an answered caller sees its commit counted.
             stats.commits.fetch_add(1, Ordering::Relaxed);
@@ -476,10 +477,16 @@ fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &Wri
     }
 }
 
+/// Runs a transaction-control statement through the statement cache: `execute_batch` would parse
+/// it again each time, and a batch runs two savepoint statements per unit.
+fn run_cached(connection: &Connection, sql: &str) -> Result<(), rusqlite::Error> {
+    connection.prepare_cached(sql)?.execute([]).map(drop)
+}
+
 fn begin_immediate(connection: &Connection) -> Result<(), rusqlite::Error> {
     let mut attempt = 1;
     loop {
-        match connection.execute_batch("BEGIN IMMEDIATE") {
+        match run_cached(connection, "BEGIN IMMEDIATE") {
             Err(error) if is_busy(&error) && attempt < BEGIN_ATTEMPTS => attempt += 1,
             other => return other,
         }
