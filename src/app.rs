@@ -38,11 +38,30 @@ pub fn listening_address(line: &str) -> Option<&str> {
 /// How long in-flight requests and background work may run on after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// Everything the application shares. Cheap to clone: everything inside is shared. Handlers take
-/// only the pieces they use (`State<Store>`, `State<CacheLab>` …), each extracted through the
-/// derived [`FromRef`].
-#[derive(Clone, FromRef)]
-pub struct AppState {
+/// Everything the application shares, behind one `Arc`: axum clones a route's whole service
+/// stack, and with it this state, for every request, so a clone must be one reference count
+/// (a clone of [`AppParts`] took a dozen, some behind locks: about 10% of the CPU of a delivery).
+/// Handlers take only the pieces they use (`State<Store>`, `State<CacheLab>` …) through the
+/// [`FromRef`] implementations below; code holding the state reads the parts through `Deref`.
+#[derive(Clone)]
+pub struct AppState(Arc<AppParts>);
+
+impl AppState {
+    pub fn new(parts: AppParts) -> AppState {
+        AppState(Arc::new(parts))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = AppParts;
+
+    fn deref(&self) -> &AppParts {
+        &self.0
+    }
+}
+
+/// The parts of [`AppState`].
+pub struct AppParts {
     pub store: Store,
     /// The ordered inbox on the same store: counted and logged ([`ObservedInbox`]), and every
     /// committed change published to the console.
@@ -67,6 +86,36 @@ pub struct AppState {
     /// The NATS JetStream consumer's evidence (idle without `--nats`).
     pub broker: crate::broker::BrokerLab,
 }
+
+/// `State<Part>` for each part a handler may take (what `#[derive(FromRef)]` would generate
+/// for a struct without the `Arc`).
+macro_rules! parts_from_state {
+    ($($field:ident: $part:ty),* $(,)?) => {
+        $(impl FromRef<AppState> for $part {
+            fn from_ref(state: &AppState) -> $part {
+                state.0.$field.clone()
+            }
+        })*
+    };
+}
+
+parts_from_state!(
+    store: Store,
+    inbox: SharedInbox,
+    console: ConsoleEvents,
+    postgres: Option<PostgresInbox>,
+    metrics: Metrics,
+    config: Arc<Config>,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+    messaging: labs::messaging::MessagingLab,
+    http: labs::http::HttpLab,
+    cache: labs::cache::CacheLab,
+    security: labs::security::SecurityLab,
+    privacy: labs::privacy::PrivacyLab,
+    worker: labs::worker::WorkerLab,
+    broker: crate::broker::BrokerLab,
+);
 
 /// The server, bound and ready: [`Application::port`] is the real port even for `:0`.
 pub struct Application {
@@ -137,7 +186,7 @@ impl Application {
         let console = ConsoleEvents::new(shutdown.clone());
         // Every write, whatever door or consumer makes it, goes through the console's notifier.
         let inbox: SharedInbox = Arc::new(NotifyingInbox::new(inbox, console.clone()));
-        let state = AppState {
+        let state = AppState::new(AppParts {
             messaging: labs::messaging::MessagingLab::new(&context)?,
             http: labs::http::HttpLab::new(&context)?,
             cache: labs::cache::CacheLab::new(&context)?,
@@ -153,7 +202,7 @@ impl Application {
             config: Arc::new(config),
             shutdown,
             tasks,
-        };
+        });
         let router = router(state.clone());
         Ok(Application {
             listener,

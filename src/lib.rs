@@ -22,5 +22,5 @@ pub mod startup;
 pub mod store;
 pub mod verify;
 
-pub use app::{AppState, Application};
+pub use app::{AppParts, AppState, Application};
 pub use config::Config;
