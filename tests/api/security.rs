@@ -105,6 +105,32 @@ async fn a_settings_file_without_a_live_section_serves_the_seed_defaults() {
 }
 
 #[tokio::test]
+async fn writes_to_the_database_beside_the_settings_file_never_reach_the_watch() {
+    let app = spawn_app().await;
+    assert_eq!(app.database.parent(), app.settings.parent());
+    let watch = || async { app.state.security.settings_watch() };
+    poll_until("the first read", watch, |seen| seen.reads >= 1).await;
+    // Every delivery writes the WAL beside the settings file.
+    for sequence in 1..=50 {
+        let body = json!({"messageId": format!("w-{sequence}"), "sequence": sequence, "amount": 1});
+        let response = app.post_json("/aggregates/acct-w/messages", &body).await;
+        assert_eq!(response.status(), 200);
+    }
+    // A file written whole: created, then closed after writing, two events. Once both are
+    // counted, every earlier event has been too.
+    std::fs::write(app.dir.path().join("unrelated.txt"), "x").unwrap();
+    let seen = poll_until("the unrelated file's events", watch, |seen| {
+        seen.unrelated_events >= 2
+    })
+    .await;
+    assert_eq!(
+        seen.unrelated_events, 2,
+        "the watch was woken by the database's writes: {seen:?}"
+    );
+    assert_eq!(seen.reloads, 1, "{seen:?}");
+}
+
+#[tokio::test]
 async fn an_idle_server_does_not_reload_its_settings_after_its_own_read() {
     let app = spawn_app().await;
     let watch = || async { app.state.security.settings_watch() };
