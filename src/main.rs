@@ -653,7 +653,9 @@ fn relay(args: RelayArgs) -> anyhow::Result<()> {
     options.lease = std::time::Duration::from_millis(args.lease_ms);
     options.once = args.once;
     options.max_idle = std::time::Duration::from_millis(args.max_idle_ms);
-    options.hold_before_ack = args.hold_before_ack_ms.map(std::time::Duration::from_millis);
+    options.hold_before_ack = args
+        .hold_before_ack_ms
+        .map(std::time::Duration::from_millis);
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     let report = runtime.block_on(async {
         let signal = shutdown_signal()?;

@@ -212,8 +212,8 @@ async fn connect(options: &RelayOptions) -> Result<Peers, RelayError> {
     let base = crate::verify::parse_base_url(&options.base)
         .map_err(|error| RelayError::Refused(format!("--base: {error}")))?;
     let base = base.as_str().trim_end_matches('/').to_owned();
-    let urls = parse_nats_urls(&options.nats)
-        .map_err(|error| RelayError::Refused(error.to_string()))?;
+    let urls =
+        parse_nats_urls(&options.nats).map_err(|error| RelayError::Refused(error.to_string()))?;
     if options.batch == 0 || options.batch > 1000 {
         return Err(RelayError::Refused(
             "--batch must be from 1 to 1000".to_owned(),
@@ -320,7 +320,10 @@ async fn nothing_pending(peers: &Peers) -> Result<bool, RelayError> {
     };
     let page: EventPage = peers
         .http
-        .get(format!("{}/outbox/events?status=pending&limit=1", peers.base))
+        .get(format!(
+            "{}/outbox/events?status=pending&limit=1",
+            peers.base
+        ))
         .send()
         .await
         .and_then(reqwest::Response::error_for_status)
