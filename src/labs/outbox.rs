@@ -42,9 +42,9 @@ where
     Store: FromRef<S>,
 {
     OpenApiRouter::new()
-        .routes(routes!(record, list))
-        .routes(routes!(lease))
-        .routes(routes!(ack))
+        .routes(routes!(record_outbox_event, list_outbox_events))
+        .routes(routes!(lease_outbox_events))
+        .routes(routes!(ack_outbox_leases))
 }
 
 /// The most events one lease or one ack may carry.
@@ -273,7 +273,7 @@ enum RecordOutcome {
         (status = 503, response = crate::openapi::StoreUnavailable),
     ),
 )]
-async fn record(
+async fn record_outbox_event(
     State(store): State<Store>,
     Json(input): Json<EventInput>,
 ) -> Result<Response, AppError> {
@@ -397,7 +397,7 @@ struct EventPage {
     (status = 500, response = crate::openapi::StoreFailed),
     (status = 503, response = crate::openapi::StoreUnavailable),
 ))]
-async fn list(
+async fn list_outbox_events(
     State(store): State<Store>,
     Query(query): Query<ListQuery>,
 ) -> Result<Response, AppError> {
@@ -518,7 +518,7 @@ struct Lease {
         (status = 503, response = crate::openapi::StoreUnavailable),
     ),
 )]
-async fn lease(
+async fn lease_outbox_events(
     State(store): State<Store>,
     Json(input): Json<LeaseInput>,
 ) -> Result<Response, AppError> {
@@ -645,7 +645,7 @@ struct AckAnswer {
         (status = 503, response = crate::openapi::StoreUnavailable),
     ),
 )]
-async fn ack(
+async fn ack_outbox_leases(
     State(store): State<Store>,
     Json(input): Json<AckInput>,
 ) -> Result<Response, AppError> {
