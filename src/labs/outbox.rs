@@ -34,12 +34,14 @@ use super::ordered::{
     page_body, page_request, validate_aggregate_id, validate_message_id, validate_sequence,
 };
 use crate::error::{AppError, Json, Query, RequestBody, json_response};
+use crate::observe::metrics::Metrics;
 use crate::store::Store;
 
 pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     Store: FromRef<S>,
+    Metrics: FromRef<S>,
 {
     OpenApiRouter::new()
         .routes(routes!(record_outbox_event, list_outbox_events))
@@ -520,6 +522,7 @@ struct Lease {
 )]
 async fn lease_outbox_events(
     State(store): State<Store>,
+    State(metrics): State<Metrics>,
     Json(input): Json<LeaseInput>,
 ) -> Result<Response, AppError> {
     validate_owner(&input.owner)?;
@@ -589,6 +592,7 @@ async fn lease_outbox_events(
             })
         })
         .await?;
+    metrics.outbox_leased(lease.events.len());
     Ok(json_response(StatusCode::OK, json!(lease)))
 }
 
@@ -647,6 +651,7 @@ struct AckAnswer {
 )]
 async fn ack_outbox_leases(
     State(store): State<Store>,
+    State(metrics): State<Metrics>,
     Json(input): Json<AckInput>,
 ) -> Result<Response, AppError> {
     validate_owner(&input.owner)?;
@@ -710,6 +715,7 @@ async fn ack_outbox_leases(
             Ok::<_, AppError>(answer)
         })
         .await?;
+    metrics.outbox_acks(answer.acked, answer.fenced, answer.unknown);
     Ok(json_response(StatusCode::OK, json!(answer)))
 }
 

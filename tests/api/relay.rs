@@ -408,6 +408,12 @@ async fn an_event_is_validated_as_on_the_inboxs_general_door() {
         "{problem}"
     );
     assert_eq!(app.scalar("SELECT COUNT(*) FROM general_outbox"), 0);
+    let response = client()
+        .get(app.url("/outbox/events?status=lost"))
+        .send()
+        .await
+        .expect("GET");
+    assert_bad_request(response).await;
 }
 
 #[tokio::test]
@@ -534,6 +540,15 @@ async fn an_ack_is_acked_only_for_the_live_lease_and_fenced_after_a_newer_genera
     assert_eq!(sent["events"][0]["owner"], "two");
     assert_eq!(sent["events"][0]["generation"], 2);
 
+    let metrics = app.get("/metrics").await.text().await.expect("metrics");
+    for series in [
+        r#"outbox_acks_total{verdict="acked"} 4"#,
+        r#"outbox_acks_total{verdict="fenced"} 4"#,
+        "outbox_leased_total 4",
+    ] {
+        assert!(metrics.contains(series), "{series} in\n{metrics}");
+    }
+
     let twice = json!({"owner": "two", "events": [{"id": ids[0], "generation": 2}, {"id": ids[0], "generation": 2}]});
     assert_bad_request(app.post_json("/outbox/leases/ack", &twice).await).await;
 }
@@ -611,6 +626,35 @@ async fn a_relay_carries_32_aggregates_of_100_events_to_the_inbox_once_and_stops
         3200,
         "each event once in the stream"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_batch_finishes_and_acks_it_before_the_relay_exits_zero() {
+    let nats = start_nats();
+    let pair = Pair::start(&nats.url);
+    let aggregates = aggregate_names("t", 2);
+    write_events(&pair.a.address, &aggregates, 5).await;
+    let mut relay = Relay::start(
+        &pair.a.address,
+        &nats.url,
+        "one",
+        &["--hold-before-ack-ms", "1500"],
+    );
+    relay
+        .said(
+            "holding the ack of 10 PubAcked events",
+            Duration::from_secs(20),
+        )
+        .await;
+    relay.signal("TERM");
+    let (code, report) = relay.finish(Duration::from_secs(10)).await;
+    assert_eq!(code, Some(0), "{report}");
+    assert_eq!(
+        figure(&report, "acked"),
+        10,
+        "the batch in hand was acked: {report}"
+    );
+    assert_eq!(outbox_counts(&pair.a.address).await, (0, 10));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
