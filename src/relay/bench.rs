@@ -4,8 +4,11 @@
 //! 2) `production-lab relay` processes move them to JetStream and B applies them. Measured per
 //! run: events per second from the first outbox write to the last inbox COMMIT, and each event's
 //! latency from its outbox row (`created_at_ms`, stamped in A's transaction) to its inbox row
-//! (`applied_at`, stamped in B's committing transaction). Every run is verified: B's aggregates
-//! end at the right last sequence and total with one row per event, A's outbox is all sent.
+//! (`applied_at`, stamped in B's committing transaction). Then the same with the events written
+//! first and the relays started afterwards (a backlog): the relays' own rate, from their start to
+//! the last inbox COMMIT (latency there is mostly waiting, so it is not printed). Every run is
+//! verified: B's aggregates end at the right last sequence and total with one row per event, A's
+//! outbox is all sent.
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -32,6 +35,9 @@ pub struct RelayBenchOptions {
 #[serde(rename_all = "camelCase")]
 pub struct RelayRun {
     pub relays: usize,
+    /// `live`: written while the relays run (the latency is meaningful); `backlog`: everything
+    /// written first, then the relays started (the relays' own rate; latency includes the wait).
+    pub mode: &'static str,
     pub written_per_second: f64,
     pub end_to_end_per_second: f64,
     pub p50_ms: f64,
@@ -59,18 +65,26 @@ impl std::fmt::Display for RelayReport {
             self.messages, self.aggregates, self.writers, self.batch
         )?;
         for run in &self.runs {
-            writeln!(
-                f,
-                "  {} relay(s): written {:>7.0}/s, outbox write -> inbox COMMIT {:>7.0} events/s; latency ms p50 {:.1} p99 {:.1} max {:.1}; broker duplicates {}, fenced acks {}",
-                run.relays,
-                run.written_per_second,
-                run.end_to_end_per_second,
-                run.p50_ms,
-                run.p99_ms,
-                run.max_ms,
-                run.broker_duplicates,
-                run.fenced_acks
-            )?;
+            if run.mode == "backlog" {
+                writeln!(
+                    f,
+                    "  {} relay(s), backlog: relays started -> last inbox COMMIT {:>7.0} events/s; broker duplicates {}, fenced acks {}",
+                    run.relays, run.end_to_end_per_second, run.broker_duplicates, run.fenced_acks
+                )?;
+            } else {
+                writeln!(
+                    f,
+                    "  {} relay(s), live:    written {:>5.0}/s, first outbox write -> last inbox COMMIT {:>5.0} events/s; outbox row -> inbox COMMIT ms p50 {:.1} p99 {:.1} max {:.1}; broker duplicates {}, fenced acks {}",
+                    run.relays,
+                    run.written_per_second,
+                    run.end_to_end_per_second,
+                    run.p50_ms,
+                    run.p99_ms,
+                    run.max_ms,
+                    run.broker_duplicates,
+                    run.fenced_acks
+                )?;
+            }
         }
         Ok(())
     }
@@ -83,8 +97,10 @@ pub async fn run(options: &RelayBenchOptions) -> Result<RelayReport, BenchError>
         ));
     }
     let mut runs = Vec::new();
-    for relays in [1, 2] {
-        runs.push(one_run(options, relays).await?);
+    for backlog in [false, true] {
+        for relays in [1, 2] {
+            runs.push(one_run(options, relays, backlog).await?);
+        }
     }
     Ok(RelayReport {
         aggregates: options.aggregates,
@@ -138,7 +154,33 @@ fn figure(report: &str, label: &str) -> u64 {
         .unwrap_or(0)
 }
 
-async fn one_run(options: &RelayBenchOptions, relays: usize) -> Result<RelayRun, BenchError> {
+fn spawn_relays(
+    relays: usize,
+    outbox: &str,
+    nats: &str,
+    batch: usize,
+) -> Result<Vec<RelayProcess>, BenchError> {
+    let mut processes = Vec::new();
+    for index in 0..relays {
+        let child = Command::new(std::env::current_exe()?)
+            .args(["relay", "--base", outbox, "--nats", nats])
+            .args(["--owner", &format!("bench-{index}")])
+            .args(["--batch", &batch.to_string()])
+            .env_remove("LAB_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        processes.push(RelayProcess { child });
+    }
+    Ok(processes)
+}
+
+async fn one_run(
+    options: &RelayBenchOptions,
+    relays: usize,
+    backlog: bool,
+) -> Result<RelayRun, BenchError> {
     let streams = workload(options.aggregates, options.messages);
     let nats = NatsServer::start(None)?;
     let consumer = ServerUnderTest::start_with(
@@ -147,22 +189,15 @@ async fn one_run(options: &RelayBenchOptions, relays: usize) -> Result<RelayRun,
         &["--nats".to_owned(), nats.url.clone()],
     )?;
     let outbox = ServerUnderTest::start(Synchronous::Full, options.writers + relays)?;
-    let mut processes = Vec::new();
-    for index in 0..relays {
-        let child = Command::new(std::env::current_exe()?)
-            .args(["relay", "--base", &outbox.address, "--nats", &nats.url])
-            .args(["--owner", &format!("bench-{index}")])
-            .args(["--batch", &options.batch.to_string()])
-            .env_remove("LAB_LOG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()?;
-        processes.push(RelayProcess { child });
-    }
     let http = reqwest::Client::builder().no_proxy().build()?;
+    let mode = if backlog { "backlog" } else { "live" };
+    let mut processes = if backlog {
+        Vec::new()
+    } else {
+        spawn_relays(relays, &outbox.address, &nats.url, options.batch)?
+    };
     let progress = crate::progress::Progress::start(
-        &format!("bench relay ({relays} relay(s)): applied at B"),
+        &format!("bench relay ({relays} relay(s), {mode}): applied at B"),
         options.messages as u64,
         "events",
     );
@@ -214,6 +249,13 @@ async fn one_run(options: &RelayBenchOptions, relays: usize) -> Result<RelayRun,
             .map_err(|error| BenchError::Verification(format!("a writer failed: {error}")))??;
     }
     let written = started.elapsed();
+    let started = if backlog {
+        let relay_started = Instant::now();
+        processes = spawn_relays(relays, &outbox.address, &nats.url, options.batch)?;
+        relay_started
+    } else {
+        started
+    };
     let reader = rusqlite::Connection::open_with_flags(
         &consumer.database,
         rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
@@ -289,6 +331,7 @@ async fn one_run(options: &RelayBenchOptions, relays: usize) -> Result<RelayRun,
     drop(nats);
     Ok(RelayRun {
         relays,
+        mode,
         written_per_second: options.messages as f64 / written.as_secs_f64(),
         end_to_end_per_second: options.messages as f64 / elapsed.as_secs_f64(),
         p50_ms: percentile(&latencies, 0.50),
