@@ -599,12 +599,42 @@ async fn lease_outbox_events(
 // ---------------------------------------------------------------------------------------------
 // POST /outbox/leases/ack
 
-/// One event of an ack: its id and the generation its lease answered.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+/// One event of an ack: its id and the generation its lease answered. Names bind
+/// case-insensitively here too, as at the top level.
+#[derive(Debug, ToSchema)]
 struct AckItem {
     id: i64,
     generation: i64,
+}
+
+impl<'de> Deserialize<'de> for AckItem {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        #[derive(Deserialize)]
+        struct Exact {
+            id: i64,
+            generation: i64,
+        }
+        let object = serde_json::Map::<String, serde_json::Value>::deserialize(deserializer)?;
+        let mut normalized = serde_json::Map::new();
+        for (key, value) in object {
+            let name = ["id", "generation"]
+                .iter()
+                .find(|field| field.eq_ignore_ascii_case(&key))
+                .map_or(key, |field| (*field).to_owned());
+            if normalized.insert(name.clone(), value).is_some() {
+                return Err(D::Error::custom(format!(
+                    "property '{name}' is given more than once"
+                )));
+            }
+        }
+        let exact: Exact = serde_json::from_value(serde_json::Value::Object(normalized))
+            .map_err(D::Error::custom)?;
+        Ok(AckItem {
+            id: exact.id,
+            generation: exact.generation,
+        })
+    }
 }
 
 /// A relay's acknowledgement of published events. Names bind case-insensitively.

@@ -521,6 +521,14 @@ async fn an_ack_is_acked_only_for_the_live_lease_and_fenced_after_a_newer_genera
         0
     );
 
+    // Names bind case-insensitively inside the events too.
+    let upper = json!({"Owner": "two", "Events": [{"ID": ids[0], "Generation": 2}]});
+    let (status, first_only) = post(&app, "/outbox/leases/ack", &upper).await;
+    assert_eq!(
+        (status, first_only["acked"].clone()),
+        (200, json!(1)),
+        "{first_only}"
+    );
     let (_, current) = post(&app, "/outbox/leases/ack", &ack("two", 2)).await;
     assert_eq!(
         (current["acked"].clone(), current["fenced"].clone()),
@@ -542,7 +550,7 @@ async fn an_ack_is_acked_only_for_the_live_lease_and_fenced_after_a_newer_genera
 
     let metrics = app.get("/metrics").await.text().await.expect("metrics");
     for series in [
-        r#"outbox_acks_total{verdict="acked"} 4"#,
+        r#"outbox_acks_total{verdict="acked"} 5"#,
         r#"outbox_acks_total{verdict="fenced"} 4"#,
         "outbox_leased_total 4",
     ] {
