@@ -170,7 +170,15 @@ pub async fn run(
                 failures = 0;
                 events
             }
-            Err(reason) => {
+            Err(PostError::Refused(reason)) => {
+                // A 4xx: the outbox refuses this relay's request as it is (its owner name, its
+                // batch); asking again cannot help.
+                return Err(RelayError::Outbox {
+                    base: peers.base.clone(),
+                    reason,
+                });
+            }
+            Err(PostError::Failed(reason)) => {
                 failures += 1;
                 tracing::warn!(owner = %options.owner, %reason, "lease failed");
                 eprintln!("relay {}: lease failed: {reason}", options.owner);
@@ -256,6 +264,23 @@ async fn connect(options: &RelayOptions) -> Result<Peers, RelayError> {
     })
 }
 
+/// Why a POST to the outbox gave no answer.
+#[derive(Debug)]
+enum PostError {
+    /// Transport failures or 5xx, after the retries: worth trying again later.
+    Failed(String),
+    /// A 4xx: the request itself is refused.
+    Refused(String),
+}
+
+impl std::fmt::Display for PostError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PostError::Failed(reason) | PostError::Refused(reason) => f.write_str(reason),
+        }
+    }
+}
+
 /// POSTs `body` to `path` and reads the JSON answer; transport failures are retried (leases and
 /// acks are safe to repeat: a repeated lease of the same owner finds its own events under a live
 /// lease and skips them, a repeated ack answers acked again).
@@ -263,7 +288,7 @@ async fn post<T: for<'de> Deserialize<'de>>(
     peers: &Peers,
     path: &str,
     body: &serde_json::Value,
-) -> Result<T, String> {
+) -> Result<T, PostError> {
     let mut last = String::new();
     for attempt in 0..HTTP_ATTEMPTS {
         if attempt > 0 {
@@ -289,17 +314,16 @@ async fn post<T: for<'de> Deserialize<'de>>(
         }
         if !status.is_success() {
             let text = response.text().await.unwrap_or_default();
-            return Err(format!("POST {path}: {status}: {text}"));
+            return Err(PostError::Refused(format!("POST {path}: {status}: {text}")));
         }
-        return response
-            .json::<T>()
-            .await
-            .map_err(|error| format!("POST {path}: unreadable answer: {error}"));
+        return response.json::<T>().await.map_err(|error| {
+            PostError::Failed(format!("POST {path}: unreadable answer: {error}"))
+        });
     }
-    Err(last)
+    Err(PostError::Failed(last))
 }
 
-async fn lease(peers: &Peers, options: &RelayOptions) -> Result<Vec<Leased>, String> {
+async fn lease(peers: &Peers, options: &RelayOptions) -> Result<Vec<Leased>, PostError> {
     let answer: LeaseAnswer = post(
         peers,
         "/outbox/leases",

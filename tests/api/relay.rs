@@ -936,6 +936,23 @@ fn a_relay_aimed_off_loopback_is_refused_with_one_line() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_lease_the_outbox_refuses_exits_at_once_saying_why() {
+    let nats = start_nats();
+    let app = spawn_app().await;
+    let mut relay = Relay::start(&app.url(""), &nats.url, "not a name", &[]);
+    let child = &mut relay.child;
+    let status = poll_until(
+        "the relay exits",
+        || std::future::ready(child.try_wait().ok().flatten()),
+        Option::is_some,
+    )
+    .await;
+    assert!(status.is_some_and(|status| !status.success()));
+    let said = relay.said("owner must be", Duration::from_secs(5)).await;
+    assert!(said.contains("400"), "{said}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // A three-node JetStream cluster that loses a node
 
