@@ -317,6 +317,7 @@ pub fn api_router() -> OpenApiRouter<AppState> {
         .merge(labs::ordered::routes())
         .merge(labs::sql::routes())
         .merge(labs::messaging::routes())
+        .merge(labs::outbox::routes())
         .merge(labs::http::routes())
         .merge(labs::cache::routes())
         .merge(labs::security::routes())

@@ -16,6 +16,7 @@ pub mod openapi;
 pub mod pg_cluster;
 pub mod practice;
 pub mod progress;
+pub mod relay;
 pub mod schema;
 pub mod server;
 pub mod startup;

@@ -45,6 +45,39 @@ enum Command {
     /// Publish one ordered message to NATS JetStream on the broker door's wire format and wait
     /// for its PubAck.
     Publish(PublishArgs),
+    /// Move events from a service's general outbox (HTTP) to NATS JetStream: lease, publish with
+    /// the event key as Nats-Msg-Id, await the PubAcks, ack with the generations.
+    Relay(RelayArgs),
+}
+
+#[derive(Args)]
+struct RelayArgs {
+    /// The outbox service's root, http://127.0.0.1:PORT (loopback only).
+    #[arg(long)]
+    base: String,
+    /// Loopback nats://HOST:PORT[,…] (give every node of a cluster).
+    #[arg(long, value_name = "URLS")]
+    nats: String,
+    /// This relay's name in the leases (1..64 of A-Z, a-z, 0-9, '.', '_', '-', '@').
+    #[arg(long)]
+    owner: String,
+    #[arg(long, default_value = production_lab::broker::DEFAULT_SUBJECT_PREFIX)]
+    subject_prefix: String,
+    /// Events per lease (1..1000).
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// How long a lease lasts; an ack after it is fenced.
+    #[arg(long, default_value_t = 10_000)]
+    lease_ms: u64,
+    /// Drain what is pending, print the figures and exit.
+    #[arg(long)]
+    once: bool,
+    /// The longest back-off when the outbox is idle.
+    #[arg(long, default_value_t = 1_000)]
+    max_idle_ms: u64,
+    /// Test hook: hold each batch's ack this long after its PubAcks (announced on stderr).
+    #[arg(long, hide = true)]
+    hold_before_ack_ms: Option<u64>,
 }
 
 #[derive(Args)]
@@ -143,6 +176,26 @@ enum BenchCommand {
     /// NATS JetStream through the inbox (a private nats-server) against a raw consume-and-ack
     /// baseline and the HTTP door.
     Broker(BenchBrokerArgs),
+    /// Events from server A's general outbox through `relay` processes and a private
+    /// nats-server to server B's ordered inbox, with 1 and 2 relays.
+    Relay(BenchRelayArgs),
+}
+
+#[derive(Args)]
+struct BenchRelayArgs {
+    #[arg(long, default_value_t = 64)]
+    aggregates: usize,
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// Concurrent writers of A's outbox.
+    #[arg(long, default_value_t = 32)]
+    writers: usize,
+    /// Events per lease.
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -389,6 +442,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Operator { command } => operator(command),
         Command::Producer { command } => producer(command),
+        Command::Relay(args) => relay(args),
         Command::Publish(args) => {
             let message = ordered_inbox::OrderedMessage {
                 message_id: args.message_id,
@@ -543,6 +597,20 @@ fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
                     args.json,
                 ))
             }
+            BenchCommand::Relay(args) => {
+                let options = production_lab::relay::bench::RelayBenchOptions {
+                    aggregates: args.aggregates,
+                    messages: args.messages,
+                    writers: args.writers,
+                    batch: args.batch,
+                };
+                let report = production_lab::relay::bench::run(&options).await?;
+                anyhow::Ok((
+                    report.to_string(),
+                    serde_json::to_string_pretty(&report)?,
+                    args.json,
+                ))
+            }
             BenchCommand::Stampede(args) => {
                 let report = bench::stampede(args.callers).await?;
                 anyhow::Ok((
@@ -557,6 +625,36 @@ fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
     if let Some(path) = path {
         std::fs::write(&path, json).with_context(|| format!("cannot write {}", path.display()))?;
     }
+    Ok(())
+}
+
+fn relay(args: RelayArgs) -> anyhow::Result<()> {
+    observe::init_logging(
+        LogFormat::Text,
+        tracing_subscriber::EnvFilter::try_from_env("LAB_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+    );
+    let mut options = production_lab::relay::RelayOptions::new(&args.base, &args.nats, &args.owner);
+    options.subject_prefix = args.subject_prefix;
+    options.batch = args.batch;
+    options.lease = std::time::Duration::from_millis(args.lease_ms);
+    options.once = args.once;
+    options.max_idle = std::time::Duration::from_millis(args.max_idle_ms);
+    options.hold_before_ack = args
+        .hold_before_ack_ms
+        .map(std::time::Duration::from_millis);
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    let report = runtime.block_on(async {
+        let signal = shutdown_signal()?;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let stopper = stop.clone();
+        tokio::spawn(async move {
+            signal.await;
+            stopper.cancel();
+        });
+        anyhow::Ok(production_lab::relay::run(&options, stop).await?)
+    })?;
+    println!("relay {}: {report}", args.owner);
     Ok(())
 }
 

@@ -107,6 +107,7 @@ pub struct StoreFailed(Problem);
         (name = "ordered", description = "The ordered inbox: the classroom door, the general door, evidence, resolution"),
         (name = "sql", description = "SQLite's NULLs, query plans, snapshots and busy retry"),
         (name = "messaging", description = "Transactional outbox with leases, idempotent inbox"),
+        (name = "outbox", description = "The general outbox: events for any aggregate, leased to relays by generation, acked or fenced"),
         (name = "http", description = "Entity tags, conditional writes, versions, NDJSON"),
         (name = "cache", description = "Stampede protection and invalidation after commit"),
         (name = "security", description = "Live configuration, CORS, antiforgery, encoding, forwarded headers"),

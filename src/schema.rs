@@ -41,9 +41,30 @@ CREATE TABLE IF NOT EXISTS pipeline_requests(request_id TEXT PRIMARY KEY,payload
 /// labs it is empty, and it keeps its number so that files at version 2 stay current.
 const INBOX_MOVED: &str = "";
 
+/// Migration 3: the general outbox ([`crate::labs::outbox`]). Its own table, so that the
+/// classroom's `outbox` (shared with the pipeline lab) keeps its rows and meaning. One event per
+/// key and per (aggregate, sequence); the index serves the lease's ordered scan of pending events.
+const GENERAL_OUTBOX: &str = "
+CREATE TABLE general_outbox(
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  event_key TEXT NOT NULL UNIQUE,
+  aggregate_id TEXT NOT NULL,
+  sequence INTEGER NOT NULL CHECK(sequence >= 1),
+  amount INTEGER NOT NULL,
+  status TEXT NOT NULL DEFAULT 'pending' CHECK(status IN ('pending','sent')),
+  owner TEXT,
+  lease_until INTEGER,
+  generation INTEGER NOT NULL DEFAULT 0,
+  created_at_ms INTEGER NOT NULL,
+  sent_at_ms INTEGER,
+  UNIQUE(aggregate_id, sequence)
+);
+CREATE INDEX ix_general_outbox_pending ON general_outbox(status, aggregate_id, sequence);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the file to `user_version = i + 1`.
 /// Append only: a released migration never changes.
-pub const MIGRATIONS: &[&str] = &[SEED_LABS, INBOX_MOVED];
+pub const MIGRATIONS: &[&str] = &[SEED_LABS, INBOX_MOVED, GENERAL_OUTBOX];
 
 /// The schema version this build writes.
 pub fn current_version() -> i64 {

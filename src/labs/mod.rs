@@ -10,6 +10,7 @@ pub mod gate;
 pub mod http;
 pub mod messaging;
 pub mod ordered;
+pub mod outbox;
 pub mod pipeline;
 pub mod privacy;
 pub mod security;

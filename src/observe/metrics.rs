@@ -34,6 +34,8 @@ pub const BATCH_SIZE: &str = "inbox_writer_batch_size";
 pub const COMMIT_SECONDS: &str = "inbox_writer_commit_seconds";
 pub const TRANSACTION_SECONDS: &str = "inbox_writer_transaction_seconds";
 pub const QUEUE_DEPTH: &str = "inbox_writer_queue_depth";
+pub const OUTBOX_LEASED: &str = "outbox_leased_total";
+pub const OUTBOX_ACKS: &str = "outbox_acks_total";
 pub const HTTP_REQUESTS: &str = "http_requests_total";
 pub const HTTP_DURATION: &str = "http_request_duration_seconds";
 
@@ -149,6 +151,18 @@ impl Metrics {
                         .increment(0);
                 }
             }
+            metrics::describe_counter!(
+                OUTBOX_LEASED,
+                "General outbox events handed to relays under a lease (each lease of an event counts)"
+            );
+            metrics::describe_counter!(
+                OUTBOX_ACKS,
+                "General outbox acknowledgements per event, by verdict (acked, fenced, unknown)"
+            );
+            metrics::counter!(OUTBOX_LEASED).increment(0);
+            for verdict in ["acked", "fenced", "unknown"] {
+                metrics::counter!(OUTBOX_ACKS, "verdict" => verdict).increment(0);
+            }
             for reason in REFUSAL_REASONS {
                 metrics::counter!(PRODUCER_REFUSALS, "reason" => reason).increment(0);
             }
@@ -189,6 +203,20 @@ impl Metrics {
             metrics::counter!(PRODUCER_REFUSALS, "reason" => reason).increment(1);
             metrics::counter!(DELIVERIES, "door" => door_label(door), "verdict" => Verdict::Refused.label())
                 .increment(1);
+        });
+    }
+
+    /// Counts the events one lease handed out.
+    pub fn outbox_leased(&self, events: usize) {
+        self.with(|| metrics::counter!(OUTBOX_LEASED).increment(events as u64));
+    }
+
+    /// Counts one ack call's verdicts.
+    pub fn outbox_acks(&self, acked: usize, fenced: usize, unknown: usize) {
+        self.with(|| {
+            for (verdict, count) in [("acked", acked), ("fenced", fenced), ("unknown", unknown)] {
+                metrics::counter!(OUTBOX_ACKS, "verdict" => verdict).increment(count as u64);
+            }
         });
     }
 

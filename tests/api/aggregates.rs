@@ -924,11 +924,14 @@ async fn resolution_preconditions_refuse_with_the_current_state(backend: Backend
 }
 
 /// A server on a copy of a fixture database, after checking that the server brought both the
-/// labs' schema (`user_version` 2) and the inbox's (its own version table) up to date.
+/// labs' schema (`user_version` 3, the current one) and the inbox's (its own version table) up to date.
 pub(crate) async fn spawn_on_fixture(name: &str) -> (tempfile::TempDir, TestApp) {
     let (dir, path) = fixture_copy(name);
     let app = spawn_app_with(move |config| config.database = path).await;
-    assert_eq!(app.scalar("PRAGMA user_version"), 2);
+    assert_eq!(
+        app.scalar("PRAGMA user_version"),
+        production_lab::schema::current_version()
+    );
     assert_eq!(
         app.scalar("SELECT version FROM ordered_inbox_schema"),
         ordered_inbox::sqlite::schema::current_version()
@@ -1019,7 +1022,10 @@ async fn a_seed_schema_database_opens_and_upgrades_in_place() {
 
     // A restart on the upgraded file runs no migration twice.
     let app = app.restart().await;
-    assert_eq!(app.scalar("PRAGMA user_version"), 2);
+    assert_eq!(
+        app.scalar("PRAGMA user_version"),
+        production_lab::schema::current_version()
+    );
     let (_, state) = get(&app, "/ordered/state").await;
     assert_eq!(state, json!({"applied": 3, "deadletters": 1, "last": 3}));
 }

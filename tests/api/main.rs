@@ -20,6 +20,7 @@ mod ordered;
 mod pipeline;
 mod privacy;
 mod producers;
+mod relay;
 mod requests;
 mod security;
 mod sql;

@@ -117,7 +117,7 @@ pub(crate) fn validate_message_id(name: &str, message_id: &str) -> Result<(), Ap
     }
 }
 
-fn validate_sequence(name: &str, sequence: i64, minimum: i64) -> Result<(), AppError> {
+pub(crate) fn validate_sequence(name: &str, sequence: i64, minimum: i64) -> Result<(), AppError> {
     if (minimum..=MAX_SEQUENCE).contains(&sequence) {
         Ok(())
     } else {
