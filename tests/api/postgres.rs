@@ -607,7 +607,9 @@ async fn a_server_reaches_postgresql_through_a_unix_socket_directory() {
 #[tokio::test]
 async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
     use ordered_inbox::postgres::{PostgresInbox, Target};
-    use ordered_inbox::{Action, Door, Inbox, Limits, Mode, OrderedMessage, ResolutionRequest};
+    use ordered_inbox::{
+        Action, BatchDelivery, Door, Inbox, Limits, Mode, OrderedMessage, ResolutionRequest,
+    };
 
     let url = fresh_database();
     let inbox = PostgresInbox::open(Target::parse(&url).unwrap(), Limits::default())
@@ -621,16 +623,16 @@ async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
     };
     let ahead = inbox
         .deliver_batch(vec![
-            (message("m-3", 3, 3), Door::Broker),
-            (message("m-2", 2, -2), Door::Broker),
-            (message("m-4", 4, 4), Door::Broker),
+            BatchDelivery::anonymous(message("m-3", 3, 3), Door::Broker),
+            BatchDelivery::anonymous(message("m-2", 2, -2), Door::Broker),
+            BatchDelivery::anonymous(message("m-4", 4, 4), Door::Broker),
         ])
         .await
         .unwrap();
     assert!(
         ahead
             .iter()
-            .all(|outcome| matches!(outcome, ordered_inbox::Outcome::Held { .. })),
+            .all(|outcome| matches!(outcome, Ok(ordered_inbox::Outcome::Held { .. }))),
         "{ahead:?}"
     );
     let view = inbox.aggregate("held".into()).await.unwrap().unwrap();
