@@ -69,7 +69,12 @@ struct PublishArgs {
     #[arg(long, value_name = "N", requires = "producer")]
     epoch: Option<i64>,
     /// The producer's token; from the environment only, so that it stays out of `ps`.
-    #[arg(long = "token", env = "PRODUCTION_LAB_PRODUCER_TOKEN", hide_env_values = true, hide = true)]
+    #[arg(
+        long = "token",
+        env = "PRODUCTION_LAB_PRODUCER_TOKEN",
+        hide_env_values = true,
+        hide = true
+    )]
     token: Option<String>,
 }
 

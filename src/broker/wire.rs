@@ -299,7 +299,8 @@ mod tests {
         assert_eq!(good.map(|m| m.aggregate_id).as_deref(), Ok("a"));
         let other = read_delivery("ordered", None, "ordered.a", Some("m-1"), None, body("m-2"));
         assert!(other.unwrap_err().reason.contains("differs"));
-        let missing = read_delivery("ordered", None, "ordered.a", None, None, body("m-1")).unwrap_err();
+        let missing =
+            read_delivery("ordered", None, "ordered.a", None, None, body("m-1")).unwrap_err();
         assert_eq!(missing.aggregate_id.as_deref(), Some("a"));
         let broken =
             read_delivery("ordered", None, "ordered.a%zz", Some("m"), None, body("m")).unwrap_err();
@@ -328,8 +329,15 @@ mod tests {
             body,
         );
         assert_eq!(mine.map(|m| m.message_id).as_deref(), Ok("m-1"));
-        let bare = read_delivery("ordered", None, "ordered.a", Some("m-1"), Some("billing"), body)
-            .unwrap_err();
+        let bare = read_delivery(
+            "ordered",
+            None,
+            "ordered.a",
+            Some("m-1"),
+            Some("billing"),
+            body,
+        )
+        .unwrap_err();
         assert!(bare.reason.contains("'billing/m-1'"), "{}", bare.reason);
         let other = read_delivery(
             "ordered",

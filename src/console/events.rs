@@ -24,8 +24,9 @@ use ordered_inbox::views::{
     TimelineEvent, TransferConflict,
 };
 use ordered_inbox::{
-    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome, ProducerClaim,
-    ProducerRefusal, ResolutionError, ResolutionRequest, Resolved, TransferRecord, TransferRequest,
+    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
+    ProducerClaim, ProducerRefusal, ResolutionError, ResolutionRequest, Resolved, TransferRecord,
+    TransferRequest,
 };
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, broadcast};

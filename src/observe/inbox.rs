@@ -14,8 +14,8 @@ use ordered_inbox::views::{
     TimelineEvent, TransferConflict,
 };
 use ordered_inbox::{
-    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome, ResolutionError,
-    ResolutionRequest, Resolved,
+    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
+    ResolutionError, ResolutionRequest, Resolved,
 };
 
 use super::metrics::{Metrics, door_label, refusal_reason};

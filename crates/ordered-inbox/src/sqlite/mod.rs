@@ -368,7 +368,10 @@ mod tests {
         ];
         let outcomes = inbox.deliver_batch(batch).await.unwrap();
         assert!(matches!(outcomes[0], Ok(Outcome::Held { .. })));
-        assert!(matches!(outcomes[1], Ok(Outcome::Applied { sequence: 1, .. })));
+        assert!(matches!(
+            outcomes[1],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
         assert!(
             matches!(outcomes[2], Ok(Outcome::Replay { .. })),
             "{:?}",

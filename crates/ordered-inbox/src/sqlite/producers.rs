@@ -366,8 +366,15 @@ mod tests {
             .await
             .unwrap();
         let after = inbox.store().stats();
-        assert_eq!(after.commits - before.commits, 1, "one COMMIT for the batch");
-        assert!(matches!(verdicts[0], Ok(Outcome::Applied { sequence: 1, .. })));
+        assert_eq!(
+            after.commits - before.commits,
+            1,
+            "one COMMIT for the batch"
+        );
+        assert!(matches!(
+            verdicts[0],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
         assert_eq!(
             verdicts[1],
             Err(ProducerRefusal::NotOwner {
@@ -375,8 +382,14 @@ mod tests {
             })
         );
         assert_eq!(verdicts[2], Err(ProducerRefusal::OwnerRequired));
-        assert!(matches!(verdicts[3], Ok(Outcome::Applied { sequence: 2, .. })));
-        assert!(matches!(verdicts[4], Ok(Outcome::Applied { sequence: 1, .. })));
+        assert!(matches!(
+            verdicts[3],
+            Ok(Outcome::Applied { sequence: 2, .. })
+        ));
+        assert!(matches!(
+            verdicts[4],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
         assert_eq!(verdicts[5], Ok(Outcome::Gap { expected: 3 }));
         let acct = inbox.aggregate("acct".into()).await.unwrap().unwrap();
         assert_eq!((acct.summary.last, acct.held_count), (2, 0));
@@ -397,7 +410,10 @@ mod tests {
                 current_epoch: 2
             })
         );
-        assert!(matches!(verdicts[1], Ok(Outcome::Applied { sequence: 3, .. })));
+        assert!(matches!(
+            verdicts[1],
+            Ok(Outcome::Applied { sequence: 3, .. })
+        ));
         assert_eq!(inbox.counts("acct".into()).await.unwrap().last, 3);
         inbox.shutdown().await;
     }
