@@ -7,8 +7,13 @@
 //! | verdict | broker action |
 //! |---|---|
 //! | applied, replay, held (new or again), quarantined | ack |
-//! | stale, payload conflict, malformed | term, and listed in `GET /broker/rejected` |
-//! | hold full, quarantine full, a store failure | nak with a back-off delay |
+//! | stale, payload conflict, malformed, a producer refusal | term, and listed in `GET /broker/rejected` |
+//! | hold full, quarantine full, a gap (a producer's early message), a store failure | nak with a back-off delay |
+//!
+//! A message with `Authorization: Bearer TOKEN` and `Producer-Epoch: N` is delivered with its
+//! producer's claim, checked by the inbox in the transaction that writes it (epoch fencing,
+//! ownership, its producer's id namespace), as on the HTTP general door; without them it is
+//! anonymous.
 //!
 //! The wire format is in [`wire`]; the HTTP evidence (`GET /broker`, `GET /broker/rejected`) and
 //! the test-only fault switch (`POST /lab/broker/pause-after-commit`) in [`routes`].
