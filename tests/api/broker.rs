@@ -13,7 +13,7 @@ use production_lab::broker::{BrokerConfig, wire};
 use serde_json::{Value, json};
 
 use crate::helpers::{
-    Backend, ServerProcess, TestApp, client, poll_until, poll_until_within, settings_dir,
+    Backend, ServerProcess, TestApp, client, command, poll_until, poll_until_within, settings_dir,
     spawn_app_on_with, spawn_app_with, status_and_json,
 };
 use crate::producers::{add_producer, epoch, producer_command};
@@ -1004,5 +1004,51 @@ async fn unknown_tokens_and_malformed_producer_headers_are_terminated_with_their
     .await;
     let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
     assert_eq!(status["counters"]["terminated"], 6, "{status}");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_publish_command_sends_a_producers_headers_with_the_token_from_the_environment() {
+    let nats = start_nats(None);
+    let app = spawn_consumer_on(&nats, Backend::Sqlite).await;
+    let token = add_producer(&app, "billing");
+    let current = epoch(&app, &token).await.to_string();
+    let publish = |token: Option<&str>| {
+        let mut publish = command();
+        publish.args([
+            "publish",
+            "--nats",
+            &nats.url,
+            "--producer",
+            "billing",
+            "--epoch",
+            &current,
+            "cli",
+            "m-1",
+            "1",
+            "5",
+        ]);
+        publish.env_remove("PRODUCTION_LAB_PRODUCER_TOKEN");
+        if let Some(token) = token {
+            publish.env("PRODUCTION_LAB_PRODUCER_TOKEN", token);
+        }
+        publish.output().expect("run publish")
+    };
+    let without = publish(None);
+    assert!(!without.status.success());
+    assert!(
+        String::from_utf8_lossy(&without.stderr).contains("PRODUCTION_LAB_PRODUCER_TOKEN"),
+        "{}",
+        String::from_utf8_lossy(&without.stderr)
+    );
+    let with = publish(Some(&token));
+    assert!(
+        with.status.success(),
+        "{}",
+        String::from_utf8_lossy(&with.stderr)
+    );
+    let view = aggregate_at(&app, "cli", 1).await;
+    assert_eq!(view["owner"]["producer"], "billing", "{view}");
+    assert_eq!(applied_by(&app, "cli"), ["m-1|billing"]);
     app.stop().await;
 }
