@@ -632,6 +632,9 @@ impl Consumer {
                     }
                 }
                 Err(reason) => {
+                    if let Some(metrics) = self.lab.inner.metrics.get() {
+                        metrics.producer_headers_malformed();
+                    }
                     self.lab.reject(rejected(
                         message,
                         "malformed",

@@ -992,6 +992,15 @@ async fn unknown_tokens_and_malformed_producer_headers_are_terminated_with_their
         metric(&app, r#"inbox_producer_refusals_total{reason="revoked"}"#).await,
         1.0
     );
+    assert_eq!(
+        metric(
+            &app,
+            r#"inbox_producer_refusals_total{reason="malformed_headers"}"#
+        )
+        .await,
+        3.0,
+        "the bare Nats-Msg-Id is a malformed message, not malformed headers"
+    );
     // A revoked producer's token is no active producer's any more.
     let revoked = producer_command(&["revoke", "billing"], &app);
     assert!(revoked.status.success());
