@@ -165,7 +165,7 @@ impl Application {
             reason: error.to_string(),
         })?;
 
-        let broker = crate::broker::BrokerLab::default();
+        let broker = crate::broker::BrokerLab::with_metrics(metrics.clone());
         let consumer = match &config.nats {
             Some(nats) => {
                 Some(crate::broker::Consumer::connect(nats.clone(), broker.clone()).await?)

@@ -93,6 +93,22 @@ struct PublishArgs {
     sequence: i64,
     #[arg(allow_negative_numbers = true)]
     amount: i64,
+    /// Publish as this registered producer (with --epoch and the token in
+    /// PRODUCTION_LAB_PRODUCER_TOKEN): Authorization and Producer-Epoch headers, and
+    /// Nats-Msg-Id PRODUCER/MESSAGE_ID.
+    #[arg(long, value_name = "NAME", requires = "epoch")]
+    producer: Option<String>,
+    /// The epoch POST /producers/session answered.
+    #[arg(long, value_name = "N", requires = "producer")]
+    epoch: Option<i64>,
+    /// The producer's token; from the environment only, so that it stays out of `ps`.
+    #[arg(
+        long = "token",
+        env = "PRODUCTION_LAB_PRODUCER_TOKEN",
+        hide_env_values = true,
+        hide = true
+    )]
+    token: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -450,12 +466,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 sequence: args.sequence,
                 amount: args.amount,
             };
+            let producer = match (args.producer, args.epoch) {
+                (Some(producer), Some(epoch)) => Some(production_lab::broker::ProducerHeaders {
+                    producer,
+                    epoch,
+                    token: args.token.context(
+                        "--producer needs the producer's token in PRODUCTION_LAB_PRODUCER_TOKEN",
+                    )?,
+                }),
+                _ => None,
+            };
             let runtime =
                 tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
             let published = runtime.block_on(production_lab::broker::publish_one(
                 &args.nats,
                 &args.subject_prefix,
                 &message,
+                producer.as_ref(),
             ))?;
             println!(
                 "{} -> stream {} sequence {}{}",

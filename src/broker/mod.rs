@@ -7,8 +7,13 @@
 //! | verdict | broker action |
 //! |---|---|
 //! | applied, replay, held (new or again), quarantined | ack |
-//! | stale, payload conflict, malformed | term, and listed in `GET /broker/rejected` |
-//! | hold full, quarantine full, a store failure | nak with a back-off delay |
+//! | stale, payload conflict, malformed, a producer refusal | term, and listed in `GET /broker/rejected` |
+//! | hold full, quarantine full, a gap (a producer's early message), a store failure | nak with a back-off delay |
+//!
+//! A message with `Authorization: Bearer TOKEN` and `Producer-Epoch: N` is delivered with its
+//! producer's claim, checked by the inbox in the transaction that writes it (epoch fencing,
+//! ownership, its producer's id namespace), as on the HTTP general door; without them it is
+//! anonymous.
 //!
 //! The wire format is in [`wire`]; the HTTP evidence (`GET /broker`, `GET /broker/rejected`) and
 //! the test-only fault switch (`POST /lab/broker/pause-after-commit`) in [`routes`].
@@ -18,7 +23,7 @@ mod routes;
 pub mod server;
 pub mod wire;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -29,12 +34,13 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
-use ordered_inbox::{Door, OrderedMessage, Outcome};
+use ordered_inbox::{BatchDelivery, Door, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::StartupError;
 use crate::labs::ordered::SharedInbox;
+use crate::observe::metrics::Metrics;
 
 pub use routes::routes;
 
@@ -205,12 +211,22 @@ pub struct Published {
     pub duplicate: bool,
 }
 
-/// Publishes one message on the wire format (subject, `Nats-Msg-Id` header, general-door body)
-/// to loopback `urls` and waits for its PubAck: the producer side, for walk-throughs.
+/// Who publishes a message, for a producer's headers.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ProducerHeaders {
+    pub producer: String,
+    pub epoch: i64,
+    pub token: String,
+}
+
+/// Publishes one message on the wire format (subject, `Nats-Msg-Id` header, general-door body,
+/// and a producer's headers when `producer` is given) to loopback `urls` and waits for its
+/// PubAck: the producer side, for walk-throughs.
 pub async fn publish_one(
     urls: &str,
     prefix: &str,
     message: &OrderedMessage,
+    producer: Option<&ProducerHeaders>,
 ) -> Result<Published, StartupError> {
     let urls = parse_nats_urls(urls)?;
     let failed = |what: &str, error: &dyn std::fmt::Display| {
@@ -229,7 +245,21 @@ pub async fn publish_one(
     let context = jetstream::new(client.clone());
     let subject = wire::subject_for(prefix, &message.aggregate_id);
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert(wire::MESSAGE_ID_HEADER, message.message_id.as_str());
+    let nats_id = wire::nats_message_id(
+        producer.map(|producer| producer.producer.as_str()),
+        &message.message_id,
+    );
+    headers.insert(wire::MESSAGE_ID_HEADER, nats_id.as_str());
+    if let Some(producer) = producer {
+        headers.insert(
+            wire::AUTHORIZATION_HEADER,
+            format!("Bearer {}", producer.token).as_str(),
+        );
+        headers.insert(
+            wire::PRODUCER_EPOCH_HEADER,
+            producer.epoch.to_string().as_str(),
+        );
+    }
     let body = serde_json::json!({
         "messageId": message.message_id,
         "sequence": message.sequence,
@@ -260,7 +290,11 @@ pub struct Rejected {
     pub delivered: Option<i64>,
     pub message_id: Option<String>,
     pub aggregate_id: Option<String>,
-    /// `malformed`, `stale` or `payload conflict`.
+    /// The producer whose token the message carried, once known (absent: anonymous, or the
+    /// token was not an active producer's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub producer: Option<String>,
+    /// `malformed`, `stale`, `payload conflict`, or a producer refusal ([`refusal_outcome`]).
     pub outcome: &'static str,
     pub reason: String,
 }
@@ -297,9 +331,19 @@ struct Shared {
     counters: Mutex<Counters>,
     rejected: Mutex<VecDeque<Rejected>>,
     pause_after_commit: AtomicBool,
+    /// Where a refusal the consumer decides itself (a token that is no active producer's) is
+    /// counted, like the inbox's own refusals.
+    metrics: OnceLock<Metrics>,
 }
 
 impl BrokerLab {
+    /// The evidence of a consumer whose own refusals are counted in `metrics`.
+    pub fn with_metrics(metrics: Metrics) -> BrokerLab {
+        let lab = BrokerLab::default();
+        let _ = lab.inner.metrics.set(metrics);
+        lab
+    }
+
     fn count(&self, update: impl FnOnce(&mut Counters)) {
         if let Ok(mut counters) = self.inner.counters.lock() {
             update(&mut counters);
@@ -317,6 +361,8 @@ impl BrokerLab {
     fn reject(&self, rejected: Rejected) {
         tracing::warn!(
             subject = %rejected.subject,
+            message_id = rejected.message_id.as_deref().unwrap_or(""),
+            producer = rejected.producer.as_deref().unwrap_or(""),
             outcome = rejected.outcome,
             reason = %rejected.reason,
             "broker delivery terminated"
@@ -530,26 +576,96 @@ impl Consumer {
         let prefix = &self.config.subject_prefix;
         let partition = self.config.partition_token();
         let mut actions: Vec<Option<Action>> = Vec::with_capacity(batch.len());
-        let mut deliveries: Vec<(OrderedMessage, Door)> = Vec::new();
+        let mut deliveries: Vec<BatchDelivery> = Vec::new();
         let mut delivered_at: Vec<usize> = Vec::new();
+        // Token → active producer, looked up once per batch (a read, as the HTTP door's); the
+        // delivery's own transaction checks the producer again, so a revocation in between
+        // still refuses it.
+        let mut holders: HashMap<String, Option<String>> = HashMap::new();
         for (index, message) in batch.iter().enumerate() {
-            let header_id = message
-                .headers
-                .as_ref()
-                .and_then(|headers| headers.get(wire::MESSAGE_ID_HEADER))
-                .map(|value| value.as_str().to_owned());
+            let header_id = header_values(message, wire::MESSAGE_ID_HEADER)
+                .first()
+                .map(|value| (*value).to_owned());
+            let subject = message.subject.as_str();
+            let aggregate_of = || wire::aggregate_of_subject(prefix, partition, subject).ok();
+            let credential = wire::read_credential(
+                &header_values(message, wire::AUTHORIZATION_HEADER),
+                &header_values(message, wire::PRODUCER_EPOCH_HEADER),
+            );
+            let claim = match credential {
+                Ok(None) => None,
+                Ok(Some(credential)) => {
+                    let holder = match holders.get(&credential.token) {
+                        Some(holder) => Ok(holder.clone()),
+                        None => inbox.check_producer(credential.token.clone()).await,
+                    };
+                    match holder {
+                        Ok(Some(producer)) => {
+                            holders.insert(credential.token, Some(producer.clone()));
+                            Some(ProducerClaim {
+                                producer,
+                                epoch: credential.epoch,
+                            })
+                        }
+                        Ok(None) => {
+                            holders.insert(credential.token, None);
+                            self.refuse(
+                                message,
+                                header_id.clone(),
+                                aggregate_of(),
+                                None,
+                                &ProducerRefusal::Revoked,
+                            );
+                            actions.push(Some(Action::Term));
+                            continue;
+                        }
+                        // Not knowing who sent it is no verdict: the broker offers it again.
+                        Err(error) => {
+                            tracing::error!(%error, "the inbox could not check a broker message's producer token");
+                            self.lab.count(|c| {
+                                c.store_errors += 1;
+                                c.last_error = Some(format!("store: {error}"));
+                            });
+                            actions.push(Some(Action::Nak));
+                            continue;
+                        }
+                    }
+                }
+                Err(reason) => {
+                    if let Some(metrics) = self.lab.inner.metrics.get() {
+                        metrics.producer_headers_malformed();
+                    }
+                    self.lab.reject(rejected(
+                        message,
+                        "malformed",
+                        header_id.clone(),
+                        aggregate_of(),
+                        None,
+                        reason,
+                    ));
+                    self.lab
+                        .count(|c| *c.outcomes.entry("malformed").or_default() += 1);
+                    actions.push(Some(Action::Term));
+                    continue;
+                }
+            };
             let read = wire::read_delivery(
                 prefix,
                 partition,
-                message.subject.as_str(),
+                subject,
                 header_id.as_deref(),
+                claim.as_ref().map(|claim| claim.producer.as_str()),
                 |aggregate_id| {
                     crate::labs::ordered::general_message(aggregate_id, &message.payload)
                 },
             );
             match read {
                 Ok(ordered) => {
-                    deliveries.push((ordered, Door::Broker));
+                    deliveries.push(BatchDelivery {
+                        message: ordered,
+                        door: Door::Broker,
+                        claim,
+                    });
                     delivered_at.push(index);
                     actions.push(None);
                 }
@@ -559,6 +675,7 @@ impl Consumer {
                         "malformed",
                         malformed.message_id,
                         malformed.aggregate_id,
+                        claim.map(|claim| claim.producer),
                         malformed.reason,
                     ));
                     self.lab
@@ -567,32 +684,60 @@ impl Consumer {
                 }
             }
         }
-        let messages: Vec<OrderedMessage> = deliveries
+        let sent: Vec<(OrderedMessage, Option<String>)> = deliveries
             .iter()
-            .map(|(message, _)| message.clone())
+            .map(|delivery| {
+                (
+                    delivery.message.clone(),
+                    delivery.claim.as_ref().map(|claim| claim.producer.clone()),
+                )
+            })
             .collect();
         let decided = inbox.deliver_batch(deliveries).await;
         // From here on the COMMIT has returned (or failed as a whole).
         match decided {
             Ok(outcomes) => {
-                for ((index, outcome), ordered) in
-                    delivered_at.into_iter().zip(outcomes).zip(messages)
+                for ((index, outcome), (ordered, producer)) in
+                    delivered_at.into_iter().zip(outcomes).zip(sent)
                 {
-                    let name = outcome_name(&outcome);
-                    self.lab
-                        .count(|c| *c.outcomes.entry(name).or_default() += 1);
-                    let action = action_for(&outcome);
-                    if action == Action::Term
-                        && let Some(message) = batch.get(index)
-                    {
-                        self.lab.reject(rejected(
-                            message,
-                            name,
-                            Some(ordered.message_id.clone()),
-                            Some(ordered.aggregate_id.clone()),
-                            termination_reason(&outcome, &ordered),
-                        ));
-                    }
+                    let Some(message) = batch.get(index) else {
+                        continue;
+                    };
+                    let action = match outcome {
+                        Ok(outcome) => {
+                            let name = outcome_name(&outcome);
+                            self.lab
+                                .count(|c| *c.outcomes.entry(name).or_default() += 1);
+                            let action = action_for(&outcome);
+                            if action == Action::Term {
+                                self.lab.reject(rejected(
+                                    message,
+                                    name,
+                                    Some(ordered.message_id.clone()),
+                                    Some(ordered.aggregate_id.clone()),
+                                    producer,
+                                    termination_reason(&outcome, &ordered),
+                                ));
+                            }
+                            action
+                        }
+                        // The inbox counted and logged it; the broker lab lists it. Nothing was
+                        // written, and no redelivery can change that: terminated, never held.
+                        Err(refusal) => {
+                            self.lab.reject(rejected(
+                                message,
+                                refusal_outcome(&refusal),
+                                Some(ordered.message_id.clone()),
+                                Some(ordered.aggregate_id.clone()),
+                                producer,
+                                refusal_reason(&refusal, &ordered),
+                            ));
+                            self.lab.count(|c| {
+                                *c.outcomes.entry(refusal_outcome(&refusal)).or_default() += 1;
+                            });
+                            Action::Term
+                        }
+                    };
                     if let Some(slot) = actions.get_mut(index) {
                         *slot = Some(action);
                     }
@@ -628,6 +773,33 @@ impl Consumer {
             self.answer(message, action.unwrap_or(Action::Nak)).await;
         }
         true
+    }
+
+    /// A refusal decided before the inbox was asked (the token is no active producer's):
+    /// counted and listed like the inbox's own refusals, then terminated.
+    fn refuse(
+        &self,
+        message: &jetstream::Message,
+        message_id: Option<String>,
+        aggregate_id: Option<String>,
+        producer: Option<String>,
+        refusal: &ProducerRefusal,
+    ) {
+        if let Some(metrics) = self.lab.inner.metrics.get() {
+            metrics.producer_refusal(Door::Broker, refusal);
+        }
+        self.lab.count(|c| {
+            *c.outcomes.entry(refusal_outcome(refusal)).or_default() += 1;
+        });
+        self.lab.reject(rejected(
+            message,
+            refusal_outcome(refusal),
+            message_id,
+            aggregate_id,
+            producer,
+            "the Authorization token is not an active producer's token (unknown or revoked)"
+                .to_owned(),
+        ));
     }
 
     async fn answer(&self, message: &jetstream::Message, action: Action) {
@@ -721,6 +893,37 @@ fn termination_reason(outcome: &Outcome, message: &OrderedMessage) -> String {
     }
 }
 
+/// A producer refusal's name in the counters and the rejected list: the `outcome` the HTTP
+/// general door answers it with (`unauthorized` and `owner required` are its 401s).
+pub fn refusal_outcome(refusal: &ProducerRefusal) -> &'static str {
+    match refusal {
+        ProducerRefusal::Fenced { .. } => "fenced",
+        ProducerRefusal::EpochNotIssued { .. } => "epoch not issued",
+        ProducerRefusal::NoSession => "no session",
+        ProducerRefusal::Revoked => "unauthorized",
+        ProducerRefusal::NotOwner { .. } => "not the owner",
+        ProducerRefusal::OwnerRequired => "owner required",
+        ProducerRefusal::ClaimRequiresOperator => "claim requires operator",
+    }
+}
+
+fn refusal_reason(refusal: &ProducerRefusal, message: &OrderedMessage) -> String {
+    match refusal {
+        ProducerRefusal::OwnerRequired => format!(
+            "aggregate '{}' is owned by a producer: an anonymous message cannot write it (publish with its Authorization and Producer-Epoch headers)",
+            message.aggregate_id
+        ),
+        ProducerRefusal::NotOwner { owner } => format!(
+            "aggregate '{}' is owned by producer '{owner}'; only its owner may write its sequence",
+            message.aggregate_id
+        ),
+        ProducerRefusal::Fenced { .. } => format!(
+            "{refusal}: a newer instance of this producer has taken over; nothing was applied"
+        ),
+        other => other.to_string(),
+    }
+}
+
 /// The nak delay for the `delivered`-th attempt: `first`, doubling, at most 30 s.
 pub fn back_off(first: Duration, delivered: i64) -> Duration {
     let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 16)).unwrap_or(16);
@@ -732,6 +935,7 @@ fn rejected(
     outcome: &'static str,
     message_id: Option<String>,
     aggregate_id: Option<String>,
+    producer: Option<String>,
     reason: String,
 ) -> Rejected {
     let info = message.info().ok();
@@ -742,9 +946,23 @@ fn rejected(
         delivered: info.as_ref().map(|info| info.delivered),
         message_id,
         aggregate_id,
+        producer,
         outcome,
         reason,
     }
+}
+
+/// Every value of a message's header `name`, in any letter case (HTTP's header names are, and
+/// these headers mean what the HTTP door's mean; a repeated one must be seen to be refused).
+fn header_values<'a>(message: &'a jetstream::Message, name: &str) -> Vec<&'a str> {
+    let Some(headers) = message.headers.as_ref() else {
+        return Vec::new();
+    };
+    headers
+        .iter()
+        .filter(|(key, _)| AsRef::<str>::as_ref(key).eq_ignore_ascii_case(name))
+        .flat_map(|(_, values)| values.iter().map(|value| value.as_str()))
+        .collect()
 }
 
 #[cfg(test)]

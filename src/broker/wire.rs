@@ -9,7 +9,11 @@
 //! - With partitions (a subject mapping in the NATS server, see `docs/broker.md`) the stream
 //!   stores `PREFIX.K.TOKEN`, where `K` is the partition the server computed from `TOKEN`.
 //! - **Header** `Nats-Msg-Id: <messageId>`: JetStream drops a re-publish inside its duplicate
-//!   window, and the body's `messageId` must be the same.
+//!   window, and the body's `messageId` must be the same. A producer's message (below) carries
+//!   `Nats-Msg-Id: <producer>/<messageId>`: its ids are its own (`(producer, message id)`), so
+//!   another producer's same id must not fall into JetStream's duplicate window with it.
+//! - **Producer headers** (optional, as on the HTTP general door): `Authorization: Bearer TOKEN`
+//!   and `Producer-Epoch: N`, both or neither, one of each; names in any letter case.
 //! - **Body**: the HTTP general door's JSON, `{"messageId","sequence","amount"}` with an optional
 //!   `aggregateId` that must name the subject's aggregate.
 
@@ -17,6 +21,80 @@ use ordered_inbox::OrderedMessage;
 
 /// The header JetStream de-duplicates on.
 pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
+/// A producer's token, `Bearer TOKEN`, as on the HTTP general door.
+pub const AUTHORIZATION_HEADER: &str = "Authorization";
+/// The epoch of the producer's session, as on the HTTP general door.
+pub const PRODUCER_EPOCH_HEADER: &str = "Producer-Epoch";
+
+/// A producer's credential read from a message's headers; the token is never logged.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credential {
+    pub token: String,
+    pub epoch: i64,
+}
+
+impl std::fmt::Debug for Credential {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Credential")
+            .field("token", &"…")
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+/// The `Nats-Msg-Id` of a message: its id, or `producer/id` for a producer's (producer names
+/// never contain `/`, so the two never meet).
+pub fn nats_message_id(producer: Option<&str>, message_id: &str) -> String {
+    match producer {
+        Some(producer) => format!("{producer}/{message_id}"),
+        None => message_id.to_owned(),
+    }
+}
+
+/// A message's producer credential from every value of its `Authorization` and
+/// `Producer-Epoch` headers: `None` without either (anonymous). The error (a malformed message)
+/// never repeats the token. Stricter than the HTTP door on one point: an epoch without a token
+/// is refused rather than ignored, since a producer that lost its token would otherwise be
+/// delivered anonymously, in the anonymous namespace, where the broker's termination is final.
+pub fn read_credential(
+    authorization: &[&str],
+    epoch: &[&str],
+) -> Result<Option<Credential>, String> {
+    const EPOCH_ADVICE: &str = "a producer's message needs one Producer-Epoch header: the epoch POST /producers/session answered, a whole number from 1";
+    let token = match authorization {
+        [] if epoch.is_empty() => return Ok(None),
+        [] => {
+            return Err(
+                "a Producer-Epoch header without an Authorization header: send the producer's token too (or neither, for an anonymous message)"
+                    .to_owned(),
+            );
+        }
+        [value] => {
+            let mut parts = value.trim().splitn(2, ' ');
+            let scheme = parts.next().unwrap_or_default();
+            let token = parts.next().unwrap_or_default().trim();
+            if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() {
+                return Err(
+                    "the Authorization header must be Bearer TOKEN with a producer's token"
+                        .to_owned(),
+                );
+            }
+            token.to_owned()
+        }
+        _ => return Err("two Authorization headers are an ambiguous credential".to_owned()),
+    };
+    let [value] = epoch else {
+        return Err(EPOCH_ADVICE.to_owned());
+    };
+    let epoch = value
+        .trim()
+        .parse::<i64>()
+        .ok()
+        .filter(|epoch| *epoch >= 1)
+        .ok_or_else(|| EPOCH_ADVICE.to_owned())?;
+    Ok(Some(Credential { token, epoch }))
+}
 
 /// The aggregate id as one subject token.
 pub fn encode_aggregate(aggregate_id: &str) -> String {
@@ -105,11 +183,14 @@ pub struct Malformed {
 
 /// Reads one delivery: its subject, its `Nats-Msg-Id` header (if any) and its body. `body`
 /// checks the JSON as the HTTP general door does (the server passes its own validation).
+/// `producer` is the producer whose token the message carries (`None`: anonymous): its
+/// `Nats-Msg-Id` must then be [`nats_message_id`]'s `producer/messageId`.
 pub fn read_delivery(
     prefix: &str,
     partition: Option<u32>,
     subject: &str,
     header_id: Option<&str>,
+    producer: Option<&str>,
     body: impl FnOnce(String) -> Result<OrderedMessage, String>,
 ) -> Result<OrderedMessage, Malformed> {
     let malformed = |aggregate_id: Option<String>, reason: String| Malformed {
@@ -127,13 +208,19 @@ pub fn read_delivery(
     };
     let message = body(aggregate_id.clone())
         .map_err(|reason| malformed(Some(aggregate_id.clone()), reason))?;
-    if message.message_id != header_id {
+    let expected = nats_message_id(producer, &message.message_id);
+    if expected != header_id {
         return Err(malformed(
             Some(aggregate_id),
-            format!(
-                "the body's messageId '{}' differs from the {MESSAGE_ID_HEADER} header '{header_id}'",
-                message.message_id
-            ),
+            match producer {
+                None => format!(
+                    "the body's messageId '{}' differs from the {MESSAGE_ID_HEADER} header '{header_id}'",
+                    message.message_id
+                ),
+                Some(producer) => format!(
+                    "a message of producer '{producer}' must carry {MESSAGE_ID_HEADER} '{expected}' (its producer, '/', the body's messageId), not '{header_id}'"
+                ),
+            },
         ));
     }
     Ok(message)
@@ -208,17 +295,88 @@ mod tests {
                 })
             }
         };
-        let good = read_delivery("ordered", None, "ordered.a", Some("m-1"), body("m-1"));
+        let good = read_delivery("ordered", None, "ordered.a", Some("m-1"), None, body("m-1"));
         assert_eq!(good.map(|m| m.aggregate_id).as_deref(), Ok("a"));
-        let other = read_delivery("ordered", None, "ordered.a", Some("m-1"), body("m-2"));
+        let other = read_delivery("ordered", None, "ordered.a", Some("m-1"), None, body("m-2"));
         assert!(other.unwrap_err().reason.contains("differs"));
-        let missing = read_delivery("ordered", None, "ordered.a", None, body("m-1")).unwrap_err();
+        let missing =
+            read_delivery("ordered", None, "ordered.a", None, None, body("m-1")).unwrap_err();
         assert_eq!(missing.aggregate_id.as_deref(), Some("a"));
         let broken =
-            read_delivery("ordered", None, "ordered.a%zz", Some("m"), body("m")).unwrap_err();
+            read_delivery("ordered", None, "ordered.a%zz", Some("m"), None, body("m")).unwrap_err();
         assert_eq!(
             (broken.aggregate_id, broken.message_id.as_deref()),
             (None, Some("m"))
         );
+    }
+
+    #[test]
+    fn a_producers_message_id_header_names_its_producer() {
+        let body = |aggregate_id: String| {
+            Ok(OrderedMessage {
+                message_id: "m-1".to_owned(),
+                aggregate_id,
+                sequence: 1,
+                amount: 1,
+            })
+        };
+        let mine = read_delivery(
+            "ordered",
+            None,
+            "ordered.a",
+            Some("billing/m-1"),
+            Some("billing"),
+            body,
+        );
+        assert_eq!(mine.map(|m| m.message_id).as_deref(), Ok("m-1"));
+        let bare = read_delivery(
+            "ordered",
+            None,
+            "ordered.a",
+            Some("m-1"),
+            Some("billing"),
+            body,
+        )
+        .unwrap_err();
+        assert!(bare.reason.contains("'billing/m-1'"), "{}", bare.reason);
+        let other = read_delivery(
+            "ordered",
+            None,
+            "ordered.a",
+            Some("shipping/m-1"),
+            Some("billing"),
+            body,
+        );
+        assert!(other.is_err());
+    }
+
+    #[test]
+    fn producer_headers_come_in_pairs_one_of_each_and_never_echo_the_token() {
+        assert_eq!(read_credential(&[], &[]), Ok(None));
+        assert_eq!(
+            read_credential(&["Bearer s3cret"], &["2"]),
+            Ok(Some(Credential {
+                token: "s3cret".into(),
+                epoch: 2
+            }))
+        );
+        assert_eq!(
+            read_credential(&["bearer  s3cret "], &[" 1 "]).map(|c| c.map(|c| c.epoch)),
+            Ok(Some(1))
+        );
+        for (authorization, epoch) in [
+            (&[][..], &["1"][..]),
+            (&["Bearer s3cret"][..], &[][..]),
+            (&["Bearer s3cret"][..], &["0"][..]),
+            (&["Bearer s3cret"][..], &["1", "1"][..]),
+            (&["Bearer s3cret"][..], &["one"][..]),
+            (&["Basic s3cret"][..], &["1"][..]),
+            (&["Bearer"][..], &["1"][..]),
+            (&["Bearer s3cret", "Bearer s3cret"][..], &["1"][..]),
+        ] {
+            let refused = read_credential(authorization, epoch);
+            let reason = refused.expect_err("refused");
+            assert!(!reason.contains("s3cret"), "{reason}");
+        }
     }
 }

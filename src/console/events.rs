@@ -24,8 +24,9 @@ use ordered_inbox::views::{
     TimelineEvent, TransferConflict,
 };
 use ordered_inbox::{
-    AggregateStatus, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome, ProducerClaim,
-    ProducerRefusal, ResolutionError, ResolutionRequest, Resolved, TransferRecord, TransferRequest,
+    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
+    ProducerClaim, ProducerRefusal, ResolutionError, ResolutionRequest, Resolved, TransferRecord,
+    TransferRequest,
 };
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, broadcast};
@@ -233,12 +234,18 @@ impl Inbox for NotifyingInbox {
 
     async fn deliver_batch(
         &self,
-        deliveries: Vec<(OrderedMessage, Door)>,
-    ) -> Result<Vec<Outcome>, InboxError> {
-        let messages: Vec<OrderedMessage> = deliveries.iter().map(|(m, _)| m.clone()).collect();
+        deliveries: Vec<BatchDelivery>,
+    ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError> {
+        let messages: Vec<OrderedMessage> = deliveries
+            .iter()
+            .map(|delivery| delivery.message.clone())
+            .collect();
         let outcomes = self.inner.deliver_batch(deliveries).await?;
+        // A refusal wrote nothing: there is no change to announce.
         for (message, outcome) in messages.iter().zip(&outcomes) {
-            self.publish_delivery(message, outcome);
+            if let Ok(outcome) = outcome {
+                self.publish_delivery(message, outcome);
+            }
         }
         Ok(outcomes)
     }

@@ -14,8 +14,8 @@ use ordered_inbox::views::{
     TimelineEvent, TransferConflict,
 };
 use ordered_inbox::{
-    AggregateStatus, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome, ResolutionError,
-    ResolutionRequest, Resolved,
+    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
+    ResolutionError, ResolutionRequest, Resolved,
 };
 
 use super::metrics::{Metrics, door_label, refusal_reason};
@@ -52,27 +52,36 @@ impl Inbox for ObservedInbox {
 
     async fn deliver_batch(
         &self,
-        deliveries: Vec<(OrderedMessage, Door)>,
-    ) -> Result<Vec<Outcome>, InboxError> {
-        let seen: Vec<(Door, String, String, i64)> = deliveries
+        deliveries: Vec<BatchDelivery>,
+    ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError> {
+        let seen: Vec<(Door, String, String, i64, Option<String>)> = deliveries
             .iter()
-            .map(|(message, door)| {
+            .map(|delivery| {
                 (
-                    *door,
-                    message.aggregate_id.clone(),
-                    message.message_id.clone(),
-                    message.sequence,
+                    delivery.door,
+                    delivery.message.aggregate_id.clone(),
+                    delivery.message.message_id.clone(),
+                    delivery.message.sequence,
+                    delivery.claim.as_ref().map(|claim| claim.producer.clone()),
                 )
             })
             .collect();
         let outcomes = self.inner.deliver_batch(deliveries).await;
         match &outcomes {
             Ok(outcomes) => {
-                for ((door, aggregate_id, message_id, sequence), outcome) in
+                for ((door, aggregate_id, message_id, sequence, producer), outcome) in
                     seen.iter().zip(outcomes)
                 {
-                    self.metrics.delivery::<InboxError>(*door, Ok(outcome));
-                    log_delivery(*door, aggregate_id, message_id, *sequence, outcome);
+                    match outcome {
+                        Ok(outcome) => {
+                            self.metrics.delivery::<InboxError>(*door, Ok(outcome));
+                            log_delivery(*door, aggregate_id, message_id, *sequence, outcome);
+                        }
+                        Err(refusal) => {
+                            self.metrics.producer_refusal(*door, refusal);
+                            log_refusal(aggregate_id, message_id, producer.as_deref(), refusal);
+                        }
+                    }
                 }
             }
             // One transaction: none of them was recorded.
@@ -190,33 +199,7 @@ impl Inbox for ObservedInbox {
             }
             Ok(Err(refusal)) => {
                 self.metrics.producer_refusal(door, refusal);
-                let producer = producer.as_deref().unwrap_or("");
-                if let ProducerRefusal::Fenced {
-                    offered,
-                    current_epoch,
-                } = refusal
-                {
-                    tracing::warn!(
-                        target: TARGET,
-                        event = "fenced",
-                        aggregate_id,
-                        message_id,
-                        producer,
-                        offered_epoch = offered,
-                        current_epoch,
-                        "delivery from a superseded producer session refused"
-                    );
-                } else {
-                    tracing::info!(
-                        target: TARGET,
-                        event = "producer_refused",
-                        aggregate_id,
-                        message_id,
-                        producer,
-                        reason = refusal_reason(refusal),
-                        "producer delivery refused before any decision"
-                    );
-                }
+                log_refusal(&aggregate_id, &message_id, producer.as_deref(), refusal);
             }
             Err(error) => self.metrics.delivery(door, Err::<&Outcome, _>(error)),
         }
@@ -274,6 +257,43 @@ impl Inbox for ObservedInbox {
 
 /// The domain events of one delivery: a quarantine (or a refused one), and each dead letter an
 /// applied message superseded.
+/// Logs a producer delivery the inbox refused before deciding it (nothing was written): a fenced
+/// instance at warn (it must stop), every other refusal at info.
+fn log_refusal(
+    aggregate_id: &str,
+    message_id: &str,
+    producer: Option<&str>,
+    refusal: &ProducerRefusal,
+) {
+    let producer = producer.unwrap_or("");
+    if let ProducerRefusal::Fenced {
+        offered,
+        current_epoch,
+    } = refusal
+    {
+        tracing::warn!(
+            target: TARGET,
+            event = "fenced",
+            aggregate_id,
+            message_id,
+            producer,
+            offered_epoch = offered,
+            current_epoch,
+            "delivery from a superseded producer session refused"
+        );
+    } else {
+        tracing::info!(
+            target: TARGET,
+            event = "producer_refused",
+            aggregate_id,
+            message_id,
+            producer,
+            reason = refusal_reason(refusal),
+            "producer delivery refused before any decision"
+        );
+    }
+}
+
 fn log_delivery(
     door: Door,
     aggregate_id: &str,

@@ -163,7 +163,7 @@ impl Metrics {
             for verdict in ["acked", "fenced", "unknown"] {
                 metrics::counter!(OUTBOX_ACKS, "verdict" => verdict).increment(0);
             }
-            for reason in REFUSAL_REASONS {
+            for reason in REFUSAL_REASONS.into_iter().chain([MALFORMED_HEADERS]) {
                 metrics::counter!(PRODUCER_REFUSALS, "reason" => reason).increment(0);
             }
             for action in ActionKind::ALL {
@@ -217,6 +217,15 @@ impl Metrics {
             for (verdict, count) in [("acked", acked), ("fenced", fenced), ("unknown", unknown)] {
                 metrics::counter!(OUTBOX_ACKS, "verdict" => verdict).increment(count as u64);
             }
+        });
+    }
+
+    /// Counts one broker message refused for malformed producer headers (terminated, never
+    /// handed to the inbox). The HTTP door answers those 400, which its request metrics count;
+    /// the broker door has no status code, so it counts them with the producer refusals.
+    pub fn producer_headers_malformed(&self) {
+        self.with(|| {
+            metrics::counter!(PRODUCER_REFUSALS, "reason" => MALFORMED_HEADERS).increment(1);
         });
     }
 
@@ -413,6 +422,9 @@ impl ResolutionOutcome {
         }
     }
 }
+
+/// The refusal label of a broker message whose producer headers are malformed.
+const MALFORMED_HEADERS: &str = "malformed_headers";
 
 /// Every label of [`refusal_reason`].
 const REFUSAL_REASONS: [&str; 7] = [

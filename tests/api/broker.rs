@@ -13,9 +13,10 @@ use production_lab::broker::{BrokerConfig, wire};
 use serde_json::{Value, json};
 
 use crate::helpers::{
-    ServerProcess, TestApp, client, poll_until, poll_until_within, settings_dir, spawn_app_with,
-    status_and_json,
+    Backend, ServerProcess, TestApp, client, command, poll_until, poll_until_within, settings_dir,
+    spawn_app_on_with, spawn_app_with, status_and_json,
 };
+use crate::producers::{add_producer, epoch, producer_command};
 
 /// A private nats-server; a missing binary fails the test with the Debian package's name.
 fn start_nats(config: Option<&str>) -> NatsServer {
@@ -620,5 +621,443 @@ async fn past_the_hold_limit_a_message_is_nakd_and_applies_when_redelivered() {
         "{status}"
     );
     assert_eq!(aggregates_in(&app.database)["h"], (5, 15, 5, 0));
+    app.stop().await;
+}
+
+// Producers on the broker door (issue 17): a message may carry `Authorization: Bearer TOKEN` and
+// `Producer-Epoch: N`; it is then checked as a general-door delivery is (epoch, ownership, its
+// producer's id namespace) in the transaction that writes it, and a refusal is terminated.
+
+/// Who publishes: a producer's name (for its `Nats-Msg-Id`), token and epoch.
+type As<'a> = Option<(&'a str, &'a str, i64)>;
+
+/// Publishes one message as `producer` (`None`: anonymous) and waits for its PubAck.
+async fn publish_as(
+    js: &jetstream::Context,
+    producer: As<'_>,
+    aggregate: &str,
+    message_id: &str,
+    sequence: i64,
+) -> jetstream::publish::PublishAck {
+    let mut headers = async_nats::HeaderMap::new();
+    let name = producer.map(|(name, _, _)| name);
+    headers.insert(
+        wire::MESSAGE_ID_HEADER,
+        wire::nats_message_id(name, message_id).as_str(),
+    );
+    if let Some((_, token, epoch)) = producer {
+        headers.insert(
+            wire::AUTHORIZATION_HEADER,
+            format!("Bearer {token}").as_str(),
+        );
+        headers.insert(wire::PRODUCER_EPOCH_HEADER, epoch.to_string().as_str());
+    }
+    let body = json!({"messageId": message_id, "sequence": sequence, "amount": 1});
+    js.publish_with_headers(
+        wire::subject_for("ordered", aggregate),
+        headers,
+        body.to_string().into(),
+    )
+    .await
+    .expect("publish")
+    .await
+    .expect("PubAck")
+}
+
+/// A consumer whose nak'd messages come back quickly (a producer's early message is nak'd).
+async fn spawn_consumer_on(nats: &NatsServer, backend: Backend) -> TestApp {
+    let mut broker = BrokerConfig::new(&nats.url).unwrap();
+    broker.ack_wait = Duration::from_secs(5);
+    broker.nak_delay = Duration::from_millis(50);
+    spawn_app_on_with(backend, move |config| config.nats = Some(broker)).await
+}
+
+async fn rejected_list(app: &TestApp) -> Vec<Value> {
+    let (_, body) = status_and_json(app.get("/broker/rejected").await).await;
+    body["rejected"].as_array().cloned().unwrap_or_default()
+}
+
+/// Waits until `aggregate`'s last applied sequence is `last`, and answers its view.
+async fn aggregate_at(app: &TestApp, aggregate: &str, last: i64) -> Value {
+    poll_until(
+        &format!("{aggregate} at sequence {last}"),
+        || async { status_and_json(app.get(&format!("/aggregates/{aggregate}")).await).await },
+        |(status, view)| *status == 200 && view["last"] == last,
+    )
+    .await
+    .1
+}
+
+fn applied_by(app: &TestApp, aggregate: &str) -> Vec<String> {
+    app.inbox_rows(&format!(
+        "SELECT message_id, producer FROM ordered_inbox WHERE aggregate_id = '{aggregate}' ORDER BY sequence"
+    ))
+}
+
+/// The value of one series in `GET /metrics` (0 when absent).
+async fn metric(app: &TestApp, series: &str) -> f64 {
+    let text = app
+        .get("/metrics")
+        .await
+        .text()
+        .await
+        .expect("the metrics text");
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn a_producers_broker_messages_claim_its_aggregate_and_apply_in_its_namespace(
+    backend: Backend,
+) {
+    let nats = start_nats(None);
+    let app = spawn_consumer_on(&nats, backend).await;
+    let js = jetstream_of(&nats).await;
+    let token = add_producer(&app, "billing");
+    let billing = Some(("billing", token.as_str(), epoch(&app, &token).await));
+
+    publish_as(&js, billing, "acct", "m-1", 1).await;
+    // Ahead of its turn: a producer's message is not held (held rows are anonymous) but nak'd,
+    // and applies when it comes back after m-2.
+    publish_as(&js, billing, "acct", "m-3", 3).await;
+    publish_as(&js, billing, "acct", "m-2", 2).await;
+    let view = aggregate_at(&app, "acct", 3).await;
+    assert_eq!(view["owner"], json!({"producer": "billing", "epoch": 1}));
+    assert_eq!(view["heldCount"], 0, "{view}");
+    assert_eq!(
+        applied_by(&app, "acct"),
+        ["m-1|billing", "m-2|billing", "m-3|billing"]
+    );
+    let (_, timeline) = status_and_json(app.get("/aggregates/acct/timeline").await).await;
+    assert_eq!(timeline["events"][0]["kind"], "claimed", "{timeline}");
+    let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
+    assert_eq!(status["counters"]["terminated"], 0, "{status}");
+    // m-3 was decided before m-2 applied, so at least once it was a gap and nak'd.
+    assert!(status["counters"]["nakd"].as_u64() >= Some(1), "{status}");
+    assert!(rejected_list(&app).await.is_empty());
+    app.stop().await;
+}
+
+async fn another_producers_and_anonymous_broker_messages_to_an_owned_aggregate_are_terminated(
+    backend: Backend,
+) {
+    let nats = start_nats(None);
+    let app = spawn_consumer_on(&nats, backend).await;
+    let js = jetstream_of(&nats).await;
+    let billing_token = add_producer(&app, "billing");
+    let shipping_token = add_producer(&app, "shipping");
+    let billing = Some((
+        "billing",
+        billing_token.as_str(),
+        epoch(&app, &billing_token).await,
+    ));
+    let shipping = Some((
+        "shipping",
+        shipping_token.as_str(),
+        epoch(&app, &shipping_token).await,
+    ));
+    publish_as(&js, billing, "acct", "m-1", 1).await;
+    aggregate_at(&app, "acct", 1).await;
+
+    publish_as(&js, shipping, "acct", "s-2", 2).await;
+    publish_as(&js, None, "acct", "x-2", 2).await;
+    // Neither stops the owner's next message nor anybody's other aggregate.
+    publish_as(&js, billing, "acct", "m-2", 2).await;
+    publish_as(&js, None, "free", "f-1", 1).await;
+
+    let rejected = poll_until(
+        "two refusals listed",
+        || rejected_list(&app),
+        |list| list.len() == 2,
+    )
+    .await;
+    let by_outcome = |outcome: &str| {
+        rejected
+            .iter()
+            .find(|r| r["outcome"] == outcome)
+            .unwrap_or_else(|| panic!("no '{outcome}' in {rejected:?}"))
+            .clone()
+    };
+    let not_owner = by_outcome("not the owner");
+    assert_eq!(
+        (&not_owner["producer"], &not_owner["messageId"]),
+        (&json!("shipping"), &json!("s-2"))
+    );
+    assert!(
+        not_owner["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("'billing'")),
+        "{not_owner}"
+    );
+    let anonymous = by_outcome("owner required");
+    assert_eq!(anonymous["messageId"], "x-2");
+    assert_eq!(anonymous.get("producer"), None, "{anonymous}");
+
+    let view = aggregate_at(&app, "acct", 2).await;
+    assert_eq!(view["heldCount"], 0, "a refusal is never held: {view}");
+    assert_eq!(applied_by(&app, "acct"), ["m-1|billing", "m-2|billing"]);
+    aggregate_at(&app, "free", 1).await;
+    let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
+    assert_eq!(status["counters"]["terminated"], 2, "{status}");
+    assert_eq!(
+        status["counters"]["outcomes"]["not the owner"], 1,
+        "{status}"
+    );
+    assert_eq!(
+        metric(&app, r#"inbox_producer_refusals_total{reason="not_owner"}"#).await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &app,
+            r#"inbox_producer_refusals_total{reason="owner_required"}"#
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &app,
+            r#"inbox_deliveries_total{door="broker",verdict="refused"}"#
+        )
+        .await,
+        2.0
+    );
+    app.stop().await;
+}
+
+async fn an_old_epoch_broker_message_after_a_new_session_is_fenced_and_never_applied(
+    backend: Backend,
+) {
+    let nats = start_nats(None);
+    let app = spawn_consumer_on(&nats, backend).await;
+    let js = jetstream_of(&nats).await;
+    let token = add_producer(&app, "billing");
+    let old = Some(("billing", token.as_str(), epoch(&app, &token).await));
+    publish_as(&js, old, "acct", "a-1", 1).await;
+    aggregate_at(&app, "acct", 1).await;
+
+    // Instance B starts; instance A keeps publishing what it believes comes next.
+    let new = Some(("billing", token.as_str(), epoch(&app, &token).await));
+    publish_as(&js, old, "acct", "a-2", 2).await;
+    publish_as(&js, old, "acct", "a-3", 3).await;
+    publish_as(&js, new, "acct", "b-2", 2).await;
+
+    let rejected = poll_until(
+        "both old-epoch messages fenced",
+        || rejected_list(&app),
+        |list| list.len() == 2,
+    )
+    .await;
+    assert!(
+        rejected.iter().all(|r| r["outcome"] == "fenced"
+            && r["producer"] == "billing"
+            && r["reason"]
+                .as_str()
+                .is_some_and(|reason| reason.contains("current epoch 2"))),
+        "{rejected:?}"
+    );
+    aggregate_at(&app, "acct", 2).await;
+    assert_eq!(applied_by(&app, "acct"), ["a-1|billing", "b-2|billing"]);
+    let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
+    assert_eq!(status["counters"]["outcomes"]["fenced"], 2, "{status}");
+    app.stop().await;
+}
+
+async fn the_same_message_id_from_two_producers_via_the_broker_applies_both(backend: Backend) {
+    let nats = start_nats(None);
+    let app = spawn_consumer_on(&nats, backend).await;
+    let js = jetstream_of(&nats).await;
+    let billing_token = add_producer(&app, "billing");
+    let shipping_token = add_producer(&app, "shipping");
+    let billing = Some((
+        "billing",
+        billing_token.as_str(),
+        epoch(&app, &billing_token).await,
+    ));
+    let shipping = Some((
+        "shipping",
+        shipping_token.as_str(),
+        epoch(&app, &shipping_token).await,
+    ));
+    // Each producer's Nats-Msg-Id names it: JetStream's duplicate window keeps both.
+    assert!(!publish_as(&js, billing, "acct-b", "m-1", 1).await.duplicate);
+    assert!(
+        !publish_as(&js, shipping, "acct-s", "m-1", 1)
+            .await
+            .duplicate
+    );
+    aggregate_at(&app, "acct-b", 1).await;
+    aggregate_at(&app, "acct-s", 1).await;
+    assert_eq!(applied_by(&app, "acct-b"), ["m-1|billing"]);
+    assert_eq!(applied_by(&app, "acct-s"), ["m-1|shipping"]);
+    // Each producer re-sending its own id is its own replay.
+    assert!(publish_as(&js, billing, "acct-b", "m-1", 1).await.duplicate);
+    let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
+    assert_eq!(status["counters"]["outcomes"]["applied"], 2, "{status}");
+    assert_eq!(status["counters"]["terminated"], 0, "{status}");
+    app.stop().await;
+}
+
+crate::on_both_backends!(
+    a_producers_broker_messages_claim_its_aggregate_and_apply_in_its_namespace,
+    another_producers_and_anonymous_broker_messages_to_an_owned_aggregate_are_terminated,
+    an_old_epoch_broker_message_after_a_new_session_is_fenced_and_never_applied,
+    the_same_message_id_from_two_producers_via_the_broker_applies_both,
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_tokens_and_malformed_producer_headers_are_terminated_with_their_reason() {
+    let nats = start_nats(None);
+    let app = spawn_consumer_on(&nats, Backend::Sqlite).await;
+    let js = jetstream_of(&nats).await;
+    let token = add_producer(&app, "billing");
+    let current = epoch(&app, &token).await;
+    let raw = |id: &str, headers: &[(&str, &str)]| {
+        let mut map = async_nats::HeaderMap::new();
+        map.insert(wire::MESSAGE_ID_HEADER, id);
+        for (name, value) in headers {
+            map.append(*name, *value);
+        }
+        let body = json!({"messageId": id.rsplit('/').next(), "sequence": 1, "amount": 1});
+        (map, body.to_string())
+    };
+    let epoch_text = current.to_string();
+    let bearer = format!("Bearer {token}");
+    let cases = [
+        // an unknown token
+        raw(
+            "nobody/u-1",
+            &[
+                ("Authorization", "Bearer not-a-token"),
+                ("Producer-Epoch", "1"),
+            ],
+        ),
+        // an epoch without a token
+        raw("e-1", &[("Producer-Epoch", "1")]),
+        // a token without an epoch
+        raw("billing/t-1", &[("Authorization", &bearer)]),
+        // two epochs
+        raw(
+            "billing/d-1",
+            &[
+                ("Authorization", &bearer),
+                ("Producer-Epoch", &epoch_text),
+                ("Producer-Epoch", &epoch_text),
+            ],
+        ),
+        // a producer's message under its bare id (it would share JetStream's window)
+        raw(
+            "b-1",
+            &[("authorization", &bearer), ("producer-epoch", &epoch_text)],
+        ),
+    ];
+    for (headers, body) in cases {
+        js.publish_with_headers("ordered.h".to_owned(), headers, body.into())
+            .await
+            .expect("publish")
+            .await
+            .expect("PubAck");
+    }
+    let rejected = poll_until(
+        "five refusals listed",
+        || rejected_list(&app),
+        |list| list.len() == 5,
+    )
+    .await;
+    let outcomes: Vec<&str> = rejected
+        .iter()
+        .map(|r| r["outcome"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            "unauthorized",
+            "malformed",
+            "malformed",
+            "malformed",
+            "malformed"
+        ],
+        "{rejected:?}"
+    );
+    assert!(
+        rejected.iter().all(|r| r["reason"]
+            .as_str()
+            .is_some_and(|reason| !reason.is_empty() && !reason.contains(&token))),
+        "{rejected:?}"
+    );
+    assert_eq!(rejected[4]["producer"], "billing", "{rejected:?}");
+    assert_eq!(applied_rows(&app.database), 0);
+    assert_eq!(
+        metric(&app, r#"inbox_producer_refusals_total{reason="revoked"}"#).await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &app,
+            r#"inbox_producer_refusals_total{reason="malformed_headers"}"#
+        )
+        .await,
+        3.0,
+        "the bare Nats-Msg-Id is a malformed message, not malformed headers"
+    );
+    // A revoked producer's token is no active producer's any more.
+    let revoked = producer_command(&["revoke", "billing"], &app);
+    assert!(revoked.status.success());
+    publish_as(&js, Some(("billing", &token, current)), "h", "r-1", 1).await;
+    poll_until(
+        "the revoked producer's message refused",
+        || rejected_list(&app),
+        |list| list.len() == 6,
+    )
+    .await;
+    let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
+    assert_eq!(status["counters"]["terminated"], 6, "{status}");
+    app.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_publish_command_sends_a_producers_headers_with_the_token_from_the_environment() {
+    let nats = start_nats(None);
+    let app = spawn_consumer_on(&nats, Backend::Sqlite).await;
+    let token = add_producer(&app, "billing");
+    let current = epoch(&app, &token).await.to_string();
+    let publish = |token: Option<&str>| {
+        let mut publish = command();
+        publish.args([
+            "publish",
+            "--nats",
+            &nats.url,
+            "--producer",
+            "billing",
+            "--epoch",
+            &current,
+            "cli",
+            "m-1",
+            "1",
+            "5",
+        ]);
+        publish.env_remove("PRODUCTION_LAB_PRODUCER_TOKEN");
+        if let Some(token) = token {
+            publish.env("PRODUCTION_LAB_PRODUCER_TOKEN", token);
+        }
+        publish.output().expect("run publish")
+    };
+    let without = publish(None);
+    assert!(!without.status.success());
+    assert!(
+        String::from_utf8_lossy(&without.stderr).contains("PRODUCTION_LAB_PRODUCER_TOKEN"),
+        "{}",
+        String::from_utf8_lossy(&without.stderr)
+    );
+    let with = publish(Some(&token));
+    assert!(
+        with.status.success(),
+        "{}",
+        String::from_utf8_lossy(&with.stderr)
+    );
+    let view = aggregate_at(&app, "cli", 1).await;
+    assert_eq!(view["owner"]["producer"], "billing", "{view}");
+    assert_eq!(applied_by(&app, "cli"), ["m-1|billing"]);
     app.stop().await;
 }

@@ -607,7 +607,9 @@ async fn a_server_reaches_postgresql_through_a_unix_socket_directory() {
 #[tokio::test]
 async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
     use ordered_inbox::postgres::{PostgresInbox, Target};
-    use ordered_inbox::{Action, Door, Inbox, Limits, Mode, OrderedMessage, ResolutionRequest};
+    use ordered_inbox::{
+        Action, BatchDelivery, Door, Inbox, Limits, Mode, OrderedMessage, ResolutionRequest,
+    };
 
     let url = fresh_database();
     let inbox = PostgresInbox::open(Target::parse(&url).unwrap(), Limits::default())
@@ -621,16 +623,16 @@ async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
     };
     let ahead = inbox
         .deliver_batch(vec![
-            (message("m-3", 3, 3), Door::Broker),
-            (message("m-2", 2, -2), Door::Broker),
-            (message("m-4", 4, 4), Door::Broker),
+            BatchDelivery::anonymous(message("m-3", 3, 3), Door::Broker),
+            BatchDelivery::anonymous(message("m-2", 2, -2), Door::Broker),
+            BatchDelivery::anonymous(message("m-4", 4, 4), Door::Broker),
         ])
         .await
         .unwrap();
     assert!(
         ahead
             .iter()
-            .all(|outcome| matches!(outcome, ordered_inbox::Outcome::Held { .. })),
+            .all(|outcome| matches!(outcome, Ok(ordered_inbox::Outcome::Held { .. }))),
         "{ahead:?}"
     );
     let view = inbox.aggregate("held".into()).await.unwrap().unwrap();
@@ -663,4 +665,94 @@ async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
     assert_eq!((view.summary.last, view.summary.total), (4, 8));
     assert_eq!(view.held_count, 0);
     inbox.close();
+}
+
+/// `deliver_batch` with producer claims through the PostgreSQL backend (one transaction per
+/// message): each claim is checked on facts read under that message's locks, a claim earlier in
+/// the batch binds the rest, a refusal writes nothing and the next message goes on.
+#[tokio::test]
+async fn a_batch_with_producer_claims_is_checked_message_by_message_in_postgresql() {
+    use ordered_inbox::operators::Registry;
+    use ordered_inbox::postgres::{PostgresInbox, Target};
+    use ordered_inbox::{
+        BatchDelivery, Door, Inbox, Limits, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal,
+    };
+
+    let url = fresh_database();
+    let inbox = PostgresInbox::open(Target::parse(&url).unwrap(), Limits::default())
+        .await
+        .unwrap();
+    for name in ["billing", "shipping"] {
+        ordered_inbox::postgres::operators::add_to(Registry::Producers, &url, name)
+            .await
+            .unwrap();
+        assert_eq!(inbox.start_session(name.into()).await.unwrap(), Ok(1));
+    }
+    let by = |id: &str, aggregate: &str, sequence, who: Option<(&str, i64)>| BatchDelivery {
+        message: OrderedMessage {
+            message_id: id.into(),
+            aggregate_id: aggregate.into(),
+            sequence,
+            amount: 1,
+        },
+        door: Door::Broker,
+        claim: who.map(|(producer, epoch)| ProducerClaim {
+            producer: producer.into(),
+            epoch,
+        }),
+    };
+    let verdicts = inbox
+        .deliver_batch(vec![
+            by("m-1", "acct", 1, Some(("billing", 1))),
+            by("s-2", "acct", 2, Some(("shipping", 1))),
+            by("x-2", "acct", 2, None),
+            by("m-2", "acct", 2, Some(("billing", 1))),
+            by("m-1", "ship", 1, Some(("shipping", 1))),
+            by("m-4", "acct", 4, Some(("billing", 1))),
+        ])
+        .await
+        .unwrap();
+    assert!(matches!(
+        verdicts[0],
+        Ok(Outcome::Applied { sequence: 1, .. })
+    ));
+    assert_eq!(
+        verdicts[1],
+        Err(ProducerRefusal::NotOwner {
+            owner: "billing".into()
+        })
+    );
+    assert_eq!(verdicts[2], Err(ProducerRefusal::OwnerRequired));
+    assert!(matches!(
+        verdicts[3],
+        Ok(Outcome::Applied { sequence: 2, .. })
+    ));
+    assert!(matches!(
+        verdicts[4],
+        Ok(Outcome::Applied { sequence: 1, .. })
+    ));
+    assert_eq!(verdicts[5], Ok(Outcome::Gap { expected: 3 }));
+    assert_eq!(inbox.start_session("billing".into()).await.unwrap(), Ok(2));
+    let fenced = inbox
+        .deliver_batch(vec![by("m-3", "acct", 3, Some(("billing", 1)))])
+        .await
+        .unwrap();
+    assert_eq!(
+        fenced[0],
+        Err(ProducerRefusal::Fenced {
+            offered: 1,
+            current_epoch: 2
+        })
+    );
+    assert_eq!(
+        query_text(
+            &url,
+            "SELECT string_agg(producer || ':' || message_id, ',' ORDER BY aggregate_id, sequence) FROM ordered_inbox"
+        ),
+        [[Some("billing:m-1,billing:m-2,shipping:m-1".to_owned())]]
+    );
+    assert_eq!(
+        query_text(&url, "SELECT COUNT(*) FROM held_messages"),
+        [[Some("0".to_owned())]]
+    );
 }

@@ -12,7 +12,7 @@ use crate::helpers::{Backend, TestApp, command, poll_until, spawn_app_on, status
 
 /// Runs `production-lab producer ARGS` as a process on the app's inbox (`--database PATH` or
 /// `--inbox URL`).
-fn producer_command(args: &[&str], app: &TestApp) -> std::process::Output {
+pub(crate) fn producer_command(args: &[&str], app: &TestApp) -> std::process::Output {
     command()
         .arg("producer")
         .args(args)
@@ -22,7 +22,7 @@ fn producer_command(args: &[&str], app: &TestApp) -> std::process::Output {
 }
 
 /// Registers a producer through the CLI and returns the token it printed.
-fn add_producer(app: &TestApp, name: &str) -> String {
+pub(crate) fn add_producer(app: &TestApp, name: &str) -> String {
     let output = producer_command(&["add", name], app);
     assert!(
         output.status.success(),
@@ -48,7 +48,7 @@ async fn session(app: &TestApp, token: &str) -> (u16, Value) {
 }
 
 /// A new session's epoch.
-async fn epoch(app: &TestApp, token: &str) -> i64 {
+pub(crate) async fn epoch(app: &TestApp, token: &str) -> i64 {
     let (status, body) = session(app, token).await;
     assert_eq!(status, 200, "{body}");
     body["epoch"].as_i64().expect("an epoch")

@@ -294,7 +294,8 @@ pub fn decide_delivery(
 /// Decides one delivery whose message id is in `producer`'s namespace (`None`: the anonymous
 /// one). The facts about the id (`applied`, `dead_letter`, `held_message`) must be read in that
 /// namespace: a message's identity is (producer, message id). Held messages are anonymous (only
-/// the broker door holds), so a backend reads no `held_message` for a producer's id.
+/// the broker door holds, and only anonymous messages), so a backend reads no `held_message` for
+/// a producer's id.
 pub fn decide_delivery_as(
     producer: Option<&str>,
     message: &OrderedMessage,
@@ -340,7 +341,12 @@ pub fn decide_delivery_as(
         // The general door answers a held message as any early one: a gap.
     }
     match decide(decision.before().last, message.sequence, message.amount) {
-        Decision::Gap { expected } if door == Door::Broker => decision.hold(expected, limits),
+        // Held rows live in the anonymous namespace (a drain applies them as anonymous), so only
+        // an anonymous broker message is held; a producer's early one is a gap, which the broker
+        // door naks: it comes back after a back-off and applies in its turn, in its own namespace.
+        Decision::Gap { expected } if door == Door::Broker && producer.is_none() => {
+            decision.hold(expected, limits)
+        }
         Decision::Gap { expected } => decision.gap(door, expected),
         Decision::Stale { expected } => decision.observed(
             Outcome::Stale { expected },
@@ -983,6 +989,52 @@ mod tests {
             put_row(&plan).is_none(),
             "a blocked aggregate stays blocked"
         );
+    }
+
+    #[test]
+    fn a_producers_broker_message_ahead_of_its_turn_is_a_gap_not_held() {
+        use crate::producers::ProducerFact;
+        let claim = ProducerClaim {
+            producer: "billing".into(),
+            epoch: 1,
+        };
+        let owned = OwnershipFacts {
+            producer: Some(ProducerFact {
+                current_epoch: 1,
+                active: true,
+            }),
+            owner: Some(crate::producers::AggregateOwner {
+                producer: "billing".into(),
+                epoch: 1,
+            }),
+            history: true,
+        };
+        let facts = DeliveryFacts {
+            aggregate: at(1, 1, AggregateStatus::Flowing),
+            ..Default::default()
+        };
+        let plan = decide_producer_delivery(
+            &message("m-3", 3, 1),
+            Door::Broker,
+            Some(&claim),
+            &owned,
+            &facts,
+            &Limits::default(),
+            "t1",
+        )
+        .unwrap();
+        assert_eq!(plan.outcome, Outcome::Gap { expected: 2 });
+        assert!(
+            !plan
+                .changes
+                .iter()
+                .any(|change| matches!(change, Change::InsertHeld { .. })),
+            "{:?}",
+            plan.changes
+        );
+        // The same message anonymously (to an unowned aggregate) is held, as before.
+        let anonymous = decide_broker(&message("m-3", 3, 1), &facts);
+        assert!(matches!(anonymous.outcome, Outcome::Held { .. }));
     }
 
     #[test]

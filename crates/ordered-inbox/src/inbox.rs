@@ -32,6 +32,26 @@ pub enum InboxError {
     Failed(String),
 }
 
+/// One delivery of [`Inbox::deliver_batch`]: the message, its door, and the producer that made
+/// it (`None`: anonymous).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchDelivery {
+    pub message: OrderedMessage,
+    pub door: Door,
+    pub claim: Option<ProducerClaim>,
+}
+
+impl BatchDelivery {
+    /// An anonymous delivery.
+    pub fn anonymous(message: OrderedMessage, door: Door) -> BatchDelivery {
+        BatchDelivery {
+            message,
+            door,
+            claim: None,
+        }
+    }
+}
+
 /// The ordered inbox's operations.
 #[async_trait]
 pub trait Inbox: Send + Sync {
@@ -39,15 +59,18 @@ pub trait Inbox: Send + Sync {
     async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError>;
 
     /// Decides and records deliveries in the order given, each seeing the ones before it, and
-    /// answers one outcome per delivery, in that order. A broker consumer hands over what it
+    /// answers one verdict per delivery, in that order. A broker consumer hands over what it
     /// fetched together, so that it costs one commit.
     ///
-    /// A backend writes them all in ONE transaction: `Ok` means all committed, `Err` that none
-    /// did.
+    /// Each delivery is checked as [`Inbox::deliver_as`] checks one (epoch fencing and
+    /// ownership for its claim, or anonymous), on facts read in the same transaction as its
+    /// write; a refusal (the inner `Err`) writes nothing and does not stop the ones after it.
+    /// The SQLite backend writes them all in ONE unit: `Ok` means all committed, `Err` that none
+    /// did. (PostgreSQL commits one transaction per delivery; see its documentation.)
     async fn deliver_batch(
         &self,
-        deliveries: Vec<(OrderedMessage, Door)>,
-    ) -> Result<Vec<Outcome>, InboxError>;
+        deliveries: Vec<BatchDelivery>,
+    ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError>;
 
     /// Resolves a dead letter for an authenticated operator, or (dry run) reports what that would
     /// do.

@@ -101,7 +101,7 @@ pub use delivery::{
     DeadLetterNote, DeliveryFacts, DeliveryPlan, HeldMessage, Outcome, decide_delivery,
     decide_delivery_as, decide_producer_delivery,
 };
-pub use inbox::{Inbox, InboxError};
+pub use inbox::{BatchDelivery, Inbox, InboxError};
 pub use model::{
     AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position, QuarantineReason,
 };

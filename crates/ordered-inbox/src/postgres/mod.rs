@@ -38,7 +38,7 @@ use tokio_postgres::NoTls;
 use tokio_postgres::config::Host;
 
 use crate::delivery::Outcome;
-use crate::inbox::{Inbox, InboxError};
+use crate::inbox::{BatchDelivery, Inbox, InboxError};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage, UnknownValue};
 use crate::operators::OperatorCheck;
 use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
@@ -552,16 +552,21 @@ impl Inbox for PostgresInbox {
         .await
     }
 
-    /// One transaction per delivery, in order: each is committed before the next is decided,
-    /// so `Ok` means all committed, and after an `Err` a prefix may have (a repeat of any of
-    /// them is a replay). Unlike SQLite's group commit this is not one COMMIT for the batch.
+    /// One transaction per delivery, in order: each is committed (or, refused, rolled back)
+    /// before the next is decided, so `Ok` means all committed, and after an `Err` a prefix may
+    /// have (a repeat of any of them is a replay). Unlike SQLite's group commit this is not one
+    /// COMMIT for the batch. Each is checked as [`Inbox::deliver_as`] checks one, under the same
+    /// locks (the producer's row shared).
     async fn deliver_batch(
         &self,
-        deliveries: Vec<(OrderedMessage, Door)>,
-    ) -> Result<Vec<Outcome>, InboxError> {
+        deliveries: Vec<BatchDelivery>,
+    ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError> {
         let mut outcomes = Vec::with_capacity(deliveries.len());
-        for (message, door) in deliveries {
-            outcomes.push(self.deliver(message, door).await?);
+        for delivery in deliveries {
+            outcomes.push(
+                self.deliver_as(delivery.message, delivery.door, delivery.claim)
+                    .await?,
+            );
         }
         Ok(outcomes)
     }

@@ -26,7 +26,7 @@ pub use store::{
 
 use crate::clock;
 use crate::delivery::Outcome;
-use crate::inbox::{Inbox, InboxError};
+use crate::inbox::{BatchDelivery, Inbox, InboxError};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
@@ -100,11 +100,13 @@ impl Inbox for SqliteInbox {
     }
 
     /// One unit of the writer (one savepoint in one group commit) for the whole batch: any
-    /// failure rolls all of it back.
+    /// store failure rolls all of it back. Each delivery reads its ownership facts in that unit,
+    /// after the ones before it wrote theirs, so a claim earlier in the batch binds the rest; a
+    /// refusal writes nothing and the next delivery goes on.
     async fn deliver_batch(
         &self,
-        deliveries: Vec<(OrderedMessage, Door)>,
-    ) -> Result<Vec<Outcome>, InboxError> {
+        deliveries: Vec<BatchDelivery>,
+    ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError> {
         if deliveries.is_empty() {
             return Ok(Vec::new());
         }
@@ -114,8 +116,15 @@ impl Inbox for SqliteInbox {
                 let now = clock::now();
                 deliveries
                     .iter()
-                    .map(|(message, door)| {
-                        engine::deliver_in(connection, message, *door, &limits, &now)
+                    .map(|delivery| {
+                        producers::deliver_as_in(
+                            connection,
+                            &delivery.message,
+                            delivery.door,
+                            delivery.claim.as_ref(),
+                            &limits,
+                            &now,
+                        )
                     })
                     .collect::<Result<Vec<_>, StoreError>>()
             })
@@ -353,15 +362,18 @@ mod tests {
         .unwrap();
         let before = inbox.store().stats();
         let batch = vec![
-            (message_in_a("m-2", 2), Door::Broker),
-            (message_in_a("m-1", 1), Door::Broker),
-            (message_in_a("m-2", 2), Door::Broker),
+            BatchDelivery::anonymous(message_in_a("m-2", 2), Door::Broker),
+            BatchDelivery::anonymous(message_in_a("m-1", 1), Door::Broker),
+            BatchDelivery::anonymous(message_in_a("m-2", 2), Door::Broker),
         ];
         let outcomes = inbox.deliver_batch(batch).await.unwrap();
-        assert!(matches!(outcomes[0], Outcome::Held { .. }));
-        assert!(matches!(outcomes[1], Outcome::Applied { sequence: 1, .. }));
+        assert!(matches!(outcomes[0], Ok(Outcome::Held { .. })));
+        assert!(matches!(
+            outcomes[1],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
         assert!(
-            matches!(outcomes[2], Outcome::Replay { .. }),
+            matches!(outcomes[2], Ok(Outcome::Replay { .. })),
             "{:?}",
             outcomes[2]
         );

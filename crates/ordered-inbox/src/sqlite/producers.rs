@@ -207,7 +207,7 @@ mod tests {
     use super::*;
     use crate::sqlite::operators::add_to;
     use crate::sqlite::{SqliteInbox, Synchronous};
-    use crate::{Inbox, TransferRefusal};
+    use crate::{BatchDelivery, Inbox, TransferRefusal};
 
     fn message(id: &str, aggregate: &str, sequence: i64) -> OrderedMessage {
         OrderedMessage {
@@ -333,6 +333,88 @@ mod tests {
             .collect();
         assert_eq!(counts, [("billing", 2, 0), ("shipping", 1, 1)]);
         assert!(listed[0].last_delivery_at.is_some());
+        inbox.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_batch_checks_each_claim_in_its_unit_and_a_refusal_never_stops_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.db");
+        let inbox = SqliteInbox::open(&path, Synchronous::Normal, Limits::default()).unwrap();
+        add_to(Registry::Producers, &path, "billing").unwrap();
+        add_to(Registry::Producers, &path, "shipping").unwrap();
+        assert_eq!(inbox.start_session("billing".into()).await.unwrap(), Ok(1));
+        assert_eq!(inbox.start_session("shipping".into()).await.unwrap(), Ok(1));
+        let by = |message: OrderedMessage, who: Option<ProducerClaim>| BatchDelivery {
+            message,
+            door: Door::Broker,
+            claim: who,
+        };
+        let before = inbox.store().stats();
+        let verdicts = inbox
+            .deliver_batch(vec![
+                // billing claims `acct` with its first message; the rest of the batch sees it.
+                by(message("m-1", "acct", 1), claim("billing", 1)),
+                by(message("s-2", "acct", 2), claim("shipping", 1)),
+                by(message("x-2", "acct", 2), None),
+                by(message("m-2", "acct", 2), claim("billing", 1)),
+                // the same id, another producer, another aggregate: another message.
+                by(message("m-1", "ship", 1), claim("shipping", 1)),
+                // a producer's message ahead of its turn is not held (a gap, nak'd by a broker).
+                by(message("m-4", "acct", 4), claim("billing", 1)),
+            ])
+            .await
+            .unwrap();
+        let after = inbox.store().stats();
+        assert_eq!(
+            after.commits - before.commits,
+            1,
+            "one COMMIT for the batch"
+        );
+        assert!(matches!(
+            verdicts[0],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
+        assert_eq!(
+            verdicts[1],
+            Err(ProducerRefusal::NotOwner {
+                owner: "billing".into()
+            })
+        );
+        assert_eq!(verdicts[2], Err(ProducerRefusal::OwnerRequired));
+        assert!(matches!(
+            verdicts[3],
+            Ok(Outcome::Applied { sequence: 2, .. })
+        ));
+        assert!(matches!(
+            verdicts[4],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
+        assert_eq!(verdicts[5], Ok(Outcome::Gap { expected: 3 }));
+        let acct = inbox.aggregate("acct".into()).await.unwrap().unwrap();
+        assert_eq!((acct.summary.last, acct.held_count), (2, 0));
+
+        // A new session fences the older epoch for every message of a later batch.
+        assert_eq!(inbox.start_session("billing".into()).await.unwrap(), Ok(2));
+        let verdicts = inbox
+            .deliver_batch(vec![
+                by(message("m-3", "acct", 3), claim("billing", 1)),
+                by(message("m-3b", "acct", 3), claim("billing", 2)),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(
+            verdicts[0],
+            Err(ProducerRefusal::Fenced {
+                offered: 1,
+                current_epoch: 2
+            })
+        );
+        assert!(matches!(
+            verdicts[1],
+            Ok(Outcome::Applied { sequence: 3, .. })
+        ));
+        assert_eq!(inbox.counts("acct".into()).await.unwrap().last, 3);
         inbox.shutdown().await;
     }
 }
