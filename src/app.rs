@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::FromRef;
-use axum::{Extension, Router, middleware};
+use axum::{Router, middleware};
 use ordered_inbox::postgres::{PostgresInbox, Target};
 use ordered_inbox::sqlite::SqliteInbox;
 use tokio::net::TcpListener;
@@ -341,30 +341,21 @@ pub fn router(state: AppState) -> Router {
         tracing::error!(%error, "the OpenAPI document could not be rendered");
         "{}".to_owned()
     });
+    let edge = crate::observe::http::Edge {
+        metrics,
+        security,
+        document: ApiDocument(Arc::new(rendered)),
+    };
     routes
-        .layer(Extension(ApiDocument(Arc::new(rendered))))
         .with_state(state)
-        // The middleware that wraps every route (and the 404 fallback), outermost first as in
-        // the seed: host filtering, forwarded headers, CORS. `layer` wraps what is already
-        // there, so the last one added runs first.
+        // CORS as in the seed, then, outside it, everything else every request goes through
+        // (the request id, span, metrics, host filter, forwarded headers, bare-status problems)
+        // in one layer: axum clones and drops a route's layers for every request.
         .layer(labs::security::cors_policy())
         .layer(middleware::from_fn_with_state(
-            security.clone(),
-            labs::security::apply_forwarded_headers,
+            edge,
+            crate::observe::http::edge,
         ))
-        .layer(middleware::from_fn_with_state(
-            security,
-            labs::security::filter_hosts,
-        ))
-        // The router's own bare 404 and 405 become problem+json like every other error.
-        .layer(middleware::from_fn(crate::error::bare_status_as_problem))
-        // Outside the labs' middleware, so that a request they refuse is counted and logged too.
-        .layer(middleware::from_fn_with_state(
-            metrics,
-            crate::observe::http::track,
-        ))
-        .layer(crate::observe::http::trace_layer())
-        .layer(middleware::from_fn(crate::observe::http::request_id))
 }
 
 #[cfg(test)]

@@ -179,12 +179,10 @@ fn store_failure(retryable: bool, error: &dyn std::fmt::Display) -> Response {
     }
 }
 
-/// Middleware: the router's own bare 404 (no route) and 405 (method not allowed, with its `Allow`
-/// header) become problem+json like every other error. Responses that carry a body already are
-/// left alone.
-pub async fn bare_status_as_problem(request: Request, next: axum::middleware::Next) -> Response {
-    let method = request.method().clone();
-    let response = next.run(request).await;
+/// The router's own bare 404 (no route) and 405 (method not allowed, with its `Allow` header)
+/// become problem+json like every other error. Responses that carry a body already are left
+/// alone. `method` is the request's.
+pub fn bare_status_as_problem(response: Response, method: &axum::http::Method) -> Response {
     let status = response.status();
     if response.headers().contains_key(header::CONTENT_TYPE)
         || !matches!(

@@ -71,7 +71,11 @@ pub async fn serve(
 ) -> io::Result<()> {
     // The router's bare 404/405 become problems inside `app::router`, within the request-id
     // layer, so that they carry the request's id too.
-    let router = router.layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES));
+    // Around the router, not on each route: a route's layers are cloned for every request.
+    let router = tower::Layer::layer(
+        &axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES),
+        router,
+    );
     let registry = Arc::new(Registry::new(limits.max_connections));
     let refusals = Arc::new(Semaphore::new(MAX_REFUSALS_IN_FLIGHT));
     let connections = TaskTracker::new();
@@ -139,11 +143,14 @@ fn is_connection_error(error: &io::Error) -> bool {
     )
 }
 
+/// The router with the default body limit around it.
+type Routed = <axum::extract::DefaultBodyLimit as tower::Layer<Router>>::Service;
+
 /// One connection, from accept to close.
 async fn serve_connection(
     stream: TcpStream,
     peer: SocketAddr,
-    router: Router,
+    router: Routed,
     slot: Slot,
     limits: ConnectionLimits,
     shutdown: CancellationToken,

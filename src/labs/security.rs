@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::extract::{ConnectInfo, FromRef, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
-use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
@@ -212,14 +211,29 @@ fn request_host(headers: &HeaderMap, request_authority: Option<&str>) -> Option<
         .or_else(|| request_authority.map(ToOwned::to_owned))
 }
 
-/// Refuses a request whose Host is not allowed (or that has more than one) with a 400 problem.
-pub async fn filter_hosts(
-    State(lab): State<SecurityLab>,
-    request: Request,
-    next: Next,
-) -> Response {
+/// What the edge does for the security lab before any handler runs, as in the seed: refuses a
+/// request whose Host is not allowed (or that has more than one) with a 400 problem, then records
+/// where the request came from ([`ClientOrigin`], believing forwarded headers only from the
+/// known proxy).
+#[allow(clippy::result_large_err)] // the refusal is the response itself
+pub fn admit(lab: &SecurityLab, mut request: Request) -> Result<Request, Response> {
+    if let Some(refusal) = host_refusal(lab, &request) {
+        return Err(refusal.into_response());
+    }
+    let peer = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|ConnectInfo(address)| address.ip());
+    let origin = forwarded::resolve(lab.shared.known_proxy, peer, request.headers());
+    request.extensions_mut().insert(origin);
+    Ok(request)
+}
+
+fn host_refusal(lab: &SecurityLab, request: &Request) -> Option<AppError> {
     if request.headers().get_all(header::HOST).iter().count() > 1 {
-        return AppError::bad_request("the request has more than one Host header").into_response();
+        return Some(AppError::bad_request(
+            "the request has more than one Host header",
+        ));
     }
     let authority = request.uri().authority().map(|a| a.as_str());
     let host = request_host(request.headers(), authority);
@@ -227,34 +241,16 @@ pub async fn filter_hosts(
         .as_deref()
         .is_some_and(|host| !hosts::has_valid_port(host))
     {
-        return AppError::bad_request(
+        return Some(AppError::bad_request(
             "the request's Host has a malformed port: it must be a number from 0 to 65535",
-        )
-        .into_response();
+        ));
     }
     if !lab.shared.allowed_hosts.allows(host.as_deref()) {
-        return AppError::bad_request(
+        return Some(AppError::bad_request(
             "the request's Host is not one of the allowed host names (--allowed-hosts)",
-        )
-        .into_response();
+        ));
     }
-    next.run(request).await
-}
-
-/// Resolves the client's scheme and address (a `ClientOrigin` request extension), believing
-/// `X-Forwarded-*` only from the known proxy.
-pub async fn apply_forwarded_headers(
-    State(lab): State<SecurityLab>,
-    mut request: Request,
-    next: Next,
-) -> Response {
-    let peer = request
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|ConnectInfo(address)| address.ip());
-    let origin = forwarded::resolve(lab.shared.known_proxy, peer, request.headers());
-    request.extensions_mut().insert(origin);
-    next.run(request).await
+    None
 }
 
 #[utoipa::path(get, path = "/configuration", tag = "security", responses(

@@ -1,11 +1,17 @@
-//! What every request goes through before the labs' middleware: a request id, a span and one
-//! log line, and its count and latency.
+//! What every request goes through before its handler, in one middleware ([`edge`]): a request
+//! id, a span and one log line, its count and latency, the security lab's host filter and
+//! forwarded headers, and the router's bare 404/405 as problems.
 //!
-//! Outermost first: [`request_id`] (accepts a sane `x-request-id` or makes one, echoes it in the
-//! response header and in every problem+json body as `requestId`), [`trace_layer`] (a span with
-//! the method, the route template and the request id; one line when the response head is ready,
-//! with its status and latency), [`track`] (the HTTP metrics). The raw path and query are never
-//! logged or used as a label: they may carry ids or an email; the route template cannot.
+//! One layer rather than one per concern: axum clones a route's whole layered service for every
+//! request and drops it afterwards, and with seven layers that cloning, boxing and dropping cost
+//! more CPU than the handler of a delivery (issue 18's profile).
+//!
+//! In order: the request id (a sane `x-request-id` or a new one, echoed in the response header
+//! and in every problem+json body as `requestId`); the `request` span (method, route template,
+//! request id); the host filter and forwarded headers; the route; the bare-status problems; the
+//! HTTP metrics; and the `request finished` line when the response head is ready, with its status
+//! and latency. The raw path and query are never logged or used as a label: they may carry ids or
+//! an email; the route template cannot.
 
 use std::time::{Duration, Instant};
 
@@ -15,12 +21,12 @@ use axum::http::{HeaderName, HeaderValue, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
-use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
-use tower_http::trace::{MakeSpan, OnResponse, TraceLayer};
-use tracing::Span;
+use tracing::Instrument;
 
 use super::metrics::{Metrics, UNMATCHED_ROUTE};
+use super::routes::ApiDocument;
 use crate::error::problem_response_with;
+use crate::labs::security::SecurityLab;
 
 pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
 /// The problem+json member that carries the request id.
@@ -64,13 +70,50 @@ impl RequestId {
     }
 }
 
-/// Middleware: gives the request its id and the response its echo.
-pub async fn request_id(mut request: Request, next: Next) -> Response {
+/// The state of [`edge`]: what it needs of the application.
+#[derive(Clone)]
+pub struct Edge {
+    pub metrics: Metrics,
+    pub security: SecurityLab,
+    pub document: ApiDocument,
+}
+
+/// Middleware: everything a request goes through before its handler (see the module's doc).
+pub async fn edge(State(edge): State<Edge>, mut request: Request, next: Next) -> Response {
     let id = RequestId::from_request(&request).unwrap_or_else(RequestId::generate);
+    let route = route_of(&request);
+    let method = request.method().clone();
+    let span = tracing::info_span!(
+        target: TARGET,
+        "request",
+        method = %method,
+        route = %route,
+        request_id = id.as_str(),
+    );
     request.extensions_mut().insert(id.clone());
-    let response = next.run(request).await;
+    request.extensions_mut().insert(edge.document.clone());
+    let started = Instant::now();
+    let response = async {
+        let response = match crate::labs::security::admit(&edge.security, request) {
+            Ok(request) => next.run(request).await,
+            Err(refusal) => refusal,
+        };
+        let response = crate::error::bare_status_as_problem(response, &method);
+        let took = started.elapsed();
+        edge.metrics
+            .http_request(&route, &method, response.status(), took);
+        log_request_finished(response.status(), took);
+        response
+    }
+    .instrument(span)
+    .await;
+    with_request_id(response, &id).await
+}
+
+/// Echoes the request id in the response header, and in the body of a problem.
+async fn with_request_id(response: Response, id: &RequestId) -> Response {
     let mut response = if is_problem(&response) {
-        with_request_id_member(response, &id).await
+        with_request_id_member(response, id).await
     } else {
         response
     };
@@ -79,6 +122,18 @@ pub async fn request_id(mut request: Request, next: Next) -> Response {
         response.headers_mut().insert(REQUEST_ID_HEADER, value);
     }
     response
+}
+
+/// `request finished` with the status and the latency in milliseconds: at info, or at warn for a
+/// 5xx. Called inside the request's span.
+fn log_request_finished(status: axum::http::StatusCode, took: Duration) {
+    let latency_ms = took.as_secs_f64() * 1000.0;
+    let code = status.as_u16();
+    if status.is_server_error() {
+        tracing::warn!(target: TARGET, status = code, latency_ms, "request finished");
+    } else {
+        tracing::info!(target: TARGET, status = code, latency_ms, "request finished");
+    }
 }
 
 fn is_problem(response: &Response) -> bool {
@@ -133,64 +188,4 @@ fn route_of<B>(request: &axum::http::Request<B>) -> String {
         .get::<MatchedPath>()
         .map_or(UNMATCHED_ROUTE, MatchedPath::as_str)
         .to_owned()
-}
-
-/// The request span and the line logged when the response head is ready.
-pub fn trace_layer()
--> TraceLayer<SharedClassifier<ServerErrorsAsFailures>, RequestSpan, (), RequestLine, (), (), ()> {
-    TraceLayer::new_for_http()
-        .make_span_with(RequestSpan)
-        .on_request(())
-        .on_response(RequestLine)
-        .on_body_chunk(())
-        .on_eos(())
-        .on_failure(())
-}
-
-/// Makes the `request` span: method, route template, request id.
-#[derive(Debug, Clone, Copy)]
-pub struct RequestSpan;
-
-impl<B> MakeSpan<B> for RequestSpan {
-    fn make_span(&mut self, request: &axum::http::Request<B>) -> Span {
-        let request_id = request
-            .extensions()
-            .get::<RequestId>()
-            .map_or("", RequestId::as_str);
-        tracing::info_span!(
-            target: TARGET,
-            "request",
-            method = %request.method(),
-            route = %route_of(request),
-            request_id,
-        )
-    }
-}
-
-/// Logs `request finished` with the status and the latency in milliseconds: at info, or at warn
-/// for a 5xx.
-#[derive(Debug, Clone, Copy)]
-pub struct RequestLine;
-
-impl<B> OnResponse<B> for RequestLine {
-    fn on_response(self, response: &axum::http::Response<B>, latency: Duration, _span: &Span) {
-        let status = response.status().as_u16();
-        let latency_ms = latency.as_secs_f64() * 1000.0;
-        if response.status().is_server_error() {
-            tracing::warn!(target: TARGET, status, latency_ms, "request finished");
-        } else {
-            tracing::info!(target: TARGET, status, latency_ms, "request finished");
-        }
-    }
-}
-
-/// Middleware: counts the request by route template, method and status class, and records its
-/// latency to the response head.
-pub async fn track(State(metrics): State<Metrics>, request: Request, next: Next) -> Response {
-    let route = route_of(&request);
-    let method = request.method().clone();
-    let started = Instant::now();
-    let response = next.run(request).await;
-    metrics.http_request(&route, &method, response.status(), started.elapsed());
-    response
 }
