@@ -377,7 +377,7 @@ struct ListQuery {
 
 /// Events by status.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct Counts {
+pub struct OutboxCounts {
     pub pending: i64,
     pub sent: i64,
 }
@@ -386,7 +386,7 @@ pub struct Counts {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 struct EventPage {
-    counts: Counts,
+    counts: OutboxCounts,
     events: Vec<OutboxEvent>,
     /// The `after` of the following page; null at the end.
     #[schema(required = true)]
@@ -416,7 +416,7 @@ async fn list_outbox_events(
                    FROM general_outbox",
                 [],
                 |row| {
-                    Ok(Counts {
+                    Ok(OutboxCounts {
                         pending: row.get(0)?,
                         sent: row.get(1)?,
                     })

@@ -200,3 +200,22 @@ fn no_route_is_registered_around_the_document() {
         offenders.join("\n")
     );
 }
+
+#[tokio::test]
+async fn two_labs_types_of_one_name_keep_their_own_schemas() {
+    // utoipa names a component after its Rust type; a second `Counts` silently replaced the
+    // messaging lab's, and the outbox's event page then promised the classroom's counts.
+    let app = spawn_app().await;
+    let document = document(&app).await;
+    let schemas = &document["components"]["schemas"];
+    let members = |name: &str| -> Vec<String> {
+        schemas[name]["properties"]
+            .as_object()
+            .map(|properties| properties.keys().cloned().collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(members("OutboxCounts"), ["pending", "sent"]);
+    assert_eq!(members("Counts"), ["orders", "outbox", "inbox", "effects"]);
+    let page = &schemas["EventPage"]["properties"]["counts"]["$ref"];
+    assert_eq!(page, "#/components/schemas/OutboxCounts");
+}
