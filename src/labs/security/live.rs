@@ -196,11 +196,30 @@ fn is_content_change(kind: &EventKind) -> bool {
     }
 }
 
+/// Asks the reload thread for a reload; every watch asks through it, so the evidence counts each
+/// reload asked for.
+#[derive(Clone)]
+struct Reloads {
+    live: Arc<LiveConfiguration>,
+    requests: mpsc::Sender<()>,
+}
+
+impl Reloads {
+    fn ask(&self) {
+        self.live.evidence.reloads.fetch_add(1, Ordering::Relaxed);
+        let _ = self.requests.send(());
+    }
+}
+
 /// Runs reloads on a thread of its own, one at a time, and retries a transient read error with
 /// a growing pause until the file reads. Requests that arrive during a reload are merged into
-/// one. The thread ends when every sender is gone (the watch was dropped).
-fn spawn_reloader(live: Arc<LiveConfiguration>) -> Result<mpsc::Sender<()>, String> {
+/// one. The thread ends when every [`Reloads`] is gone (the watch was dropped).
+fn spawn_reloader(live: Arc<LiveConfiguration>) -> Result<Reloads, String> {
     let (requests, received) = mpsc::channel::<()>();
+    let reloads = Reloads {
+        live: live.clone(),
+        requests,
+    };
     std::thread::Builder::new()
         .name("settings-reload".to_owned())
         .spawn(move || {
@@ -242,7 +261,7 @@ fn spawn_reloader(live: Arc<LiveConfiguration>) -> Result<mpsc::Sender<()>, Stri
             }
         })
         .map_err(|error| format!("cannot start the reload thread: {error}"))?;
-    Ok(requests)
+    Ok(reloads)
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -349,13 +368,12 @@ mod inotify_watch {
         let descriptor = watches
             .add(directory, WHOLE_FILE_EVENTS)
             .map_err(|error| format!("inotify on {}: {error}", directory.display()))?;
-        let requests = spawn_reloader(live.clone())?;
-        let changes = spawn_debouncer(live.clone(), requests.clone())?;
+        let reloads = spawn_reloader(live.clone())?;
+        let changes = spawn_debouncer(reloads.clone())?;
         let stopping = Arc::new(AtomicBool::new(false));
         spawn_reader(live.clone(), inotify, changes, stopping.clone())?;
         // The file may have changed between the start-up read and the watch starting.
-        live.evidence.reloads.fetch_add(1, Ordering::Relaxed);
-        let _ = requests.send(());
+        reloads.ask();
         Ok(DirectoryWatch {
             watches,
             descriptor,
@@ -418,18 +436,14 @@ mod inotify_watch {
 
     /// Turns each burst of changes (an editor's write, rename, chmod) into one reload once the
     /// file has been quiet for [`DEBOUNCE`]. Ends when the reader does.
-    fn spawn_debouncer(
-        live: Arc<LiveConfiguration>,
-        requests: mpsc::Sender<()>,
-    ) -> Result<mpsc::Sender<()>, String> {
+    fn spawn_debouncer(reloads: Reloads) -> Result<mpsc::Sender<()>, String> {
         let (changes, received) = mpsc::channel::<()>();
         std::thread::Builder::new()
             .name("settings-debounce".to_owned())
             .spawn(move || {
                 while received.recv().is_ok() {
                     while let Ok(()) = received.recv_timeout(DEBOUNCE) {}
-                    live.evidence.reloads.fetch_add(1, Ordering::Relaxed);
-                    let _ = requests.send(());
+                    reloads.ask();
                 }
             })
             .map_err(|error| format!("cannot start the settings debounce thread: {error}"))?;
@@ -451,11 +465,10 @@ fn start<W: Watcher>(
     watched: &Path,
     config: notify::Config,
 ) -> Result<Debouncer<W, RecommendedCache>, notify::Error> {
-    let requests =
-        spawn_reloader(live.clone()).map_err(|reason| notify::Error::generic(&reason))?;
+    let reloads = spawn_reloader(live.clone()).map_err(|reason| notify::Error::generic(&reason))?;
     let file_name = live.path.file_name().map(ToOwned::to_owned);
     let target = live.clone();
-    let reload = requests.clone();
+    let reload = reloads.clone();
     let handler = move |result: DebounceEventResult| match result {
         Ok(events) => {
             let mut changed = false;
@@ -472,8 +485,7 @@ fn start<W: Watcher>(
                 }
             }
             if changed {
-                target.evidence.reloads.fetch_add(1, Ordering::Relaxed);
-                let _ = reload.send(());
+                reload.ask();
             }
             // Counted after the reload was asked for: a test that sees an unrelated event knows
             // every earlier event was handled.
@@ -497,8 +509,7 @@ fn start<W: Watcher>(
     )?;
     debouncer.watch(watched, RecursiveMode::NonRecursive)?;
     // The file may have changed between the start-up read and the watch starting.
-    live.evidence.reloads.fetch_add(1, Ordering::Relaxed);
-    let _ = requests.send(());
+    reloads.ask();
     Ok(debouncer)
 }
 
@@ -582,8 +593,8 @@ mod tests {
                 }
             }),
         ));
-        let requests = spawn_reloader(live.clone()).expect("reload thread");
-        requests.send(()).expect("ask for one reload");
+        let reloads = spawn_reloader(live.clone()).expect("reload thread");
+        reloads.ask();
         let deadline = Instant::now() + Duration::from_secs(10);
         while live.status().last_good.label != "read at last" {
             assert_eq!(live.status().error, None, "a transient error never shows");
