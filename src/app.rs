@@ -17,7 +17,7 @@ use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
 use crate::config::{Config, StartupError, load_settings, parse_listen_url, require_development};
-use crate::console::{ConsoleEvents, NotifyingInbox};
+use crate::console::ConsoleEvents;
 use crate::labs;
 use crate::labs::ordered::SharedInbox;
 use crate::observe::Metrics;
@@ -184,8 +184,6 @@ impl Application {
             tasks: &tasks,
         };
         let console = ConsoleEvents::new(shutdown.clone());
-        // Every write, whatever door or consumer makes it, goes through the console's notifier.
-        let inbox: SharedInbox = Arc::new(NotifyingInbox::new(inbox, console.clone()));
         let state = AppState::new(AppParts {
             messaging: labs::messaging::MessagingLab::new(&context)?,
             http: labs::http::HttpLab::new(&context)?,
@@ -194,7 +192,9 @@ impl Application {
             privacy: labs::privacy::PrivacyLab::new(&context)?,
             worker: labs::worker::WorkerLab::new(&context)?,
             broker,
-            inbox: Arc::new(ObservedInbox::new(inbox, metrics.clone())),
+            // Every write, whatever door or consumer makes it, is counted, logged and told to
+            // the console here.
+            inbox: Arc::new(ObservedInbox::new(inbox, metrics.clone(), console.clone())),
             console,
             postgres,
             metrics,

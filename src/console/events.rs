@@ -11,23 +11,14 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::Stream;
-use ordered_inbox::operators::OperatorCheck;
-use ordered_inbox::views::{
-    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView,
-    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
-    TimelineEvent, TransferConflict,
-};
-use ordered_inbox::{
-    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
-    ProducerClaim, ProducerRefusal, ResolutionError, ResolutionRequest, Resolved, TransferRecord,
-    TransferRequest,
-};
+use ordered_inbox::Outcome;
+use ordered_inbox::producers::TransferRecord;
+use ordered_inbox::views::ResolutionRecord;
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, broadcast};
 use tokio_util::sync::CancellationToken;
@@ -179,19 +170,6 @@ pub async fn events(State(console): State<ConsoleEvents>) -> Response {
         .into_response()
 }
 
-/// The inbox with a console broadcast: every committed change is published after it committed.
-/// Whatever door, route or consumer writes through it, open pages hear of it.
-pub struct NotifyingInbox {
-    inner: Arc<dyn Inbox>,
-    events: ConsoleEvents,
-}
-
-impl NotifyingInbox {
-    pub fn new(inner: Arc<dyn Inbox>, events: ConsoleEvents) -> Self {
-        NotifyingInbox { inner, events }
-    }
-}
-
 /// The change a delivery's outcome made, if any: a replay writes nothing.
 fn delivery_change(outcome: &Outcome) -> Option<&'static str> {
     match outcome {
@@ -207,170 +185,36 @@ fn delivery_change(outcome: &Outcome) -> Option<&'static str> {
     }
 }
 
-impl NotifyingInbox {
-    /// Tells open pages of a committed delivery, if it changed anything.
-    fn publish_delivery(&self, message: &OrderedMessage, outcome: &Outcome) {
+/// What the inbox's wrapper ([`crate::observe::inbox::ObservedInbox`]) tells open pages after a
+/// change committed, whatever door, route or consumer made it.
+impl ConsoleEvents {
+    /// A committed delivery, if it changed anything.
+    pub fn delivered(&self, aggregate_id: &str, message_id: &str, outcome: &Outcome) {
         if let Some(change) = delivery_change(outcome) {
-            self.events.publish(InboxChange {
-                aggregate_id: message.aggregate_id.clone(),
-                message_id: message.message_id.clone(),
+            self.publish(InboxChange {
+                aggregate_id: aggregate_id.to_owned(),
+                message_id: message_id.to_owned(),
                 change,
             });
         }
     }
-}
 
-#[async_trait]
-impl Inbox for NotifyingInbox {
-    async fn health(&self) -> Result<ordered_inbox::views::InboxHealth, InboxError> {
-        self.inner.health().await
+    /// An operator's new resolution.
+    pub fn resolved(&self, record: &ResolutionRecord) {
+        self.publish(InboxChange {
+            aggregate_id: record.aggregate_id.clone(),
+            message_id: record.message_id.clone(),
+            change: "resolved",
+        });
     }
 
-    async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError> {
-        let outcome = self.inner.deliver(message.clone(), door).await?;
-        self.publish_delivery(&message, &outcome);
-        Ok(outcome)
-    }
-
-    async fn deliver_batch(
-        &self,
-        deliveries: Vec<BatchDelivery>,
-    ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError> {
-        let messages: Vec<OrderedMessage> = deliveries
-            .iter()
-            .map(|delivery| delivery.message.clone())
-            .collect();
-        let outcomes = self.inner.deliver_batch(deliveries).await?;
-        // A refusal wrote nothing: there is no change to announce.
-        for (message, outcome) in messages.iter().zip(&outcomes) {
-            if let Ok(outcome) = outcome {
-                self.publish_delivery(message, outcome);
-            }
-        }
-        Ok(outcomes)
-    }
-
-    async fn resolve(
-        &self,
-        request: ResolutionRequest,
-        mode: Mode,
-    ) -> Result<Resolved, ResolutionError> {
-        let resolved = self.inner.resolve(request, mode).await?;
-        if let Resolved::New(record) = &resolved {
-            self.events.publish(InboxChange {
-                aggregate_id: record.aggregate_id.clone(),
-                message_id: record.message_id.clone(),
-                change: "resolved",
-            });
-        }
-        Ok(resolved)
-    }
-
-    async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError> {
-        self.inner.check_operator(token).await
-    }
-
-    async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError> {
-        self.inner.aggregate(aggregate_id).await
-    }
-
-    async fn inventory(
-        &self,
-        status: AggregateStatus,
-        limit: i64,
-    ) -> Result<Vec<InventoryEntry>, InboxError> {
-        self.inner.inventory(status, limit).await
-    }
-
-    async fn dead_letters(
-        &self,
-        filter: DeadLetterFilter,
-        page: PageRequest,
-    ) -> Result<Page<DeadLetterView>, InboxError> {
-        self.inner.dead_letters(filter, page).await
-    }
-
-    async fn timeline(
-        &self,
-        aggregate_id: String,
-        page: PageRequest,
-    ) -> Result<Page<TimelineEvent>, InboxError> {
-        self.inner.timeline(aggregate_id, page).await
-    }
-
-    async fn resolutions(
-        &self,
-        aggregate_id: Option<String>,
-        page: PageRequest,
-    ) -> Result<Page<ResolutionRecord>, InboxError> {
-        self.inner.resolutions(aggregate_id, page).await
-    }
-
-    async fn counts(&self, aggregate_id: String) -> Result<AggregateCounts, InboxError> {
-        self.inner.counts(aggregate_id).await
-    }
-
-    async fn applied_messages(
-        &self,
-        aggregate_id: String,
-        page: PageRequest,
-    ) -> Result<Page<AppliedMessage>, InboxError> {
-        self.inner.applied_messages(aggregate_id, page).await
-    }
-
-    async fn dead_letter(
-        &self,
-        producer: Option<String>,
-        message_id: String,
-    ) -> Result<Option<DeadLetterView>, InboxError> {
-        self.inner.dead_letter(producer, message_id).await
-    }
-
-    async fn deliver_as(
-        &self,
-        message: OrderedMessage,
-        door: Door,
-        claim: Option<ProducerClaim>,
-    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
-        let decided = self.inner.deliver_as(message.clone(), door, claim).await?;
-        if let Ok(outcome) = &decided {
-            self.publish_delivery(&message, outcome);
-        }
-        Ok(decided)
-    }
-
-    async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {
-        self.inner.check_producer(token).await
-    }
-
-    async fn start_session(
-        &self,
-        producer: String,
-    ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
-        self.inner.start_session(producer).await
-    }
-
-    async fn transfer_owner(
-        &self,
-        request: TransferRequest,
-    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
-        let transferred = self.inner.transfer_owner(request).await?;
-        if let Ok(record) = &transferred {
-            self.events.publish(InboxChange {
-                aggregate_id: record.aggregate_id.clone(),
-                message_id: String::new(),
-                change: "owner transferred",
-            });
-        }
-        Ok(transferred)
-    }
-
-    async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError> {
-        self.inner.ownership(aggregate_id).await
-    }
-
-    async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
-        self.inner.producers().await
+    /// An operator's transfer of an aggregate to another producer.
+    pub fn owner_transferred(&self, record: &TransferRecord) {
+        self.publish(InboxChange {
+            aggregate_id: record.aggregate_id.clone(),
+            message_id: String::new(),
+            change: "owner transferred",
+        });
     }
 }
 

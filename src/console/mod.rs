@@ -23,7 +23,7 @@ use axum::response::Response;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-pub use events::{ConsoleEvents, InboxChange, NotifyingInbox};
+pub use events::{ConsoleEvents, InboxChange};
 
 use crate::labs::ordered::SharedInbox;
 

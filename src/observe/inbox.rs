@@ -1,5 +1,6 @@
-//! The inbox as the handlers hold it: any backend, wrapped so that every verdict is counted and
-//! every domain event is logged where it is decided, without the handlers knowing.
+//! The inbox as the handlers and the broker consumer hold it: any backend, wrapped so that every
+//! verdict is counted, every domain event is logged where it is decided, and every committed
+//! change is told to open console pages, without the callers knowing.
 //!
 //! Domain events go to the target `production_lab::inbox` at info, with the aggregate id and the
 //! message id — never a payload, an amount, an operator's token or a resolution's free-text
@@ -19,20 +20,27 @@ use ordered_inbox::{
 };
 
 use super::metrics::{Metrics, door_label, refusal_reason};
+use crate::console::ConsoleEvents;
 use crate::labs::ordered::SharedInbox;
 
 /// The log target of the inbox's domain events.
 pub const TARGET: &str = "production_lab::inbox";
 
-/// Counts and logs what the wrapped inbox decides; otherwise passes every call through.
+/// Counts, logs and announces what the wrapped inbox decides; otherwise passes every call
+/// through.
 pub struct ObservedInbox {
     inner: SharedInbox,
     metrics: Metrics,
+    console: ConsoleEvents,
 }
 
 impl ObservedInbox {
-    pub fn new(inner: SharedInbox, metrics: Metrics) -> ObservedInbox {
-        ObservedInbox { inner, metrics }
+    pub fn new(inner: SharedInbox, metrics: Metrics, console: ConsoleEvents) -> ObservedInbox {
+        ObservedInbox {
+            inner,
+            metrics,
+            console,
+        }
     }
 }
 
@@ -46,6 +54,7 @@ impl Inbox for ObservedInbox {
         self.metrics.delivery(door, outcome.as_ref());
         if let Ok(outcome) = &outcome {
             log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
+            self.console.delivered(&aggregate_id, &message_id, outcome);
         }
         outcome
     }
@@ -76,6 +85,7 @@ impl Inbox for ObservedInbox {
                         Ok(outcome) => {
                             self.metrics.delivery::<InboxError>(*door, Ok(outcome));
                             log_delivery(*door, aggregate_id, message_id, *sequence, outcome);
+                            self.console.delivered(aggregate_id, message_id, outcome);
                         }
                         Err(refusal) => {
                             self.metrics.producer_refusal(*door, refusal);
@@ -113,6 +123,7 @@ impl Inbox for ObservedInbox {
                 sequence = record.sequence,
                 "dead letter resolved by an operator"
             );
+            self.console.resolved(record);
         }
         resolved
     }
@@ -196,6 +207,7 @@ impl Inbox for ObservedInbox {
             Ok(Ok(outcome)) => {
                 self.metrics.delivery::<InboxError>(door, Ok(outcome));
                 log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
+                self.console.delivered(&aggregate_id, &message_id, outcome);
             }
             Ok(Err(refusal)) => {
                 self.metrics.producer_refusal(door, refusal);
@@ -242,6 +254,7 @@ impl Inbox for ObservedInbox {
                 to_owner = %record.to_owner,
                 "aggregate transferred by an operator"
             );
+            self.console.owner_transferred(record);
         }
         transferred
     }
