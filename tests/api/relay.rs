@@ -131,6 +131,17 @@ fn aggregates_in(database: &Path) -> BTreeMap<String, (i64, i64, i64, i64)> {
         .collect()
 }
 
+/// [`write_events`] on a task of its own, for tests that kill something while A is written.
+fn write_events_meanwhile(
+    base: &str,
+    aggregates: &[String],
+    per: i64,
+) -> tokio::task::JoinHandle<()> {
+    let base = base.to_owned();
+    let aggregates = aggregates.to_vec();
+    tokio::spawn(async move { write_events(&base, &aggregates, per).await })
+}
+
 fn applied_rows(database: &Path) -> i64 {
     let db = rusqlite::Connection::open(database).expect("open B's database");
     db.busy_timeout(Duration::from_secs(5))
@@ -142,7 +153,7 @@ fn applied_rows(database: &Path) -> i64 {
 /// Waits until B has applied `count` rows.
 async fn applied_at_b(database: &Path, count: i64, within: Duration) {
     poll_until_within(
-        "B applied every event",
+        &format!("B applied {count} events"),
         within,
         || std::future::ready(applied_rows(database)),
         |applied| *applied >= count,
@@ -830,18 +841,9 @@ async fn the_inbox_killed_mid_stream_finishes_after_a_restart_and_applies_each_e
     let mut pair = Pair::start(&nats.url);
     let aggregates = aggregate_names("b", 32);
     let _relay = Relay::start(&pair.a.address, &nats.url, "one", &["--batch", "64"]);
-    let writing = {
-        let base = pair.a.address.clone();
-        let aggregates = aggregates.clone();
-        tokio::spawn(async move { write_events(&base, &aggregates, 50).await })
-    };
-    poll_until_within(
-        "B applied part of the stream",
-        Duration::from_secs(30),
-        || std::future::ready(applied_rows(&pair.b_database)),
-        |applied| *applied >= 200,
-    )
-    .await;
+    let writing = write_events_meanwhile(&pair.a.address, &aggregates, 50);
+    // Part of the stream.
+    applied_at_b(&pair.b_database, 200, Duration::from_secs(30)).await;
     pair.b.signal("KILL");
     let _ = pair.b.exit_status().await;
     let at_kill = applied_rows(&pair.b_database);
@@ -1108,18 +1110,9 @@ async fn a_three_node_cluster_losing_a_node_mid_run_still_applies_every_event_ex
     let pair = Pair::start(&urls);
     let aggregates = aggregate_names("cl", 32);
     let mut relay = Relay::start(&pair.a.address, &urls, "one", &["--batch", "64"]);
-    let writing = {
-        let base = pair.a.address.clone();
-        let aggregates = aggregates.clone();
-        tokio::spawn(async move { write_events(&base, &aggregates, 50).await })
-    };
-    poll_until_within(
-        "B applied part of the stream",
-        Duration::from_secs(30),
-        || std::future::ready(applied_rows(&pair.b_database)),
-        |applied| *applied >= 200,
-    )
-    .await;
+    let writing = write_events_meanwhile(&pair.a.address, &aggregates, 50);
+    // Part of the stream.
+    applied_at_b(&pair.b_database, 200, Duration::from_secs(30)).await;
     // Kill the stream's leader: the hardest node to lose.
     let mut stream = context.get_stream("ORDERED").await.expect("stream");
     let leader = stream
