@@ -4,7 +4,7 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::engine::{delivery_facts, write_changes};
+use super::engine::{DeliveryRead, delivery_facts, owner_from, write_changes};
 use super::store::StoreError;
 use crate::delivery::{Change, Outcome, decide_producer_delivery};
 use crate::model::{Door, Limits, OrderedMessage};
@@ -26,9 +26,9 @@ pub fn deliver_as_in(
     limits: &Limits,
     now: &str,
 ) -> Result<Result<Outcome, ProducerRefusal>, StoreError> {
-    let ownership = ownership_facts(connection, &message.aggregate_id, claim)?;
     let producer = claim.map(|claim| claim.producer.as_str());
-    let facts = delivery_facts(connection, producer, message)?;
+    let DeliveryRead { facts, owner } = delivery_facts(connection, producer, message)?;
+    let ownership = ownership_facts(connection, &message.aggregate_id, claim, owner)?;
     match decide_producer_delivery(message, door, claim, &ownership, &facts, limits, now) {
         Ok(plan) => {
             write_changes(connection, &plan.changes)?;
@@ -125,16 +125,17 @@ fn producer_fact(connection: &Connection, name: &str) -> rusqlite::Result<Option
         .optional()
 }
 
+/// The ownership facts of a delivery to an aggregate whose owner the delivery's read found.
 fn ownership_facts(
     connection: &Connection,
     aggregate_id: &str,
     claim: Option<&ProducerClaim>,
+    owner: Option<AggregateOwner>,
 ) -> rusqlite::Result<OwnershipFacts> {
     let producer = match claim {
         Some(claim) => producer_fact(connection, &claim.producer)?,
         None => None,
     };
-    let owner = ownership_state(connection, aggregate_id)?.owner;
     // Only a claim asks whether the aggregate has history: anonymous deliveries and deliveries
     // to an owned aggregate skip the query.
     let history = claim.is_some() && owner.is_none() && has_history(connection, aggregate_id)?;
@@ -167,16 +168,11 @@ pub fn ownership_state(
             "SELECT owner, owner_epoch, last_sequence FROM aggregate_state WHERE aggregate_id = ?1",
         )?
         .query_row([aggregate_id], |row| {
-            let owner: Option<String> = row.get(0)?;
-            let epoch: Option<i64> = row.get(1)?;
-            Ok((owner, epoch.unwrap_or(0), row.get::<_, i64>(2)?))
+            Ok((owner_from(row.get(0)?, row.get(1)?), row.get::<_, i64>(2)?))
         })
         .optional()?;
     Ok(match row {
-        Some((owner, epoch, last)) => OwnershipState {
-            owner: owner.map(|producer| AggregateOwner { producer, epoch }),
-            last,
-        },
+        Some((owner, last)) => OwnershipState { owner, last },
         None => OwnershipState::default(),
     })
 }

@@ -29,6 +29,11 @@ pub const MAX_BATCH: usize = 256;
 const BEGIN_ATTEMPTS: u32 = 10;
 /// Prepared statements the writer keeps (all labs together use a few dozen).
 const WRITER_STATEMENT_CACHE: usize = 128;
+/// The writer's page cache, in KiB. Every delivery seeks a random leaf of each message-id
+/// index; with SQLite's default 2 MiB those leaves fall out of the cache once the inbox passes a
+/// few MiB, and each miss is a WAL lookup and a `pread`. A bound, not an allocation: pages are
+/// cached as they are read.
+const WRITER_CACHE_KIB: u32 = 16 * 1024;
 /// Idle read connections kept for reuse.
 const READ_POOL_SIZE: usize = 8;
 
@@ -224,8 +229,9 @@ impl Store {
             )));
         }
         connection.execute_batch(&format!(
-            "PRAGMA synchronous={}; PRAGMA foreign_keys=ON;",
-            synchronous.pragma_value()
+            "PRAGMA synchronous={}; PRAGMA foreign_keys=ON; PRAGMA cache_size=-{};",
+            synchronous.pragma_value(),
+            WRITER_CACHE_KIB
         ))?;
         migrate(&mut connection)?;
         // Every lab's writes share this one connection's statement cache; rusqlite's default of
