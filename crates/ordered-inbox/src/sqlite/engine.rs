@@ -592,11 +592,29 @@ pub(super) fn write_changes(
     Ok(resolution_id)
 }
 
+/// Writes the aggregate's row. Most deliveries only move its position (the status and the time
+/// it began unchanged): those update the two columns in place, one seek and no index entry
+/// rewritten, where the upsert also replaced the row's entry in the status index every time.
 fn put_aggregate(
     connection: &Connection,
     aggregate_id: &str,
     row: &AggregateRow,
 ) -> rusqlite::Result<()> {
+    let moved = connection
+        .prepare_cached(
+            "UPDATE aggregate_state SET last_sequence = ?2, total = ?3
+              WHERE aggregate_id = ?1 AND status = ?4 AND status_since IS ?5",
+        )?
+        .execute(params![
+            aggregate_id,
+            row.last,
+            row.total,
+            row.status.as_str(),
+            row.since
+        ])?;
+    if moved == 1 {
+        return Ok(());
+    }
     connection
         .prepare_cached(
             "INSERT INTO aggregate_state(aggregate_id, last_sequence, total, status, status_since)
@@ -979,6 +997,31 @@ mod tests {
                 "every delivery reads the held rows; a re-prepare per read is a parse per delivery"
             );
         }
+    }
+
+    #[test]
+    fn the_aggregate_row_and_its_status_index_follow_every_delivery() {
+        let connection = migrated();
+        let by_status = |status: &str| {
+            rows(
+                &connection,
+                &format!(
+                    "SELECT aggregate_id, last_sequence, total, status_since FROM aggregate_state
+                      INDEXED BY ix_aggregate_state_status WHERE status = '{status}'"
+                ),
+            )
+        };
+        deliver(&connection, &message("m-1", "a", 1, 5), "t1");
+        deliver(&connection, &message("m-2", "a", 2, 3), "t2");
+        assert_eq!(by_status("flowing"), ["a|2|8|t1"]);
+        deliver(&connection, &message("m-3", "a", 3, -1), "t3");
+        assert_eq!(by_status("blocked"), ["a|2|8|t3"]);
+        assert!(by_status("flowing").is_empty());
+        deliver(&connection, &message("m-3b", "a", 3, 4), "t4");
+        deliver(&connection, &message("m-4", "a", 4, 1), "t5");
+        assert_eq!(by_status("flowing"), ["a|4|13|t4"]);
+        assert!(by_status("blocked").is_empty());
+        assert_eq!(rows(&connection, "PRAGMA integrity_check"), ["ok"]);
     }
 
     #[test]
