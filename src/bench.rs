@@ -346,6 +346,11 @@ pub struct OrderedReport {
     pub server_cost: Option<CostPerMessage>,
     /// The database file's bytes per applied message after the load (page count × page size).
     pub database_bytes_per_message: Option<f64>,
+    /// Deliveries per group commit during the load, from the server's `/metrics` (unknown for a
+    /// build without the writer's batch histogram).
+    pub units_per_commit: Option<f64>,
+    /// This process's CPU per message during the load: the load generator shares the cores.
+    pub client_cpu_us_per_message: Option<f64>,
 }
 
 impl std::fmt::Display for OrderedReport {
@@ -392,9 +397,18 @@ impl std::fmt::Display for OrderedReport {
         let file = self
             .database_bytes_per_message
             .map_or("unknown".to_owned(), |bytes| format!("{bytes:.0} B"));
-        write!(
+        writeln!(
             f,
             "  storage/message:       {written:>10} written, {file} of database file"
+        )?;
+        let unknown = |figure: Option<f64>, unit: &str| {
+            figure.map_or("unknown".to_owned(), |value| format!("{value:.1}{unit}"))
+        };
+        write!(
+            f,
+            "  per group commit:      {:>10} deliveries; bench client CPU/message {}",
+            unknown(self.units_per_commit, ""),
+            unknown(self.client_cpu_us_per_message, " µs")
         )
     }
 }
@@ -425,6 +439,8 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
         owned[index % options.concurrency].push(stream.clone());
     }
     let address = Arc::new(server.address.clone());
+    let commits_before = writer_batches(&client, &address).await;
+    let client_before = ProcessUsage::read(std::process::id());
     let usage_before = server.usage();
     let progress = Progress::start("bench ordered: HTTP", options.messages as u64, "messages");
     let started = Instant::now();
@@ -448,6 +464,13 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
         .usage()
         .zip(usage_before)
         .map(|(after, before)| after.per_message(&before, options.messages));
+    let client_cost = ProcessUsage::read(std::process::id())
+        .zip(client_before)
+        .map(|(after, before)| after.per_message(&before, options.messages));
+    let units_per_commit = writer_batches(&client, &address)
+        .await
+        .zip(commits_before)
+        .and_then(|(after, before)| after.since(&before).units_per_commit());
     let stopped = server.stop()?;
     verify_end_state(&stopped.database, &streams)?;
     let database_bytes = database_size(&stopped.database)?;
@@ -484,7 +507,49 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
         server_peak_rss_mib: peak_rss_kib.map(|kib| kib as f64 / 1024.0),
         server_cost,
         database_bytes_per_message: Some(database_bytes as f64 / options.messages as f64),
+        units_per_commit,
+        client_cpu_us_per_message: client_cost.map(|cost| cost.user_us + cost.system_us),
     })
+}
+
+/// The writer's group commits so far and the deliveries they carried, as the server's
+/// `inbox_writer_batch_size` histogram counts them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct WriterBatches {
+    commits: f64,
+    units: f64,
+}
+
+impl WriterBatches {
+    /// Reads the histogram's `_count` and `_sum` from a Prometheus text page.
+    fn parse(page: &str) -> Option<WriterBatches> {
+        let value = |name: &str| {
+            page.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+                .and_then(|value| value.trim().parse().ok())
+        };
+        Some(WriterBatches {
+            commits: value("inbox_writer_batch_size_count")?,
+            units: value("inbox_writer_batch_size_sum")?,
+        })
+    }
+
+    fn since(&self, earlier: &WriterBatches) -> WriterBatches {
+        WriterBatches {
+            commits: self.commits - earlier.commits,
+            units: self.units - earlier.units,
+        }
+    }
+
+    fn units_per_commit(&self) -> Option<f64> {
+        (self.commits > 0.0).then(|| self.units / self.commits)
+    }
+}
+
+/// The server's writer batches, or `None` when its `/metrics` page does not have them.
+async fn writer_batches(client: &reqwest::Client, address: &str) -> Option<WriterBatches> {
+    let response = client.get(format!("{address}/metrics")).send().await.ok()?;
+    WriterBatches::parse(&response.text().await.ok()?)
 }
 
 /// The database's size in bytes: page count × page size.
@@ -1066,6 +1131,24 @@ mod tests {
                 .enumerate()
                 .all(|(i, m)| m.sequence == i as i64 + 1 && m.aggregate_id == s.aggregate_id)
         }));
+    }
+
+    #[test]
+    fn the_writer_batches_are_read_from_the_metrics_page() {
+        let before = WriterBatches::parse(
+            "# TYPE inbox_writer_batch_size histogram\n\
+             inbox_writer_batch_size_bucket{le=\"1\"} 3\n\
+             inbox_writer_batch_size_sum 12\n\
+             inbox_writer_batch_size_count 4\n",
+        )
+        .unwrap();
+        let after = WriterBatches {
+            commits: 14.0,
+            units: 212.0,
+        };
+        assert_eq!(after.since(&before).units_per_commit(), Some(20.0));
+        assert_eq!(WriterBatches::parse("http_requests_total 3\n"), None);
+        assert_eq!(before.since(&before).units_per_commit(), None);
     }
 
     #[test]
