@@ -62,6 +62,7 @@ fn bad_arguments_are_one_line_with_a_hint() {
         &["serve", "--header-timeout", "0"],
         &["serve", "--keep-alive-timeout", "soon"],
         &["serve", "--max-connections", "0"],
+        &["serve", "--worker-threads", "0"],
     ] {
         let output = command().args(args).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{args:?}");
@@ -146,6 +147,56 @@ async fn sigterm_and_sigint_shut_down_gracefully_with_exit_code_zero() {
         server.signal(signal);
         let status = server.exit_status().await;
         assert_eq!(status.code(), Some(0), "SIG{signal}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_one_request_thread_or_three_concurrent_deliveries_all_apply() {
+    for threads in ["1", "3"] {
+        let (dir, settings) = settings_dir();
+        let server = ServerProcess::start(
+            &dir.path().join("lab.db"),
+            &settings,
+            &["--worker-threads", threads],
+        );
+        let client = client();
+        let deliveries = (1..=32).map(|n| {
+            let client = client.clone();
+            let url = server.url(&format!("/aggregates/threads-{}/messages", n % 4));
+            async move {
+                let body = serde_json::json!({
+                    "messageId": format!("m-{n}"),
+                    "sequence": (n - 1) / 4 + 1,
+                    "amount": 1,
+                });
+                client.post(url).json(&body).send().await.unwrap().status()
+            }
+        });
+        let statuses = futures_util::future::join_all(deliveries).await;
+        let applied = statuses.iter().filter(|status| **status == 200).count();
+        // Four aggregates, eight sequences each, sent at once: some arrive ahead of their turn
+        // and answer 409 gap; what applies is never more than one per sequence.
+        assert!(
+            statuses.iter().all(|s| *s == 200 || *s == 409),
+            "{statuses:?}"
+        );
+        assert!(applied >= 4, "{threads} threads: {statuses:?}");
+        let mut last = 0;
+        for aggregate in 0..4 {
+            let view: serde_json::Value = client
+                .get(server.url(&format!("/aggregates/threads-{aggregate}")))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            last += view["last"].as_i64().unwrap();
+        }
+        assert_eq!(
+            last as usize, applied,
+            "{threads} threads: every 200 moved one position"
+        );
     }
 }
 
