@@ -309,33 +309,31 @@ fn charset_other_than_utf8(content_type: &str) -> Option<String> {
 /// Parses a body: JSON object without repeated members, case-insensitive property names, then
 /// the typed value.
 pub fn parse_body<T: RequestBody>(bytes: &[u8]) -> Result<T, AppError> {
-    let value = parse_unique_members(bytes)?;
-    let Value::Object(object) = value else {
+    // The top level's names are spelled as `T` spells them while the text is read, so the
+    // object is built once.
+    let value = parse_unique(bytes, T::FIELDS)?;
+    if !value.is_object() {
         return Err(AppError::bad_request("the body must be a JSON object"));
-    };
-    let mut normalized = Map::new();
-    for (key, value) in object {
-        let name = T::FIELDS
-            .iter()
-            .find(|field| field.eq_ignore_ascii_case(&key))
-            .map(|field| (*field).to_owned())
-            .unwrap_or(key);
-        if normalized.insert(name.clone(), value).is_some() {
-            return Err(AppError::bad_request(format!(
-                "property '{name}' is given more than once"
-            )));
-        }
     }
-    serde_json::from_value(Value::Object(normalized))
-        .map_err(|e| AppError::bad_request(format!("invalid body: {e}")))
+    serde_json::from_value(value).map_err(|e| AppError::bad_request(format!("invalid body: {e}")))
 }
 
 /// Parses JSON text into a value, refusing an object that names one member twice, exactly or in
 /// another letter case, at any depth. serde_json alone keeps the last of two equal keys, while a
 /// proxy or a log that reads the first would see another message than the one applied.
 pub fn parse_unique_members(bytes: &[u8]) -> Result<Value, AppError> {
-    match serde_json::from_slice::<UniqueMembers>(bytes) {
-        Ok(UniqueMembers(value)) => Ok(value),
+    parse_unique(bytes, &[])
+}
+
+/// [`parse_unique_members`], with the top-level names that match one of `fields` in another
+/// letter case spelled as in `fields`.
+fn parse_unique(bytes: &[u8], fields: &'static [&'static str]) -> Result<Value, AppError> {
+    let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+    let parsed =
+        serde::de::DeserializeSeed::deserialize(UniqueMembersVisitor { fields }, &mut deserializer)
+            .and_then(|value| deserializer.end().map(|()| value));
+    match parsed {
+        Ok(value) => Ok(value),
         Err(error) if error.classify() == serde_json::error::Category::Data => {
             // Only the repeated-member check raises a data error while building a `Value`.
             let message = error.to_string();
@@ -362,12 +360,24 @@ struct UniqueMembers(Value);
 impl<'de> serde::Deserialize<'de> for UniqueMembers {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         deserializer
-            .deserialize_any(UniqueMembersVisitor)
+            .deserialize_any(UniqueMembersVisitor { fields: &[] })
             .map(UniqueMembers)
     }
 }
 
-struct UniqueMembersVisitor;
+/// Builds a [`UniqueMembers`] value; an object's names that match one of `fields` in another
+/// letter case are spelled as in `fields` (only the top level has any).
+struct UniqueMembersVisitor {
+    fields: &'static [&'static str],
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for UniqueMembersVisitor {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
 
 impl<'de> serde::de::Visitor<'de> for UniqueMembersVisitor {
     type Value = Value;
@@ -415,19 +425,34 @@ impl<'de> serde::de::Visitor<'de> for UniqueMembersVisitor {
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut object = Map::new();
-        let mut folded_names = std::collections::HashSet::new();
-        while let Some(name) = map.next_key::<String>()? {
-            let folded: String = name.chars().flat_map(char::to_lowercase).collect();
-            if !folded_names.insert(folded) {
+        // A B-tree: a body's objects are small, and it needs neither hashing nor a random seed,
+        // while a large object still costs log n per name.
+        let mut folded_names = std::collections::BTreeSet::new();
+        while let Some(mut name) = map.next_key::<String>()? {
+            if !folded_names.insert(folded(&name)) {
                 return Err(serde::de::Error::custom(format!(
                     "property '{}' is given more than once",
                     shortened(&name)
                 )));
             }
+            if let Some(field) = self.fields.iter().find(|f| f.eq_ignore_ascii_case(&name)) {
+                name.clear();
+                name.push_str(field);
+            }
             let UniqueMembers(value) = map.next_value()?;
             object.insert(name, value);
         }
         Ok(Value::Object(object))
+    }
+}
+
+/// A name in lower case, for comparing names case-insensitively; ASCII names (nearly all) skip
+/// the Unicode tables.
+fn folded(name: &str) -> String {
+    if name.is_ascii() {
+        name.to_ascii_lowercase()
+    } else {
+        name.chars().flat_map(char::to_lowercase).collect()
     }
 }
 
@@ -552,6 +577,7 @@ mod tests {
             br#"{"messageId":"d","amount":1,"x":{"a":1,"A":2}}"#,
             br#"{"messageId":"d","amount":1,"x":[{"b":1,"b":1}]}"#,
             br#"{"messageId":"d","amount":1,"extra":1,"EXTRA":2}"#,
+            "{\"messageId\":\"d\",\"amount\":1,\"\u{c4}rger\":1,\"\u{e4}RGER\":2}".as_bytes(),
         ] {
             let error = parse_body::<Probe>(body).expect_err("a repeated member");
             let AppError::BadRequest(detail) = error else {
@@ -563,6 +589,18 @@ mod tests {
             .expect("a document without repeats");
         assert_eq!(nested["a"]["b"][1], 2.5);
         assert_eq!(nested["c"], -3);
+    }
+
+    #[test]
+    fn only_top_level_names_are_spelled_as_the_body_type_spells_them() {
+        let value = parse_unique(br#"{"MESSAGEID":"a","x":{"AMOUNT":1}}"#, Probe::FIELDS).unwrap();
+        assert_eq!(value["messageId"], "a");
+        assert_eq!(value["x"]["AMOUNT"], 1);
+        assert!(value.get("MESSAGEID").is_none());
+        assert!(matches!(
+            parse_body::<Probe>(br#"{"messageId":"a","amount":1} x"#),
+            Err(AppError::BadRequest(detail)) if detail.contains("not valid JSON")
+        ));
     }
 
     #[test]
