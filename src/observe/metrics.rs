@@ -62,6 +62,9 @@ struct Inner {
     /// hashing it, allocating the route label) cost more than the recording. Bounded by the
     /// routes × methods × status classes.
     http: RwLock<HashMap<String, RouteSeries>>,
+    /// Every door's counter of every verdict, registered at start (each delivery counts into
+    /// one; looking it up in the recorder cost more than the increment).
+    deliveries: Vec<(Door, Verdict, Counter)>,
 }
 
 /// One route's request counters (by method and status class) and latency histograms (by method).
@@ -99,11 +102,29 @@ impl Metrics {
             });
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
+        let deliveries = metrics::with_local_recorder(&recorder, || {
+            [Door::Classroom, Door::General, Door::Broker]
+                .into_iter()
+                .flat_map(|door| Verdict::ALL.map(|verdict| (door, verdict)))
+                .map(|(door, verdict)| {
+                    let counter = metrics::counter!(
+                        DELIVERIES,
+                        "door" => door_label(door),
+                        "verdict" => verdict.label()
+                    );
+                    // Zero from the start, so that a rate over a verdict that has not happened
+                    // yet is 0 rather than absent.
+                    counter.increment(0);
+                    (door, verdict, counter)
+                })
+                .collect()
+        });
         let metrics = Metrics {
             inner: Arc::new(Inner {
                 recorder,
                 handle,
                 http: RwLock::new(HashMap::new()),
+                deliveries,
             }),
         };
         metrics.describe_and_register();
@@ -173,12 +194,6 @@ impl Metrics {
                 Unit::Seconds,
                 "Time from a request's arrival to its response head, by route template and method"
             );
-            for door in [Door::Classroom, Door::General, Door::Broker] {
-                for verdict in Verdict::ALL {
-                    metrics::counter!(DELIVERIES, "door" => door_label(door), "verdict" => verdict.label())
-                        .increment(0);
-                }
-            }
             metrics::describe_counter!(
                 OUTBOX_LEASED,
                 "General outbox events handed to relays under a lease (each lease of an event counts)"
@@ -209,10 +224,14 @@ impl Metrics {
             Ok(outcome) => Verdict::of(outcome),
             Err(_) => Verdict::Failed,
         };
-        self.with(|| {
-            metrics::counter!(DELIVERIES, "door" => door_label(door), "verdict" => verdict.label())
-                .increment(1);
-        });
+        let counted = self
+            .inner
+            .deliveries
+            .iter()
+            .find(|(d, v, _)| *d == door && *v == verdict);
+        if let Some((_, _, counter)) = counted {
+            counter.increment(1);
+        }
     }
 
     /// Counts one resolution request that reached the inbox.
