@@ -22,7 +22,6 @@ use crate::labs;
 use crate::labs::ordered::SharedInbox;
 use crate::observe::Metrics;
 use crate::observe::inbox::ObservedInbox;
-use crate::observe::routes::ApiDocument;
 use crate::startup::StartupContext;
 use crate::store::Store;
 
@@ -336,16 +335,8 @@ pub fn router(state: AppState) -> Router {
     let metrics = state.metrics.clone();
     let (routes, mut document) = api_router().split_for_parts();
     crate::openapi::Shared.modify(&mut document);
-    // The document is fixed for the process's life: render it once.
-    let rendered = document.to_json().unwrap_or_else(|error| {
-        tracing::error!(%error, "the OpenAPI document could not be rendered");
-        "{}".to_owned()
-    });
-    let edge = crate::observe::http::Edge {
-        metrics,
-        security,
-        document: ApiDocument(Arc::new(rendered)),
-    };
+    crate::observe::routes::publish_document(&document);
+    let edge = crate::observe::http::Edge { metrics, security };
     routes
         .with_state(state)
         // CORS as in the seed, then, outside it, everything else every request goes through

@@ -24,7 +24,6 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use super::metrics::{Metrics, UNMATCHED_ROUTE};
-use super::routes::ApiDocument;
 use crate::error::problem_response_with;
 use crate::labs::security::SecurityLab;
 
@@ -75,7 +74,6 @@ impl RequestId {
 pub struct Edge {
     pub metrics: Metrics,
     pub security: SecurityLab,
-    pub document: ApiDocument,
 }
 
 /// Middleware: everything a request goes through before its handler (see the module's doc).
@@ -91,7 +89,6 @@ pub async fn edge(State(edge): State<Edge>, mut request: Request, next: Next) ->
         request_id = id.as_str(),
     );
     request.extensions_mut().insert(id.clone());
-    request.extensions_mut().insert(edge.document.clone());
     let started = Instant::now();
     let response = async {
         let response = match crate::labs::security::admit(&edge.security, request) {

@@ -2,9 +2,8 @@
 //! store answers a read and the live settings are valid), `GET /metrics` and
 //! `GET /openapi.json`.
 
-use std::sync::Arc;
+use std::sync::OnceLock;
 
-use axum::Extension;
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -154,21 +153,32 @@ async fn metrics(
         .into_response()
 }
 
-/// The rendered OpenAPI document, shared by every request.
-#[derive(Clone)]
-pub struct ApiDocument(pub Arc<String>);
+/// The rendered OpenAPI document. It is generated from this build's handlers, so it is the same
+/// for every server in the process: the first router built renders it, and later ones find it.
+static DOCUMENT: OnceLock<String> = OnceLock::new();
+
+/// Renders `document` for `GET /openapi.json`, unless a router of this process already did.
+pub fn publish_document(document: &utoipa::openapi::OpenApi) {
+    DOCUMENT.get_or_init(|| {
+        document.to_json().unwrap_or_else(|error| {
+            tracing::error!(%error, "the OpenAPI document could not be rendered");
+            "{}".to_owned()
+        })
+    });
+}
 
 /// This document: OpenAPI 3.1, generated from the handlers.
 #[utoipa::path(get, path = "/openapi.json", tag = "operating", responses(
     (status = 200, description = "The OpenAPI 3.1 document of every route", body = Object, content_type = "application/json"),
 ))]
-async fn openapi_json(Extension(document): Extension<ApiDocument>) -> Response {
+async fn openapi_json() -> Response {
+    let document: &'static str = DOCUMENT.get().map_or("{}", String::as_str);
     (
         [(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         )],
-        document.0.as_str().to_owned(),
+        document,
     )
         .into_response()
 }
