@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rusqlite::{Connection, ErrorCode, OpenFlags};
+use rusqlite::{Connection, ErrorCode, OpenFlags, Statement};
 use tokio::sync::oneshot;
 
 /// SQLite's busy timeout on every connection, as the seed's `DefaultTimeout = 1`.
@@ -387,6 +387,10 @@ fn writer_loop(
     receiver: mpsc::Receiver<WriterMessage>,
     stats: &WriterStats,
 ) {
+    let mut control = match TransactionControl::prepare(&connection) {
+        Ok(control) => control,
+        Err(error) => return refuse_all(&receiver, stats, &error),
+    };
     let mut stopping = false;
     while !stopping {
         let Ok(first) = receiver.recv() else { break };
@@ -409,16 +413,62 @@ fn writer_loop(
         stats
             .queued
             .fetch_sub(batch.len() as u64, Ordering::Relaxed);
-        run_batch(&connection, batch, stats);
+        run_batch(&connection, &mut control, batch, stats);
     }
     // Dropping the connection here closes it (and checkpoints the WAL when it is the last one).
 }
 
+/// Answers every unit until the store stops: the writer could not prepare its statements.
+fn refuse_all(
+    receiver: &mpsc::Receiver<WriterMessage>,
+    stats: &WriterStats,
+    error: &rusqlite::Error,
+) {
+    while let Ok(WriterMessage::Work(job)) = receiver.recv() {
+        stats.queued.fetch_sub(1, Ordering::Relaxed);
+        job.abandon(StoreError::Unavailable(format!(
+            "the writer could not prepare its statements: {error}"
+        )));
+    }
+}
+
+/// The transaction-control statements, prepared once for the writer's life. Through the
+/// statement cache every use hashed the SQL text on the way out and back in and moved the
+/// statement through the cache's LRU list, and a batch runs two of them for each unit.
+struct TransactionControl<'c> {
+    begin: Statement<'c>,
+    savepoint: Statement<'c>,
+    release: Statement<'c>,
+    rollback_to: Statement<'c>,
+    commit: Statement<'c>,
+}
+
+impl<'c> TransactionControl<'c> {
+    fn prepare(connection: &'c Connection) -> rusqlite::Result<TransactionControl<'c>> {
+        Ok(TransactionControl {
+            begin: connection.prepare("BEGIN IMMEDIATE")?,
+            savepoint: connection.prepare("SAVEPOINT work")?,
+            release: connection.prepare("RELEASE work")?,
+            rollback_to: connection.prepare("ROLLBACK TO work")?,
+            commit: connection.prepare("COMMIT")?,
+        })
+    }
+}
+
+fn run(statement: &mut Statement<'_>) -> Result<(), rusqlite::Error> {
+    statement.execute([]).map(drop)
+}
+
 /// Runs one group transaction and answers every unit in it.
-fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &WriterStats) {
+fn run_batch(
+    connection: &Connection,
+    control: &mut TransactionControl<'_>,
+    batch: Vec<Box<dyn WriteJob>>,
+    stats: &WriterStats,
+) {
     let units = batch.len() as u64;
     let began = Instant::now();
-    if let Err(error) = begin_immediate(connection) {
+    if let Err(error) = begin_immediate(&mut control.begin) {
         let reason = error.to_string();
         for job in batch {
             job.abandon(StoreError::Unavailable(format!(
@@ -429,16 +479,15 @@ fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &Wri
     }
     let mut replies = Vec::with_capacity(batch.len());
     for job in batch {
-        if let Err(error) = run_cached(connection, "SAVEPOINT work") {
+        if let Err(error) = run(&mut control.savepoint) {
             job.abandon(StoreError::Sqlite(error));
             continue;
         }
         let (keep, reply) = job.run(connection);
         let closed = if keep {
-            run_cached(connection, "RELEASE work")
+            run(&mut control.release)
         } else {
-            run_cached(connection, "ROLLBACK TO work")
-                .and_then(|()| run_cached(connection, "RELEASE work"))
+            run(&mut control.rollback_to).and_then(|()| run(&mut control.release))
         };
         match closed {
             Ok(()) => replies.push(reply),
@@ -457,7 +506,7 @@ fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &Wri
         }
     }
     let committing = Instant::now();
-    match run_cached(connection, "COMMIT") {
+    match run(&mut control.commit) {
         Ok(()) => {
             // Counted before anyone is answered, so an answered caller sees its commit counted.
             stats.commits.fetch_add(1, Ordering::Relaxed);
@@ -483,16 +532,10 @@ fn run_batch(connection: &Connection, batch: Vec<Box<dyn WriteJob>>, stats: &Wri
     }
 }
 
-/// Runs a transaction-control statement through the statement cache: `execute_batch` would parse
-/// it again each time, and a batch runs two savepoint statements per unit.
-fn run_cached(connection: &Connection, sql: &str) -> Result<(), rusqlite::Error> {
-    connection.prepare_cached(sql)?.execute([]).map(drop)
-}
-
-fn begin_immediate(connection: &Connection) -> Result<(), rusqlite::Error> {
+fn begin_immediate(begin: &mut Statement<'_>) -> Result<(), rusqlite::Error> {
     let mut attempt = 1;
     loop {
-        match run_cached(connection, "BEGIN IMMEDIATE") {
+        match run(begin) {
             Err(error) if is_busy(&error) && attempt < BEGIN_ATTEMPTS => attempt += 1,
             other => return other,
         }
