@@ -631,6 +631,25 @@ async fn past_the_hold_limit_a_message_is_nakd_and_applies_when_redelivered() {
 /// Who publishes: a producer's name (for its `Nats-Msg-Id`), token and epoch.
 type As<'a> = Option<(&'a str, &'a str, i64)>;
 
+/// A producer registered with the inbox and holding a session: what its broker messages carry.
+struct ProducerSession {
+    name: &'static str,
+    token: String,
+    epoch: i64,
+}
+
+impl ProducerSession {
+    async fn start(app: &TestApp, name: &'static str) -> ProducerSession {
+        let token = add_producer(app, name);
+        let epoch = epoch(app, &token).await;
+        ProducerSession { name, token, epoch }
+    }
+
+    fn on_wire(&self) -> As<'_> {
+        Some((self.name, self.token.as_str(), self.epoch))
+    }
+}
+
 /// Publishes one message as `producer` (`None`: anonymous) and waits for its PubAck.
 async fn publish_as(
     js: &jetstream::Context,
@@ -702,8 +721,9 @@ async fn metric(app: &TestApp, series: &str) -> f64 {
         .text()
         .await
         .expect("the metrics text");
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+    crate::operating::series(&text)
+        .get(series)
+        .copied()
         .unwrap_or(0.0)
 }
 
@@ -713,8 +733,8 @@ async fn a_producers_broker_messages_claim_its_aggregate_and_apply_in_its_namesp
     let nats = start_nats(None);
     let app = spawn_consumer_on(&nats, backend).await;
     let js = jetstream_of(&nats).await;
-    let token = add_producer(&app, "billing");
-    let billing = Some(("billing", token.as_str(), epoch(&app, &token).await));
+    let session = ProducerSession::start(&app, "billing").await;
+    let billing = session.on_wire();
 
     publish_as(&js, billing, "acct", "m-1", 1).await;
     // Ahead of its turn: a producer's message is not held (held rows are anonymous) but nak'd,
@@ -744,18 +764,9 @@ async fn another_producers_and_anonymous_broker_messages_to_an_owned_aggregate_a
     let nats = start_nats(None);
     let app = spawn_consumer_on(&nats, backend).await;
     let js = jetstream_of(&nats).await;
-    let billing_token = add_producer(&app, "billing");
-    let shipping_token = add_producer(&app, "shipping");
-    let billing = Some((
-        "billing",
-        billing_token.as_str(),
-        epoch(&app, &billing_token).await,
-    ));
-    let shipping = Some((
-        "shipping",
-        shipping_token.as_str(),
-        epoch(&app, &shipping_token).await,
-    ));
+    let billing_session = ProducerSession::start(&app, "billing").await;
+    let shipping_session = ProducerSession::start(&app, "shipping").await;
+    let (billing, shipping) = (billing_session.on_wire(), shipping_session.on_wire());
     publish_as(&js, billing, "acct", "m-1", 1).await;
     aggregate_at(&app, "acct", 1).await;
 
@@ -868,18 +879,9 @@ async fn the_same_message_id_from_two_producers_via_the_broker_applies_both(back
     let nats = start_nats(None);
     let app = spawn_consumer_on(&nats, backend).await;
     let js = jetstream_of(&nats).await;
-    let billing_token = add_producer(&app, "billing");
-    let shipping_token = add_producer(&app, "shipping");
-    let billing = Some((
-        "billing",
-        billing_token.as_str(),
-        epoch(&app, &billing_token).await,
-    ));
-    let shipping = Some((
-        "shipping",
-        shipping_token.as_str(),
-        epoch(&app, &shipping_token).await,
-    ));
+    let billing_session = ProducerSession::start(&app, "billing").await;
+    let shipping_session = ProducerSession::start(&app, "shipping").await;
+    let (billing, shipping) = (billing_session.on_wire(), shipping_session.on_wire());
     // Each producer's Nats-Msg-Id names it: JetStream's duplicate window keeps both.
     assert!(!publish_as(&js, billing, "acct-b", "m-1", 1).await.duplicate);
     assert!(

@@ -19,7 +19,7 @@ crate::on_both_backends!(
 );
 
 /// Every series of a Prometheus text body with its value, keyed by `name{labels}`.
-fn series(text: &str) -> BTreeMap<String, f64> {
+pub(crate) fn series(text: &str) -> BTreeMap<String, f64> {
     text.lines()
         .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
         .filter_map(|line| {
