@@ -25,6 +25,7 @@ use crate::bench::{
     verify_end_state, workload,
 };
 use crate::config::Synchronous;
+use crate::progress::ProgressCounter;
 
 #[derive(Debug, Clone)]
 pub struct BrokerBenchOptions {
@@ -99,6 +100,46 @@ impl std::fmt::Display for BrokerReport {
             None => write!(f, "  server peak RSS: unknown (no /proc)"),
         }
     }
+}
+
+/// Waits (ten minutes at most) until the inbox `reader` reads holds `target` applied messages,
+/// reporting the count to `counter`; `at` ends the error's sentence (where the inbox is).
+pub(crate) async fn wait_until_applied(
+    reader: &rusqlite::Connection,
+    target: i64,
+    counter: &ProgressCounter,
+    at: &str,
+) -> Result<(), BenchError> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let applied: i64 =
+            reader.query_row("SELECT COUNT(*) FROM ordered_inbox", [], |row| row.get(0))?;
+        counter.reach(u64::try_from(applied).unwrap_or(0));
+        if applied >= target {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(BenchError::Verification(format!(
+                "only {applied} of {target} applied{at}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// When each applied message was applied, in milliseconds since the Unix epoch, by message id.
+pub(crate) fn applied_at_ms(
+    reader: &rusqlite::Connection,
+) -> Result<std::collections::HashMap<String, i64>, BenchError> {
+    Ok(reader
+        .prepare(
+            "SELECT message_id,
+                    CAST(strftime('%s', applied_at) AS INTEGER) * 1000
+                      + CAST(substr(applied_at, 21, 3) AS INTEGER)
+               FROM ordered_inbox",
+        )?
+        .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?
+        .collect::<rusqlite::Result<_>>()?)
 }
 
 fn nats_error(error: impl std::fmt::Display) -> BenchError {
@@ -248,34 +289,11 @@ pub async fn run(options: &BrokerBenchOptions) -> Result<BrokerReport, BenchErro
     let started = Instant::now();
     let sent = publish(&context, "ordered", &messages).await?;
     let published = started.elapsed();
-    let target = messages.len() as i64;
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let applied: i64 =
-            reader.query_row("SELECT COUNT(*) FROM ordered_inbox", [], |row| row.get(0))?;
-        counter.reach(u64::try_from(applied).unwrap_or(0));
-        if applied >= target {
-            break;
-        }
-        if Instant::now() > deadline {
-            return Err(BenchError::Verification(format!(
-                "only {applied} of {target} applied"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_until_applied(&reader, messages.len() as i64, &counter, "").await?;
     let elapsed = started.elapsed();
     progress.finish();
 
-    let mut applied_at = reader.prepare(
-        "SELECT message_id,
-                CAST(strftime('%s', applied_at) AS INTEGER) * 1000
-                  + CAST(substr(applied_at, 21, 3) AS INTEGER)
-           FROM ordered_inbox",
-    )?;
-    let applied: std::collections::HashMap<String, i64> = applied_at
-        .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?
-        .collect::<rusqlite::Result<_>>()?;
+    let applied = applied_at_ms(&reader)?;
     let mut latencies: Vec<Duration> = messages
         .iter()
         .zip(&sent)
@@ -285,7 +303,6 @@ pub async fn run(options: &BrokerBenchOptions) -> Result<BrokerReport, BenchErro
         })
         .collect();
     latencies.sort_unstable();
-    drop(applied_at);
     drop(reader);
 
     let status: Value = reqwest::Client::builder()

@@ -18,6 +18,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::bench::{BenchError, ServerUnderTest, percentile, verify_end_state, workload};
+use crate::broker::bench::{applied_at_ms, wait_until_applied};
 use crate::broker::server::NatsServer;
 use crate::config::Synchronous;
 
@@ -261,34 +262,11 @@ async fn one_run(
         rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
     )?;
     reader.busy_timeout(Duration::from_secs(5))?;
-    let target = options.messages as i64;
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let applied: i64 =
-            reader.query_row("SELECT COUNT(*) FROM ordered_inbox", [], |row| row.get(0))?;
-        counter.reach(u64::try_from(applied).unwrap_or(0));
-        if applied >= target {
-            break;
-        }
-        if Instant::now() > deadline {
-            return Err(BenchError::Verification(format!(
-                "only {applied} of {target} applied at B"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_until_applied(&reader, options.messages as i64, &counter, " at B").await?;
     let elapsed = started.elapsed();
     progress.finish();
 
-    let applied: HashMap<String, i64> = reader
-        .prepare(
-            "SELECT message_id,
-                    CAST(strftime('%s', applied_at) AS INTEGER) * 1000
-                      + CAST(substr(applied_at, 21, 3) AS INTEGER)
-               FROM ordered_inbox",
-        )?
-        .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?
-        .collect::<rusqlite::Result<_>>()?;
+    let applied = applied_at_ms(&reader)?;
     drop(reader);
     let mut duplicates = 0;
     let mut fenced = 0;
