@@ -222,6 +222,40 @@ pub fn decide_transfer(
     })
 }
 
+impl TransferRecord {
+    /// What a decided transfer writes, in this order: the aggregate's owner columns, the audit
+    /// row and the timeline event, all stamped with `transferred_at`.
+    pub fn changes(&self) -> [crate::delivery::Change; 3] {
+        use crate::delivery::Change;
+        use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
+        [
+            Change::SetOwner {
+                aggregate_id: self.aggregate_id.clone(),
+                owner: AggregateOwner {
+                    producer: self.to_owner.clone(),
+                    epoch: self.epoch,
+                },
+                at: self.transferred_at.clone(),
+            },
+            Change::RecordTransfer(self.clone()),
+            Change::Append(TimelineEntry {
+                aggregate_id: self.aggregate_id.clone(),
+                at: self.transferred_at.clone(),
+                kind: TimelineKind::OwnerTransferred,
+                sequence: None,
+                message_id: None,
+                detail: TimelineDetail::Transferred {
+                    operator: self.operator.clone(),
+                    from: self.from_owner.clone(),
+                    to: self.to_owner.clone(),
+                    epoch: self.epoch,
+                    reason: self.reason.clone(),
+                },
+            }),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

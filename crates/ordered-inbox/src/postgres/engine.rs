@@ -42,7 +42,6 @@ use crate::resolution::{
     Resolved, decide_resolution, resolved_event,
 };
 use crate::timeline::{OBSERVATIONS_KEPT, TimelineEntry};
-use crate::timeline::{TimelineDetail, TimelineKind};
 use crate::views::{CurrentState, ResolutionRecord};
 use crate::views::{OwnershipState, TransferConflict};
 
@@ -435,31 +434,7 @@ pub(crate) async fn transfer(
             return Ok(Err(TransferConflict { refusal, current }));
         }
     };
-    let changes = [
-        Change::SetOwner {
-            aggregate_id: record.aggregate_id.clone(),
-            owner: AggregateOwner {
-                producer: record.to_owner.clone(),
-                epoch: record.epoch,
-            },
-            at: now.clone(),
-        },
-        Change::RecordTransfer(record.clone()),
-        Change::Append(crate::timeline::TimelineEntry {
-            aggregate_id: record.aggregate_id.clone(),
-            at: now.clone(),
-            kind: TimelineKind::OwnerTransferred,
-            sequence: None,
-            message_id: None,
-            detail: TimelineDetail::Transferred {
-                operator: record.operator.clone(),
-                from: record.from_owner.clone(),
-                to: record.to_owner.clone(),
-                epoch: record.epoch,
-                reason: record.reason.clone(),
-            },
-        }),
-    ];
+    let changes = record.changes();
     write_and_commit(client, counters, &changes).await?;
     Ok(Ok(record))
 }

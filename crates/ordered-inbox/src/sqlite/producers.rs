@@ -6,14 +6,13 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::engine::{DeliveryRead, delivery_facts, owner_from, write_changes};
 use super::store::StoreError;
-use crate::delivery::{Change, Outcome, decide_producer_delivery};
+use crate::delivery::{Outcome, decide_producer_delivery};
 use crate::model::{Door, Limits, OrderedMessage};
 use crate::operators::Registry;
 use crate::producers::{
     AggregateOwner, OwnershipFacts, ProducerClaim, ProducerFact, ProducerRefusal, TransferFacts,
     TransferRecord, TransferRequest, decide_transfer, next_epoch,
 };
-use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
 use crate::views::{OwnershipState, ProducerView, TransferConflict};
 
 /// Decides and records one delivery made by `claim`'s producer (`None`: anonymous), the ownership
@@ -79,31 +78,7 @@ pub fn transfer_in(
             }));
         }
     };
-    let changes = [
-        Change::SetOwner {
-            aggregate_id: record.aggregate_id.clone(),
-            owner: AggregateOwner {
-                producer: record.to_owner.clone(),
-                epoch: record.epoch,
-            },
-            at: now.to_owned(),
-        },
-        Change::RecordTransfer(record.clone()),
-        Change::Append(TimelineEntry {
-            aggregate_id: record.aggregate_id.clone(),
-            at: now.to_owned(),
-            kind: TimelineKind::OwnerTransferred,
-            sequence: None,
-            message_id: None,
-            detail: TimelineDetail::Transferred {
-                operator: record.operator.clone(),
-                from: record.from_owner.clone(),
-                to: record.to_owner.clone(),
-                epoch: record.epoch,
-                reason: record.reason.clone(),
-            },
-        }),
-    ];
+    let changes = record.changes();
     write_changes(connection, &changes)?;
     Ok(Ok(record))
 }
