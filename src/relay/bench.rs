@@ -145,14 +145,18 @@ impl Drop for RelayProcess {
     }
 }
 
-/// The number after `label ` in a relay's report line.
-fn figure(report: &str, label: &str) -> u64 {
+/// The number after `label ` in a relay's report line, if the line has one.
+pub fn report_figure(report: &str, label: &str) -> Option<u64> {
     report
         .split(label)
         .nth(1)
         .and_then(|rest| rest.trim_start().split([',', ' ']).next())
         .and_then(|number| number.parse().ok())
-        .unwrap_or(0)
+}
+
+/// [`report_figure`], 0 when the line lacks it (a relay killed before its report).
+fn figure(report: &str, label: &str) -> u64 {
+    report_figure(report, label).unwrap_or(0)
 }
 
 fn spawn_relays(

@@ -281,11 +281,7 @@ impl Drop for Relay {
 
 /// The number after `label ` in a relay's report.
 fn figure(report: &str, label: &str) -> u64 {
-    report
-        .split(label)
-        .nth(1)
-        .and_then(|rest| rest.trim_start().split([',', ' ']).next())
-        .and_then(|number| number.parse().ok())
+    production_lab::relay::bench::report_figure(report, label)
         .unwrap_or_else(|| panic!("no '{label}' in {report:?}"))
 }
 
