@@ -151,29 +151,11 @@ pub(super) fn delivery_facts(
         let facts = &mut read.facts;
         match row.get(0)? {
             FACT_AGGREGATE => {
-                facts.aggregate = Some(AggregateRow {
-                    last: row.get(1)?,
-                    total: row.get(2)?,
-                    status: parsed(row, 3)?,
-                    since: row.get(4)?,
-                });
+                facts.aggregate = Some(aggregate_from(row, 1)?);
                 read.owner = owner_from(row.get(5)?, row.get(6)?);
             }
-            FACT_APPLIED => {
-                facts.applied = Some(AppliedMessage {
-                    payload: row.get(1)?,
-                    sequence: row.get(2)?,
-                    applied_at: row.get(3)?,
-                });
-            }
-            FACT_DEAD_LETTER => {
-                facts.dead_letter = Some(KnownDeadLetter {
-                    payload: row.get(1)?,
-                    reason: parsed(row, 2)?,
-                    status: parsed(row, 3)?,
-                    observations: row.get(4)?,
-                });
-            }
+            FACT_APPLIED => facts.applied = Some(applied_from(row, 1)?),
+            FACT_DEAD_LETTER => facts.dead_letter = Some(dead_letter_from(row, 1)?),
             FACT_HELD_ID => facts.held_message = Some(held_from(row, 1)?),
             _ => facts.held.push(held_from(row, 1)?),
         }
@@ -286,15 +268,18 @@ fn aggregate_row(
             "SELECT last_sequence, total, status, status_since
                FROM aggregate_state WHERE aggregate_id = ?1",
         )?
-        .query_row([aggregate_id], |row| {
-            Ok(AggregateRow {
-                last: row.get(0)?,
-                total: row.get(1)?,
-                status: parsed(row, 2)?,
-                since: row.get(3)?,
-            })
-        })
+        .query_row([aggregate_id], |row| aggregate_from(row, 0))
         .optional()
+}
+
+/// An aggregate's row from four columns (last, total, status, since), the first at `first`.
+fn aggregate_from(row: &Row<'_>, first: usize) -> rusqlite::Result<AggregateRow> {
+    Ok(AggregateRow {
+        last: row.get(first)?,
+        total: row.get(first + 1)?,
+        status: parsed(row, first + 2)?,
+        since: row.get(first + 3)?,
+    })
 }
 
 /// Only a blocked aggregate has open dead letters, so only a blocked one is asked.
@@ -332,13 +317,18 @@ fn applied_message(
               WHERE producer = ?1 AND message_id = ?2",
         )?
         .query_row(params![namespace(producer), message_id], |row| {
-            Ok(AppliedMessage {
-                payload: row.get(0)?,
-                sequence: row.get(1)?,
-                applied_at: row.get(2)?,
-            })
+            applied_from(row, 0)
         })
         .optional()
+}
+
+/// An applied message from three columns (payload, sequence, applied_at), the first at `first`.
+fn applied_from(row: &Row<'_>, first: usize) -> rusqlite::Result<AppliedMessage> {
+    Ok(AppliedMessage {
+        payload: row.get(first)?,
+        sequence: row.get(first + 1)?,
+        applied_at: row.get(first + 2)?,
+    })
 }
 
 /// The columns [`held_from_row`] reads, in its order.
@@ -401,14 +391,20 @@ fn known_dead_letter(
               WHERE producer = ?1 AND message_id = ?2",
         )?
         .query_row(params![namespace(producer), message_id], |row| {
-            Ok(KnownDeadLetter {
-                payload: row.get(0)?,
-                reason: parsed(row, 1)?,
-                status: parsed(row, 2)?,
-                observations: row.get(3)?,
-            })
+            dead_letter_from(row, 0)
         })
         .optional()
+}
+
+/// A known dead letter from four columns (payload, reason, status, observations), the first at
+/// `first`.
+fn dead_letter_from(row: &Row<'_>, first: usize) -> rusqlite::Result<KnownDeadLetter> {
+    Ok(KnownDeadLetter {
+        payload: row.get(first)?,
+        reason: parsed(row, first + 1)?,
+        status: parsed(row, first + 2)?,
+        observations: row.get(first + 3)?,
+    })
 }
 
 /// Writes the decided changes in order. Returns the id of the resolution row, if one was written.
@@ -744,7 +740,7 @@ mod tests {
 
     use crate::model::{DeadLetterStatus, QuarantineReason};
     use crate::resolution::Action;
-    use crate::sqlite::schema::migrated_in_memory as migrated;
+    use crate::sqlite::schema::{migrated_in_memory as migrated, query_plan};
     use crate::timeline::{TimelineDetail, TimelineKind};
 
     fn message(id: &str, aggregate: &str, sequence: i64, amount: i64) -> OrderedMessage {
@@ -951,14 +947,7 @@ mod tests {
               WHERE aggregate_id = ?1 AND observation_no IS NOT NULL
               ORDER BY observation_no DESC LIMIT ?2",
         ] {
-            let mut plan = connection
-                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
-                .unwrap();
-            let details: Vec<String> = plan
-                .query_map(params!["a", 1], |row| row.get(3))
-                .unwrap()
-                .map(Result::unwrap)
-                .collect();
+            let details = query_plan(&connection, sql, params!["a", 1]);
             assert!(
                 details.iter().all(|d| !d.starts_with("SCAN")),
                 "{details:?}"
@@ -1027,14 +1016,7 @@ mod tests {
     #[test]
     fn a_delivery_reads_its_facts_by_index_seeks_only() {
         let connection = migrated();
-        let mut plan = connection
-            .prepare(&format!("EXPLAIN QUERY PLAN {DELIVERY_FACTS}"))
-            .unwrap();
-        let details: Vec<String> = plan
-            .query_map(params!["", "m-1", "a"], |row| row.get(3))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
+        let details = query_plan(&connection, DELIVERY_FACTS, params!["", "m-1", "a"]);
         let seeks = details.iter().filter(|d| d.starts_with("SEARCH")).count();
         assert_eq!(seeks, 5, "{details:?}");
         assert!(

@@ -378,6 +378,23 @@ pub(crate) fn migrated_in_memory() -> Connection {
     connection
 }
 
+/// The detail lines of SQLite's plan for `sql` with `params` bound (`SEARCH …`, `SCAN …`), for
+/// unit tests that pin which statements seek an index.
+#[cfg(test)]
+pub(crate) fn query_plan(
+    connection: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> Vec<String> {
+    connection
+        .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+        .expect("a statement to explain")
+        .query_map(params, |row| row.get(3))
+        .expect("its plan")
+        .map(|detail| detail.expect("a plan line"))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -399,6 +399,7 @@ pub fn counts(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<A
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sqlite::schema::query_plan;
 
     #[test]
     fn per_aggregate_reads_seek_their_indexes() {
@@ -427,14 +428,7 @@ mod tests {
             "UPDATE deadletters SET status = 'superseded' WHERE aggregate_id = 'a' AND message_id = 'm' AND status = 'open'".to_owned(),
         ];
         for sql in statements {
-            let mut plan = connection
-                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
-                .unwrap();
-            let details: Vec<String> = plan
-                .query_map([], |row| row.get(3))
-                .unwrap()
-                .map(Result::unwrap)
-                .collect();
+            let details = query_plan(&connection, &sql, []);
             assert!(
                 details.iter().all(|d| !d.starts_with("SCAN")),
                 "{sql}: {details:?}"
