@@ -169,6 +169,25 @@ impl BrokerConfig {
     }
 }
 
+/// The server addresses of checked NATS URLs (see [`parse_nats_urls`]).
+pub(crate) fn server_addresses(
+    urls: &[String],
+) -> Result<Vec<async_nats::ServerAddr>, <async_nats::ServerAddr as std::str::FromStr>::Err> {
+    urls.iter().map(|url| url.parse()).collect()
+}
+
+/// How a long-lived client of this binary (the consumer, a relay) connects to NATS: named, a
+/// 3 s connection timeout, and reconnecting for ever, 100 ms more between attempts up to 1 s.
+pub(crate) fn reconnecting_client(name: String) -> async_nats::ConnectOptions {
+    async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(Duration::from_secs(3))
+        .max_reconnects(None)
+        .reconnect_delay_callback(|attempts| {
+            Duration::from_millis((attempts as u64).saturating_mul(100).min(1_000))
+        })
+}
+
 /// Splits `--nats` into URLs and refuses anything but `nats://` on a loopback host.
 pub fn parse_nats_urls(urls: &str) -> Result<Vec<String>, StartupError> {
     let mut parsed = Vec::new();
@@ -232,11 +251,7 @@ pub async fn publish_one(
     let failed = |what: &str, error: &dyn std::fmt::Display| {
         StartupError::Broker(format!("NATS at {}: {what}: {error}", urls.join(",")))
     };
-    let addresses = urls
-        .iter()
-        .map(|url| url.parse::<async_nats::ServerAddr>())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|error| failed("invalid address", &error))?;
+    let addresses = server_addresses(&urls).map_err(|error| failed("invalid address", &error))?;
     let client = async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(3))
         .connect(addresses)
@@ -431,19 +446,9 @@ impl Consumer {
                 config.urls.join(",")
             ))
         };
-        let addresses = config
-            .urls
-            .iter()
-            .map(|url| url.parse::<async_nats::ServerAddr>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|error| refuse("invalid address", &error))?;
-        let client = async_nats::ConnectOptions::new()
-            .name("production-lab")
-            .connection_timeout(Duration::from_secs(3))
-            .max_reconnects(None)
-            .reconnect_delay_callback(|attempts| {
-                Duration::from_millis((attempts as u64).saturating_mul(100).min(1_000))
-            })
+        let addresses =
+            server_addresses(&config.urls).map_err(|error| refuse("invalid address", &error))?;
+        let client = reconnecting_client("production-lab".to_owned())
             .connect(addresses)
             .await
             .map_err(|error| refuse("cannot connect", &error))?;

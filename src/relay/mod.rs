@@ -232,21 +232,13 @@ async fn connect(options: &RelayOptions) -> Result<Peers, RelayError> {
         urls: joined.clone(),
         reason,
     };
-    let addresses = urls
-        .iter()
-        .map(|url| url.parse::<async_nats::ServerAddr>())
-        .collect::<Result<Vec<_>, _>>()
+    let addresses = crate::broker::server_addresses(&urls)
         .map_err(|error| failed(format!("invalid address: {error}")))?;
-    let client = async_nats::ConnectOptions::new()
-        .name(format!("production-lab relay {}", options.owner))
-        .connection_timeout(Duration::from_secs(3))
-        .max_reconnects(None)
-        .reconnect_delay_callback(|attempts| {
-            Duration::from_millis((attempts as u64).saturating_mul(100).min(1_000))
-        })
-        .connect(addresses)
-        .await
-        .map_err(|error| failed(format!("cannot connect: {error}")))?;
+    let client =
+        crate::broker::reconnecting_client(format!("production-lab relay {}", options.owner))
+            .connect(addresses)
+            .await
+            .map_err(|error| failed(format!("cannot connect: {error}")))?;
     let mut jetstream = jetstream::new(client.clone());
     // A PubAck that has not come within this is retried (a cluster electing a new leader).
     jetstream.set_timeout(Duration::from_secs(2));
