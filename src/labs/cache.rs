@@ -240,7 +240,7 @@ async fn write_catalog(
                 ));
             }
             if fail_before_commit {
-                // Err rolls back this work's savepoint: the row and the cached value stay as they were.
+                // Err rolls back this work: the row and the cached value stay as they were.
                 return Err(AppError::problem(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "Controlled cache-write rollback",

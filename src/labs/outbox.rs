@@ -586,7 +586,7 @@ async fn lease_outbox_events(
                 })?);
             }
             Ok::<_, AppError>(Lease {
-                owner,
+                owner: owner.clone(),
                 lease_until_ms: until,
                 events,
             })
@@ -716,7 +716,7 @@ async fn ack_outbox_leases(
                 unknown: 0,
                 events: Vec::with_capacity(items.len()),
             };
-            for item in items {
+            for item in &items {
                 let row = read
                     .query_row([item.id], |row| {
                         Ok(LeaseRow {

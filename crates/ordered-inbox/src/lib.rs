@@ -28,7 +28,7 @@
 //! - [`inbox`]: the [`Inbox`] trait every backend implements (async; a backend reads facts and
 //!   writes the decided changes in one transaction serialized per aggregate).
 //! - [`sqlite`] (feature `sqlite`, on by default): the SQLite backend: one writer thread with
-//!   group commit and a savepoint per unit, read connections, the inbox's schema and migrations.
+//!   group commit (a savepoint per unit only when a unit fails), read connections, the inbox's schema and migrations.
 //! - [`postgres`] (feature `postgres`): the PostgreSQL backend, for several server processes on
 //!   one database: a connection pool, one transaction per operation serialized per aggregate by
 //!   advisory and row locks, pipelined prepared statements, versioned migrations.

@@ -1,6 +1,6 @@
 //! The SQLite side of a delivery and a resolution: read the facts, let the core decide, write the
-//! decided changes. Call these inside one write transaction (the store's writer gives each unit
-//! its own savepoint): the facts and the writes then see one snapshot, and the single writer
+//! decided changes. Call these inside one write transaction (the store's writer runs each unit so
+//! that its failure rolls back only its own changes): the facts and the writes then see one snapshot, and the single writer
 //! serializes every aggregate. Every statement is a primary-key or index seek, prepared once per
 //! connection.
 

@@ -2,7 +2,7 @@
 //! single-writer SQLite store with group commit that the owner of the file may share for tables
 //! of its own.
 //!
-//! - [`store`]: the writer thread, savepoints, read connections;
+//! - [`store`]: the writer thread, group commit, read connections;
 //! - [`schema`]: the inbox's tables and migrations;
 //! - [`engine`]: facts read, core decision, changes written, in one unit of work;
 //! - [`views`]: the evidence queries;
@@ -99,7 +99,7 @@ impl Inbox for SqliteInbox {
             .map_err(InboxError::from)
     }
 
-    /// One unit of the writer (one savepoint in one group commit) for the whole batch: any
+    /// One unit of the writer (in one group commit) for the whole batch: any
     /// store failure rolls all of it back. Each delivery reads its ownership facts in that unit,
     /// after the ones before it wrote theirs, so a claim earlier in the batch binds the rest; a
     /// refusal writes nothing and the next delivery goes on.
