@@ -21,7 +21,7 @@ use crate::resolution::{
     DeadLetterFact, Mode, Refusal, ResolutionError, ResolutionFacts, ResolutionRequest, Resolved,
     decide_resolution, resolved_event,
 };
-use crate::timeline::{OBSERVATIONS_KEPT, TimelineEntry};
+use crate::timeline::{OBSERVATIONS_KEPT, TimelineDetail, TimelineEntry, TimelineKind};
 use crate::views::{CurrentState, ResolutionRecord};
 
 /// Decides and records one delivery. `now` stamps every row it writes.
@@ -413,7 +413,8 @@ pub(super) fn write_changes(
     changes: &[Change],
 ) -> rusqlite::Result<Option<i64>> {
     let mut resolution_id = None;
-    for change in changes {
+    let mut changes = changes.iter().peekable();
+    while let Some(change) = changes.next() {
         match change {
             Change::PutAggregate { aggregate_id, row } => {
                 put_aggregate(connection, aggregate_id, row)?;
@@ -424,11 +425,21 @@ pub(super) fn write_changes(
                 payload,
                 applied_at,
             } => {
+                // The plan's next entry is this message's `applied` event: it is stored on the
+                // row (schema version 7) instead of as a timeline row of its own.
+                let total_after = changes
+                    .next_if(|next| applied_total(next, message, applied_at).is_some())
+                    .and_then(|next| applied_total(next, message, applied_at));
+                let event_id = match total_after {
+                    Some(_) => Some(next_event_id(connection)?),
+                    None => None,
+                };
                 connection
                     .prepare_cached(
                         "INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence,
-                                                   amount, applied_at, producer)
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                                                   amount, applied_at, producer, event_id,
+                                                   total_after)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
                     )?
                     .execute(params![
                         message.message_id,
@@ -437,7 +448,9 @@ pub(super) fn write_changes(
                         message.sequence,
                         message.amount,
                         applied_at,
-                        namespace(producer.as_deref())
+                        namespace(producer.as_deref()),
+                        event_id,
+                        total_after
                     ])?;
             }
             Change::InsertDeadLetter {
@@ -588,6 +601,34 @@ pub(super) fn write_changes(
     Ok(resolution_id)
 }
 
+/// The total after `message`, when `change` is exactly its `applied` event: the one the timeline
+/// view derives from the inbox row (same aggregate, sequence, id, time and amount).
+fn applied_total(change: &Change, message: &OrderedMessage, applied_at: &str) -> Option<i64> {
+    let Change::Append(entry) = change else {
+        return None;
+    };
+    let TimelineDetail::Applied { amount, total } = entry.detail else {
+        return None;
+    };
+    let same = entry.kind == TimelineKind::Applied
+        && entry.aggregate_id == message.aggregate_id
+        && entry.sequence == Some(message.sequence)
+        && entry.message_id.as_deref() == Some(message.message_id.as_str())
+        && entry.at == applied_at
+        && amount == message.amount;
+    same.then_some(total)
+}
+
+/// The next number of a timeline event. Timeline rows and applied inbox rows share one sequence,
+/// so the view can merge them in the order they happened.
+fn next_event_id(connection: &Connection) -> rusqlite::Result<i64> {
+    connection
+        .prepare_cached(
+            "UPDATE timeline_ids SET last_id = last_id + 1 WHERE id = 1 RETURNING last_id",
+        )?
+        .query_row([], |row| row.get(0))
+}
+
 /// Writes the aggregate's row. Most deliveries only move its position (the status and the time
 /// it began unchanged): those update the two columns in place, one seek and no index entry
 /// rewritten, where the upsert also replaced the row's entry in the status index every time.
@@ -685,11 +726,13 @@ fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusq
 /// `(aggregate_id, observation_no)`, so the cost does not grow with the history.
 fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()> {
     let detail = entry.detail.to_json();
+    let id = next_event_id(connection)?;
     if !entry.kind.is_observation() {
         connection
             .prepare_cached(
-                "INSERT INTO aggregate_timeline(aggregate_id, at, kind, sequence, message_id, detail)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                "INSERT INTO aggregate_timeline(id, aggregate_id, at, kind, sequence, message_id,
+                                                detail)
+                 VALUES (?7, ?1, ?2, ?3, ?4, ?5, ?6)",
             )?
             .execute(params![
                 entry.aggregate_id,
@@ -698,6 +741,7 @@ fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()
                 entry.sequence,
                 entry.message_id,
                 detail,
+                id,
             ])?;
         return Ok(());
     }
@@ -709,6 +753,7 @@ fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()
             entry.sequence,
             entry.message_id,
             detail,
+            id,
         ],
         |row| row.get(0),
     )?;
@@ -721,8 +766,9 @@ fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()
 }
 
 pub(super) const OBSERVATION_INSERT: &str = "
-INSERT INTO aggregate_timeline(aggregate_id, at, kind, sequence, message_id, detail, observation_no)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6,
+INSERT INTO aggregate_timeline(id, aggregate_id, at, kind, sequence, message_id, detail,
+                               observation_no)
+VALUES (?7, ?1, ?2, ?3, ?4, ?5, ?6,
         COALESCE((SELECT observation_no FROM aggregate_timeline
                    WHERE aggregate_id = ?1 AND observation_no IS NOT NULL
                    ORDER BY observation_no DESC LIMIT 1), 0) + 1)
@@ -742,6 +788,7 @@ mod tests {
     use crate::resolution::Action;
     use crate::sqlite::schema::{migrated_in_memory as migrated, query_plan};
     use crate::timeline::{TimelineDetail, TimelineKind};
+    use crate::views::PageRequest;
 
     fn message(id: &str, aggregate: &str, sequence: i64, amount: i64) -> OrderedMessage {
         OrderedMessage {
@@ -786,6 +833,94 @@ mod tests {
         .iter()
         .flat_map(|table| rows(connection, &format!("SELECT * FROM {table}")))
         .collect()
+    }
+
+    /// Every event of the aggregate's timeline, walked `limit` at a time, as `id|kind|sequence`.
+    fn walked_timeline(connection: &Connection, aggregate: &str, limit: i64) -> Vec<String> {
+        let mut seen = Vec::new();
+        let mut after = 0;
+        loop {
+            let page =
+                views::timeline(connection, aggregate, PageRequest { after, limit }).unwrap();
+            assert!(page.items.len() <= limit as usize);
+            seen.extend(page.items.iter().map(|event| {
+                let detail = event
+                    .detail
+                    .as_ref()
+                    .map(|d| d.to_string())
+                    .unwrap_or_default();
+                format!(
+                    "{}|{}|{}|{}",
+                    event.id,
+                    event.kind.as_str(),
+                    event.sequence.unwrap_or(0),
+                    detail
+                )
+            }));
+            match page.next {
+                Some(next) => after = next,
+                None => return seen,
+            }
+        }
+    }
+
+    #[test]
+    fn an_applied_event_is_stored_on_its_inbox_row_and_paged_in_order_with_the_others() {
+        let connection = migrated();
+        deliver(&connection, &message("m-1", "a", 1, 5), "t1");
+        deliver(&connection, &message("m-3", "a", 3, 1), "t2"); // a gap
+        deliver(&connection, &message("p-2", "a", 2, -1), "t3"); // quarantined
+        deliver(&connection, &message("m-2", "a", 2, 2), "t4"); // supersedes p-2, applies
+        deliver(&connection, &message("m-3", "a", 3, 3), "t5");
+        deliver(&connection, &message("b-1", "b", 1, 7), "t6"); // another aggregate, between
+        deliver(&connection, &message("m-4", "a", 4, 4), "t7");
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'applied'"
+            ),
+            ["0"]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT message_id, event_id IS NOT NULL, total_after FROM ordered_inbox
+                  WHERE aggregate_id = 'a' ORDER BY sequence"
+            ),
+            ["m-1|1|5", "m-2|1|7", "m-3|1|10", "m-4|1|14"]
+        );
+        let whole = walked_timeline(&connection, "a", 100);
+        let kinds: Vec<&str> = whole.iter().map(|e| e.split('|').nth(1).unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "applied",
+                "gap",
+                "quarantined",
+                "applied",
+                "superseded",
+                "applied",
+                "applied"
+            ]
+        );
+        assert!(
+            whole[0].ends_with(r#"|1|{"amount":5,"total":5}"#),
+            "{}",
+            whole[0]
+        );
+        let ids: Vec<i64> = whole
+            .iter()
+            .map(|e| e.split('|').next().unwrap().parse().unwrap())
+            .collect();
+        assert!(ids.windows(2).all(|pair| pair[0] < pair[1]), "{ids:?}");
+        for limit in 1..=4 {
+            assert_eq!(
+                walked_timeline(&connection, "a", limit),
+                whole,
+                "pages of {limit}"
+            );
+        }
+        assert_eq!(walked_timeline(&connection, "b", 1).len(), 1);
     }
 
     #[test]
@@ -1091,11 +1226,21 @@ mod tests {
             ),
             ["3|6|flowing"]
         );
+        let timeline = views::timeline(
+            &connection,
+            "a",
+            PageRequest {
+                after: 0,
+                limit: 50,
+            },
+        )
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|event| format!("{}|{}", event.kind.as_str(), event.sequence.unwrap_or(0)))
+        .collect::<Vec<_>>();
         assert_eq!(
-            rows(
-                &connection,
-                "SELECT kind, sequence FROM aggregate_timeline ORDER BY id"
-            ),
+            timeline,
             [
                 "held|3",
                 "held|2",

@@ -248,6 +248,40 @@ CREATE INDEX ix_deadletters_aggregate_all_id ON deadletters(aggregate_id, id);
 CREATE INDEX ix_resolutions_aggregate ON resolutions(aggregate_id, id);
 ";
 
+/// The `applied` event lives on the inbox row (version 7). Every applied message wrote the same
+/// facts twice: its `ordered_inbox` row and an `applied` timeline row, whose index entry cost a
+/// random B-tree leaf and about 12% of a delivery's instructions (issue 18). The inbox row now
+/// carries the event's number (`event_id`) and the aggregate's total after it (`total_after`),
+/// and the timeline view reads applied events from there. Event numbers stay one sequence for
+/// both tables, taken from `timeline_ids`, which starts past every number already used.
+/// Existing `applied` rows move onto their inbox rows, keeping their numbers, when the inbox row
+/// says exactly what they say (time, amount, the detail's text); any other stays where it is. Inbox rows from before the timeline have no event, as before.
+const APPLIED_ON_THE_INBOX_ROW: &str = "
+ALTER TABLE ordered_inbox ADD COLUMN event_id INTEGER;
+ALTER TABLE ordered_inbox ADD COLUMN total_after INTEGER;
+
+CREATE TABLE timeline_ids(
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    last_id INTEGER NOT NULL
+);
+INSERT INTO timeline_ids(id, last_id) SELECT 1, COALESCE(MAX(id), 0) FROM aggregate_timeline;
+
+UPDATE ordered_inbox
+   SET event_id = t.id, total_after = json_extract(t.detail, '$.total')
+  FROM aggregate_timeline AS t
+ WHERE t.kind = 'applied'
+   AND t.aggregate_id = ordered_inbox.aggregate_id
+   AND t.sequence = ordered_inbox.sequence
+   AND t.message_id = ordered_inbox.message_id
+   AND t.at = ordered_inbox.applied_at
+   AND t.detail = json_object(
+           'amount', ordered_inbox.amount,
+           'total', CASE WHEN json_valid(t.detail) THEN json_extract(t.detail, '$.total') END);
+DELETE FROM aggregate_timeline
+ WHERE kind = 'applied'
+   AND id IN (SELECT event_id FROM ordered_inbox WHERE event_id IS NOT NULL);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -257,6 +291,7 @@ pub const MIGRATIONS: &[&str] = &[
     HELD_MESSAGES,
     PRODUCERS,
     PRODUCER_IDENTITY,
+    APPLIED_ON_THE_INBOX_ROW,
 ];
 
 /// The migrations that rebuild tables (0-based, as in [`MIGRATIONS`]): they run with foreign
@@ -449,7 +484,7 @@ mod tests {
             )
             .unwrap();
         migrate(&mut connection).unwrap();
-        assert_eq!(found_version(&connection).unwrap(), 6);
+        assert_eq!(found_version(&connection).unwrap(), current_version());
         let foreign_keys: bool = connection
             .query_row("PRAGMA foreign_keys", [], |row| row.get(0))
             .unwrap();
@@ -512,6 +547,100 @@ mod tests {
             )
             .unwrap();
         assert_eq!(indexes, 10);
+    }
+
+    /// The aggregate's timeline through the view, as `id|kind|sequence|message|at|detail`.
+    fn timeline_of(connection: &Connection, aggregate: &str) -> Vec<String> {
+        let page = crate::sqlite::views::timeline(
+            connection,
+            aggregate,
+            crate::views::PageRequest {
+                after: 0,
+                limit: 100,
+            },
+        )
+        .unwrap();
+        page.items
+            .iter()
+            .map(|event| {
+                format!(
+                    "{}|{}|{}|{}|{}|{}",
+                    event.id,
+                    event.kind.as_str(),
+                    event.sequence.unwrap_or(0),
+                    event.message_id.as_deref().unwrap_or(""),
+                    event.at,
+                    event
+                        .detail
+                        .as_ref()
+                        .map(|d| d.to_string())
+                        .unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn version_7_moves_applied_events_onto_their_inbox_rows_with_the_same_numbers() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        for script in &MIGRATIONS[..5] {
+            connection.execute_batch(script).unwrap();
+        }
+        rebuild(&mut connection, 5, MIGRATIONS[5]).unwrap();
+        // A version 6 history: applied rows beside their inbox rows, an event between them,
+        // and an applied row whose inbox row is missing.
+        connection
+            .execute_batch(
+                r#"INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence, amount,
+                                           applied_at)
+                 VALUES ('m-1', '{}', 'a', 1, 5, 't1'), ('m-2', '{}', 'a', 2, 2, 't3');
+                 INSERT INTO aggregate_timeline(id, aggregate_id, at, kind, sequence, message_id,
+                                                detail)
+                 VALUES (1, 'a', 't1', 'applied', 1, 'm-1', '{"amount":5,"total":5}'),
+                        (2, 'a', 't2', 'quarantined', 2, 'p-2',
+                         '{"reason":"negative amount","amount":-1}'),
+                        (4, 'a', 't3', 'applied', 2, 'm-2', '{"amount":2,"total":7}'),
+                        (5, 'a', 't4', 'applied', 3, 'gone-3', '{"amount":1,"total":8}');"#,
+            )
+            .unwrap();
+        // What version 6's view read: every row of the aggregate's timeline, by id.
+        let before: Vec<String> = connection
+            .prepare(
+                "SELECT id, kind, sequence, message_id, at, detail FROM aggregate_timeline
+                  WHERE aggregate_id = 'a' ORDER BY id",
+            )
+            .unwrap()
+            .query_map([], |row| {
+                let detail: String = row.get(5)?;
+                let detail: serde_json::Value = serde_json::from_str(&detail).unwrap();
+                Ok(format!(
+                    "{}|{}|{}|{}|{}|{detail}",
+                    row.get::<_, i64>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, i64>(2)?,
+                    row.get::<_, String>(3)?,
+                    row.get::<_, String>(4)?,
+                ))
+            })
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(before.len(), 4);
+        migrate(&mut connection).unwrap();
+        assert_eq!(found_version(&connection).unwrap(), 7);
+        assert_eq!(timeline_of(&connection, "a"), before);
+        let left: Vec<i64> = connection
+            .prepare("SELECT id FROM aggregate_timeline ORDER BY id")
+            .unwrap()
+            .query_map([], |row| row.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(left, [2, 5], "the moved rows are gone; the orphan stays");
+        let next: i64 = connection
+            .query_row("SELECT last_id FROM timeline_ids", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(next, 5, "new events are numbered past every old one");
     }
 
     #[test]
