@@ -430,16 +430,18 @@ pub(super) fn write_changes(
                 let total_after = changes
                     .next_if(|next| applied_total(next, message, applied_at).is_some())
                     .and_then(|next| applied_total(next, message, applied_at));
-                let event_id = match total_after {
-                    Some(_) => Some(next_event_id(connection)?),
-                    None => None,
-                };
+                if total_after.is_some() {
+                    advance_event_counter(connection)?;
+                }
                 connection
                     .prepare_cached(
                         "INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence,
                                                    amount, applied_at, producer, event_id,
                                                    total_after)
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7,
+                                 CASE WHEN ?8 IS NOT NULL
+                                      THEN (SELECT last_id FROM timeline_ids WHERE id = 1) END,
+                                 ?8)",
                     )?
                     .execute(params![
                         message.message_id,
@@ -449,7 +451,6 @@ pub(super) fn write_changes(
                         message.amount,
                         applied_at,
                         namespace(producer.as_deref()),
-                        event_id,
                         total_after
                     ])?;
             }
@@ -619,14 +620,15 @@ fn applied_total(change: &Change, message: &OrderedMessage, applied_at: &str) ->
     same.then_some(total)
 }
 
-/// The next number of a timeline event. Timeline rows and applied inbox rows share one sequence,
-/// so the view can merge them in the order they happened.
-fn next_event_id(connection: &Connection) -> rusqlite::Result<i64> {
+/// Takes the next number of a timeline event; the insert that follows reads it as
+/// `(SELECT last_id FROM timeline_ids WHERE id = 1)`. Timeline rows and applied inbox rows share
+/// one sequence, so the view can merge them in the order they happened. (Not `RETURNING`: SQLite
+/// collects returned rows in a temporary B-tree, which cost more than the insert it numbers.)
+fn advance_event_counter(connection: &Connection) -> rusqlite::Result<()> {
     connection
-        .prepare_cached(
-            "UPDATE timeline_ids SET last_id = last_id + 1 WHERE id = 1 RETURNING last_id",
-        )?
-        .query_row([], |row| row.get(0))
+        .prepare_cached("UPDATE timeline_ids SET last_id = last_id + 1 WHERE id = 1")?
+        .execute([])
+        .map(drop)
 }
 
 /// Writes the aggregate's row. Most deliveries only move its position (the status and the time
@@ -726,13 +728,13 @@ fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusq
 /// `(aggregate_id, observation_no)`, so the cost does not grow with the history.
 fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()> {
     let detail = entry.detail.to_json();
-    let id = next_event_id(connection)?;
+    advance_event_counter(connection)?;
     if !entry.kind.is_observation() {
         connection
             .prepare_cached(
                 "INSERT INTO aggregate_timeline(id, aggregate_id, at, kind, sequence, message_id,
                                                 detail)
-                 VALUES (?7, ?1, ?2, ?3, ?4, ?5, ?6)",
+                 VALUES ((SELECT last_id FROM timeline_ids WHERE id = 1), ?1, ?2, ?3, ?4, ?5, ?6)",
             )?
             .execute(params![
                 entry.aggregate_id,
@@ -741,7 +743,6 @@ fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()
                 entry.sequence,
                 entry.message_id,
                 detail,
-                id,
             ])?;
         return Ok(());
     }
@@ -753,7 +754,6 @@ fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()
             entry.sequence,
             entry.message_id,
             detail,
-            id,
         ],
         |row| row.get(0),
     )?;
@@ -768,7 +768,7 @@ fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()
 pub(super) const OBSERVATION_INSERT: &str = "
 INSERT INTO aggregate_timeline(id, aggregate_id, at, kind, sequence, message_id, detail,
                                observation_no)
-VALUES (?7, ?1, ?2, ?3, ?4, ?5, ?6,
+VALUES ((SELECT last_id FROM timeline_ids WHERE id = 1), ?1, ?2, ?3, ?4, ?5, ?6,
         COALESCE((SELECT observation_no FROM aggregate_timeline
                    WHERE aggregate_id = ?1 AND observation_no IS NOT NULL
                    ORDER BY observation_no DESC LIMIT 1), 0) + 1)
