@@ -35,6 +35,7 @@ pub const BATCH_SIZE: &str = "inbox_writer_batch_size";
 pub const COMMIT_SECONDS: &str = "inbox_writer_commit_seconds";
 pub const TRANSACTION_SECONDS: &str = "inbox_writer_transaction_seconds";
 pub const QUEUE_DEPTH: &str = "inbox_writer_queue_depth";
+pub const REPLAYED_BATCHES: &str = "inbox_writer_replayed_batches_total";
 pub const OUTBOX_LEASED: &str = "outbox_leased_total";
 pub const OUTBOX_ACKS: &str = "outbox_acks_total";
 pub const HTTP_REQUESTS: &str = "http_requests_total";
@@ -181,6 +182,10 @@ impl Metrics {
                 Unit::Seconds,
                 "Duration of a group transaction, from BEGIN IMMEDIATE to the end of COMMIT"
             );
+            metrics::describe_counter!(
+                REPLAYED_BATCHES,
+                "Group transactions run a second time, each unit in its own savepoint, because a unit failed"
+            );
             metrics::describe_gauge!(
                 QUEUE_DEPTH,
                 "Units of work waiting for the store's writer, read at scrape time"
@@ -326,6 +331,7 @@ impl Metrics {
                 batch_size: metrics::histogram!(BATCH_SIZE),
                 commit: metrics::histogram!(COMMIT_SECONDS),
                 transaction: metrics::histogram!(TRANSACTION_SECONDS),
+                replayed: metrics::counter!(REPLAYED_BATCHES),
             })
         })
     }
@@ -368,6 +374,7 @@ struct WriterMetrics {
     batch_size: Histogram,
     commit: Histogram,
     transaction: Histogram,
+    replayed: Counter,
 }
 
 impl WriterObserver for WriterMetrics {
@@ -375,6 +382,9 @@ impl WriterObserver for WriterMetrics {
         self.batch_size.record(batch.units as f64);
         self.commit.record(batch.commit.as_secs_f64());
         self.transaction.record(batch.transaction.as_secs_f64());
+        if batch.replayed {
+            self.replayed.increment(1);
+        }
     }
 }
 

@@ -708,3 +708,60 @@ async fn bench_reports_progress_on_stderr_and_keeps_stdout_and_json_for_the_figu
             .is_some_and(|rate| rate > 0.0)
     );
 }
+
+/// Failing units among concurrent deliveries: each failure replays its batch with a savepoint per
+/// unit, the metric counts those replays, and the deliveries that shared a batch with a failure
+/// are applied exactly once while the failures leave nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_unit_replays_its_batch_and_its_neighbours_apply_exactly_once() {
+    let app = spawn_app().await;
+    let (_, before) = scrape(&app).await;
+    assert_eq!(value(&before, "inbox_writer_replayed_batches_total"), 0.0);
+    let deliveries = (1..=40).map(|n| {
+        let app = &app;
+        async move { deliver(app, &format!("replay-{n}"), &format!("m-{n}"), 1, n).await }
+    });
+    let failures =
+        (0..10).map(|_| async { app.post("/contracts/change/before").await.status().as_u16() });
+    let (delivered, failed) = tokio::join!(
+        futures_util::future::join_all(deliveries),
+        futures_util::future::join_all(failures)
+    );
+    assert!(
+        delivered.iter().all(|status| *status == 200),
+        "{delivered:?}"
+    );
+    assert!(failed.iter().all(|status| *status == 503), "{failed:?}");
+    assert_eq!(
+        app.scalar("SELECT value FROM contract_effect WHERE id = 1"),
+        0,
+        "a failed unit's change was kept"
+    );
+    for n in 1..=40 {
+        let aggregate = format!("replay-{n}");
+        let (status, view) =
+            status_and_json(app.get(&format!("/aggregates/{aggregate}")).await).await;
+        assert_eq!(
+            (status, view["last"].clone(), view["total"].clone()),
+            (200, json!(1), json!(n))
+        );
+        let (_, timeline) =
+            status_and_json(app.get(&format!("/aggregates/{aggregate}/timeline")).await).await;
+        let kinds: Vec<&str> = timeline["events"]
+            .as_array()
+            .map(|items| {
+                items
+                    .iter()
+                    .filter_map(|event| event["kind"].as_str())
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert_eq!(kinds, ["applied"], "{aggregate}: {timeline}");
+    }
+    let (_, after) = scrape(&app).await;
+    let replayed = value(&after, "inbox_writer_replayed_batches_total");
+    assert!(
+        (1.0..=10.0).contains(&replayed),
+        "{replayed} replayed batches"
+    );
+}

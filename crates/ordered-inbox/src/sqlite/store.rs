@@ -117,6 +117,8 @@ pub struct BatchCommitted {
     pub transaction: Duration,
     /// The `COMMIT` statement alone: with `synchronous=FULL`, mostly the fsync.
     pub commit: Duration,
+    /// A unit failed, so the batch ran a second time with each unit in its own savepoint.
+    pub replayed: bool,
 }
 
 /// Called on the writer thread after every committed batch; it must return quickly (it delays
@@ -500,7 +502,8 @@ fn run_batch(
         });
     }
     // `all` stops at the first failure: the units after it have not run yet.
-    if !batch.iter_mut().all(|job| job.run(connection)) {
+    let replayed = !batch.iter_mut().all(|job| job.run(connection));
+    if replayed {
         stats.replayed.fetch_add(1, Ordering::Relaxed);
         if let Err(error) = run_in_savepoints(connection, control, &mut batch) {
             return answer_all(batch, || error.to_unit_error());
@@ -517,6 +520,7 @@ fn run_batch(
                     units: units as usize,
                     transaction: began.elapsed(),
                     commit: committing.elapsed(),
+                    replayed,
                 });
             }
             batch.into_iter().for_each(|job| job.answer(Ok(())));
