@@ -1,7 +1,7 @@
 //! The SQLite side of a delivery and a resolution: read the facts, let the core decide, write the
 //! decided changes. Call these inside one write transaction (the store's writer runs each unit so
-//! that its failure rolls back only its own changes): the facts and the writes then see one snapshot, and the single writer
-//! serializes every aggregate. Every statement is a primary-key or index seek, prepared once per
+//! that its failure rolls back only its own changes): the facts and the writes then see one
+//! snapshot, and the single writer serializes every aggregate. Every statement is a primary-key or index seek, prepared once per
 //! connection.
 
 use std::str::FromStr;
@@ -428,9 +428,10 @@ pub(super) fn write_changes(
                 // The plan's next entry is this message's `applied` event: it is stored on the
                 // row (schema version 7) instead of as a timeline row of its own.
                 let total_after = changes
-                    .next_if(|next| applied_total(next, message, applied_at).is_some())
+                    .peek()
                     .and_then(|next| applied_total(next, message, applied_at));
                 if total_after.is_some() {
+                    changes.next();
                     advance_event_counter(connection)?;
                 }
                 connection
@@ -835,7 +836,8 @@ mod tests {
         .collect()
     }
 
-    /// Every event of the aggregate's timeline, walked `limit` at a time, as `id|kind|sequence`.
+    /// Every event of the aggregate's timeline, walked `limit` at a time, as
+    /// `id|kind|sequence|detail`.
     fn walked_timeline(connection: &Connection, aggregate: &str, limit: i64) -> Vec<String> {
         let mut seen = Vec::new();
         let mut after = 0;

@@ -255,7 +255,8 @@ CREATE INDEX ix_resolutions_aggregate ON resolutions(aggregate_id, id);
 /// and the timeline view reads applied events from there. Event numbers stay one sequence for
 /// both tables, taken from `timeline_ids`, which starts past every number already used.
 /// Existing `applied` rows move onto their inbox rows, keeping their numbers, when the inbox row
-/// says exactly what they say (time, amount, the detail's text); any other stays where it is. Inbox rows from before the timeline have no event, as before.
+/// says exactly what they say (time, amount, the detail's text); any other stays where it is.
+/// Inbox rows from before the timeline have no event, as before.
 const APPLIED_ON_THE_INBOX_ROW: &str = "
 ALTER TABLE ordered_inbox ADD COLUMN event_id INTEGER;
 ALTER TABLE ordered_inbox ADD COLUMN total_after INTEGER;
