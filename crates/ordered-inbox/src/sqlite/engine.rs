@@ -625,11 +625,15 @@ fn applied_total(change: &Change, message: &OrderedMessage, applied_at: &str) ->
 /// `(SELECT last_id FROM timeline_ids WHERE id = 1)`. Timeline rows and applied inbox rows share
 /// one sequence, so the view can merge them in the order they happened. (Not `RETURNING`: SQLite
 /// collects returned rows in a temporary B-tree, which cost more than the insert it numbers.)
+/// A file whose counter row is gone fails the write rather than store events without numbers.
 fn advance_event_counter(connection: &Connection) -> rusqlite::Result<()> {
-    connection
+    let changed = connection
         .prepare_cached("UPDATE timeline_ids SET last_id = last_id + 1 WHERE id = 1")?
-        .execute([])
-        .map(drop)
+        .execute([])?;
+    match changed {
+        1 => Ok(()),
+        other => Err(rusqlite::Error::StatementChangedRows(other)),
+    }
 }
 
 /// Writes the aggregate's row. Most deliveries only move its position (the status and the time
@@ -923,6 +927,20 @@ mod tests {
             );
         }
         assert_eq!(walked_timeline(&connection, "b", 1).len(), 1);
+    }
+
+    #[test]
+    fn a_file_without_its_event_counter_refuses_the_write_instead_of_losing_the_event() {
+        let connection = migrated();
+        connection.execute("DELETE FROM timeline_ids", []).unwrap();
+        let refused = deliver_in(
+            &connection,
+            &message("m-1", "a", 1, 5),
+            Door::General,
+            &Limits::default(),
+            "t1",
+        );
+        assert!(refused.is_err());
     }
 
     #[test]
