@@ -505,8 +505,8 @@ fn run_batch(
     let replayed = !batch.iter_mut().all(|job| job.run(connection));
     if replayed {
         stats.replayed.fetch_add(1, Ordering::Relaxed);
-        if let Err(error) = run_in_savepoints(connection, control, &mut batch) {
-            return answer_all(batch, || error.to_unit_error());
+        if let Err(reason) = run_in_savepoints(connection, control, &mut batch) {
+            return answer_all(batch, || StoreError::Unavailable(reason.clone()));
         }
     }
     let committing = Instant::now();
@@ -527,7 +527,7 @@ fn run_batch(
         }
         Err(error) => {
             let reason = error.to_string();
-            let _ = connection.execute_batch("ROLLBACK");
+            let _ = run(&mut control.rollback);
             answer_all(batch, || {
                 StoreError::Unavailable(format!("commit failed: {reason}"))
             });
@@ -535,34 +535,14 @@ fn run_batch(
     }
 }
 
-/// Why a batch could not be replayed; the transaction has been rolled back.
-enum ReplayFailed {
-    /// The transaction could not be restarted.
-    Restart(String),
-    /// A savepoint could not be closed, so the transaction's state was unknown.
-    Savepoint(String),
-}
-
-impl ReplayFailed {
-    fn to_unit_error(&self) -> StoreError {
-        match self {
-            ReplayFailed::Restart(reason) => StoreError::Unavailable(format!(
-                "could not restart the write transaction: {reason}"
-            )),
-            ReplayFailed::Savepoint(reason) => StoreError::Unavailable(format!(
-                "the batch was rolled back: a savepoint could not be closed: {reason}"
-            )),
-        }
-    }
-}
-
 /// Rolls the failed attempt back and runs the batch again in a new transaction, each unit in its
-/// own savepoint, so a failing unit's changes go and the others' stay.
+/// own savepoint, so a failing unit's changes go and the others' stay. On `Err` (why every unit
+/// must be refused) the transaction has been rolled back.
 fn run_in_savepoints(
     connection: &Connection,
     control: &mut TransactionControl<'_>,
     batch: &mut [Box<dyn WriteJob>],
-) -> Result<(), ReplayFailed> {
+) -> Result<(), String> {
     // A failure such as SQLITE_FULL may have rolled the transaction back already.
     let rolled_back = if connection.is_autocommit() {
         Ok(())
@@ -571,10 +551,10 @@ fn run_in_savepoints(
     };
     let restarted = rolled_back
         .and_then(|()| begin_immediate(&mut control.begin))
-        .map_err(|error| ReplayFailed::Restart(error.to_string()));
-    if let Err(failed) = restarted {
-        let _ = connection.execute_batch("ROLLBACK");
-        return Err(failed);
+        .map_err(|error| format!("could not restart the write transaction: {error}"));
+    if let Err(reason) = restarted {
+        let _ = run(&mut control.rollback);
+        return Err(reason);
     }
     for job in batch.iter_mut() {
         if let Err(error) = run(&mut control.savepoint) {
@@ -588,8 +568,10 @@ fn run_in_savepoints(
         };
         if let Err(error) = closed {
             // Nothing in a transaction of unknown state may be committed.
-            let _ = connection.execute_batch("ROLLBACK");
-            return Err(ReplayFailed::Savepoint(error.to_string()));
+            let _ = run(&mut control.rollback);
+            return Err(format!(
+                "the batch was rolled back: a savepoint could not be closed: {error}"
+            ));
         }
     }
     Ok(())
