@@ -1,4 +1,4 @@
-"""The deliberate exclusions of the schema fuzzing run by .ci/schemathesis (the README names each).
+"""The deliberate exclusions of the schema fuzzing run by .ci/schemathesis (docs/operating.md names each).
 
 The lab has controls that hold or cut requests on purpose, and fault switches that answer 503 on
 purpose. A fuzzer that switches them in random order would make later, unrelated requests wait
