@@ -62,9 +62,20 @@ CREATE TABLE general_outbox(
 CREATE INDEX ix_general_outbox_pending ON general_outbox(status, aggregate_id, sequence);
 ";
 
+/// Migration 4: the index a lease walks. Only pending rows, in (aggregate, sequence) order, with
+/// `lease_until` in the entry, so that a lease reads an aggregate's first pending event from the
+/// index alone and, when that event is under a live lease, seeks past the whole aggregate instead
+/// of reading the rows waiting behind it. It replaces migration 3's index, which held sent rows
+/// too and needed the table row for `lease_until`.
+const OUTBOX_LEASE_INDEX: &str = "
+CREATE INDEX ix_general_outbox_pending_by_aggregate
+  ON general_outbox(aggregate_id, sequence, lease_until) WHERE status = 'pending';
+DROP INDEX ix_general_outbox_pending;
+";
+
 /// Every migration in order; migration `i` (0-based) brings the file to `user_version = i + 1`.
 /// Append only: a released migration never changes.
-pub const MIGRATIONS: &[&str] = &[SEED_LABS, INBOX_MOVED, GENERAL_OUTBOX];
+pub const MIGRATIONS: &[&str] = &[SEED_LABS, INBOX_MOVED, GENERAL_OUTBOX, OUTBOX_LEASE_INDEX];
 
 /// The schema version this build writes.
 pub fn current_version() -> i64 {

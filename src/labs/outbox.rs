@@ -92,14 +92,27 @@ pub fn plan_lease<'a>(
 ) -> Vec<i64> {
     let mut planner = LeasePlanner::new(now, max);
     for row in pending {
-        if !planner.offer(row) {
+        if planner.offer(row) == NextRow::Done {
             break;
         }
     }
     planner.chosen
 }
 
-/// [`plan_lease`] one row at a time, so the store can stop reading once `max` are chosen.
+/// What [`LeasePlanner::offer`] needs to see next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NextRow {
+    /// The next pending row in (aggregateId, sequence) order.
+    Following,
+    /// The first pending row of the next aggregate: the rest of this one is blocked, so a reader
+    /// with an index seeks past it rather than reading its rows.
+    NextAggregate,
+    /// Nothing: `max` are chosen.
+    Done,
+}
+
+/// [`plan_lease`] one row at a time, so that the store reads only the rows the plan looks at:
+/// each aggregate's rows up to the first under a live lease, and no further once `max` are chosen.
 pub struct LeasePlanner {
     now: i64,
     max: usize,
@@ -117,22 +130,26 @@ impl LeasePlanner {
         }
     }
 
-    /// Considers the next pending row (in (aggregateId, sequence) order); false once `max` are
-    /// chosen.
-    pub fn offer(&mut self, row: &PendingRow) -> bool {
+    /// Considers the next pending row (in (aggregateId, sequence) order) and says which row it
+    /// needs after it.
+    pub fn offer(&mut self, row: &PendingRow) -> NextRow {
         if self.chosen.len() >= self.max {
-            return false;
+            return NextRow::Done;
         }
         if self.blocked.as_deref() == Some(row.aggregate_id.as_str()) {
-            return true;
+            return NextRow::NextAggregate;
         }
         if row.lease_until.is_some_and(|until| until > self.now) {
             self.blocked = Some(row.aggregate_id.clone());
-            return true;
+            return NextRow::NextAggregate;
         }
         self.blocked = None;
         self.chosen.push(row.id);
-        self.chosen.len() < self.max
+        if self.chosen.len() < self.max {
+            NextRow::Following
+        } else {
+            NextRow::Done
+        }
     }
 }
 
@@ -512,6 +529,49 @@ struct Lease {
     events: Vec<LeasedEvent>,
 }
 
+/// The pending rows of aggregates after `?1`, in (aggregateId, sequence) order, from the partial
+/// index `ix_general_outbox_pending_by_aggregate` alone (it holds `lease_until`; the id is the
+/// rowid).
+pub const PENDING_AFTER_AGGREGATE: &str =
+    "SELECT id, aggregate_id, sequence, lease_until FROM general_outbox
+      WHERE status = 'pending' AND aggregate_id > ?1 ORDER BY aggregate_id, sequence";
+
+/// [`plan_lease`] over the pending rows, read through the index: the rows of an aggregate are
+/// read only up to its first event under a live lease, and then the read seeks to the next
+/// aggregate. A lease so costs an index seek per aggregate it skips and a step per event it
+/// takes, however many events wait behind live leases. Aggregate ids are never empty, so the
+/// first seek starts after ''.
+fn plan_lease_in(
+    connection: &rusqlite::Connection,
+    now: i64,
+    max: usize,
+) -> rusqlite::Result<Vec<i64>> {
+    let mut statement = connection.prepare_cached(PENDING_AFTER_AGGREGATE)?;
+    let mut planner = LeasePlanner::new(now, max);
+    let mut after = String::new();
+    'seek: loop {
+        let mut rows = statement.query([&after])?;
+        while let Some(row) = rows.next()? {
+            let pending = PendingRow {
+                id: row.get(0)?,
+                aggregate_id: row.get(1)?,
+                sequence: row.get(2)?,
+                lease_until: row.get(3)?,
+            };
+            match planner.offer(&pending) {
+                NextRow::Following => {}
+                NextRow::NextAggregate => {
+                    after = pending.aggregate_id;
+                    continue 'seek;
+                }
+                NextRow::Done => break 'seek,
+            }
+        }
+        break;
+    }
+    Ok(planner.chosen)
+}
+
 #[utoipa::path(post, path = "/outbox/leases", tag = "outbox", request_body = LeaseInput,
     responses(
         (status = 200, description = "The leased events (possibly none), in (aggregateId, sequence) order, each with its generation", body = Lease),
@@ -545,27 +605,7 @@ async fn lease_outbox_events(
             // the updates below.
             let now = now_millis();
             let until = now.saturating_add(lease_ms);
-            let chosen = {
-                let mut statement = connection.prepare_cached(
-                    "SELECT id, aggregate_id, sequence, lease_until FROM general_outbox
-                      WHERE status = 'pending' ORDER BY aggregate_id, sequence",
-                )?;
-                let mut rows = statement.query([])?;
-                // Row by row: planning stops reading once `max` are chosen.
-                let mut planner = LeasePlanner::new(now, max);
-                while let Some(row) = rows.next()? {
-                    let pending = PendingRow {
-                        id: row.get(0)?,
-                        aggregate_id: row.get(1)?,
-                        sequence: row.get(2)?,
-                        lease_until: row.get(3)?,
-                    };
-                    if !planner.offer(&pending) {
-                        break;
-                    }
-                }
-                planner.chosen
-            };
+            let chosen = plan_lease_in(connection, now, max)?;
             let mut update = connection.prepare_cached(
                 "UPDATE general_outbox
                     SET owner = ?1, lease_until = ?2, generation = generation + 1
@@ -804,6 +844,151 @@ mod tests {
             row(4, "a", 4, None),
         ];
         assert_eq!(plan_lease(&pending, 1000, 10), vec![2]);
+    }
+
+    #[test]
+    fn the_planner_asks_for_the_next_aggregate_once_one_is_blocked() {
+        let mut planner = LeasePlanner::new(1000, 2);
+        assert_eq!(
+            planner.offer(&row(1, "a", 1, Some(2000))),
+            NextRow::NextAggregate
+        );
+        assert_eq!(planner.offer(&row(3, "b", 1, None)), NextRow::Following);
+        assert_eq!(planner.offer(&row(4, "b", 2, Some(999))), NextRow::Done);
+        assert_eq!(planner.chosen, vec![3, 4]);
+    }
+
+    /// A database at the labs' current schema, in memory.
+    fn labs_database() -> rusqlite::Connection {
+        let mut connection = rusqlite::Connection::open_in_memory().expect("in-memory database");
+        crate::schema::migrate(&mut connection).expect("migrate");
+        connection
+    }
+
+    fn insert_event(
+        connection: &rusqlite::Connection,
+        aggregate: &str,
+        sequence: i64,
+        lease_until: Option<i64>,
+    ) {
+        connection
+            .execute(
+                "INSERT INTO general_outbox(event_key, aggregate_id, sequence, amount, lease_until,
+                                            created_at_ms)
+                 VALUES (?1, ?2, ?3, 1, ?4, 0)",
+                params![
+                    format!("{aggregate}-{sequence}"),
+                    aggregate,
+                    sequence,
+                    lease_until
+                ],
+            )
+            .expect("insert an event");
+    }
+
+    #[test]
+    fn the_lease_reads_pending_rows_from_the_partial_index_without_scanning_or_sorting() {
+        let connection = labs_database();
+        let details: Vec<String> = connection
+            .prepare(&format!("EXPLAIN QUERY PLAN {PENDING_AFTER_AGGREGATE}"))
+            .expect("explain")
+            .query_map(["a"], |row| row.get(3))
+            .expect("the plan")
+            .collect::<rusqlite::Result<_>>()
+            .expect("plan lines");
+        assert_eq!(
+            details,
+            ["SEARCH general_outbox USING COVERING INDEX \
+              ix_general_outbox_pending_by_aggregate (aggregate_id>?)"],
+            "one index seek, no SCAN of the table and no sort"
+        );
+    }
+
+    /// Ten aggregates whose first event is under a live lease with `behind` events waiting after
+    /// it, between and after them five free aggregates of three events; the lease's plan, and how
+    /// many steps its statement ran.
+    fn lease_behind_blocked(behind: i64) -> (Vec<i64>, i32) {
+        let connection = labs_database();
+        for aggregate in 0..10 {
+            let name = format!("b{aggregate}");
+            insert_event(&connection, &name, 1, Some(5000));
+            for sequence in 2..=behind + 1 {
+                insert_event(&connection, &name, sequence, None);
+            }
+            if aggregate % 2 == 0 {
+                for sequence in 1..=3 {
+                    insert_event(&connection, &format!("b{aggregate}f"), sequence, None);
+                }
+            }
+        }
+        let chosen = plan_lease_in(&connection, 1000, 1000).expect("plan");
+        let statement = connection
+            .prepare_cached(PENDING_AFTER_AGGREGATE)
+            .expect("the cached statement");
+        (
+            chosen,
+            statement.get_status(rusqlite::StatementStatus::VmStep),
+        )
+    }
+
+    #[test]
+    fn a_leases_reads_do_not_grow_with_the_events_blocked_behind_live_leases() {
+        let (few_chosen, few_steps) = lease_behind_blocked(1);
+        let (many_chosen, many_steps) = lease_behind_blocked(2000);
+        assert_eq!(few_chosen.len(), 15, "the free aggregates' events");
+        assert_eq!(
+            many_chosen.len(),
+            15,
+            "the same events with more blocked rows"
+        );
+        assert_eq!(
+            few_steps, many_steps,
+            "2000 blocked rows per aggregate cost no more steps than 1"
+        );
+    }
+
+    #[test]
+    fn the_lease_through_the_index_chooses_what_the_plan_over_every_pending_row_chooses() {
+        let connection = labs_database();
+        let now = 1000;
+        // Live, expired, never leased and a live lease in the middle, over a few aggregates.
+        let leases = [None, Some(now + 1), Some(now - 1), Some(now), None, None];
+        for aggregate in 0..6 {
+            for sequence in 1..=4 {
+                let lease = leases[(aggregate * 4 + sequence as usize) % leases.len()];
+                insert_event(&connection, &format!("a{aggregate}"), sequence, lease);
+            }
+        }
+        connection
+            .execute(
+                "UPDATE general_outbox SET status = 'sent' WHERE sequence = 1 AND aggregate_id = 'a3'",
+                [],
+            )
+            .expect("send one");
+        let every_pending: Vec<PendingRow> = connection
+            .prepare(
+                "SELECT id, aggregate_id, sequence, lease_until FROM general_outbox
+                  WHERE status = 'pending' ORDER BY aggregate_id, sequence",
+            )
+            .expect("prepare")
+            .query_map([], |r| {
+                Ok(row(
+                    r.get(0)?,
+                    &r.get::<_, String>(1)?,
+                    r.get(2)?,
+                    r.get(3)?,
+                ))
+            })
+            .expect("query")
+            .collect::<rusqlite::Result<_>>()
+            .expect("rows");
+        for max in [1, 3, 7, 100] {
+            assert_eq!(
+                plan_lease_in(&connection, now, max).expect("plan"),
+                plan_lease(&every_pending, now, max),
+                "max {max}"
+            );
+        }
     }
 
     fn lease(sent: bool, owner: &str, generation: i64, until: Option<i64>) -> LeaseRow {
