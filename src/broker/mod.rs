@@ -7,7 +7,7 @@
 //! | verdict | broker action |
 //! |---|---|
 //! | applied, replay, held (new or again), quarantined | ack |
-//! | stale, payload conflict, malformed, a producer refusal | term, and listed in `GET /broker/rejected` |
+//! | stale, payload conflict, malformed, a producer refusal | listed in `GET /broker/rejected` (in the inbox's store), then term |
 //! | hold full, quarantine full, a gap (a producer's early message), a store failure | nak with a back-off delay |
 //!
 //! A message with `Authorization: Bearer TOKEN` and `Producer-Epoch: N` is delivered with its
@@ -23,7 +23,7 @@ mod routes;
 pub mod server;
 pub mod wire;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -34,7 +34,9 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
-use ordered_inbox::{BatchDelivery, Door, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal};
+use ordered_inbox::{
+    BatchDelivery, Door, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal, RejectedDelivery,
+};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -42,6 +44,12 @@ use crate::config::StartupError;
 use crate::labs::ordered::SharedInbox;
 use crate::observe::metrics::Metrics;
 
+/// Rejected deliveries `GET /broker/rejected` keeps (the oldest go first): the inbox's bound.
+pub use ordered_inbox::REJECTED_KEPT;
+/// A producer refusal's name in the counters and the rejected list: the `outcome` the HTTP
+/// general door answers it with (`unauthorized` and `owner required` are its 401s). The inbox
+/// names it, because it also names the refusals of the held messages it rejects.
+pub use ordered_inbox::rejected::refusal_outcome;
 pub use routes::routes;
 
 /// Defaults of the `--nats-*` flags.
@@ -59,8 +67,6 @@ const PULL_WAIT: Duration = Duration::from_millis(500);
 /// A fetch that has not finished after this long (the server went away mid-request) is given up;
 /// what it received is processed.
 const FETCH_DEADLINE: Duration = Duration::from_secs(3);
-/// Rejected deliveries `GET /broker/rejected` keeps (the oldest go first).
-pub const REJECTED_KEPT: usize = 1000;
 
 /// Where and how to consume.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -295,25 +301,6 @@ pub async fn publish_one(
     })
 }
 
-/// One terminated delivery, as `GET /broker/rejected` lists it.
-#[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Rejected {
-    pub at: String,
-    pub subject: String,
-    pub stream_sequence: Option<u64>,
-    pub delivered: Option<i64>,
-    pub message_id: Option<String>,
-    pub aggregate_id: Option<String>,
-    /// The producer whose token the message carried, once known (absent: anonymous, or the
-    /// token was not an active producer's).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub producer: Option<String>,
-    /// `malformed`, `stale`, `payload conflict`, or a producer refusal ([`refusal_outcome`]).
-    pub outcome: &'static str,
-    pub reason: String,
-}
-
 /// What the consumer did so far, for `GET /broker`.
 #[derive(Debug, Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -344,7 +331,6 @@ struct Shared {
     client: OnceLock<async_nats::Client>,
     consumer: OnceLock<PullConsumer>,
     counters: Mutex<Counters>,
-    rejected: Mutex<VecDeque<Rejected>>,
     pause_after_commit: AtomicBool,
     /// Where a refusal the consumer decides itself (a token that is no active producer's) is
     /// counted, like the inbox's own refusals.
@@ -370,31 +356,6 @@ impl BrokerLab {
             .counters
             .lock()
             .map(|counters| counters.clone())
-            .unwrap_or_default()
-    }
-
-    fn reject(&self, rejected: Rejected) {
-        tracing::warn!(
-            subject = %rejected.subject,
-            message_id = rejected.message_id.as_deref().unwrap_or(""),
-            producer = rejected.producer.as_deref().unwrap_or(""),
-            outcome = rejected.outcome,
-            reason = %rejected.reason,
-            "broker delivery terminated"
-        );
-        if let Ok(mut list) = self.inner.rejected.lock() {
-            if list.len() >= REJECTED_KEPT {
-                list.pop_front();
-            }
-            list.push_back(rejected);
-        }
-    }
-
-    pub fn rejected(&self) -> Vec<Rejected> {
-        self.inner
-            .rejected
-            .lock()
-            .map(|list| list.iter().cloned().collect())
             .unwrap_or_default()
     }
 
@@ -583,6 +544,7 @@ impl Consumer {
         let mut actions: Vec<Option<Action>> = Vec::with_capacity(batch.len());
         let mut deliveries: Vec<BatchDelivery> = Vec::new();
         let mut delivered_at: Vec<usize> = Vec::new();
+        let mut rejections = Rejections::default();
         // Token → active producer, looked up once per batch (a read, as the HTTP door's); the
         // delivery's own transaction checks the producer again, so a revocation in between
         // still refuses it.
@@ -615,6 +577,7 @@ impl Consumer {
                         Ok(None) => {
                             holders.insert(credential.token, None);
                             self.refuse(
+                                &mut rejections,
                                 message,
                                 header_id.clone(),
                                 aggregate_of(),
@@ -640,7 +603,7 @@ impl Consumer {
                     if let Some(metrics) = self.lab.inner.metrics.get() {
                         metrics.producer_headers_malformed();
                     }
-                    self.lab.reject(rejected(
+                    rejections.push(rejected(
                         message,
                         "malformed",
                         header_id.clone(),
@@ -675,7 +638,7 @@ impl Consumer {
                     actions.push(None);
                 }
                 Err(malformed) => {
-                    self.lab.reject(rejected(
+                    rejections.push(rejected(
                         message,
                         "malformed",
                         malformed.message_id,
@@ -715,7 +678,7 @@ impl Consumer {
                                 .count(|c| *c.outcomes.entry(name).or_default() += 1);
                             let action = action_for(&outcome);
                             if action == Action::Term {
-                                self.lab.reject(rejected(
+                                rejections.push(rejected(
                                     message,
                                     name,
                                     Some(ordered.message_id.clone()),
@@ -729,7 +692,7 @@ impl Consumer {
                         // The inbox counted and logged it; the broker lab lists it. Nothing was
                         // written, and no redelivery can change that: terminated, never held.
                         Err(refusal) => {
-                            self.lab.reject(rejected(
+                            rejections.push(rejected(
                                 message,
                                 refusal_outcome(&refusal),
                                 Some(ordered.message_id.clone()),
@@ -759,6 +722,7 @@ impl Consumer {
                 }
             }
         }
+        self.keep_rejections(inbox, rejections, &mut actions).await;
         self.lab.count(|c| {
             c.batches += 1;
             c.messages += batch.len() as u64;
@@ -784,6 +748,7 @@ impl Consumer {
     /// counted and listed like the inbox's own refusals, then terminated.
     fn refuse(
         &self,
+        rejections: &mut Rejections,
         message: &jetstream::Message,
         message_id: Option<String>,
         aggregate_id: Option<String>,
@@ -796,7 +761,7 @@ impl Consumer {
         self.lab.count(|c| {
             *c.outcomes.entry(refusal_outcome(refusal)).or_default() += 1;
         });
-        self.lab.reject(rejected(
+        rejections.push(rejected(
             message,
             refusal_outcome(refusal),
             message_id,
@@ -805,6 +770,33 @@ impl Consumer {
             "the Authorization token is not an active producer's token (unknown or revoked)"
                 .to_owned(),
         ));
+    }
+
+    /// Writes the batch's rejections to the inbox's rejected list before any of them is
+    /// terminated. If the store cannot take them, the terminations become naks: each comes back
+    /// after its back-off, is rejected again and listed then, so that no terminated message is
+    /// missing from the list.
+    async fn keep_rejections(
+        &self,
+        inbox: &SharedInbox,
+        rejections: Rejections,
+        actions: &mut [Option<Action>],
+    ) {
+        if rejections.0.is_empty() {
+            return;
+        }
+        if let Err(error) = inbox.record_rejected(rejections.0).await {
+            tracing::error!(%error, "the inbox could not record a batch's rejected deliveries; they are nak'd instead of terminated");
+            self.lab.count(|c| {
+                c.store_errors += 1;
+                c.last_error = Some(format!("store: {error}"));
+            });
+            for action in actions.iter_mut() {
+                if *action == Some(Action::Term) {
+                    *action = Some(Action::Nak);
+                }
+            }
+        }
     }
 
     async fn answer(&self, message: &jetstream::Message, action: Action) {
@@ -898,20 +890,6 @@ fn termination_reason(outcome: &Outcome, message: &OrderedMessage) -> String {
     }
 }
 
-/// A producer refusal's name in the counters and the rejected list: the `outcome` the HTTP
-/// general door answers it with (`unauthorized` and `owner required` are its 401s).
-pub fn refusal_outcome(refusal: &ProducerRefusal) -> &'static str {
-    match refusal {
-        ProducerRefusal::Fenced { .. } => "fenced",
-        ProducerRefusal::EpochNotIssued { .. } => "epoch not issued",
-        ProducerRefusal::NoSession => "no session",
-        ProducerRefusal::Revoked => "unauthorized",
-        ProducerRefusal::NotOwner { .. } => "not the owner",
-        ProducerRefusal::OwnerRequired => "owner required",
-        ProducerRefusal::ClaimRequiresOperator => "claim requires operator",
-    }
-}
-
 fn refusal_reason(refusal: &ProducerRefusal, message: &OrderedMessage) -> String {
     match refusal {
         ProducerRefusal::OwnerRequired => format!(
@@ -935,6 +913,25 @@ pub fn back_off(first: Duration, delivered: i64) -> Duration {
     first.saturating_mul(1u32 << doublings).min(MAX_NAK_DELAY)
 }
 
+/// One batch's rejected deliveries, logged as they are decided and written to the inbox's
+/// rejected list together before the batch is answered.
+#[derive(Default)]
+struct Rejections(Vec<RejectedDelivery>);
+
+impl Rejections {
+    fn push(&mut self, rejected: RejectedDelivery) {
+        tracing::warn!(
+            subject = rejected.subject.as_deref().unwrap_or(""),
+            message_id = rejected.message_id.as_deref().unwrap_or(""),
+            producer = rejected.producer.as_deref().unwrap_or(""),
+            outcome = %rejected.outcome,
+            reason = %rejected.reason,
+            "broker delivery terminated"
+        );
+        self.0.push(rejected);
+    }
+}
+
 fn rejected(
     message: &jetstream::Message,
     outcome: &'static str,
@@ -942,17 +939,19 @@ fn rejected(
     aggregate_id: Option<String>,
     producer: Option<String>,
     reason: String,
-) -> Rejected {
+) -> RejectedDelivery {
     let info = message.info().ok();
-    Rejected {
+    RejectedDelivery {
         at: ordered_inbox::clock::now(),
-        subject: message.subject.to_string(),
-        stream_sequence: info.as_ref().map(|info| info.stream_sequence),
+        subject: Some(message.subject.to_string()),
+        stream_sequence: info
+            .as_ref()
+            .and_then(|info| i64::try_from(info.stream_sequence).ok()),
         delivered: info.as_ref().map(|info| info.delivered),
         message_id,
         aggregate_id,
         producer,
-        outcome,
+        outcome: outcome.to_owned(),
         reason,
     }
 }

@@ -1,24 +1,29 @@
 //! The broker door's evidence over HTTP: `GET /broker` (what the consumer did, and the
 //! consumer's pending counts as the NATS server reports them), `GET /broker/rejected` (the
-//! terminated deliveries, oldest first), and the test-only fault switch
+//! terminated deliveries and the held messages the inbox rejected, oldest first, paged, kept in
+//! the inbox's store), and the test-only fault switch
 //! `POST /lab/broker/pause-after-commit` (the next batch stops after its COMMIT, before its acks,
 //! so that a test can kill the process in that window).
 
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
+use ordered_inbox::RejectedDelivery;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::BrokerLab;
-use crate::error::{AppError, json_response};
+use super::{BrokerConfig, BrokerLab, wire};
+use crate::error::{AppError, Query, json_response};
+use crate::labs::ordered::{SharedInbox, page_body, page_request};
 
 pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     BrokerLab: FromRef<S>,
+    SharedInbox: FromRef<S>,
 {
     OpenApiRouter::new()
         .routes(routes!(status))
@@ -45,14 +50,82 @@ struct BrokerStatus {
     counters: (),
 }
 
-/// The terminated deliveries, oldest first.
+/// One page of the rejected list, oldest first.
 #[derive(ToSchema)]
 #[allow(dead_code)]
 struct RejectedList {
-    /// How many the list keeps.
-    kept: usize,
-    #[schema(value_type = Vec<Object>)]
-    rejected: (),
+    /// How many the list keeps: the newest; older ones are pruned.
+    kept: i64,
+    rejected: Vec<Rejected>,
+    /// The `after` of the following page; null at the end.
+    #[schema(required = true)]
+    next: Option<i64>,
+}
+
+/// One rejected delivery: a terminated one, or a held message the inbox rejected because it may
+/// no longer apply.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+struct Rejected {
+    at: String,
+    /// The subject it arrived on; for a held message the inbox rejected, the subject its
+    /// aggregate's messages arrive on at this consumer.
+    subject: String,
+    stream_sequence: Option<i64>,
+    delivered: Option<i64>,
+    message_id: Option<String>,
+    aggregate_id: Option<String>,
+    /// The producer whose token the message carried, once known (absent: anonymous, or the
+    /// token was not an active producer's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    producer: Option<String>,
+    /// `malformed`, `stale`, `payload conflict`, or a producer refusal (`owner required`,
+    /// `not the owner`, `fenced`, …).
+    outcome: String,
+    reason: String,
+}
+
+impl Rejected {
+    fn of(entry: RejectedDelivery, config: &BrokerConfig) -> Rejected {
+        let subject = entry.subject.unwrap_or_else(|| {
+            subject_of_aggregate(config, entry.aggregate_id.as_deref().unwrap_or(""))
+        });
+        Rejected {
+            at: entry.at,
+            subject,
+            stream_sequence: entry.stream_sequence,
+            delivered: entry.delivered,
+            message_id: entry.message_id,
+            aggregate_id: entry.aggregate_id,
+            producer: entry.producer,
+            outcome: entry.outcome,
+            reason: entry.reason,
+        }
+    }
+}
+
+/// The stored subject of an aggregate's messages at this consumer: `PREFIX.TOKEN`, or
+/// `PREFIX.K.TOKEN` when the stream maps subjects to partitions.
+fn subject_of_aggregate(config: &BrokerConfig, aggregate_id: &str) -> String {
+    match config.partition_token() {
+        Some(partition) => format!(
+            "{}.{partition}.{}",
+            config.subject_prefix,
+            wire::encode_aggregate(aggregate_id)
+        ),
+        None => wire::subject_for(&config.subject_prefix, aggregate_id),
+    }
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+struct RejectedQuery {
+    /// The cursor: the `next` of the previous page (0 or absent for the first).
+    #[param(minimum = 0)]
+    after: Option<i64>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<i64>,
 }
 
 /// The problem when this server consumes no broker.
@@ -90,16 +163,34 @@ async fn status(State(lab): State<BrokerLab>) -> Result<Response, AppError> {
     ))
 }
 
-#[utoipa::path(get, path = "/broker/rejected", tag = "broker", responses(
-    (status = 200, description = "The terminated deliveries, oldest first", body = RejectedList),
+/// `GET /broker/rejected?after=&limit=`: oldest first; `next` is the `after` of the following
+/// page, or null at the end.
+#[utoipa::path(get, path = "/broker/rejected", tag = "broker", params(RejectedQuery), responses(
+    (status = 200, description = "The terminated deliveries and the held messages the inbox rejected, oldest first", body = RejectedList),
+    (status = 400, response = crate::openapi::BadRequest),
     (status = 404, description = "This server was started without --nats", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 500, response = crate::openapi::StoreFailed),
+    (status = 503, response = crate::openapi::StoreUnavailable),
 ))]
-async fn rejected(State(lab): State<BrokerLab>) -> Result<Response, AppError> {
-    require_consumer(&lab)?;
-    let rejected = lab.rejected();
+async fn rejected(
+    State(lab): State<BrokerLab>,
+    State(inbox): State<SharedInbox>,
+    Query(query): Query<RejectedQuery>,
+) -> Result<Response, AppError> {
+    let config = require_consumer(&lab)?;
+    let page = page_request(query.after, query.limit)?;
+    let listed = inbox.rejected(page).await?;
+    let listed = ordered_inbox::views::Page {
+        items: listed
+            .items
+            .into_iter()
+            .map(|entry| Rejected::of(entry, config))
+            .collect(),
+        next: listed.next,
+    };
     Ok(json_response(
         StatusCode::OK,
-        json!({"kept": super::REJECTED_KEPT, "rejected": rejected}),
+        page_body(json!({"kept": super::REJECTED_KEPT}), "rejected", listed),
     ))
 }
 

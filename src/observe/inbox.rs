@@ -16,7 +16,7 @@ use ordered_inbox::views::{
 };
 use ordered_inbox::{
     AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
-    ResolutionError, ResolutionRequest, Resolved,
+    RejectedDelivery, ResolutionError, ResolutionRequest, Resolved,
 };
 
 use super::metrics::{Metrics, door_label, refusal_reason};
@@ -252,6 +252,7 @@ impl Inbox for ObservedInbox {
                 operator = %record.operator,
                 from_owner = record.from_owner.as_deref().unwrap_or(""),
                 to_owner = %record.to_owner,
+                held_rejected = record.held_rejected,
                 "aggregate transferred by an operator"
             );
             self.console.owner_transferred(record);
@@ -265,6 +266,14 @@ impl Inbox for ObservedInbox {
 
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
         self.inner.producers().await
+    }
+
+    async fn record_rejected(&self, rejected: Vec<RejectedDelivery>) -> Result<(), InboxError> {
+        self.inner.record_rejected(rejected).await
+    }
+
+    async fn rejected(&self, page: PageRequest) -> Result<Page<RejectedDelivery>, InboxError> {
+        self.inner.rejected(page).await
     }
 }
 

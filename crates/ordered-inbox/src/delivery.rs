@@ -21,6 +21,7 @@ use crate::producers::{
     Admission, AggregateOwner, OwnershipFacts, ProducerClaim, ProducerRefusal, TransferRecord,
     admit,
 };
+use crate::rejected::{HeldRejection, reject_held};
 use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
 
 /// An applied message with this id, as stored.
@@ -76,6 +77,9 @@ pub struct DeliveryFacts {
     /// The aggregate's held messages, in sequence order (at most
     /// [`Limits::max_held_per_aggregate`]). Read them for every door: any apply may release them.
     pub held: Vec<HeldMessage>,
+    /// The aggregate's owner: a held message (anonymous) drains only if an anonymous delivery
+    /// would be admitted now.
+    pub owner: Option<AggregateOwner>,
 }
 
 /// How an earlier delivery of the same message was applied.
@@ -199,8 +203,12 @@ pub enum Change {
         at: String,
     },
     /// Delete the held message row with this id: it was drained (applied or quarantined, which
-    /// the changes that follow record). The `drained` timeline event keeps the evidence.
+    /// the changes that follow record; the `drained` timeline event keeps the evidence), or
+    /// rejected ([`Change::RecordRejected`] and a `held rejected` event follow).
     ReleaseHeld { message_id: String },
+    /// Insert an entry of the rejected list and prune the list to the newest
+    /// [`crate::rejected::REJECTED_KEPT`].
+    RecordRejected(crate::rejected::RejectedDelivery),
     /// Append a timeline entry (an observation is numbered and pruned by the backend).
     Append(TimelineEntry),
     /// Insert the audit row, link it from the dead letter, and append its `resolved` event
@@ -683,6 +691,7 @@ impl Delivery<'_> {
             after: &self.message.message_id,
             held: &self.facts.held,
             open: &open,
+            owner: self.facts.owner.as_ref(),
         };
         let row = drain(start, limits, self.now, &mut changes);
         changes.push(Change::PutAggregate {
@@ -709,13 +718,19 @@ pub(crate) struct DrainStart<'a> {
     pub after: &'a str,
     pub held: &'a [HeldMessage],
     pub open: &'a [OpenDeadLetter],
+    /// The aggregate's owner, against which each held (anonymous) message is admitted.
+    pub owner: Option<&'a AggregateOwner>,
 }
 
 /// Releases the held messages that have become next, in sequence order, each through the
 /// ordinary policy: a valid one applies, a poison one is quarantined (it blocks the aggregate and
 /// stops the drain). Held messages came through the broker door, which delivers anonymously, so
-/// their rows are in the anonymous namespace whoever's delivery drains them. Returns the aggregate's row afterwards: blocked after a poison, waiting
-/// while messages stay held behind a gap, flowing otherwise. The caller writes it.
+/// their rows are in the anonymous namespace whoever's delivery drains them, and each must pass
+/// the admission an anonymous delivery would pass now.
+///
+/// First, every held message that can never apply is rejected ([`still_held`]). Returns the
+/// aggregate's row afterwards: blocked after a poison, waiting while messages stay held behind a
+/// gap, flowing otherwise. The caller writes it.
 pub(crate) fn drain(
     start: DrainStart<'_>,
     limits: &Limits,
@@ -728,12 +743,9 @@ pub(crate) fn drain(
         after,
         held,
         open,
+        owner,
     } = start;
-    let mut ordered: Vec<&HeldMessage> = held
-        .iter()
-        .filter(|held| held.message.sequence > row.last)
-        .collect();
-    ordered.sort_by_key(|held| held.message.sequence);
+    let ordered = still_held(held, owner, row.last, now, changes);
     let mut open: Vec<OpenDeadLetter> = open.to_vec();
     let mut after = after.to_owned();
     let mut released = 0;
@@ -825,6 +837,41 @@ pub(crate) fn drain(
         row.since = Some(now.to_owned());
     }
     row
+}
+
+/// The held messages that may still drain after `last`, in sequence order. The others are
+/// rejected: one whose sequence is at or below `last` (another message took it while it was
+/// held), and every one when admission refuses an anonymous delivery to the aggregate now (it has
+/// an owner).
+fn still_held<'a>(
+    held: &'a [HeldMessage],
+    owner: Option<&AggregateOwner>,
+    last: i64,
+    now: &str,
+    changes: &mut Vec<Change>,
+) -> Vec<&'a HeldMessage> {
+    let ownership = OwnershipFacts {
+        owner: owner.cloned(),
+        ..OwnershipFacts::default()
+    };
+    let refusal = admit(None, &ownership).err();
+    let mut ordered: Vec<&HeldMessage> = held.iter().collect();
+    ordered.sort_by_key(|held| held.message.sequence);
+    let mut admissible = Vec::with_capacity(ordered.len());
+    for next in ordered {
+        let why = if next.message.sequence <= last {
+            HeldRejection::Stale {
+                expected: last.saturating_add(1),
+            }
+        } else if let Some(refusal) = &refusal {
+            HeldRejection::Refused(refusal.clone())
+        } else {
+            admissible.push(next);
+            continue;
+        };
+        reject_held(next, &why, now, changes);
+    }
+    admissible
 }
 
 /// Supersedes the open dead letters at `sequence` by `taken_by` (the message applied, or the dead
@@ -1576,5 +1623,95 @@ mod tests {
             (2, 3, AggregateStatus::Blocked)
         );
         assert_eq!(kinds(&plan).last(), Some(&TimelineKind::Quarantined));
+    }
+
+    fn rejected_outcomes(plan: &DeliveryPlan) -> Vec<(String, String)> {
+        plan.changes
+            .iter()
+            .filter_map(|change| match change {
+                Change::RecordRejected(entry) => Some((
+                    entry.message_id.clone().unwrap_or_default(),
+                    entry.outcome.clone(),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_owners_first_message_rejects_the_anonymous_held_successors_instead_of_draining_them() {
+        let facts = DeliveryFacts {
+            aggregate: at(0, 0, AggregateStatus::Waiting),
+            held: vec![held("x-2", 2, 2), held("x-3", 3, 3)],
+            owner: Some(AggregateOwner {
+                producer: "billing".into(),
+                epoch: 1,
+            }),
+            ..Default::default()
+        };
+        let plan = decide_delivery_as(
+            Some("billing"),
+            &message("m-1", 1, 1),
+            Door::General,
+            &facts,
+            &Limits::default(),
+            "t1",
+        );
+        assert_eq!(applied_ids(&plan), ["m-1"]);
+        assert_eq!(released(&plan), ["x-2", "x-3"]);
+        assert_eq!(
+            rejected_outcomes(&plan),
+            [
+                ("x-2".to_owned(), "owner required".to_owned()),
+                ("x-3".to_owned(), "owner required".to_owned())
+            ]
+        );
+        assert_eq!(
+            kinds(&plan),
+            [
+                TimelineKind::Applied,
+                TimelineKind::HeldRejected,
+                TimelineKind::HeldRejected
+            ]
+        );
+        let row = final_row(&plan).unwrap();
+        assert_eq!(
+            (row.last, row.total, row.status),
+            (1, 1, AggregateStatus::Flowing),
+            "nothing stays held"
+        );
+    }
+
+    #[test]
+    fn a_held_message_whose_sequence_another_message_took_is_rejected_as_stale() {
+        // bad-2 stayed held (the full quarantine could not take it); g-2 took sequence 2.
+        let facts = DeliveryFacts {
+            aggregate: at(1, 1, AggregateStatus::Waiting),
+            held: vec![held("bad-2", 2, -1), held("m-3", 3, 3)],
+            ..Default::default()
+        };
+        let plan = decide_general(&message("g-2", 2, 2), &facts);
+        assert_eq!(applied_ids(&plan), ["g-2", "m-3"]);
+        assert_eq!(released(&plan), ["bad-2", "m-3"]);
+        assert_eq!(
+            rejected_outcomes(&plan),
+            [("bad-2".to_owned(), "stale".to_owned())]
+        );
+        let detail = plan.changes.iter().find_map(|change| match change {
+            Change::Append(entry) if entry.kind == TimelineKind::HeldRejected => {
+                Some(entry.detail.to_json())
+            }
+            _ => None,
+        });
+        assert!(
+            detail.is_some_and(|text| text.starts_with(r#"{"outcome":"stale","heldAt":"t0""#)),
+            "{:?}",
+            plan.changes
+        );
+        let row = final_row(&plan).unwrap();
+        assert_eq!(
+            (row.last, row.total, row.status),
+            (3, 6, AggregateStatus::Flowing)
+        );
     }
 }

@@ -13,6 +13,7 @@ use crate::delivery::Outcome;
 use crate::model::{AggregateStatus, Door, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
+use crate::rejected::RejectedDelivery;
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
@@ -55,7 +56,10 @@ impl BatchDelivery {
 /// The ordered inbox's operations.
 #[async_trait]
 pub trait Inbox: Send + Sync {
-    /// Decides and records one delivery; `Ok` means committed.
+    /// Decides and records one anonymous delivery without looking at the aggregate's owner; `Ok`
+    /// means committed. For a store whose aggregates have no owners: a door that may meet an
+    /// owned aggregate delivers through [`Inbox::deliver_as`], which refuses an anonymous
+    /// delivery to it.
     async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError>;
 
     /// Decides and records deliveries in the order given, each seeing the ones before it, and
@@ -153,7 +157,8 @@ pub trait Inbox: Send + Sync {
     ) -> Result<Result<i64, ProducerRefusal>, InboxError>;
 
     /// An operator's transfer of an aggregate to a producer, checked against its preconditions
-    /// and recorded with an audit row and a timeline event, in one transaction.
+    /// and recorded with an audit row and a timeline event, in one transaction; the held
+    /// messages it makes inadmissible are rejected in it ([`crate::producers::decide_transfer`]).
     async fn transfer_owner(
         &self,
         request: TransferRequest,
@@ -164,6 +169,14 @@ pub trait Inbox: Send + Sync {
 
     /// Every producer, the first registered first (never tokens).
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError>;
+
+    /// Appends entries to the rejected list (a broker consumer's own terminations), in one
+    /// transaction; the list keeps the newest [`crate::rejected::REJECTED_KEPT`].
+    async fn record_rejected(&self, rejected: Vec<RejectedDelivery>) -> Result<(), InboxError>;
+
+    /// The rejected list, oldest first: the consumer's terminations and the held messages the
+    /// inbox rejected (see [`crate::rejected`]).
+    async fn rejected(&self, page: PageRequest) -> Result<Page<RejectedDelivery>, InboxError>;
 
     /// The figures an operator watches across all aggregates (see [`InboxHealth`]). Cheap enough
     /// to call on every metrics scrape and readiness probe: a few indexed reads, no writes. An

@@ -25,6 +25,8 @@
 //! - [`operators`]: tokens and names of the people who may resolve.
 //! - [`producers`]: who may write an aggregate's sequence: producer sessions and epochs
 //!   (fencing), aggregate ownership and its transfer.
+//! - [`rejected`]: the rejected list: deliveries a broker consumer terminated and held messages
+//!   that may no longer apply, kept in the store, bounded.
 //! - [`inbox`]: the [`Inbox`] trait every backend implements (async; a backend reads facts and
 //!   writes the decided changes in one transaction serialized per aggregate).
 //! - [`sqlite`] (feature `sqlite`, on by default): the SQLite backend: one writer thread with
@@ -91,6 +93,7 @@ pub mod policy;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod producers;
+pub mod rejected;
 pub mod resolution;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
@@ -106,9 +109,10 @@ pub use model::{
     AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position, QuarantineReason,
 };
 pub use producers::{
-    AggregateOwner, OwnershipFacts, ProducerClaim, ProducerFact, ProducerRefusal, TransferRecord,
-    TransferRefusal, TransferRequest,
+    AggregateOwner, OwnershipFacts, ProducerClaim, ProducerFact, ProducerRefusal, TransferPlan,
+    TransferRecord, TransferRefusal, TransferRequest,
 };
+pub use rejected::{HeldRejection, REJECTED_KEPT, RejectedDelivery};
 pub use resolution::{
     Action, ActionKind, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved,
     decide_resolution,

@@ -11,6 +11,8 @@
 
 use serde::Serialize;
 
+use crate::rejected::{HeldRejection, reject_held};
+
 /// The authenticated producer a delivery was made by, and the epoch of its session.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProducerClaim {
@@ -160,6 +162,8 @@ pub struct TransferFacts {
     pub owner: Option<AggregateOwner>,
     /// The aggregate's last applied sequence (0 without a row).
     pub last: i64,
+    /// The aggregate's held messages (anonymous ones, held while it had no owner).
+    pub held: Vec<crate::delivery::HeldMessage>,
 }
 
 /// Why a transfer was refused.
@@ -188,14 +192,28 @@ pub struct TransferRecord {
     pub last: i64,
     pub reason: String,
     pub transferred_at: String,
+    /// How many held messages the transfer made inadmissible: they were rejected with it.
+    pub held_rejected: usize,
+}
+
+/// A decided transfer and the rows that record it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferPlan {
+    pub record: TransferRecord,
+    pub changes: Vec<crate::delivery::Change>,
 }
 
 /// Decides an operator's transfer. The new owner's epoch is the producer's current one.
+///
+/// Held messages are anonymous and wait only on an unowned aggregate; each must pass the
+/// admission an anonymous delivery would pass under the new owner, and one that no longer may
+/// write the aggregate is rejected in the same plan (a transfer is how an unowned aggregate
+/// gets an owner, so no held message outlives its right to apply).
 pub fn decide_transfer(
     request: &TransferRequest,
     facts: &TransferFacts,
     now: &str,
-) -> Result<TransferRecord, TransferRefusal> {
+) -> Result<TransferPlan, TransferRefusal> {
     if !facts.operator_active {
         return Err(TransferRefusal::Unauthorized);
     }
@@ -210,7 +228,23 @@ pub fn decide_transfer(
     if facts.last != request.expected_last {
         return Err(TransferRefusal::LastMismatch);
     }
-    Ok(TransferRecord {
+    let new_owner = OwnershipFacts {
+        owner: Some(AggregateOwner {
+            producer: request.producer.clone(),
+            epoch: producer.current_epoch,
+        }),
+        ..OwnershipFacts::default()
+    };
+    let refusal = admit(None, &new_owner).err();
+    let inadmissible: Vec<_> = match &refusal {
+        Some(refusal) => facts
+            .held
+            .iter()
+            .map(|held| (held, HeldRejection::Refused(refusal.clone())))
+            .collect(),
+        None => Vec::new(),
+    };
+    let record = TransferRecord {
         aggregate_id: request.aggregate_id.clone(),
         operator: request.operator.clone(),
         from_owner: owner.map(str::to_owned),
@@ -219,13 +253,19 @@ pub fn decide_transfer(
         last: facts.last,
         reason: request.reason.clone(),
         transferred_at: now.to_owned(),
-    })
+        held_rejected: inadmissible.len(),
+    };
+    let mut changes = record.changes().to_vec();
+    for (held, why) in &inadmissible {
+        reject_held(held, why, now, &mut changes);
+    }
+    Ok(TransferPlan { record, changes })
 }
 
 impl TransferRecord {
-    /// What a decided transfer writes, in this order: the aggregate's owner columns, the audit
-    /// row and the timeline event, all stamped with `transferred_at`.
-    pub fn changes(&self) -> [crate::delivery::Change; 3] {
+    /// The transfer's own rows, in this order: the aggregate's owner columns, the audit row and
+    /// the timeline event, all stamped with `transferred_at`.
+    fn changes(&self) -> [crate::delivery::Change; 3] {
         use crate::delivery::Change;
         use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
         [
@@ -389,8 +429,9 @@ mod tests {
                 epoch: 1,
             }),
             last: 3,
+            held: Vec::new(),
         };
-        let record = decide_transfer(&request, &facts, "t1").unwrap();
+        let record = decide_transfer(&request, &facts, "t1").unwrap().record;
         assert_eq!(
             (record.from_owner.as_deref(), record.epoch),
             (Some("billing"), 7)
@@ -419,5 +460,62 @@ mod tests {
             decide_transfer(&request, &nobody, "t1"),
             Err(TransferRefusal::Unauthorized)
         );
+    }
+
+    #[test]
+    fn a_transfer_rejects_every_held_anonymous_message_it_makes_inadmissible() {
+        let request = TransferRequest {
+            aggregate_id: "a".into(),
+            operator: "alice".into(),
+            producer: "billing".into(),
+            expected_owner: None,
+            expected_last: 0,
+            reason: "billing takes over".into(),
+        };
+        let held = |id: &str, sequence| {
+            let message = crate::OrderedMessage {
+                message_id: id.into(),
+                aggregate_id: "a".into(),
+                sequence,
+                amount: 1,
+            };
+            crate::HeldMessage {
+                payload: message.canonical_payload(),
+                message,
+                held_at: "t0".into(),
+            }
+        };
+        let facts = TransferFacts {
+            operator_active: true,
+            producer: Some(ProducerFact {
+                current_epoch: 2,
+                active: true,
+            }),
+            owner: None,
+            last: 0,
+            held: vec![held("x-2", 2), held("x-3", 3)],
+        };
+        let plan = decide_transfer(&request, &facts, "t1").unwrap();
+        assert_eq!(plan.record.held_rejected, 2);
+        let released: Vec<&str> = plan
+            .changes
+            .iter()
+            .filter_map(|change| match change {
+                crate::delivery::Change::ReleaseHeld { message_id } => Some(message_id.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(released, ["x-2", "x-3"]);
+        assert!(plan.changes.iter().any(|change| matches!(
+            change,
+            crate::delivery::Change::RecordRejected(entry)
+                if entry.outcome == "owner required" && entry.reason.contains("sequence 3")
+        )));
+        let without = TransferFacts {
+            held: Vec::new(),
+            ..facts
+        };
+        let plain = decide_transfer(&request, &without, "t1").unwrap();
+        assert_eq!((plain.record.held_rejected, plain.changes.len()), (0, 3));
     }
 }

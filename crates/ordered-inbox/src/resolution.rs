@@ -23,6 +23,7 @@ use crate::model::{
     AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
     QuarantineReason, stored_enum,
 };
+use crate::producers::AggregateOwner;
 use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
 use crate::views::{CurrentState, Replacement, ResolutionRecord};
 
@@ -107,6 +108,9 @@ pub struct ResolutionFacts {
     /// The aggregate's held messages, in sequence order: the resolution drains those it makes
     /// next.
     pub held: Vec<HeldMessage>,
+    /// The aggregate's owner: a held message (anonymous) drains only if an anonymous delivery
+    /// would be admitted now.
+    pub owner: Option<AggregateOwner>,
 }
 
 /// What a resolution did, or would do.
@@ -374,6 +378,7 @@ fn replace(
         open_dead_letters: others_open(facts, target),
         held_message: facts.replacement_held.clone(),
         held: facts.held.clone(),
+        owner: facts.owner.clone(),
     };
     let plan = decide_delivery_as(
         target.producer,
@@ -463,6 +468,7 @@ fn skip(
         after: target.dead_letter_id,
         held: &facts.held,
         open: &open,
+        owner: facts.owner.as_ref(),
     };
     let row = drain(start, limits, now, changes);
     changes.push(Change::PutAggregate {
@@ -515,6 +521,7 @@ mod tests {
             replacement_dead_letter: None,
             replacement_held: None,
             held: Vec::new(),
+            owner: None,
         }
     }
 
@@ -776,6 +783,64 @@ mod tests {
                 .unwrap()
                 .changes
                 .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_skip_rejects_the_held_anonymous_successors_of_an_owned_aggregate() {
+        let held = |id: &str, sequence| {
+            let message = OrderedMessage {
+                message_id: id.into(),
+                aggregate_id: "a".into(),
+                sequence,
+                amount: 1,
+            };
+            HeldMessage {
+                payload: message.canonical_payload(),
+                message,
+                held_at: "t0".into(),
+            }
+        };
+        let facts = ResolutionFacts {
+            held: vec![held("x-3", 3), held("x-4", 4)],
+            owner: Some(AggregateOwner {
+                producer: "billing".into(),
+                epoch: 1,
+            }),
+            ..blocked()
+        };
+        let plan = decide_resolution(
+            &request(Action::Skip, 1),
+            &facts,
+            &Limits::default(),
+            Mode::Commit,
+            "t1",
+        )
+        .unwrap();
+        assert!(
+            !plan
+                .changes
+                .iter()
+                .any(|change| matches!(change, Change::InsertApplied { .. })),
+            "no held message applies: {:?}",
+            plan.changes
+        );
+        let rejected: Vec<&str> = plan
+            .changes
+            .iter()
+            .filter_map(|change| match change {
+                Change::RecordRejected(entry) => entry.message_id.as_deref(),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(rejected, ["x-3", "x-4"]);
+        let row = plan.changes.iter().rev().find_map(|change| match change {
+            Change::PutAggregate { row, .. } => Some(row),
+            _ => None,
+        });
+        assert_eq!(
+            row.map(|row| (row.last, row.status)),
+            Some((2, AggregateStatus::Flowing))
         );
     }
 }

@@ -1,8 +1,9 @@
 //! An aggregate's history. State events (applied, quarantined, superseded, skipped, resolved,
 //! held, drained) are append-only and written in the same transaction as the change they
 //! describe; rejection observations (gap, stale, payload conflict, a quarantined message seen
-//! again, a full quarantine, a full hold) are numbered per aggregate and only the newest [`OBSERVATIONS_KEPT`] stay, so a
-//! flood of bad deliveries cannot grow the store without bound.
+//! again, a full quarantine, a full hold, a held message rejected) are numbered per aggregate
+//! and only the newest [`OBSERVATIONS_KEPT`] stay, so a flood of bad deliveries cannot grow the
+//! store without bound.
 
 use serde::Serialize;
 
@@ -39,11 +40,14 @@ stored_enum!(
         Claimed => "claimed",
         /// An operator gave the aggregate another owner, with an audit row.
         OwnerTransferred => "owner transferred",
+        /// A held message left the held set without applying: it may no longer write the
+        /// aggregate, or another message took its sequence (it is on the rejected list too).
+        HeldRejected => "held rejected",
     }
 );
 
 impl TimelineKind {
-    /// Observations changed nothing and are pruned; state events are kept for good.
+    /// Observations record a rejection and are pruned; state events are kept for good.
     pub fn is_observation(self) -> bool {
         matches!(
             self,
@@ -53,6 +57,7 @@ impl TimelineKind {
                 | TimelineKind::QuarantinedAgain
                 | TimelineKind::QuarantineFull
                 | TimelineKind::HoldFull
+                | TimelineKind::HeldRejected
         )
     }
 }
@@ -113,6 +118,14 @@ pub enum TimelineDetail {
     HoldFull {
         held: usize,
         limit: usize,
+    },
+    /// A held message rejected: the rejected list's outcome and reason, and since when it was
+    /// held.
+    #[serde(rename_all = "camelCase")]
+    HeldRejected {
+        outcome: String,
+        held_at: String,
+        reason: String,
     },
     /// The producer that claimed the aggregate and the epoch of its session.
     Claimed {
@@ -198,6 +211,7 @@ mod tests {
         assert!(TimelineKind::Gap.is_observation());
         assert!(TimelineKind::QuarantineFull.is_observation());
         assert!(TimelineKind::HoldFull.is_observation());
+        assert!(TimelineKind::HeldRejected.is_observation());
         assert!(!TimelineKind::Held.is_observation());
         assert!(!TimelineKind::Drained.is_observation());
         assert!(!TimelineKind::Applied.is_observation());

@@ -37,6 +37,7 @@ use crate::producers::{
     AggregateOwner, OwnershipFacts, ProducerClaim, ProducerFact, ProducerRefusal, TransferFacts,
     TransferRecord, TransferRequest, decide_transfer, next_epoch,
 };
+use crate::rejected::{REJECTED_KEPT, RejectedDelivery};
 use crate::resolution::{
     Action, DeadLetterFact, Mode, Refusal, ResolutionError, ResolutionFacts, ResolutionRequest,
     Resolved, decide_resolution, resolved_event,
@@ -118,11 +119,24 @@ INSERT INTO producer_deliveries(producer, aggregate_id, last_delivery_at) VALUES
 ON CONFLICT (producer, aggregate_id) DO UPDATE SET last_delivery_at = excluded.last_delivery_at";
 const RECORD_TRANSFER: &str = "
 INSERT INTO ownership_transfers(aggregate_id, operator, from_owner, to_owner, epoch, last, reason,
-                                transferred_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
+                                transferred_at, held_rejected)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+/// An entry of the rejected list, numbered in commit order as dead letters are (the counter row
+/// stays locked until COMMIT), and the entries that fell out of the newest `$10` dropped in the
+/// same statement (the DELETE sees the table as it was before the insert).
+const RECORD_REJECTED: &str = "
+WITH numbered AS (
+    UPDATE ordered_inbox_counters SET value = value + 1 WHERE name = 'rejected'
+ RETURNING value),
+inserted AS (
+    INSERT INTO rejected_deliveries(id, at, subject, stream_sequence, delivered, message_id,
+                                    aggregate_id, producer, outcome, reason)
+    SELECT value, $1, $2, $3, $4, $5, $6, $7, $8, $9 FROM numbered
+ RETURNING id)
+DELETE FROM rejected_deliveries AS r USING inserted WHERE r.id <= inserted.id - $10";
 const LOCK_AGGREGATE: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
 const LOCK_MESSAGE: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 1))";
-const AGGREGATE_ROW: &str = "SELECT last_sequence, total, status, status_since
+const AGGREGATE_ROW: &str = "SELECT last_sequence, total, status, status_since, owner, owner_epoch
   FROM aggregate_state WHERE aggregate_id = $1 FOR UPDATE";
 const APPLIED_MESSAGE: &str = "SELECT payload, sequence, applied_at FROM ordered_inbox
   WHERE message_id = $1 AND producer = $2";
@@ -245,9 +259,9 @@ async fn write(client: &Client, sql: &str, params: Vec<Param>) -> Result<Write, 
     })
 }
 
-/// Decides and records one anonymous delivery, without an ownership check (the classroom and
-/// broker doors): BEGIN, the locks and the facts in one flight; the writes and COMMIT in the
-/// next.
+/// Decides and records one anonymous delivery, without an ownership check
+/// ([`crate::Inbox::deliver`]'s contract; the server's doors use [`deliver_as`]): BEGIN, the
+/// locks and the facts in one flight; the writes and COMMIT in the next.
 pub(crate) async fn deliver(
     client: &Client,
     counters: &Counters,
@@ -389,8 +403,9 @@ pub(crate) async fn start_session(
 }
 
 /// An operator's transfer: the aggregate locked as for a delivery, the receiving producer's row
-/// shared-locked, the preconditions decided by the core, the owner columns, the audit row and
-/// the timeline event written and committed; a refusal rolls back with the ownership as it is.
+/// shared-locked, the preconditions decided by the core, the owner columns, the audit row, the
+/// timeline event and the rejection of the held messages it made inadmissible written and
+/// committed; a refusal rolls back with the ownership as it is.
 pub(crate) async fn transfer(
     client: &Client,
     counters: &Counters,
@@ -400,15 +415,17 @@ pub(crate) async fn transfer(
     let state = client.prepare_cached(OWNERSHIP_LOCKED).await?;
     let operator = client.prepare_cached(OPERATOR_ACTIVE).await?;
     let producer = client.prepare_cached(PRODUCER_ROW_SHARED).await?;
+    let held_for = client.prepare_cached(HELD_FOR).await?;
     let by_aggregate: [&(dyn ToSql + Sync); 1] = [&request.aggregate_id];
     let by_operator: [&(dyn ToSql + Sync); 1] = [&request.operator];
     let by_producer: [&(dyn ToSql + Sync); 1] = [&request.producer];
-    let (begin, locked, state, operator, producer) = join!(
+    let (begin, locked, state, operator, producer, held) = join!(
         client.batch_execute("BEGIN"),
         client.execute(&lock, &by_aggregate),
         client.query_opt(&state, &by_aggregate),
         client.query_one(&operator, &by_operator),
         client.query_opt(&producer, &by_producer),
+        client.query(&held_for, &by_aggregate),
     );
     counters.trip();
     begin?;
@@ -424,19 +441,39 @@ pub(crate) async fn transfer(
             .transpose()?,
         owner: current.owner.clone(),
         last: current.last,
+        held: held?
+            .iter()
+            .map(held_from_row)
+            .collect::<Result<_, Failure>>()?,
     };
     let now = clock::now();
-    let record = match decide_transfer(request, &facts, &now) {
-        Ok(record) => record,
+    let plan = match decide_transfer(request, &facts, &now) {
+        Ok(plan) => plan,
         Err(refusal) => {
             client.batch_execute("ROLLBACK").await?;
             counters.trip();
             return Ok(Err(TransferConflict { refusal, current }));
         }
     };
-    let changes = record.changes();
+    write_and_commit(client, counters, &plan.changes).await?;
+    Ok(Ok(plan.record))
+}
+
+/// Appends entries to the rejected list in one transaction.
+pub(crate) async fn record_rejected(
+    client: &Client,
+    counters: &Counters,
+    entries: &[RejectedDelivery],
+) -> Result<(), Failure> {
+    client.batch_execute("BEGIN").await?;
+    counters.trip();
+    let changes: Vec<Change> = entries
+        .iter()
+        .cloned()
+        .map(Change::RecordRejected)
+        .collect();
     write_and_commit(client, counters, &changes).await?;
-    Ok(Ok(record))
+    Ok(())
 }
 
 /// The aggregate's owner and last applied sequence (unowned and 0 without a row).
@@ -547,6 +584,19 @@ fn delivery_facts_from_row(row: &Row, aggregate_id: &str) -> Result<DeliveryFact
         open_dead_letters,
         held_message,
         held: held_from_arrays(row, 19, aggregate_id)?,
+        owner: owner_from_columns(row, 24)?,
+    })
+}
+
+/// The owner columns (producer, epoch) starting at `first`: no owner, or the producer and its
+/// epoch.
+fn owner_from_columns(row: &Row, first: usize) -> Result<Option<AggregateOwner>, Failure> {
+    Ok(match row.try_get::<_, Option<String>>(first)? {
+        Some(producer) => Some(AggregateOwner {
+            producer,
+            epoch: row.try_get::<_, Option<i64>>(first + 1)?.unwrap_or(0),
+        }),
+        None => None,
     })
 }
 
@@ -743,9 +793,12 @@ async fn resolution_facts(
             })
         })
         .transpose()?;
-    let aggregate = match aggregate_id {
-        Some(_) => aggregate.map(|row| aggregate_from_row(&row)).transpose()?,
-        None => None,
+    let (aggregate, owner) = match (aggregate_id, aggregate) {
+        (Some(_), Some(row)) => (
+            Some(aggregate_from_row(&row)?),
+            owner_from_columns(&row, 4)?,
+        ),
+        _ => (None, None),
     };
     let blocked = aggregate.as_ref().map(|row| row.status) == Some(AggregateStatus::Blocked);
     let open_dead_letters = if blocked {
@@ -786,6 +839,7 @@ async fn resolution_facts(
         replacement_dead_letter,
         replacement_held,
         held,
+        owner,
     })
 }
 
@@ -1007,6 +1061,7 @@ async fn writes_for(
                 param(record.last),
                 param(record.reason.clone()),
                 param(record.transferred_at.clone()),
+                param(i64::try_from(record.held_rejected).unwrap_or(i64::MAX)),
             ];
             writes.push(write(client, RECORD_TRANSFER, params).await?);
         }
@@ -1027,6 +1082,21 @@ async fn writes_for(
         }
         Change::ReleaseHeld { message_id } => {
             writes.push(write(client, RELEASE_HELD, vec![param(message_id.clone())]).await?);
+        }
+        Change::RecordRejected(entry) => {
+            let params = vec![
+                param(entry.at.clone()),
+                param(entry.subject.clone()),
+                param(entry.stream_sequence),
+                param(entry.delivered),
+                param(entry.message_id.clone()),
+                param(entry.aggregate_id.clone()),
+                param(entry.producer.clone()),
+                param(entry.outcome.clone()),
+                param(entry.reason.clone()),
+                param(REJECTED_KEPT),
+            ];
+            writes.push(write(client, RECORD_REJECTED, params).await?);
         }
         Change::Append(entry) => writes.push(append(client, entry).await?),
         Change::RecordResolution(record) => {

@@ -5,7 +5,8 @@
 //! - [`schema`]: the inbox's tables and their versioned migrations, run under an advisory lock;
 //! - [`engine`]: facts read, core decision, changes written, in one transaction per operation;
 //! - [`views`]: the evidence queries;
-//! - [`operators`]: the operator commands on a database.
+//! - [`operators`]: the operator commands on a database;
+//! - `rejected`: the rejected list's page.
 //!
 //! How an operation runs: a connection from a small pool, `BEGIN`, transaction-scoped advisory
 //! locks on the aggregate and on the message ids involved (taken before any fact is read, so the
@@ -21,6 +22,7 @@
 
 pub mod engine;
 pub mod operators;
+mod rejected;
 pub mod schema;
 pub mod views;
 
@@ -42,6 +44,7 @@ use crate::inbox::{BatchDelivery, Inbox, InboxError};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage, UnknownValue};
 use crate::operators::OperatorCheck;
 use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
+use crate::rejected::RejectedDelivery;
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
@@ -658,6 +661,24 @@ impl Inbox for PostgresInbox {
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
         self.run(move |client, counters| {
             Box::pin(async move { views::producers(client, counters).await })
+        })
+        .await
+    }
+
+    async fn record_rejected(&self, entries: Vec<RejectedDelivery>) -> Result<(), InboxError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        self.run(move |client, counters| {
+            let entries = entries.clone();
+            Box::pin(async move { engine::record_rejected(client, counters, &entries).await })
+        })
+        .await
+    }
+
+    async fn rejected(&self, page: PageRequest) -> Result<Page<RejectedDelivery>, InboxError> {
+        self.run(move |client, counters| {
+            Box::pin(async move { rejected::page(client, counters, page).await })
         })
         .await
     }

@@ -108,7 +108,7 @@ INSERT INTO ordered_inbox_counters(name, value) VALUES ('deadletters', 0), ('res
 
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
-pub const MIGRATIONS: &[&str] = &[INBOX, HELD_MESSAGES, PRODUCERS];
+pub const MIGRATIONS: &[&str] = &[INBOX, HELD_MESSAGES, PRODUCERS, REJECTED_DELIVERIES];
 
 /// Held successors (version 2): messages a broker delivered ahead of their turn, one row each
 /// until their predecessor applies and they drain. At most one per (aggregate, sequence).
@@ -178,6 +178,28 @@ ALTER TABLE resolutions ADD COLUMN producer text COLLATE "C" NOT NULL DEFAULT ''
 ALTER TABLE resolutions ADD UNIQUE (producer, message_id);
 ALTER TABLE resolutions ADD FOREIGN KEY (producer, message_id)
     REFERENCES deadletters(producer, message_id);
+"#;
+
+/// The rejected list in the store (version 4; the SQLite backend's version 8): deliveries a broker
+/// consumer terminated and held messages the inbox rejected, the newest `REJECTED_KEPT` kept.
+/// Entries are numbered in commit order like dead letters (a counter row locked until COMMIT),
+/// so that the list's cursor never passes an entry committed later with a lower number. The
+/// transfers' audit rows count the held messages each transfer rejected.
+const REJECTED_DELIVERIES: &str = r#"
+CREATE TABLE rejected_deliveries(
+    id bigint PRIMARY KEY,
+    at text COLLATE "C" NOT NULL,
+    subject text COLLATE "C",
+    stream_sequence bigint,
+    delivered bigint,
+    message_id text COLLATE "C",
+    aggregate_id text COLLATE "C",
+    producer text COLLATE "C",
+    outcome text COLLATE "C" NOT NULL,
+    reason text NOT NULL
+);
+INSERT INTO ordered_inbox_counters(name, value) VALUES ('rejected', 0);
+ALTER TABLE ownership_transfers ADD COLUMN held_rejected bigint NOT NULL DEFAULT 0;
 "#;
 
 /// The inbox schema version this build writes.

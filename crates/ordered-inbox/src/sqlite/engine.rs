@@ -153,6 +153,7 @@ pub(super) fn delivery_facts(
             FACT_AGGREGATE => {
                 facts.aggregate = Some(aggregate_from(row, 1)?);
                 read.owner = owner_from(row.get(5)?, row.get(6)?);
+                facts.owner = read.owner.clone();
             }
             FACT_APPLIED => facts.applied = Some(applied_from(row, 1)?),
             FACT_DEAD_LETTER => facts.dead_letter = Some(dead_letter_from(row, 1)?),
@@ -242,9 +243,12 @@ fn resolution_facts(
         ),
         crate::Action::Skip => (None, None, None),
     };
-    let held = match dead_letter.as_ref().and_then(|d| d.aggregate_id.as_deref()) {
-        Some(aggregate_id) => held_for(connection, aggregate_id)?,
-        None => Vec::new(),
+    let (held, owner) = match dead_letter.as_ref().and_then(|d| d.aggregate_id.as_deref()) {
+        Some(aggregate_id) => (
+            held_for(connection, aggregate_id)?,
+            super::producers::ownership_state(connection, aggregate_id)?.owner,
+        ),
+        None => (Vec::new(), None),
     };
     Ok(ResolutionFacts {
         recorded: views::resolution_of(connection, producer, &request.dead_letter_id)?,
@@ -256,6 +260,7 @@ fn resolution_facts(
         replacement_dead_letter,
         replacement_held,
         held,
+        owner,
     })
 }
 
@@ -368,7 +373,10 @@ fn held_message(
 /// Sorted here rather than with `ORDER BY`: SQLite re-prepares that statement on every run
 /// (`held_rows_are_read_without_re_preparing` shows it), which cost more than the delivery's own
 /// writes. The rows are few: at most `Limits::max_held_per_aggregate`.
-fn held_for(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<Vec<HeldMessage>> {
+pub(super) fn held_for(
+    connection: &Connection,
+    aggregate_id: &str,
+) -> rusqlite::Result<Vec<HeldMessage>> {
     let mut held: Vec<HeldMessage> = connection
         .prepare_cached(HELD_FOR_AGGREGATE)?
         .query_map([aggregate_id], held_from_row)?
@@ -550,6 +558,7 @@ pub(super) fn write_changes(
                     .prepare_cached("DELETE FROM held_messages WHERE message_id = ?1")?
                     .execute([message_id])?;
             }
+            Change::RecordRejected(entry) => super::rejected::insert(connection, entry)?,
             Change::SetOwner {
                 aggregate_id,
                 owner,
@@ -578,8 +587,8 @@ pub(super) fn write_changes(
                     .prepare_cached(
                         "INSERT INTO ownership_transfers(aggregate_id, operator, from_owner,
                                                          to_owner, epoch, last, reason,
-                                                         transferred_at)
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+                                                         transferred_at, held_rejected)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
                     )?
                     .execute(params![
                         record.aggregate_id,
@@ -589,7 +598,8 @@ pub(super) fn write_changes(
                         record.epoch,
                         record.last,
                         record.reason,
-                        record.transferred_at
+                        record.transferred_at,
+                        i64::try_from(record.held_rejected).unwrap_or(i64::MAX)
                     ])?;
             }
             Change::Append(entry) => append(connection, entry)?,

@@ -6,11 +6,13 @@
 //! - [`schema`]: the inbox's tables and migrations;
 //! - [`engine`]: facts read, core decision, changes written, in one unit of work;
 //! - [`views`]: the evidence queries;
-//! - [`operators`]: the operator commands on a file.
+//! - [`operators`]: the operator commands on a file;
+//! - `rejected`: the rejected list's rows.
 
 pub mod engine;
 pub mod operators;
 pub mod producers;
+mod rejected;
 pub mod schema;
 pub mod store;
 pub mod views;
@@ -30,6 +32,7 @@ use crate::inbox::{BatchDelivery, Inbox, InboxError};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
+use crate::rejected::RejectedDelivery;
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
@@ -270,6 +273,23 @@ impl Inbox for SqliteInbox {
 
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
         self.read(producers::producers).await
+    }
+
+    async fn record_rejected(&self, entries: Vec<RejectedDelivery>) -> Result<(), InboxError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        self.store
+            .write(move |connection| {
+                rejected::record(connection, &entries).map_err(StoreError::from)
+            })
+            .await
+            .map_err(InboxError::from)
+    }
+
+    async fn rejected(&self, page: PageRequest) -> Result<Page<RejectedDelivery>, InboxError> {
+        self.read(move |connection| rejected::page(connection, page))
+            .await
     }
 
     async fn health(&self) -> Result<InboxHealth, InboxError> {

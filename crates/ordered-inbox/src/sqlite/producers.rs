@@ -4,7 +4,7 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::engine::{DeliveryRead, delivery_facts, owner_from, write_changes};
+use super::engine::{DeliveryRead, delivery_facts, held_for, owner_from, write_changes};
 use super::store::StoreError;
 use crate::delivery::{Outcome, decide_producer_delivery};
 use crate::model::{Door, Limits, OrderedMessage};
@@ -56,7 +56,8 @@ pub fn start_session_in(
 }
 
 /// Checks an operator's transfer and records it: the owner columns, an audit row, a timeline
-/// event. A refusal carries the aggregate's ownership as it is now.
+/// event, and the held messages it made inadmissible rejected. A refusal carries the aggregate's
+/// ownership as it is now.
 pub fn transfer_in(
     connection: &Connection,
     request: &TransferRequest,
@@ -68,9 +69,10 @@ pub fn transfer_in(
         producer: producer_fact(connection, &request.producer)?,
         owner: state.owner.clone(),
         last: state.last,
+        held: held_for(connection, &request.aggregate_id)?,
     };
-    let record = match decide_transfer(request, &facts, now) {
-        Ok(record) => record,
+    let plan = match decide_transfer(request, &facts, now) {
+        Ok(plan) => plan,
         Err(refusal) => {
             return Ok(Err(TransferConflict {
                 refusal,
@@ -78,9 +80,8 @@ pub fn transfer_in(
             }));
         }
     };
-    let changes = record.changes();
-    write_changes(connection, &changes)?;
-    Ok(Ok(record))
+    write_changes(connection, &plan.changes)?;
+    Ok(Ok(plan.record))
 }
 
 /// The active producer a token belongs to.

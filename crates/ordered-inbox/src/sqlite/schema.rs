@@ -283,6 +283,26 @@ DELETE FROM aggregate_timeline
    AND id IN (SELECT event_id FROM ordered_inbox WHERE event_id IS NOT NULL);
 ";
 
+/// The rejected list in the store (version 8): deliveries a broker consumer terminated and held
+/// messages the inbox rejected, the newest `REJECTED_KEPT` kept (each insert prunes by `id`,
+/// which only grows: the oldest rows go first, so the newest id stays and none is reused). The
+/// transfers' audit rows count the held messages each transfer rejected.
+const REJECTED_DELIVERIES: &str = "
+CREATE TABLE rejected_deliveries(
+    id INTEGER PRIMARY KEY,
+    at TEXT NOT NULL,
+    subject TEXT,
+    stream_sequence INTEGER,
+    delivered INTEGER,
+    message_id TEXT,
+    aggregate_id TEXT,
+    producer TEXT,
+    outcome TEXT NOT NULL,
+    reason TEXT NOT NULL
+);
+ALTER TABLE ownership_transfers ADD COLUMN held_rejected INTEGER NOT NULL DEFAULT 0;
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -293,6 +313,7 @@ pub const MIGRATIONS: &[&str] = &[
     PRODUCERS,
     PRODUCER_IDENTITY,
     APPLIED_ON_THE_INBOX_ROW,
+    REJECTED_DELIVERIES,
 ];
 
 /// The migrations that rebuild tables (0-based, as in [`MIGRATIONS`]): they run with foreign
@@ -628,7 +649,7 @@ mod tests {
             .unwrap();
         assert_eq!(before.len(), 4);
         migrate(&mut connection).unwrap();
-        assert_eq!(found_version(&connection).unwrap(), 7);
+        assert_eq!(found_version(&connection).unwrap(), current_version());
         assert_eq!(timeline_of(&connection, "a"), before);
         let left: Vec<i64> = connection
             .prepare("SELECT id FROM aggregate_timeline ORDER BY id")

@@ -1,0 +1,122 @@
+//! The rejected list: deliveries a broker consumer terminated (malformed, stale, a payload
+//! conflict, a producer refusal) and held messages that left the held set without applying. It
+//! lives in the inbox's store, so it survives a restart, and it is bounded: each insert prunes
+//! what fell out of the newest [`REJECTED_KEPT`].
+//!
+//! A held message is rejected by the core, in the transaction that decides it: a drain or a
+//! transfer that finds it may no longer write its aggregate (held messages are anonymous, and the
+//! aggregate has an owner now), or whose sequence another message took while it was held.
+
+use crate::delivery::{Change, HeldMessage};
+use crate::producers::ProducerRefusal;
+use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
+
+/// Rejected deliveries the store keeps (the newest; older ones are pruned as new ones arrive).
+pub const REJECTED_KEPT: i64 = 1000;
+
+/// One entry of the rejected list, as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RejectedDelivery {
+    pub at: String,
+    /// The subject it arrived on (`None`: a held message the store rejected; the store never
+    /// knew its subject).
+    pub subject: Option<String>,
+    pub stream_sequence: Option<i64>,
+    /// How many times the broker had delivered it.
+    pub delivered: Option<i64>,
+    pub message_id: Option<String>,
+    pub aggregate_id: Option<String>,
+    /// The producer whose token the message carried (`None`: anonymous, or not known).
+    pub producer: Option<String>,
+    /// `malformed`, `stale`, `payload conflict`, or a producer refusal ([`refusal_outcome`]).
+    pub outcome: String,
+    pub reason: String,
+}
+
+/// Why a held message left the held set without applying.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeldRejection {
+    /// Producer admission refuses it now: held messages are anonymous, and the aggregate has an
+    /// owner.
+    Refused(ProducerRefusal),
+    /// Another message took its sequence while it was held; the aggregate expects `expected`.
+    Stale { expected: i64 },
+}
+
+impl HeldRejection {
+    /// The name the rejected list and the timeline give it.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            HeldRejection::Refused(refusal) => refusal_outcome(refusal),
+            HeldRejection::Stale { .. } => "stale",
+        }
+    }
+
+    fn reason(&self, held: &HeldMessage) -> String {
+        let sequence = held.message.sequence;
+        match self {
+            HeldRejection::Refused(ProducerRefusal::OwnerRequired) => format!(
+                "held for sequence {sequence} while aggregate '{}' had no owner; it has an owner now, and an anonymous message cannot write it (publish it with the owner's Authorization and Producer-Epoch headers)",
+                held.message.aggregate_id
+            ),
+            HeldRejection::Refused(refusal) => {
+                format!("held for sequence {sequence}, refused now: {refusal}")
+            }
+            HeldRejection::Stale { expected } => format!(
+                "sequence {sequence} was taken by another message while this one was held; the aggregate expects {expected}"
+            ),
+        }
+    }
+}
+
+/// A producer refusal's name: the `outcome` the HTTP general door answers it with (`unauthorized`
+/// and `owner required` are its 401s), and the one the rejected list shows.
+pub fn refusal_outcome(refusal: &ProducerRefusal) -> &'static str {
+    match refusal {
+        ProducerRefusal::Fenced { .. } => "fenced",
+        ProducerRefusal::EpochNotIssued { .. } => "epoch not issued",
+        ProducerRefusal::NoSession => "no session",
+        ProducerRefusal::Revoked => "unauthorized",
+        ProducerRefusal::NotOwner { .. } => "not the owner",
+        ProducerRefusal::OwnerRequired => "owner required",
+        ProducerRefusal::ClaimRequiresOperator => "claim requires operator",
+    }
+}
+
+/// What rejecting a held message writes: its held row deleted, an entry of the rejected list,
+/// and a `held rejected` observation on its aggregate's timeline.
+pub(crate) fn reject_held(
+    held: &HeldMessage,
+    why: &HeldRejection,
+    now: &str,
+    changes: &mut Vec<Change>,
+) {
+    let message = &held.message;
+    let reason = why.reason(held);
+    changes.push(Change::ReleaseHeld {
+        message_id: message.message_id.clone(),
+    });
+    changes.push(Change::RecordRejected(RejectedDelivery {
+        at: now.to_owned(),
+        subject: None,
+        stream_sequence: None,
+        delivered: None,
+        message_id: Some(message.message_id.clone()),
+        aggregate_id: Some(message.aggregate_id.clone()),
+        producer: None,
+        outcome: why.outcome().to_owned(),
+        reason: reason.clone(),
+    }));
+    changes.push(Change::Append(TimelineEntry {
+        aggregate_id: message.aggregate_id.clone(),
+        at: now.to_owned(),
+        kind: TimelineKind::HeldRejected,
+        sequence: Some(message.sequence),
+        message_id: Some(message.message_id.clone()),
+        detail: TimelineDetail::HeldRejected {
+            outcome: why.outcome().to_owned(),
+            held_at: held.held_at.clone(),
+            reason,
+        },
+    }));
+}
