@@ -149,6 +149,17 @@ pub enum Outcome {
     },
 }
 
+impl Outcome {
+    /// Whether the message itself was recorded: applied, quarantined as a dead letter, or held.
+    /// Every other verdict refuses it (a replay only points at the original).
+    pub fn records_the_message(&self) -> bool {
+        matches!(
+            self,
+            Outcome::Applied { .. } | Outcome::Quarantined { .. } | Outcome::Held { .. }
+        )
+    }
+}
+
 /// One row change. Values are absolute (computed from the facts), so a backend writes them as
 /// they are, in order; the transaction's per-aggregate serialization keeps them true.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -245,6 +256,12 @@ pub struct DeliveryPlan {
 /// decided at all ([`admit`]: epoch fencing and ownership; a refusal writes nothing), then as
 /// [`decide_delivery`]. A claim comes first in the changes, with its `claimed` event, and an
 /// authenticated delivery stamps its producer's last delivery time.
+///
+/// Only a delivery whose message is recorded ([`Outcome::records_the_message`]) claims a fresh
+/// aggregate. One refused on its merits (a gap, a payload conflict, a full quarantine) writes
+/// nothing on the aggregate either: no row, no observation. Either would give it history, and an
+/// unowned aggregate with history can only get an owner from an operator, so a refused delivery
+/// would squat the id as surely as a claim.
 pub fn decide_producer_delivery(
     message: &OrderedMessage,
     door: Door,
@@ -258,23 +275,10 @@ pub fn decide_producer_delivery(
     let producer = claim.map(|claim| claim.producer.as_str());
     let mut plan = decide_delivery_as(producer, message, door, facts, limits, now);
     let mut first = Vec::with_capacity(3);
-    if let Admission::Claim(owner) = admission {
-        first.push(Change::SetOwner {
-            aggregate_id: message.aggregate_id.clone(),
-            owner: owner.clone(),
-            at: now.to_owned(),
-        });
-        first.push(Change::Append(TimelineEntry {
-            aggregate_id: message.aggregate_id.clone(),
-            at: now.to_owned(),
-            kind: TimelineKind::Claimed,
-            sequence: Some(message.sequence),
-            message_id: Some(message.message_id.clone()),
-            detail: TimelineDetail::Claimed {
-                producer: owner.producer,
-                epoch: owner.epoch,
-            },
-        }));
+    match admission {
+        Admission::Claim(_) if !plan.outcome.records_the_message() => plan.changes.clear(),
+        Admission::Claim(owner) => first.extend(claim_changes(message, owner, now)),
+        Admission::Anonymous | Admission::Owner => {}
     }
     if let Some(claim) = claim {
         first.push(Change::TouchProducer {
@@ -286,6 +290,28 @@ pub fn decide_producer_delivery(
     first.append(&mut plan.changes);
     plan.changes = first;
     Ok(plan)
+}
+
+/// A claim's rows: the aggregate's owner and the `claimed` event, naming the claiming message.
+fn claim_changes(message: &OrderedMessage, owner: AggregateOwner, now: &str) -> [Change; 2] {
+    [
+        Change::SetOwner {
+            aggregate_id: message.aggregate_id.clone(),
+            owner: owner.clone(),
+            at: now.to_owned(),
+        },
+        Change::Append(TimelineEntry {
+            aggregate_id: message.aggregate_id.clone(),
+            at: now.to_owned(),
+            kind: TimelineKind::Claimed,
+            sequence: Some(message.sequence),
+            message_id: Some(message.message_id.clone()),
+            detail: TimelineDetail::Claimed {
+                producer: owner.producer,
+                epoch: owner.epoch,
+            },
+        }),
+    ]
 }
 
 /// Decides one anonymous delivery through `door`, stamping every row with `now`.
@@ -1155,6 +1181,150 @@ mod tests {
                 &DeliveryFacts::default()
             ))
         );
+    }
+
+    /// billing's delivery, under its current epoch 1, to an aggregate without owner or history.
+    fn billing_to_a_fresh_aggregate(
+        message: &OrderedMessage,
+        door: Door,
+        facts: &DeliveryFacts,
+        limits: &Limits,
+    ) -> DeliveryPlan {
+        use crate::producers::ProducerFact;
+        let fresh = OwnershipFacts {
+            producer: Some(ProducerFact {
+                current_epoch: 1,
+                active: true,
+            }),
+            owner: None,
+            history: false,
+        };
+        let claim = ProducerClaim {
+            producer: "billing".into(),
+            epoch: 1,
+        };
+        decide_producer_delivery(message, door, Some(&claim), &fresh, facts, limits, "t1").unwrap()
+    }
+
+    fn touched_only(plan: &DeliveryPlan) -> bool {
+        matches!(
+            plan.changes.as_slice(),
+            [Change::TouchProducer { producer, aggregate_id, .. }]
+                if producer == "billing" && aggregate_id == "a"
+        )
+    }
+
+    #[test]
+    fn a_refused_delivery_to_a_fresh_aggregate_claims_nothing_and_leaves_it_without_history() {
+        for door in [Door::General, Door::Broker] {
+            let gap = billing_to_a_fresh_aggregate(
+                &message("m-3", 3, 1),
+                door,
+                &Default::default(),
+                &Limits::default(),
+            );
+            assert_eq!(gap.outcome, Outcome::Gap { expected: 1 });
+            assert!(touched_only(&gap), "{door:?}: {:?}", gap.changes);
+        }
+        // billing's m-1 was applied to another aggregate: here it is a payload conflict.
+        let elsewhere = DeliveryFacts {
+            applied: Some(AppliedMessage {
+                payload: message("m-1", 1, 1)
+                    .canonical_payload()
+                    .replace("\"a\"", "\"b\""),
+                sequence: Some(1),
+                applied_at: Some("t0".into()),
+            }),
+            ..Default::default()
+        };
+        let conflict = billing_to_a_fresh_aggregate(
+            &message("m-1", 1, 1),
+            Door::General,
+            &elsewhere,
+            &Limits::default(),
+        );
+        assert_eq!(conflict.outcome, Outcome::PayloadConflict);
+        assert!(touched_only(&conflict), "{:?}", conflict.changes);
+        // A full quarantine refuses the poison message: nothing recorded, nothing claimed.
+        let no_room = Limits {
+            max_open_dead_letters: 0,
+            ..Limits::default()
+        };
+        let full = billing_to_a_fresh_aggregate(
+            &message("p-1", 1, -1),
+            Door::General,
+            &DeliveryFacts::default(),
+            &no_room,
+        );
+        assert!(matches!(full.outcome, Outcome::QuarantineFull { .. }));
+        assert!(touched_only(&full), "{:?}", full.changes);
+    }
+
+    #[test]
+    fn a_quarantined_delivery_to_a_fresh_aggregate_claims_it_and_records_its_dead_letter() {
+        let plan = billing_to_a_fresh_aggregate(
+            &message("p-1", 1, -1),
+            Door::General,
+            &Default::default(),
+            &Limits::default(),
+        );
+        assert!(matches!(plan.outcome, Outcome::Quarantined { .. }));
+        assert!(matches!(
+            &plan.changes[0],
+            Change::SetOwner { owner, .. } if owner.producer == "billing" && owner.epoch == 1
+        ));
+        assert_eq!(
+            kinds(&plan),
+            [TimelineKind::Claimed, TimelineKind::Quarantined]
+        );
+        assert!(plan.changes.iter().any(|change| matches!(
+            change,
+            Change::InsertDeadLetter { producer: Some(producer), .. } if producer == "billing"
+        )));
+    }
+
+    #[test]
+    fn only_an_applied_quarantined_or_held_message_is_recorded() {
+        let recorded = [
+            Outcome::Applied {
+                sequence: 1,
+                total: 1,
+                superseded: Vec::new(),
+            },
+            Outcome::Quarantined {
+                expected: 1,
+                reason: QuarantineReason::NegativeAmount,
+                dead_letter: None,
+            },
+            Outcome::Held {
+                expected: 1,
+                held: 1,
+                repeated: false,
+            },
+        ];
+        let refused = [
+            Outcome::Replay {
+                original: AppliedRecord {
+                    sequence: 1,
+                    applied_at: None,
+                },
+            },
+            Outcome::PayloadConflict,
+            Outcome::Gap { expected: 1 },
+            Outcome::Stale { expected: 2 },
+            Outcome::QuarantineFull {
+                expected: 1,
+                open: 1,
+                limit: 1,
+            },
+            Outcome::HoldFull {
+                expected: 1,
+                held: 1,
+                limit: 1,
+            },
+        ];
+        assert!(recorded.iter().all(Outcome::records_the_message));
+        assert!(!refused.iter().any(Outcome::records_the_message));
     }
 
     #[test]
