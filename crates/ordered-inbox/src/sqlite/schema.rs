@@ -303,6 +303,72 @@ CREATE TABLE rejected_deliveries(
 ALTER TABLE ownership_transfers ADD COLUMN held_rejected INTEGER NOT NULL DEFAULT 0;
 ";
 
+/// The seed's key columns first again: the seed keyed `ordered_inbox` and `deadletters` by
+/// `message_id`, and version 6 made their primary key `(producer, message_id)`. The key becomes
+/// `(message_id, producer)`, so the seed's key is the first column of the table's key once more (a
+/// lookup by message id alone still seeks it). A primary key is changed only by rebuilding the
+/// table, as in version 6 (see [`REBUILDS`]): every column and value is copied, each row keeps its
+/// rowid, and the indexes are recreated as they were. `resolutions` keeps its key; its foreign
+/// key names the dead letter's columns, which the new key still makes unique.
+const SEED_KEYS_FIRST: &str = "
+CREATE TABLE ordered_inbox_seed_key(
+    message_id TEXT,
+    payload TEXT NOT NULL,
+    aggregate_id TEXT,
+    sequence INTEGER,
+    amount INTEGER,
+    applied_at TEXT,
+    producer TEXT NOT NULL DEFAULT '',
+    event_id INTEGER,
+    total_after INTEGER,
+    PRIMARY KEY(message_id, producer)
+);
+INSERT INTO ordered_inbox_seed_key(rowid, message_id, payload, aggregate_id, sequence, amount,
+                                   applied_at, producer, event_id, total_after)
+SELECT rowid, message_id, payload, aggregate_id, sequence, amount, applied_at, producer, event_id,
+       total_after
+  FROM ordered_inbox;
+
+CREATE TABLE deadletters_seed_key(
+    message_id TEXT,
+    reason TEXT NOT NULL,
+    aggregate_id TEXT,
+    sequence INTEGER,
+    payload TEXT,
+    first_seen TEXT,
+    last_seen TEXT,
+    observations INTEGER NOT NULL DEFAULT 1,
+    status TEXT NOT NULL DEFAULT 'open',
+    superseded_by TEXT,
+    closed_at TEXT,
+    resolution_id INTEGER,
+    id INTEGER,
+    producer TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY(message_id, producer)
+);
+INSERT INTO deadletters_seed_key(rowid, message_id, reason, aggregate_id, sequence, payload,
+                                 first_seen, last_seen, observations, status, superseded_by,
+                                 closed_at, resolution_id, id, producer)
+SELECT rowid, message_id, reason, aggregate_id, sequence, payload, first_seen, last_seen,
+       observations, status, superseded_by, closed_at, resolution_id, id, producer
+  FROM deadletters;
+
+DROP TABLE deadletters;
+DROP TABLE ordered_inbox;
+ALTER TABLE ordered_inbox_seed_key RENAME TO ordered_inbox;
+ALTER TABLE deadletters_seed_key RENAME TO deadletters;
+
+CREATE UNIQUE INDEX ix_ordered_inbox_aggregate_sequence ON ordered_inbox(aggregate_id, sequence);
+CREATE INDEX ix_deadletters_open ON deadletters(aggregate_id, sequence) WHERE status = 'open';
+CREATE INDEX ix_deadletters_status ON deadletters(status, first_seen);
+CREATE INDEX ix_deadletters_first_seen ON deadletters(first_seen);
+CREATE INDEX ix_deadletters_aggregate ON deadletters(aggregate_id, status, first_seen);
+CREATE UNIQUE INDEX ix_deadletters_id ON deadletters(id);
+CREATE INDEX ix_deadletters_status_id ON deadletters(status, id);
+CREATE INDEX ix_deadletters_aggregate_id ON deadletters(aggregate_id, status, id);
+CREATE INDEX ix_deadletters_aggregate_all_id ON deadletters(aggregate_id, id);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -314,11 +380,13 @@ pub const MIGRATIONS: &[&str] = &[
     PRODUCER_IDENTITY,
     APPLIED_ON_THE_INBOX_ROW,
     REJECTED_DELIVERIES,
+    SEED_KEYS_FIRST,
 ];
 
-/// The migrations that rebuild tables (0-based, as in [`MIGRATIONS`]): they run with foreign
-/// keys off, and check them before they commit.
-const REBUILDS: &[usize] = &[5];
+/// The migrations that rebuild tables: they run with foreign keys off, and check them before
+/// they commit. Named by their script rather than by position, so that appending a migration
+/// never moves an entry here.
+const REBUILDS: &[&str] = &[PRODUCER_IDENTITY, SEED_KEYS_FIRST];
 
 /// The inbox schema version this build writes.
 pub fn current_version() -> i64 {
@@ -328,6 +396,13 @@ pub fn current_version() -> i64 {
 /// Brings the inbox's tables up to [`current_version`], each step in its own transaction. A file
 /// from a newer build is refused rather than guessed at.
 pub fn migrate(connection: &mut Connection) -> rusqlite::Result<()> {
+    migrate_to(connection, current_version())
+}
+
+/// Brings the inbox's tables up to version `target`: the steps of [`migrate`], and for tests a
+/// file as an earlier release left it. A file at or past `target` is left as it is (one newer
+/// than this build is refused).
+fn migrate_to(connection: &mut Connection, target: i64) -> rusqlite::Result<()> {
     let found = found_version(connection)?;
     if found > current_version() {
         return Err(rusqlite::Error::SqliteFailure(
@@ -338,8 +413,9 @@ pub fn migrate(connection: &mut Connection) -> rusqlite::Result<()> {
             )),
         ));
     }
-    for (index, script) in MIGRATIONS.iter().enumerate().skip(found.max(0) as usize) {
-        if REBUILDS.contains(&index) {
+    let steps = MIGRATIONS.iter().enumerate().take(target.max(0) as usize);
+    for (index, script) in steps.skip(found.max(0) as usize) {
+        if REBUILDS.contains(script) {
             rebuild(connection, index, script)?;
             continue;
         }
@@ -663,6 +739,204 @@ mod tests {
             .query_row("SELECT last_id FROM timeline_ids", [], |row| row.get(0))
             .unwrap();
         assert_eq!(next, 5, "new events are numbered past every old one");
+    }
+
+    /// Every row of `table` in rowid order, every column as SQLite stores it.
+    fn dump(connection: &Connection, table: &str) -> Vec<String> {
+        let mut statement = connection
+            .prepare(&format!("SELECT rowid, * FROM {table} ORDER BY rowid"))
+            .unwrap();
+        let columns = statement.column_count();
+        statement
+            .query_map([], |row| {
+                (0..columns)
+                    .map(|i| Ok(format!("{:?}", row.get_ref(i)?)))
+                    .collect::<rusqlite::Result<Vec<_>>>()
+                    .map(|values| values.join("|"))
+            })
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap()
+    }
+
+    fn strings(connection: &Connection, sql: &str) -> Vec<String> {
+        connection
+            .prepare(sql)
+            .unwrap()
+            .query_map([], |row| row.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap()
+    }
+
+    fn primary_key(connection: &Connection, table: &str) -> Vec<String> {
+        strings(
+            connection,
+            &format!("SELECT name FROM pragma_table_info('{table}') WHERE pk > 0 ORDER BY pk"),
+        )
+    }
+
+    /// The version the seed-key rebuild brings a file to.
+    fn seed_keys_version() -> i64 {
+        let index = MIGRATIONS
+            .iter()
+            .position(|script| *script == SEED_KEYS_FIRST);
+        index.map(|index| index as i64 + 1).unwrap()
+    }
+
+    #[test]
+    fn each_seed_table_is_keyed_by_the_seeds_key_first() {
+        let seed = Connection::open_in_memory().unwrap();
+        seed.execute_batch(SEED_TABLES).unwrap();
+        let current = migrated_in_memory();
+        for table in ["aggregate_state", "ordered_inbox", "deadletters"] {
+            let seeds = primary_key(&seed, table);
+            let now = primary_key(&current, table);
+            assert_eq!(now[..seeds.len()], seeds[..], "{table}: {now:?}");
+        }
+        assert_eq!(
+            primary_key(&current, "deadletters"),
+            ["message_id", "producer"]
+        );
+        assert_eq!(
+            primary_key(&current, "ordered_inbox"),
+            ["message_id", "producer"]
+        );
+    }
+
+    #[test]
+    fn an_identity_lookup_seeks_the_primary_key_by_message_id_then_producer() {
+        let connection = migrated_in_memory();
+        for table in ["ordered_inbox", "deadletters"] {
+            let by_identity =
+                format!("SELECT * FROM {table} WHERE producer = ?1 AND message_id = ?2");
+            assert_eq!(
+                query_plan(&connection, &by_identity, ["billing", "m-1"]),
+                [format!(
+                    "SEARCH {table} USING INDEX sqlite_autoindex_{table}_1 (message_id=? AND producer=?)"
+                )]
+            );
+            // Every namespace's row of one id: the key's first column alone.
+            let by_id = format!("SELECT producer FROM {table} WHERE message_id = ?1");
+            assert_eq!(
+                query_plan(&connection, &by_id, ["m-1"]),
+                [format!(
+                    "SEARCH {table} USING COVERING INDEX sqlite_autoindex_{table}_1 (message_id=?)"
+                )]
+            );
+        }
+    }
+
+    #[test]
+    fn the_seed_key_rebuild_keeps_every_row_value_and_index() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        connection
+            .pragma_update(None, "foreign_keys", true)
+            .unwrap();
+        migrate_to(&mut connection, seed_keys_version() - 1).unwrap();
+        // Two namespaces with the same ids, a resolution of billing's dead letter, and a row
+        // deleted so that rowids have a hole.
+        connection
+            .execute_batch(
+                r#"INSERT INTO operators VALUES ('alice', 'h', 't', NULL);
+                 INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence, amount,
+                                           applied_at, producer, event_id, total_after)
+                 VALUES ('m-1', '{"a":1}', 'a', 1, 5, 't1', '', 1, 5),
+                        ('gone', '{}', 'a', 9, 1, 't1', '', NULL, NULL),
+                        ('m-1', '{"b":1}', 'b', 1, 2, 't2', 'billing', 2, 2),
+                        ('old', 'seed payload', NULL, NULL, NULL, NULL, '', NULL, NULL);
+                 DELETE FROM ordered_inbox WHERE message_id = 'gone';
+                 INSERT INTO deadletters(message_id, reason, aggregate_id, sequence, payload,
+                                         first_seen, last_seen, observations, status,
+                                         resolution_id, id, producer)
+                 VALUES ('p-2', 'negative amount', 'a', 2, '{}', 't3', 't4', 2, 'open', NULL,
+                         1, ''),
+                        ('p-2', 'negative amount', 'b', 2, '{}', 't3', 't5', 1, 'resolved', 1,
+                         2, 'billing');
+                 INSERT INTO resolutions VALUES (1, 'p-2', 'b', 2, 'skip', 'alice', 'why', 1,
+                                                 NULL, NULL, 1, 2, 2, 2, 't6', 'billing');"#,
+            )
+            .unwrap();
+        let tables = ["ordered_inbox", "deadletters", "resolutions"];
+        let rows: Vec<Vec<String>> = tables.iter().map(|t| dump(&connection, t)).collect();
+        let index_sql = "SELECT sql FROM sqlite_schema WHERE type = 'index' AND sql IS NOT NULL
+                            AND tbl_name IN ('ordered_inbox', 'deadletters', 'resolutions')
+                          ORDER BY name";
+        let indexes = strings(&connection, index_sql);
+        assert_eq!(indexes.len(), 10);
+
+        migrate(&mut connection).unwrap();
+        assert_eq!(found_version(&connection).unwrap(), current_version());
+        let after: Vec<Vec<String>> = tables.iter().map(|t| dump(&connection, t)).collect();
+        assert_eq!(after, rows);
+        assert_eq!(strings(&connection, index_sql), indexes);
+        assert_eq!(
+            primary_key(&connection, "deadletters"),
+            ["message_id", "producer"]
+        );
+        assert_eq!(
+            primary_key(&connection, "ordered_inbox"),
+            ["message_id", "producer"]
+        );
+        let foreign_keys: bool = connection
+            .query_row("PRAGMA foreign_keys", [], |row| row.get(0))
+            .unwrap();
+        assert!(foreign_keys, "foreign keys are back on");
+        assert_eq!(strings(&connection, "PRAGMA integrity_check"), ["ok"]);
+        // The identity is still one row per (message id, producer), and a resolution still
+        // names an existing dead letter.
+        let duplicate = "INSERT INTO deadletters(message_id, reason, producer)
+                         VALUES ('p-2', 'negative amount', 'billing')";
+        assert!(connection.execute(duplicate, []).is_err());
+        let orphan = "INSERT INTO resolutions VALUES (2, 'p-2', 'b', 2, 'skip', 'alice', 'why', 1,
+                                                      NULL, NULL, 1, 2, 2, 2, 't6', 'shipping')";
+        assert!(connection.execute(orphan, []).is_err());
+    }
+
+    #[test]
+    fn a_file_of_every_earlier_version_migrates_with_its_seed_rows() {
+        let seed_rows = "SELECT 's|' || aggregate_id || '|' || last_sequence || '|' || total
+                           FROM aggregate_state
+                         UNION ALL SELECT 'i|' || message_id || '|' || payload FROM ordered_inbox
+                         UNION ALL SELECT 'd|' || message_id || '|' || reason FROM deadletters
+                         ORDER BY 1";
+        for version in 1..current_version() {
+            let mut connection = Connection::open_in_memory().unwrap();
+            connection
+                .pragma_update(None, "foreign_keys", true)
+                .unwrap();
+            migrate_to(&mut connection, version).unwrap();
+            assert_eq!(found_version(&connection).unwrap(), version);
+            // Rows in the seed's own columns, as its statements write them.
+            connection
+                .execute_batch(
+                    r#"INSERT INTO aggregate_state(aggregate_id, last_sequence, total)
+                       VALUES ('demo', 2, 2);
+                     INSERT INTO ordered_inbox(message_id, payload) VALUES
+                       ('m-1', '{"AggregateId":"demo","Sequence":1,"Amount":1}'),
+                       ('corrected-2', '{"AggregateId":"demo","Sequence":2,"Amount":1}');
+                     INSERT INTO deadletters(message_id, reason)
+                       VALUES ('poison-2', 'negative amount');"#,
+                )
+                .unwrap();
+            let before = strings(&connection, seed_rows);
+            migrate(&mut connection).unwrap();
+            assert_eq!(found_version(&connection).unwrap(), current_version());
+            assert_eq!(
+                strings(&connection, seed_rows),
+                before,
+                "from version {version}"
+            );
+            assert_eq!(
+                strings(&connection, "PRAGMA foreign_key_check"),
+                Vec::<String>::new()
+            );
+            assert_eq!(
+                primary_key(&connection, "deadletters"),
+                ["message_id", "producer"],
+                "from version {version}"
+            );
+        }
     }
 
     #[test]
