@@ -215,6 +215,13 @@ struct BenchRelayArgs {
     /// Events per lease.
     #[arg(long, default_value_t = 256)]
     batch: usize,
+    /// The lease-latency phase: events pending in A's outbox.
+    #[arg(long, default_value_t = 20_000)]
+    lease_pending: usize,
+    /// The lease-latency phase: how many of the pending events are under live leases (each the
+    /// first pending event of its aggregate, with a share of the rest waiting behind it).
+    #[arg(long, default_value_t = 1_000)]
+    lease_held: usize,
     /// Also write the figures as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -640,6 +647,8 @@ fn run_bench(command: BenchCommand) -> anyhow::Result<()> {
                     messages: args.messages,
                     writers: args.writers,
                     batch: args.batch,
+                    lease_pending: args.lease_pending,
+                    lease_held: args.lease_held,
                 };
                 let report = production_lab::relay::bench::run(&options).await?;
                 anyhow::Ok((

@@ -9,6 +9,9 @@
 //! the last inbox COMMIT (latency there is mostly waiting, so it is not printed). Every run is
 //! verified: B's aggregates end at the right last sequence and total with one row per event, A's
 //! outbox is all sent.
+//!
+//! Last, on A alone, the latency of `POST /outbox/leases` while many events are pending behind
+//! live leases ([`lease_latency`]).
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -30,6 +33,9 @@ pub struct RelayBenchOptions {
     pub writers: usize,
     /// Events per lease.
     pub batch: usize,
+    /// The lease-latency phase: pending events in all, and how many of them are under live leases.
+    pub lease_pending: usize,
+    pub lease_held: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -56,6 +62,24 @@ pub struct RelayReport {
     pub writers: usize,
     pub batch: usize,
     pub runs: Vec<RelayRun>,
+    pub lease: LeaseLatency,
+}
+
+/// `POST /outbox/leases` on an outbox where `pending` events wait, `held` of them under live
+/// leases, each the first pending event of its aggregate with `blocked` more behind it (sorted
+/// before the `eligible` ones, so a lease that read every pending row in order would read them all
+/// first). Every timed lease asks for `max` and must get exactly the `eligible` events.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseLatency {
+    pub pending: usize,
+    pub held: usize,
+    pub blocked: usize,
+    pub eligible: usize,
+    pub max: usize,
+    pub samples: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
 }
 
 impl std::fmt::Display for RelayReport {
@@ -87,6 +111,19 @@ impl std::fmt::Display for RelayReport {
                 )?;
             }
         }
+        let lease = &self.lease;
+        writeln!(
+            f,
+            "  lease latency: POST /outbox/leases {{max {}}} with {} pending, {} under live leases and {} waiting behind them: {} eligible handed out each time; ms p50 {:.2} p99 {:.2} over {} leases",
+            lease.max,
+            lease.pending,
+            lease.held,
+            lease.blocked,
+            lease.eligible,
+            lease.p50_ms,
+            lease.p99_ms,
+            lease.samples
+        )?;
         Ok(())
     }
 }
@@ -97,18 +134,223 @@ pub async fn run(options: &RelayBenchOptions) -> Result<RelayReport, BenchError>
             "aggregates, messages and writers must be positive".to_owned(),
         ));
     }
+    let layout = LeaseLayout::new(options.lease_pending, options.lease_held)?;
     let mut runs = Vec::new();
     for backlog in [false, true] {
         for relays in [1, 2] {
             runs.push(one_run(options, relays, backlog).await?);
         }
     }
+    let lease = lease_latency(&layout, options.writers).await?;
     Ok(RelayReport {
         aggregates: options.aggregates,
         messages: options.messages,
         writers: options.writers,
         batch: options.batch,
         runs,
+        lease,
+    })
+}
+
+/// The largest lease, and the events it finds eligible each time.
+const LEASE_MAX: usize = crate::labs::outbox::MAX_BATCH as usize;
+/// Timed leases; each waits out its own 100 ms lease before the next.
+const LEASE_SAMPLES: usize = 200;
+const LEASE_PROBE_MS: i64 = crate::labs::outbox::MIN_LEASE_MS;
+/// Eligible events per aggregate.
+const ELIGIBLE_PER_AGGREGATE: usize = 10;
+
+/// How the lease-latency phase lays out its pending events: `held` aggregates `held-NNNNN` whose
+/// first event is leased for ten minutes, with the `blocked` rest spread behind them, then the
+/// `eligible` events over `ready-NNNNN` aggregates (which sort after them).
+#[derive(Debug, Clone)]
+struct LeaseLayout {
+    pending: usize,
+    held: usize,
+    blocked: usize,
+    eligible: usize,
+}
+
+impl LeaseLayout {
+    fn new(pending: usize, held: usize) -> Result<LeaseLayout, BenchError> {
+        let eligible = LEASE_MAX;
+        if held == 0 || pending < held + eligible {
+            return Err(BenchError::Verification(format!(
+                "the lease phase needs at least one held event and at least {eligible} pending events besides the held ones (got --lease-pending {pending}, --lease-held {held})"
+            )));
+        }
+        Ok(LeaseLayout {
+            pending,
+            held,
+            blocked: pending - held - eligible,
+            eligible,
+        })
+    }
+
+    fn held_aggregate(index: usize) -> String {
+        format!("held-{index:05}")
+    }
+
+    /// Each held aggregate's events after its first: sequences 2 ..= 1 + its share of `blocked`.
+    fn blocked_streams(&self) -> Vec<(String, std::ops::RangeInclusive<u64>)> {
+        (0..self.held)
+            .map(|index| {
+                let share =
+                    self.blocked / self.held + usize::from(index < self.blocked % self.held);
+                (Self::held_aggregate(index), 2..=1 + share as u64)
+            })
+            .collect()
+    }
+
+    fn eligible_streams(&self) -> Vec<(String, std::ops::RangeInclusive<u64>)> {
+        (0..self.eligible.div_ceil(ELIGIBLE_PER_AGGREGATE))
+            .map(|index| {
+                let count =
+                    ELIGIBLE_PER_AGGREGATE.min(self.eligible - index * ELIGIBLE_PER_AGGREGATE);
+                (format!("ready-{index:05}"), 1..=count as u64)
+            })
+            .collect()
+    }
+}
+
+/// Records each stream's sequences in order, the streams spread over `writers` concurrent
+/// clients.
+async fn record_streams(
+    http: &reqwest::Client,
+    base: &str,
+    streams: Vec<(String, std::ops::RangeInclusive<u64>)>,
+    writers: usize,
+) -> Result<(), BenchError> {
+    let mut tasks = Vec::new();
+    for writer in 0..writers.max(1) {
+        let mine: Vec<_> = streams
+            .iter()
+            .skip(writer)
+            .step_by(writers.max(1))
+            .cloned()
+            .collect();
+        let http = http.clone();
+        let url = format!("{base}/outbox/events");
+        tasks.push(tokio::spawn(async move {
+            for (aggregate, sequences) in mine {
+                for sequence in sequences {
+                    let body = json!({
+                        "eventKey": format!("{aggregate}-{sequence}"),
+                        "aggregateId": aggregate,
+                        "sequence": sequence,
+                        "amount": 1,
+                    });
+                    let status = http.post(&url).json(&body).send().await?.status();
+                    if status.as_u16() != 201 {
+                        return Err(BenchError::Verification(format!(
+                            "POST /outbox/events answered {status}"
+                        )));
+                    }
+                }
+            }
+            Ok::<_, BenchError>(())
+        }));
+    }
+    for task in tasks {
+        task.await
+            .map_err(|error| BenchError::Verification(format!("a writer failed: {error}")))??;
+    }
+    Ok(())
+}
+
+/// One `POST /outbox/leases`: the events it handed out and when their lease ends.
+async fn lease(
+    http: &reqwest::Client,
+    base: &str,
+    owner: &str,
+    max: usize,
+    lease_ms: i64,
+) -> Result<(usize, i64), BenchError> {
+    let response = http
+        .post(format!("{base}/outbox/leases"))
+        .json(&json!({"owner": owner, "max": max, "leaseMs": lease_ms}))
+        .send()
+        .await?;
+    let status = response.status();
+    let body: serde_json::Value = response.json().await?;
+    if status.as_u16() != 200 {
+        return Err(BenchError::Verification(format!(
+            "POST /outbox/leases answered {status}: {body}"
+        )));
+    }
+    let events = body["events"].as_array().map_or(0, Vec::len);
+    let until = body["leaseUntilMs"].as_i64().unwrap_or(0);
+    Ok((events, until))
+}
+
+fn unix_millis() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| {
+            i64::try_from(elapsed.as_millis()).unwrap_or(i64::MAX)
+        })
+}
+
+/// The lease-latency phase: the layout's events recorded on a fresh A (the held aggregates' first
+/// events first, leased for ten minutes, then the rest), then [`LEASE_SAMPLES`] timed leases of
+/// [`LEASE_MAX`] for 100 ms each, one at a time, each after the previous one's lease ended, so
+/// every one meets the same outbox and must hand out exactly the eligible events.
+async fn lease_latency(layout: &LeaseLayout, writers: usize) -> Result<LeaseLatency, BenchError> {
+    let outbox = ServerUnderTest::start(Synchronous::Full, writers)?;
+    let http = reqwest::Client::builder().no_proxy().build()?;
+    let base = outbox.address.clone();
+    let heads = (0..layout.held)
+        .map(|index| (LeaseLayout::held_aggregate(index), 1..=1))
+        .collect();
+    record_streams(&http, &base, heads, writers).await?;
+    let mut held = 0;
+    while held < layout.held {
+        let (events, _) = lease(&http, &base, "holder", LEASE_MAX, 600_000).await?;
+        if events == 0 {
+            return Err(BenchError::Verification(format!(
+                "only {held} of {} first events could be held",
+                layout.held
+            )));
+        }
+        held += events;
+    }
+    record_streams(&http, &base, layout.blocked_streams(), writers).await?;
+    record_streams(&http, &base, layout.eligible_streams(), writers).await?;
+
+    let progress = crate::progress::Progress::start(
+        "bench relay: POST /outbox/leases behind live leases",
+        LEASE_SAMPLES as u64,
+        "leases",
+    );
+    let counter = progress.counter();
+    let mut latencies = Vec::with_capacity(LEASE_SAMPLES);
+    for _ in 0..LEASE_SAMPLES {
+        let started = Instant::now();
+        let (events, until) = lease(&http, &base, "probe", LEASE_MAX, LEASE_PROBE_MS).await?;
+        latencies.push(started.elapsed());
+        if events != layout.eligible {
+            return Err(BenchError::Verification(format!(
+                "a lease handed out {events} events, not the {} eligible ones",
+                layout.eligible
+            )));
+        }
+        counter.add(1);
+        // A lease ending exactly now has ended: wait until the clock the server reads is past it.
+        let left = until.saturating_sub(unix_millis()).saturating_add(1);
+        tokio::time::sleep(Duration::from_millis(u64::try_from(left).unwrap_or(0))).await;
+    }
+    progress.finish();
+    outbox.stop()?;
+    latencies.sort_unstable();
+    Ok(LeaseLatency {
+        pending: layout.pending,
+        held: layout.held,
+        blocked: layout.blocked,
+        eligible: layout.eligible,
+        max: LEASE_MAX,
+        samples: latencies.len(),
+        p50_ms: percentile(&latencies, 0.50),
+        p99_ms: percentile(&latencies, 0.99),
     })
 }
 
@@ -326,7 +568,36 @@ async fn one_run(
 
 #[cfg(test)]
 mod tests {
-    use super::figure;
+    use super::{LEASE_MAX, LeaseLayout, figure};
+
+    fn events(streams: &[(String, std::ops::RangeInclusive<u64>)]) -> usize {
+        streams
+            .iter()
+            .map(|(_, sequences)| sequences.clone().count())
+            .sum()
+    }
+
+    #[test]
+    fn the_lease_layout_holds_exactly_the_pending_events_asked_for() {
+        let layout = LeaseLayout::new(20_000, 1_000).expect("a layout");
+        assert_eq!((layout.blocked, layout.eligible), (18_000, LEASE_MAX));
+        let blocked = layout.blocked_streams();
+        assert_eq!((blocked.len(), events(&blocked)), (1_000, 18_000));
+        assert_eq!(events(&layout.eligible_streams()), LEASE_MAX);
+        // An uneven share: the first aggregates take one more.
+        let uneven = LeaseLayout::new(LEASE_MAX + 3 + 5, 3).expect("a layout");
+        let shares: Vec<usize> = uneven
+            .blocked_streams()
+            .iter()
+            .map(|(_, sequences)| sequences.clone().count())
+            .collect();
+        assert_eq!(shares, [2, 2, 1]);
+        assert!(
+            LeaseLayout::new(LEASE_MAX, 1).is_err(),
+            "too few for the eligible ones"
+        );
+        assert!(LeaseLayout::new(20_000, 0).is_err(), "nothing held");
+    }
 
     #[test]
     fn the_relay_report_line_gives_its_figures() {
