@@ -11,7 +11,7 @@
 //! outbox is all sent.
 //!
 //! Last, on A alone, the latency of `POST /outbox/leases` while many events are pending behind
-//! live leases ([`lease_latency`]).
+//! live leases, and for comparison with only the events it hands out pending ([`lease_latency`]).
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -80,6 +80,9 @@ pub struct LeaseLatency {
     pub samples: usize,
     pub p50_ms: f64,
     pub p99_ms: f64,
+    /// The same leases on an outbox holding only the eligible events.
+    pub alone_p50_ms: f64,
+    pub alone_p99_ms: f64,
 }
 
 impl std::fmt::Display for RelayReport {
@@ -114,7 +117,7 @@ impl std::fmt::Display for RelayReport {
         let lease = &self.lease;
         writeln!(
             f,
-            "  lease latency: POST /outbox/leases {{max {}}} with {} pending, {} under live leases and {} waiting behind them: {} eligible handed out each time; ms p50 {:.2} p99 {:.2} over {} leases",
+            "  lease latency: POST /outbox/leases {{max {}}} with {} pending, {} under live leases and {} waiting behind them, {} eligible (all handed out each time): ms p50 {:.2} p99 {:.2} over {} leases; with only the {} eligible pending: p50 {:.2} p99 {:.2}",
             lease.max,
             lease.pending,
             lease.held,
@@ -122,7 +125,10 @@ impl std::fmt::Display for RelayReport {
             lease.eligible,
             lease.p50_ms,
             lease.p99_ms,
-            lease.samples
+            lease.samples,
+            lease.eligible,
+            lease.alone_p50_ms,
+            lease.alone_p99_ms
         )?;
         Ok(())
     }
@@ -154,7 +160,7 @@ pub async fn run(options: &RelayBenchOptions) -> Result<RelayReport, BenchError>
 
 /// The largest lease, and the events it finds eligible each time.
 const LEASE_MAX: usize = crate::labs::outbox::MAX_BATCH as usize;
-/// Timed leases; each waits out its own 100 ms lease before the next.
+/// Timed leases per outbox; each waits out its own 100 ms lease before the next.
 const LEASE_SAMPLES: usize = 200;
 const LEASE_PROBE_MS: i64 = crate::labs::outbox::MIN_LEASE_MS;
 /// Eligible events per aggregate.
@@ -291,34 +297,51 @@ fn unix_millis() -> i64 {
         })
 }
 
-/// The lease-latency phase: the layout's events recorded on a fresh A (the held aggregates' first
-/// events first, leased for ten minutes, then the rest), then [`LEASE_SAMPLES`] timed leases of
-/// [`LEASE_MAX`] for 100 ms each, one at a time, each after the previous one's lease ended, so
-/// every one meets the same outbox and must hand out exactly the eligible events.
+/// The lease-latency phase: [`timed_leases`] on the layout, then on an outbox holding only its
+/// eligible events (nothing held, nothing blocked) for comparison.
 async fn lease_latency(layout: &LeaseLayout, writers: usize) -> Result<LeaseLatency, BenchError> {
+    let behind = timed_leases(layout, writers, true).await?;
+    let alone = timed_leases(layout, writers, false).await?;
+    Ok(LeaseLatency {
+        pending: layout.pending,
+        held: layout.held,
+        blocked: layout.blocked,
+        eligible: layout.eligible,
+        max: LEASE_MAX,
+        samples: behind.len(),
+        p50_ms: percentile(&behind, 0.50),
+        p99_ms: percentile(&behind, 0.99),
+        alone_p50_ms: percentile(&alone, 0.50),
+        alone_p99_ms: percentile(&alone, 0.99),
+    })
+}
+
+/// On a fresh A: with `held`, the layout's events (the held aggregates' first events first,
+/// leased for ten minutes, then the rest), else only its eligible ones; then [`LEASE_SAMPLES`]
+/// timed leases of [`LEASE_MAX`] for 100 ms each, one at a time, each after the previous one's
+/// lease ended, so that every one meets the same outbox and must hand out exactly the eligible
+/// events. The latencies, sorted.
+async fn timed_leases(
+    layout: &LeaseLayout,
+    writers: usize,
+    held: bool,
+) -> Result<Vec<Duration>, BenchError> {
     let outbox = ServerUnderTest::start(Synchronous::Full, writers)?;
     let http = reqwest::Client::builder().no_proxy().build()?;
     let base = outbox.address.clone();
-    let heads = (0..layout.held)
-        .map(|index| (LeaseLayout::held_aggregate(index), 1..=1))
-        .collect();
-    record_streams(&http, &base, heads, writers).await?;
-    let mut held = 0;
-    while held < layout.held {
-        let (events, _) = lease(&http, &base, "holder", LEASE_MAX, 600_000).await?;
-        if events == 0 {
-            return Err(BenchError::Verification(format!(
-                "only {held} of {} first events could be held",
-                layout.held
-            )));
-        }
-        held += events;
+    if held {
+        hold_first_events(&http, &base, layout, writers).await?;
+        record_streams(&http, &base, layout.blocked_streams(), writers).await?;
     }
-    record_streams(&http, &base, layout.blocked_streams(), writers).await?;
     record_streams(&http, &base, layout.eligible_streams(), writers).await?;
 
+    let what = if held {
+        "behind live leases"
+    } else {
+        "with nothing held"
+    };
     let progress = crate::progress::Progress::start(
-        "bench relay: POST /outbox/leases behind live leases",
+        &format!("bench relay: POST /outbox/leases {what}"),
         LEASE_SAMPLES as u64,
         "leases",
     );
@@ -330,7 +353,7 @@ async fn lease_latency(layout: &LeaseLayout, writers: usize) -> Result<LeaseLate
         latencies.push(started.elapsed());
         if events != layout.eligible {
             return Err(BenchError::Verification(format!(
-                "a lease handed out {events} events, not the {} eligible ones",
+                "a lease {what} handed out {events} events, not the {} eligible ones",
                 layout.eligible
             )));
         }
@@ -342,16 +365,32 @@ async fn lease_latency(layout: &LeaseLayout, writers: usize) -> Result<LeaseLate
     progress.finish();
     outbox.stop()?;
     latencies.sort_unstable();
-    Ok(LeaseLatency {
-        pending: layout.pending,
-        held: layout.held,
-        blocked: layout.blocked,
-        eligible: layout.eligible,
-        max: LEASE_MAX,
-        samples: latencies.len(),
-        p50_ms: percentile(&latencies, 0.50),
-        p99_ms: percentile(&latencies, 0.99),
-    })
+    Ok(latencies)
+}
+
+/// Records the held aggregates' first events and leases them to `holder` for ten minutes.
+async fn hold_first_events(
+    http: &reqwest::Client,
+    base: &str,
+    layout: &LeaseLayout,
+    writers: usize,
+) -> Result<(), BenchError> {
+    let heads = (0..layout.held)
+        .map(|index| (LeaseLayout::held_aggregate(index), 1..=1))
+        .collect();
+    record_streams(http, base, heads, writers).await?;
+    let mut held = 0;
+    while held < layout.held {
+        let (events, _) = lease(http, base, "holder", LEASE_MAX, 600_000).await?;
+        if events == 0 {
+            return Err(BenchError::Verification(format!(
+                "only {held} of {} first events could be held",
+                layout.held
+            )));
+        }
+        held += events;
+    }
+    Ok(())
 }
 
 /// A relay child process, stopped with SIGTERM; its last stdout line is its report.
