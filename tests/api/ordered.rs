@@ -261,6 +261,104 @@ async fn state_survives_a_restart_on_the_same_file(backend: Backend) {
     );
 }
 
+/// Every row of `demo` the classroom door could write, to prove it wrote none.
+fn demo_rows(app: &TestApp) -> Vec<String> {
+    [
+        "SELECT 's', last_sequence, total, status, owner FROM aggregate_state",
+        "SELECT 'i', producer, message_id, payload FROM ordered_inbox ORDER BY producer, message_id",
+        "SELECT 'd', producer, message_id, observations FROM deadletters ORDER BY producer, message_id",
+        "SELECT 't', kind, message_id FROM aggregate_timeline ORDER BY id",
+    ]
+    .into_iter()
+    .flat_map(|sql| app.inbox_rows(sql))
+    .collect()
+}
+
+async fn a_demo_owned_by_a_producer_answers_the_classroom_door_401_and_writes_nothing(
+    backend: Backend,
+) {
+    let app = spawn_app_on(backend).await;
+    let token = crate::producers::add_producer(&app, "billing");
+    let epoch = crate::producers::epoch(&app, &token).await;
+    let claimed = app
+        .client
+        .post(app.url("/aggregates/demo/messages"))
+        .bearer_auth(&token)
+        .header("producer-epoch", epoch.to_string())
+        .json(&json!({"messageId": "b-1", "sequence": 1, "amount": 1}))
+        .send()
+        .await
+        .expect("POST reaches the server");
+    assert_eq!(claimed.status(), 200);
+    let before = demo_rows(&app);
+    assert!(
+        before.iter().any(|row| row.ends_with("|billing")),
+        "{before:?}"
+    );
+
+    // The next sequence, a poison message and a gap: each refused before it is decided.
+    for (message_id, sequence, amount) in [("m-2", 2, 1), ("poison-2", 2, -1), ("m-5", 5, 1)] {
+        let response = app
+            .post_json("/ordered/apply", &delivery(message_id, sequence, amount))
+            .await;
+        assert_eq!(response.status(), 401, "{message_id}");
+        assert!(response.headers().contains_key("www-authenticate"));
+        let content_type = response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        assert!(
+            content_type.starts_with("application/problem+json"),
+            "{content_type}"
+        );
+        let problem: Value = response.json().await.unwrap();
+        assert_eq!(problem["status"], 401, "{problem}");
+        assert_eq!(problem["title"], "Producer authentication required");
+    }
+    assert_eq!(demo_rows(&app), before);
+    assert_eq!(
+        state(&app).await,
+        json!({"applied": 1, "deadletters": 0, "last": 1})
+    );
+}
+
+/// The seed's own columns of its three tables, in a stable order.
+const SEED_ROWS: &str = "
+SELECT 's|' || aggregate_id || '|' || last_sequence || '|' || total FROM aggregate_state
+UNION ALL SELECT 'i|' || message_id || '|' || payload FROM ordered_inbox
+UNION ALL SELECT 'd|' || message_id || '|' || reason FROM deadletters
+ORDER BY 1";
+
+// SQLite only: files written by earlier releases (a PostgreSQL inbox has no seed tables).
+#[tokio::test]
+async fn an_older_file_keeps_every_seed_row_and_is_keyed_by_the_seeds_column_first() {
+    for fixture in ["seed-v0.db", "release-v2.db"] {
+        let (_copy, path) = crate::aggregates::fixture_copy(fixture);
+        let before: Vec<String> = rusqlite::Connection::open(&path)
+            .and_then(|db| {
+                db.prepare(SEED_ROWS)?
+                    .query_map([], |row| row.get(0))?
+                    .collect()
+            })
+            .expect("the fixture's seed rows");
+        assert!(!before.is_empty(), "{fixture}");
+        let (_dir, app) = crate::aggregates::spawn_on_fixture(fixture).await;
+        let after: Vec<String> = app.rows(SEED_ROWS, |row| row.get(0));
+        assert_eq!(after, before, "{fixture}");
+        for table in ["ordered_inbox", "deadletters"] {
+            let key: Vec<String> = app.rows(
+                &format!("SELECT name FROM pragma_table_info('{table}') WHERE pk > 0 ORDER BY pk"),
+                |row| row.get(0),
+            );
+            assert_eq!(key, ["message_id", "producer"], "{fixture}: {table}");
+        }
+        assert_eq!(
+            app.rows("PRAGMA integrity_check", |row| row.get::<_, String>(0)),
+            ["ok"]
+        );
+    }
+}
+
 crate::on_both_backends!(
     the_lesson_progression_quarantines_poison_without_advancing,
     an_exact_replay_changes_nothing,
@@ -273,4 +371,5 @@ crate::on_both_backends!(
     sixteen_ids_racing_for_one_sequence_apply_exactly_once,
     sixteen_identical_deliveries_at_once_leave_one_row,
     state_survives_a_restart_on_the_same_file,
+    a_demo_owned_by_a_producer_answers_the_classroom_door_401_and_writes_nothing,
 );

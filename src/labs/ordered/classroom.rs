@@ -1,6 +1,7 @@
 //! The lesson's classroom door: `POST /ordered/apply` for the one aggregate `demo`, sequences
 //! 1..10, and `GET /ordered/state`. Same inbox and tables as the general door; the seed's bodies,
-//! statuses and identity rule.
+//! statuses and identity rule. The door is anonymous, so once a producer owns `demo` (claimed
+//! through the general door) it answers 401 as the general door answers an anonymous delivery.
 
 use axum::extract;
 use axum::extract::{FromRef, State};
@@ -14,6 +15,7 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use super::producers::refused;
 use super::{SharedInbox, quarantine_full};
 use crate::aspnet::is_blank_or_longer_than;
 use crate::error::{AppError, Json, RequestBody, json_response};
@@ -127,6 +129,8 @@ impl OrderedInput {
     responses(
         (status = 200, description = "`applied` (the next sequence) or `replay` (a known id, same content)", body = ClassroomAnswer),
         (status = 400, response = crate::openapi::BadRequest),
+        (status = 401, description = "A producer owns `demo`: only its owner writes it, through the general door with its token and epoch; nothing changed", body = crate::openapi::Problem, content_type = "application/problem+json",
+            headers(("www-authenticate" = String))),
         (status = 409, description = "`gap`, `stale` or `payload conflict`: nothing changed", body = ClassroomAnswer),
         (status = 422, description = "`quarantined`: a dead letter was recorded; the aggregate did not advance", body = ClassroomAnswer),
         (status = 429, description = "The aggregate's quarantine is full: the poison message was not recorded", body = crate::openapi::Problem, content_type = "application/problem+json"),
@@ -139,8 +143,16 @@ async fn apply(
     Json(input): Json<OrderedInput>,
 ) -> Result<Response, AppError> {
     let message = input.validate()?;
-    let outcome = inbox.deliver(message.clone(), Door::Classroom).await?;
-    Ok(classroom_response(&message, &outcome))
+    // Anonymous, with the owner checked in the write's transaction like any delivery.
+    Ok(
+        match inbox
+            .deliver_as(message.clone(), Door::Classroom, None)
+            .await?
+        {
+            Ok(outcome) => classroom_response(&message, &outcome),
+            Err(refusal) => refused(&message, refusal),
+        },
+    )
 }
 
 /// The seed's exact status codes and bodies for each outcome.
