@@ -4,6 +4,8 @@
 //! - `GET /console/api/aggregates/{aggregateId}/messages?after=&limit=`: the aggregate's applied
 //!   messages (`ordered_inbox` rows) in sequence order; `next` is the following page's `after`.
 //! - `GET /console/api/deadletters/{messageId}`: one dead letter, with its resolution.
+//! - `GET /console/api/deadletter?messageId=`: the same for any id: the console's pages use it,
+//!   since a browser drops a path segment `.` or `..` (and `%2E`, `%2E%2E`) before sending.
 
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
@@ -29,6 +31,7 @@ where
     OpenApiRouter::new()
         .routes(routes!(applied_messages))
         .routes(routes!(dead_letter))
+        .routes(routes!(dead_letter_named_in_query))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -102,8 +105,46 @@ async fn dead_letter(
     Path(message_id): Path<String>,
     Query(of): Query<DeadLetterOf>,
 ) -> Result<Response, AppError> {
+    find_dead_letter(inbox, message_id, of.producer).await
+}
+
+/// A dead letter named in the query: its message id, and its producer when a producer's.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(rename_all = "camelCase")]
+struct NamedDeadLetter {
+    /// The dead letter's message id (any the doors accept, `.` and `..` included).
+    #[param(min_length = 1, max_length = 100)]
+    message_id: String,
+    /// The producer that delivered it; absent for an anonymous delivery's dead letter.
+    #[param(min_length = 1, max_length = 64)]
+    producer: Option<String>,
+}
+
+#[utoipa::path(get, path = "/console/api/deadletter", tag = "console",
+    params(NamedDeadLetter),
+    responses(
+        (status = 200, description = "The dead letter with its lifecycle and resolution", body = DeadLetterView),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
+async fn dead_letter_named_in_query(
+    State(inbox): State<SharedInbox>,
+    Query(named): Query<NamedDeadLetter>,
+) -> Result<Response, AppError> {
+    find_dead_letter(inbox, named.message_id, named.producer).await
+}
+
+async fn find_dead_letter(
+    inbox: SharedInbox,
+    message_id: String,
+    producer: Option<String>,
+) -> Result<Response, AppError> {
     validate_message_id("messageId", &message_id)?;
-    let producer = producer_namespace(of.producer)?;
+    let producer = producer_namespace(producer)?;
     match inbox
         .dead_letter(producer.clone(), message_id.clone())
         .await?

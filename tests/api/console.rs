@@ -8,9 +8,12 @@ use axum::response::Html;
 use axum::routing::get;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::browser::{Browser, TlsOrigin};
-use crate::helpers::{TestApp, command, poll_until, spawn_app, spawn_app_with, status_and_json};
+use crate::helpers::{
+    TestApp, assert_bad_request, command, poll_until, spawn_app, spawn_app_with, status_and_json,
+};
 
 /// A message id and a reason that would run script if the page parsed them as markup.
 const INJECTION: &str = "<img src=x onerror=alert(1)>";
@@ -188,6 +191,152 @@ async fn the_read_routes_list_applied_messages_by_sequence_and_find_one_dead_let
     )
     .await;
     assert_eq!(status, 400);
+}
+
+/// Sends one request exactly as written on its own connection, so no URL parser on the way drops
+/// a `.` or `..` segment (reqwest's would, as a browser's does); returns the status and the JSON
+/// body.
+async fn send_as_written(
+    app: &TestApp,
+    method: &str,
+    target: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, Value) {
+    let host = app.address.trim_start_matches("http://");
+    let mut socket = tokio::net::TcpStream::connect(host)
+        .await
+        .expect("connect to the server");
+    let mut request = format!(
+        "{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some(token) = token {
+        request.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
+    socket
+        .write_all(request.as_bytes())
+        .await
+        .expect("send the request");
+    let mut answer = Vec::new();
+    socket
+        .read_to_end(&mut answer)
+        .await
+        .expect("read the answer");
+    let answer = String::from_utf8(answer).expect("a UTF-8 answer");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a head and a body");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|status| status.parse().ok())
+        .unwrap_or_else(|| panic!("a status line: {head}"));
+    let body = serde_json::from_str(body).unwrap_or_else(|_| panic!("a JSON body: {body}"));
+    (status, body)
+}
+
+#[tokio::test]
+async fn percent_encoded_dots_decode_to_the_id_and_the_query_forms_reach_dot_ids() {
+    let app = spawn_app().await;
+    let operator = add_operator(&app, "alice");
+    for (aggregate, id) in [("dots-1", "a.b"), ("dots-2", "."), ("dots-3", "..")] {
+        assert_eq!(deliver(&app, aggregate, id, 1, -1).await, 422, "{id}");
+    }
+
+    // The server decodes `%2E` in a path segment back to `.`, whatever the segment holds.
+    for (target, id) in [
+        ("/console/api/deadletters/a%2Eb", "a.b"),
+        ("/console/api/deadletters/%2E", "."),
+        ("/console/api/deadletters/%2e%2E", ".."),
+    ] {
+        let (status, letter) = send_as_written(&app, "GET", target, None, "").await;
+        assert_eq!(
+            (status, letter["messageId"].as_str()),
+            (200, Some(id)),
+            "{target}: {letter}"
+        );
+    }
+    let skip = json!({"action": "skip", "expectedLast": 0, "reason": "probe"}).to_string();
+    let (status, preview) = send_as_written(
+        &app,
+        "POST",
+        "/deadletters/%2E%2E/resolution?dryRun=true",
+        Some(&operator),
+        &skip,
+    )
+    .await;
+    assert_eq!(status, 200, "{preview}");
+    assert_eq!(preview["messageId"], "..");
+
+    // A browser drops such a segment before sending, so the same reads and resolutions take the
+    // id in the query, where every id stays itself.
+    for id in [".", "..", "a.b"] {
+        let (status, letter) = status_and_json(
+            app.get(&format!("/console/api/deadletter?messageId={id}"))
+                .await,
+        )
+        .await;
+        assert_eq!(
+            (status, letter["messageId"].as_str()),
+            (200, Some(id)),
+            "{letter}"
+        );
+    }
+    let (status, preview) = status_and_json(
+        app.client
+            .post(app.url("/deadletters/resolution?messageId=.&dryRun=true"))
+            .bearer_auth(&operator)
+            .json(&json!({"action": "skip", "expectedLast": 0, "reason": "probe"}))
+            .send()
+            .await
+            .expect("POST"),
+    )
+    .await;
+    assert_eq!(
+        (status, preview["outcome"].as_str()),
+        (200, Some("dry run")),
+        "{preview}"
+    );
+    assert_eq!(preview["messageId"], ".");
+    assert_eq!(app.scalar("SELECT COUNT(*) FROM resolutions"), 0);
+
+    // Without an id, the query forms say what is missing.
+    let missing = assert_bad_request(app.get("/console/api/deadletter").await).await;
+    assert!(
+        missing["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("messageId")),
+        "{missing}"
+    );
+    let missing = assert_bad_request(
+        app.client
+            .post(app.url("/deadletters/resolution"))
+            .bearer_auth(&operator)
+            .json(&json!({"action": "skip", "expectedLast": 0, "reason": "probe"}))
+            .send()
+            .await
+            .expect("POST"),
+    )
+    .await;
+    assert!(
+        missing["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("messageId")),
+        "{missing}"
+    );
+
+    // No door takes `.` or `..` as an aggregate id, so only message ids need the query form.
+    let (status, refused) = send_as_written(
+        &app,
+        "POST",
+        "/aggregates/%2E%2E/messages",
+        None,
+        r#"{"messageId":"m-1","sequence":1,"amount":1}"#,
+    )
+    .await;
+    assert_eq!(status, 400, "{refused}");
 }
 
 /// Reads server-sent events off a response until one named `name` arrives; returns its data.
@@ -712,6 +861,98 @@ async fn a_change_made_over_http_by_another_client_appears_on_an_open_page_witho
 
             let stayed: Option<String> = browser.js("return window.stayed || null;", vec![]).await;
             assert_eq!(stayed.as_deref(), Some("the same page"), "the page was reloaded");
+        })
+        .await;
+    browser.close().await;
+}
+
+/// Waits until the dead-letter page shows the result in state `state`; returns its text.
+async fn resolution_result(browser: &Browser, state: &str) -> String {
+    let script = format!(
+        "const r = document.getElementById('resolve-result'); return r.dataset.state === {} ? r.textContent : '';",
+        Value::from(state)
+    );
+    browser
+        .wait_js::<String, _>(&format!("the {state} result is shown"), &script, |text| {
+            !text.is_empty()
+        })
+        .await
+}
+
+#[tokio::test]
+async fn dead_letters_whose_ids_are_dot_and_dot_dot_open_preview_and_resolve_in_the_console() {
+    let app = spawn_app().await;
+    let operator = add_operator(&app, "alice");
+    assert_eq!(deliver(&app, "dot-one", ".", 1, -1).await, 422);
+    assert_eq!(deliver(&app, "dot-two", "..", 1, -1).await, 422);
+    let browser = Browser::start("dot_ids").await;
+    browser
+        .run(async {
+            for (aggregate, id, page) in [
+                ("dot-one", ".", "/console/deadletter?id=."),
+                ("dot-two", "..", "/console/deadletter?id=.."),
+            ] {
+                browser.goto(&console(&app, page)).await;
+                wait_live(&browser).await;
+                // The record read is this dead letter's, not a neighbouring route's answer.
+                let shown = browser
+                    .wait_text("#dl-details dd[data-term=\"message id\"]", |text| !text.is_empty())
+                    .await;
+                assert_eq!(shown, id);
+                assert_eq!(browser.text("#dl-details dd[data-term=\"aggregate\"]").await, aggregate);
+                browser
+                    .wait_js::<String, _>(
+                        "expectedLast is pre-filled with the aggregate's last",
+                        "return document.getElementById('expected-last').value;",
+                        |value| value == "0",
+                    )
+                    .await;
+                assert!(browser.js::<bool>("return document.getElementById('dl-error').hidden;", vec![]).await);
+
+                browser.click("input[name=\"action\"][value=\"skip\"]").await;
+                browser.fill("#reason", &format!("skip the dead letter {id}")).await;
+                browser.fill("#token", &operator).await;
+                browser.click("#preview").await;
+                let preview = resolution_result(&browser, "preview").await;
+                assert!(
+                    preview.contains(&format!("skip {id} (sequence 1 taken with no effect) on {aggregate}")),
+                    "{preview}"
+                );
+                assert_eq!(dead_letter_status(&app, id), "open");
+
+                browser.click("#resolve").await;
+                let resolved = resolution_result(&browser, "resolved").await;
+                assert!(resolved.contains("Resolved: resolution #"), "{resolved}");
+                assert_eq!(dead_letter_status(&app, id), "resolved");
+                let audit = browser
+                    .wait_js::<Vec<Vec<String>>, _>(
+                        "the audit trail shows the resolution",
+                        "return Array.from(document.querySelectorAll('#audit tbody tr'), r => Array.from(r.cells, c => c.textContent));",
+                        |rows| rows.len() == 1,
+                    )
+                    .await;
+                assert_eq!(audit[0][1], id);
+                assert_eq!(audit[0][2], "skip");
+            }
+            // The server's audit trail names each id resolved, on its own aggregate.
+            let (status, audit) = status_and_json(app.get("/resolutions").await).await;
+            assert_eq!(status, 200, "{audit}");
+            let resolved: Vec<(String, String, String)> = audit["resolutions"]
+                .as_array()
+                .expect("resolutions")
+                .iter()
+                .map(|r| {
+                    let text = |name: &str| r[name].as_str().unwrap_or_default().to_owned();
+                    (text("messageId"), text("aggregateId"), text("action"))
+                })
+                .collect();
+            assert_eq!(
+                resolved,
+                [
+                    (".".to_owned(), "dot-one".to_owned(), "skip".to_owned()),
+                    ("..".to_owned(), "dot-two".to_owned(), "skip".to_owned()),
+                ]
+            );
         })
         .await;
     browser.close().await;

@@ -6,7 +6,6 @@
   const C = LabConsole;
   const PAGE = 20;
   const id = C.param('id');
-  const encoded = encodeURIComponent(id);
   const problem = document.getElementById('aggregate-error');
   document.getElementById('aggregate-id').textContent = id;
   document.title = `${id} · production-lab console`;
@@ -23,11 +22,11 @@
   async function load() {
     const after = pages[pages.length - 1];
     const [view, resolved, superseded, timeline, audit] = await Promise.all([
-      C.get(`/aggregates/${encoded}`),
-      C.getOk(`/deadletters?aggregateId=${encoded}&status=resolved&limit=100`),
-      C.getOk(`/deadletters?aggregateId=${encoded}&status=superseded&limit=100`),
-      C.getOk(`/aggregates/${encoded}/timeline?after=${after}&limit=${PAGE}`),
-      C.getOk(`/resolutions?aggregateId=${encoded}&limit=100`),
+      C.get(C.address(['aggregates', id])),
+      C.getOk(C.address(['deadletters'], { aggregateId: id, status: 'resolved', limit: 100 })),
+      C.getOk(C.address(['deadletters'], { aggregateId: id, status: 'superseded', limit: 100 })),
+      C.getOk(C.address(['aggregates', id, 'timeline'], { after, limit: PAGE })),
+      C.getOk(C.address(['resolutions'], { aggregateId: id, limit: 100 })),
     ]);
     if (view.ok) {
       show('');

@@ -22,9 +22,9 @@
   async function load() {
     const wanted = filter.value ? [filter.value] : STATUSES;
     const lists = await Promise.all(
-      wanted.map((status) => C.getOk(`/aggregates?status=${status}&limit=${LIMIT}`)),
+      wanted.map((status) => C.getOk(C.address(['aggregates'], { status, limit: LIMIT }))),
     );
-    const open = await C.getOk(`/deadletters?status=open&limit=${LIMIT}`);
+    const open = await C.getOk(C.address(['deadletters'], { status: 'open', limit: LIMIT }));
     loadedAt = Date.now();
     const entries = lists.flatMap((list) => list.aggregates);
     ageCells = [];
@@ -70,8 +70,7 @@
 
   const refresh = C.refresher(load, error);
   filter.addEventListener('change', () => {
-    const params = filter.value ? `?status=${filter.value}` : '';
-    window.history.replaceState(null, '', `/console/aggregates${params}`);
+    window.history.replaceState(null, '', C.address(['console', 'aggregates'], { status: filter.value }));
     refresh();
   });
   C.live({ onReset: refresh, onChange: refresh });

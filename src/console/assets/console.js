@@ -37,6 +37,35 @@ const LabConsole = (() => {
     return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
   }
 
+  /**
+   * One path segment holding an id: every character but letters, digits, '-', '_' and '~' is
+   * percent-encoded, so an id can neither end its segment nor start a query. A segment `.` or
+   * `..` cannot be sent at all: a browser drops it (even written `%2E`) and the request would
+   * reach another route, so such an id is refused here and goes into a query instead.
+   */
+  function segment(value) {
+    const text = String(value);
+    if (text === '.' || text === '..') {
+      throw new Error(`'${text}' cannot be a path segment: the browser would drop it`);
+    }
+    return encodeURIComponent(text).replace(
+      /[!'()*.]/g,
+      (character) => `%${character.charCodeAt(0).toString(16).toUpperCase()}`,
+    );
+  }
+
+  /**
+   * The address of a route on this server: its path segments (fixed words and ids alike go
+   * through `segment`) and its query parameters (an absent or empty one is left out).
+   */
+  function address(segments, params = {}) {
+    const given = Object.entries(params)
+      .filter(([, value]) => value !== undefined && value !== null && value !== '')
+      .map(([name, value]) => [name, String(value)]);
+    const query = new URLSearchParams(given).toString();
+    return `/${segments.map(segment).join('/')}${query ? `?${query}` : ''}`;
+  }
+
   /** A console page's address with query parameters. */
   function pageUrl(path, params) {
     return `${path}?${new URLSearchParams(params)}`;
@@ -211,7 +240,7 @@ const LabConsole = (() => {
   }
 
   return {
-    el, display, time, duration, pageUrl, link, deadLetterParams, param, request, get, getOk, problemText,
+    el, display, time, duration, segment, address, pageUrl, link, deadLetterParams, param, request, get, getOk, problemText,
     fillTable, fillFacts, refresher, live, tone,
   };
 })();

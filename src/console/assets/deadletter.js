@@ -7,12 +7,9 @@
   const id = C.param('id');
   // A producer's dead letter is addressed with its producer (absent: an anonymous delivery's).
   const producer = C.param('producer');
-  const query = (extra) => {
-    const params = new URLSearchParams(extra);
-    if (producer) params.set('producer', producer);
-    const text = params.toString();
-    return text ? `?${text}` : '';
-  };
+  // The id goes into the query, never the path: a message id may be `.` or `..`, which a browser
+  // drops from a path (even as `%2E`), so a path would read or resolve something else.
+  const named = { messageId: id, producer };
   const problem = document.getElementById('dl-error');
   const form = document.getElementById('resolve-form');
   const expectedLast = document.getElementById('expected-last');
@@ -33,7 +30,7 @@
   };
 
   async function load() {
-    const answer = await C.get(`/console/api/deadletters/${encodeURIComponent(id)}${query({})}`);
+    const answer = await C.get(C.address(['console', 'api', 'deadletter'], named));
     if (!answer.ok) {
       show(C.problemText(answer));
       return;
@@ -62,10 +59,9 @@
       d.payload === null ? '(not recorded)' : JSON.stringify(d.payload, null, 2);
 
     if (!aggregateId) return;
-    const encoded = encodeURIComponent(aggregateId);
     const [view, audit] = await Promise.all([
-      C.get(`/aggregates/${encoded}`),
-      C.getOk(`/resolutions?aggregateId=${encoded}&limit=100`),
+      C.get(C.address(['aggregates', aggregateId])),
+      C.getOk(C.address(['resolutions'], { aggregateId, limit: 100 })),
     ]);
     if (view.ok) {
       const a = view.body;
@@ -194,7 +190,7 @@
     render('sending', 'preview', [paragraph(dryRun ? 'Previewing…' : 'Resolving…')]);
     // Read at the moment of sending and passed on directly: the token lives in the input only.
     const token = document.getElementById('token').value.trim();
-    const path = `/deadletters/${encodeURIComponent(id)}/resolution${query(dryRun ? { dryRun: 'true' } : {})}`;
+    const path = C.address(['deadletters', 'resolution'], { ...named, dryRun: dryRun ? 'true' : undefined });
     try {
       const answer = await C.request('POST', path, { body: input.body, token });
       const [state, lines] = explain(answer, input.body);

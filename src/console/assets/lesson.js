@@ -73,11 +73,10 @@
   }
 
   async function readRows(aggregate) {
-    const id = encodeURIComponent(aggregate);
     const [messages, state, deadLetters] = await Promise.all([
-      C.getOk(`/console/api/aggregates/${id}/messages?limit=100`),
-      C.get(`/aggregates/${id}`),
-      C.getOk(`/deadletters?aggregateId=${id}&limit=100`),
+      C.getOk(C.address(['console', 'api', 'aggregates', aggregate, 'messages'], { limit: 100 })),
+      C.get(C.address(['aggregates', aggregate])),
+      C.getOk(C.address(['deadletters'], { aggregateId: aggregate, limit: 100 })),
     ]);
     if (!state.ok && state.status !== 404) throw new Error(C.problemText(state));
     return {
@@ -185,7 +184,7 @@
     const body = { messageId: messageId(step), sequence: step.sequence, amount: step.amount };
     try {
       const answer = await C.request(
-        'POST', `/aggregates/${encodeURIComponent(current.aggregate)}/messages`, { body },
+        'POST', C.address(['aggregates', current.aggregate, 'messages']), { body },
       );
       const rows = await readRows(current.aggregate);
       const words = verdictWords(answer);

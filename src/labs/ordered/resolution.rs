@@ -1,6 +1,7 @@
 //! Operator-approved poison resolution over HTTP: `POST /deadletters/{messageId}/resolution`
-//! (Bearer token of an operator registered with `production-lab operator add`) and the audit trail
-//! `GET /resolutions`.
+//! (Bearer token of an operator registered with `production-lab operator add`), the same with the
+//! id in the query (`POST /deadletters/resolution?messageId=`) for ids a path cannot carry, and
+//! the audit trail `GET /resolutions`.
 
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -31,6 +32,7 @@ where
 {
     OpenApiRouter::new()
         .routes(routes!(resolve_dead_letter))
+        .routes(routes!(resolve_dead_letter_named_in_query))
         .routes(routes!(audit_trail))
 }
 
@@ -291,6 +293,63 @@ async fn resolve_dead_letter(
     State(inbox): State<SharedInbox>,
     Path(dead_letter_id): Path<String>,
     Query(options): Query<ResolutionOptions>,
+    headers: HeaderMap,
+    body: Result<Json<ResolutionInput>, AppError>,
+) -> Result<Response, AppError> {
+    resolve(inbox, dead_letter_id, options, headers, body).await
+}
+
+/// [`ResolutionOptions`] with the dead letter's message id.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(rename_all = "camelCase")]
+struct NamedResolutionOptions {
+    /// The dead letter's message id.
+    #[param(min_length = 1, max_length = 100)]
+    message_id: String,
+    /// Report what the resolution would do, and write nothing.
+    dry_run: Option<bool>,
+    /// The producer whose message id the dead letter is; absent for an anonymous delivery's.
+    #[param(min_length = 1, max_length = 64)]
+    producer: Option<String>,
+}
+
+/// `POST /deadletters/resolution?messageId=[&dryRun=true]`: the same resolution for any id,
+/// including `.` and `..`, which every URL parser (a browser's too, even as `%2E`) drops from a
+/// path.
+#[utoipa::path(post, path = "/deadletters/resolution", tag = "ordered",
+    params(NamedResolutionOptions),
+    request_body = ResolutionDecision,
+    security(("operator" = [])),
+    responses(
+        (status = 200, description = "Resolved (or, with dryRun, what resolving would do), with the audit record", body = ResolutionAnswer),
+        (status = 400, response = crate::openapi::BadRequest),
+        (status = 401, description = "No operator's token: none was sent, it is not active, or no operator is registered yet", body = crate::openapi::Problem, content_type = "application/problem+json",
+            headers(("www-authenticate" = String, description = "Bearer realm=\"production-lab\""))),
+        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "A precondition failed; `current` shows the aggregate and the dead letter now", body = ResolutionConflict, content_type = "application/problem+json"),
+        (status = 422, description = "The replacement would be quarantined too; nothing changed", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::openapi::StoreFailed),
+        (status = 503, response = crate::openapi::StoreUnavailable),
+    ),
+)]
+async fn resolve_dead_letter_named_in_query(
+    State(inbox): State<SharedInbox>,
+    Query(named): Query<NamedResolutionOptions>,
+    headers: HeaderMap,
+    body: Result<Json<ResolutionInput>, AppError>,
+) -> Result<Response, AppError> {
+    let options = ResolutionOptions {
+        dry_run: named.dry_run,
+        producer: named.producer,
+    };
+    resolve(inbox, named.message_id, options, headers, body).await
+}
+
+async fn resolve(
+    inbox: SharedInbox,
+    dead_letter_id: String,
+    options: ResolutionOptions,
     headers: HeaderMap,
     body: Result<Json<ResolutionInput>, AppError>,
 ) -> Result<Response, AppError> {
