@@ -7,6 +7,8 @@ use axum::Router;
 use axum::response::Html;
 use axum::routing::get;
 use futures_util::StreamExt;
+use production_lab::broker::server::NatsServer;
+use production_lab::broker::{BrokerConfig, wire};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -956,6 +958,112 @@ async fn dead_letters_whose_ids_are_dot_and_dot_dot_open_preview_and_resolve_in_
         })
         .await;
     browser.close().await;
+}
+
+/// Publishes one anonymous message on the broker door's wire format and waits for its PubAck.
+async fn publish_on_broker(js: &async_nats::jetstream::Context, aggregate: &str, sequence: i64) {
+    let message_id = format!("{aggregate}-{sequence}");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(wire::MESSAGE_ID_HEADER, message_id.as_str());
+    let body = json!({"messageId": message_id, "sequence": sequence, "amount": 1});
+    js.publish_with_headers(
+        wire::subject_for("ordered", aggregate),
+        headers,
+        body.to_string().into(),
+    )
+    .await
+    .expect("publish")
+    .await
+    .expect("PubAck");
+}
+
+/// Waits until the inventory lists `aggregate` with cells that satisfy `done`; returns them.
+async fn inventory_row(
+    browser: &Browser,
+    aggregate: &str,
+    what: &str,
+    done: impl Fn(&[String]) -> bool,
+) -> Vec<String> {
+    let script = format!(
+        "return Array.from(document.querySelectorAll('#inventory tbody tr'), r => Array.from(r.cells, c => c.textContent)).find(cells => cells[0] === {}) || null;",
+        Value::from(aggregate)
+    );
+    browser
+        .wait_js::<Option<Vec<String>>, _>(what, &script, |row| row.as_deref().is_some_and(&done))
+        .await
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_messages_ahead_of_their_turn_show_held_in_the_console_until_their_predecessor_applies()
+ {
+    let nats = NatsServer::start(None).unwrap_or_else(|error| panic!("{error}"));
+    let broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
+    let app = spawn_app_with(move |config| config.nats = Some(broker)).await;
+    let js = async_nats::jetstream::new(nats.connect().await.expect("connect to nats-server"));
+    let aggregate = "held-acct";
+    let browser = Browser::start("held").await;
+    browser
+        .run(async {
+            browser.goto(&console(&app, "/console/aggregates")).await;
+            wait_live(&browser).await;
+            // 2 and 3 arrive first: the door holds them, and the open page says so.
+            publish_on_broker(&js, aggregate, 2).await;
+            publish_on_broker(&js, aggregate, 3).await;
+            let held = inventory_row(&browser, aggregate, "the inventory shows two held", |row| {
+                row[6] == "2"
+            })
+            .await;
+            assert_eq!(
+                (held[3].as_str(), held[4].as_str()),
+                ("0", "1"),
+                "last 0, expected 1: {held:?}"
+            );
+            let (_, view) =
+                status_and_json(app.get(&format!("/aggregates/{aggregate}")).await).await;
+            assert_eq!(view["heldSequences"], json!([2, 3]), "{view}");
+
+            browser
+                .goto(&console(
+                    &app,
+                    &format!("/console/aggregate?id={aggregate}"),
+                ))
+                .await;
+            wait_live(&browser).await;
+            let held = browser
+                .wait_text("#summary dd[data-term=\"held\"]", |text| !text.is_empty())
+                .await;
+            assert_eq!(held, "2: 2, 3");
+
+            // 1 arrives: it applies, 2 and 3 drain behind it, and nothing is held any more.
+            publish_on_broker(&js, aggregate, 1).await;
+            let held = browser
+                .wait_text("#summary dd[data-term=\"held\"]", |text| text == "0")
+                .await;
+            assert_eq!(held, "0");
+            assert_eq!(
+                browser.text("#summary dd[data-term=\"status\"]").await,
+                "flowing"
+            );
+            assert_eq!(browser.text("#summary dd[data-term=\"last\"]").await, "3");
+
+            browser.goto(&console(&app, "/console/aggregates")).await;
+            let flowing = inventory_row(
+                &browser,
+                aggregate,
+                "the inventory shows it flowing",
+                |row| row[1] == "flowing",
+            )
+            .await;
+            assert_eq!(
+                (flowing[3].as_str(), flowing[6].as_str()),
+                ("3", "0"),
+                "{flowing:?}"
+            );
+        })
+        .await;
+    browser.close().await;
+    app.stop().await;
 }
 
 /// A second loopback origin, served by the test: pages that try the CORS and antiforgery labs
