@@ -356,6 +356,57 @@ async fn two_producers_racing_to_claim_a_fresh_aggregate_leave_exactly_one_owner
     }
 }
 
+async fn a_refused_delivery_to_a_fresh_aggregate_leaves_it_unowned_for_the_next_producer(
+    backend: Backend,
+) {
+    let app = spawn_app_on(backend).await;
+    let billing = add_producer(&app, "billing");
+    let shipping = add_producer(&app, "shipping");
+    let (b, s) = (epoch(&app, &billing).await, epoch(&app, &shipping).await);
+    // A gap: sequence 3 first.
+    let (status, gap) = send(&app, Some((&billing, b)), "fresh", "b-3", 3).await;
+    assert_eq!(
+        (status, gap["outcome"].clone(), gap["expected"].clone()),
+        (409, json!("gap"), json!(1))
+    );
+    // A payload conflict: billing's m-1 is a message of another aggregate.
+    assert_eq!(
+        send(&app, Some((&billing, b)), "other", "m-1", 1).await.0,
+        200
+    );
+    let (status, conflict) = send(&app, Some((&billing, b)), "fresh", "m-1", 1).await;
+    assert_eq!(
+        (status, conflict["outcome"].clone()),
+        (409, json!("payload conflict"))
+    );
+    // Neither left a trace: no owner, no row, no event.
+    let (status, _) = get(&app, "/aggregates/fresh").await;
+    assert_eq!(status, 404);
+    let (_, timeline) = get(&app, "/aggregates/fresh/timeline").await;
+    assert_eq!(timeline["events"], json!([]), "{timeline}");
+    assert_eq!(
+        app.inbox_scalar("SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'fresh'"),
+        0
+    );
+    let (_, listed) = get(&app, "/producers").await;
+    assert_eq!(listed["producers"][0]["ownedAggregates"], 1, "{listed}");
+    // So another producer's first message claims it.
+    let (status, applied) = send(&app, Some((&shipping, s)), "fresh", "s-1", 1).await;
+    assert_eq!(status, 200, "{applied}");
+    let (_, view) = get(&app, "/aggregates/fresh").await;
+    assert_eq!(view["owner"], json!({"producer": "shipping", "epoch": s}));
+    let (_, timeline) = get(&app, "/aggregates/fresh/timeline").await;
+    let kinds: Vec<&str> = timeline["events"]
+        .as_array()
+        .map(|events| events.iter().filter_map(|e| e["kind"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(kinds, ["claimed", "applied"], "{timeline}");
+    assert_eq!(
+        send(&app, Some((&billing, b)), "fresh", "b-2", 2).await.0,
+        403
+    );
+}
+
 async fn a_transfer_racing_deliveries_cuts_the_old_owner_off_after_it_commits(backend: Backend) {
     let app = Arc::new(spawn_app_on(backend).await);
     let billing = Arc::new(add_producer(&app, "billing"));
@@ -865,6 +916,7 @@ crate::on_both_backends!(
     each_ownership_and_epoch_rule_answers_its_own_status_and_writes_nothing,
     a_restarted_producer_fences_every_later_delivery_of_its_old_instance,
     two_producers_racing_to_claim_a_fresh_aggregate_leave_exactly_one_owner,
+    a_refused_delivery_to_a_fresh_aggregate_leaves_it_unowned_for_the_next_producer,
     a_transfer_racing_deliveries_cuts_the_old_owner_off_after_it_commits,
     a_transfer_needs_an_operator_and_its_preconditions,
     the_same_message_id_from_two_producers_is_two_messages_and_each_keeps_its_own_rules,

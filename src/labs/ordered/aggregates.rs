@@ -99,7 +99,7 @@ pub(crate) fn general_message(aggregate_id: String, body: &[u8]) -> Result<Order
         (status = 401, description = "A producer's credential is missing, unknown or revoked, or the aggregate's owner must deliver", body = crate::openapi::Problem, content_type = "application/problem+json",
             headers(("www-authenticate" = String))),
         (status = 403, description = "Not the aggregate's owner, or an unowned aggregate with history that only an operator may give an owner", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 409, description = "A gap (deliver `expected` first), a stale sequence or a payload conflict (JSON); or the producer is fenced or has no session (problem): nothing changed", content(
+        (status = 409, description = "A gap (deliver `expected` first), a stale sequence or a payload conflict (JSON); or the producer is fenced or has no session (problem). Nothing is applied and nothing claimed: a producer's refused delivery to an aggregate without history writes nothing there; otherwise a gap, stale sequence or payload conflict is recorded as an observation on the timeline (a gap also marks the aggregate waiting)", content(
             (DeliveryRefused = "application/json"),
             (crate::openapi::Problem = "application/problem+json"),
         )),
