@@ -610,6 +610,92 @@ async fn concurrent_leases_never_hand_one_event_to_two_owners_and_never_fail() {
     assert!(leased >= 50, "the leases handed out events: {leased}");
 }
 
+/// The event keys of a lease's answer, in its order.
+fn leased_keys(lease: &Value) -> Vec<String> {
+    lease["events"]
+        .as_array()
+        .map(|events| {
+            events
+                .iter()
+                .filter_map(|e| e["eventKey"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Adds `sequences` of `aggregate` straight to the table, as the services' own transactions
+/// would have committed them.
+fn insert_outbox_events(app: &TestApp, aggregate: &str, sequences: std::ops::RangeInclusive<i64>) {
+    let mut db = app.db();
+    let transaction = db.transaction().expect("begin");
+    for sequence in sequences {
+        let event = event(aggregate, sequence);
+        transaction
+            .execute(
+                "INSERT INTO general_outbox(event_key, aggregate_id, sequence, amount, created_at_ms)
+                 VALUES (?1, ?2, ?3, ?4, 0)",
+                rusqlite::params![
+                    event["eventKey"].as_str(),
+                    aggregate,
+                    sequence,
+                    event["amount"].as_i64()
+                ],
+            )
+            .expect("insert an event");
+    }
+    transaction.commit().expect("commit");
+}
+
+#[tokio::test]
+async fn with_thousands_of_events_blocked_behind_live_leases_a_lease_hands_out_exactly_the_eligible_ones()
+ {
+    let app = spawn_app().await;
+    // The even aggregates' first events, leased for ten minutes by "holder".
+    let blocked: Vec<String> = (0..40).step_by(2).map(|a| format!("acct-{a:02}")).collect();
+    let free: Vec<String> = (1..40).step_by(2).map(|a| format!("acct-{a:02}")).collect();
+    for aggregate in &blocked {
+        insert_outbox_events(&app, aggregate, 1..=1);
+    }
+    let hold = json!({"owner": "holder", "max": 1000, "leaseMs": 600_000});
+    let (status, held) = post(&app, "/outbox/leases", &hold).await;
+    assert_eq!((status, leased_keys(&held).len()), (200, 20), "{held}");
+    // 150 events wait behind each held one; the odd aggregates have three events each.
+    for aggregate in &blocked {
+        insert_outbox_events(&app, aggregate, 2..=151);
+    }
+    for aggregate in &free {
+        insert_outbox_events(&app, aggregate, 1..=3);
+    }
+    let free_keys: Vec<String> = free
+        .iter()
+        .flat_map(|aggregate| (1..=3).map(move |sequence| format!("{aggregate}-{sequence}")))
+        .collect();
+
+    let lease = |owner: &str, max: i64| json!({"owner": owner, "max": max, "leaseMs": 600_000});
+    let (_, first) = post(&app, "/outbox/leases", &lease("first", 4)).await;
+    assert_eq!(leased_keys(&first), free_keys[..4], "{first}");
+    // acct-03's third event waits behind its second, which "first" holds.
+    let (_, second) = post(&app, "/outbox/leases", &lease("second", 1000)).await;
+    assert_eq!(leased_keys(&second), free_keys[6..], "{second}");
+    let (_, nothing) = post(&app, "/outbox/leases", &lease("third", 1000)).await;
+    assert_eq!(leased_keys(&nothing), Vec::<String>::new(), "{nothing}");
+
+    // Once the holder's first event of acct-00 is sent, its 150 successors are eligible.
+    let ack =
+        json!({"owner": "holder", "events": [{"id": held["events"][0]["id"], "generation": 1}]});
+    let (_, acked) = post(&app, "/outbox/leases/ack", &ack).await;
+    assert_eq!(acked["acked"], 1, "{acked}");
+    let (_, after_ack) = post(&app, "/outbox/leases", &lease("fourth", 1000)).await;
+    let expected: Vec<String> = (2..=151)
+        .map(|sequence| format!("acct-00-{sequence}"))
+        .collect();
+    assert_eq!(leased_keys(&after_ack), expected);
+    assert_eq!(
+        app.scalar("SELECT COUNT(*) FROM general_outbox WHERE status = 'pending'"),
+        20 * 151 + 20 * 3 - 1
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // The relay between two real servers
 
