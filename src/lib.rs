@@ -15,6 +15,7 @@ pub mod observe;
 pub mod openapi;
 pub mod pg_cluster;
 pub mod practice;
+pub mod producer_epoch;
 pub mod progress;
 pub mod relay;
 pub mod schema;

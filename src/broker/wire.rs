@@ -13,7 +13,8 @@
 //!   `Nats-Msg-Id: <producer>/<messageId>`: its ids are its own (`(producer, message id)`), so
 //!   another producer's same id must not fall into JetStream's duplicate window with it.
 //! - **Producer headers** (optional, as on the HTTP general door): `Authorization: Bearer TOKEN`
-//!   and `Producer-Epoch: N`, both or neither, one of each; names in any letter case.
+//!   and `Producer-Epoch: N`, both or neither, one of each; names in any letter case; `N` as
+//!   [`crate::producer_epoch::parse`] reads it on both doors.
 //! - **Body**: the HTTP general door's JSON, `{"messageId","sequence","amount"}` with an optional
 //!   `aggregateId` that must name the subject's aggregate.
 
@@ -61,7 +62,7 @@ pub fn read_credential(
     authorization: &[&str],
     epoch: &[&str],
 ) -> Result<Option<Credential>, String> {
-    const EPOCH_ADVICE: &str = "a producer's message needs one Producer-Epoch header: the epoch POST /producers/session answered, a whole number from 1";
+    const EPOCH_ADVICE: &str = "a producer's message needs one Producer-Epoch header: the epoch POST /producers/session answered, a whole number from 1 in digits only (no sign, no leading zero)";
     let token = match authorization {
         [] if epoch.is_empty() => return Ok(None),
         [] => {
@@ -87,12 +88,7 @@ pub fn read_credential(
     let [value] = epoch else {
         return Err(EPOCH_ADVICE.to_owned());
     };
-    let epoch = value
-        .trim()
-        .parse::<i64>()
-        .ok()
-        .filter(|epoch| *epoch >= 1)
-        .ok_or_else(|| EPOCH_ADVICE.to_owned())?;
+    let epoch = crate::producer_epoch::parse(value).ok_or_else(|| EPOCH_ADVICE.to_owned())?;
     Ok(Some(Credential { token, epoch }))
 }
 
@@ -370,6 +366,8 @@ mod tests {
             (&["Bearer s3cret"][..], &["0"][..]),
             (&["Bearer s3cret"][..], &["1", "1"][..]),
             (&["Bearer s3cret"][..], &["one"][..]),
+            (&["Bearer s3cret"][..], &["+2"][..]),
+            (&["Bearer s3cret"][..], &["02"][..]),
             (&["Basic s3cret"][..], &["1"][..]),
             (&["Bearer"][..], &["1"][..]),
             (&["Bearer s3cret", "Bearer s3cret"][..], &["1"][..]),

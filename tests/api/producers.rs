@@ -1049,3 +1049,113 @@ async fn on_postgresql_a_producers_deliveries_share_its_row_and_a_session_waits_
         "{listed}"
     );
 }
+
+// ---------------------------------------------------------------- the Producer-Epoch header
+
+/// A producer with `sessions` sessions started: its token and its current epoch.
+async fn producer_at_epoch(app: &TestApp, name: &str, sessions: i64) -> (String, i64) {
+    let token = add_producer(app, name);
+    let mut current = 0;
+    for _ in 0..sessions {
+        current = epoch(app, &token).await;
+    }
+    (token, current)
+}
+
+/// Spellings of epoch 4 that are not how a session writes it.
+const NOT_HOW_A_SESSION_WRITES_4: [&str; 3] = ["+4", "04", "000004"];
+
+#[tokio::test]
+async fn an_epoch_with_a_sign_or_a_leading_zero_is_refused_on_the_http_door() {
+    let app = spawn_app_on(Backend::Sqlite).await;
+    let (token, current) = producer_at_epoch(&app, "billing", 4).await;
+    assert_eq!(current, 4);
+    for spelling in NOT_HOW_A_SESSION_WRITES_4 {
+        let response = app
+            .client
+            .post(app.url("/aggregates/acct/messages"))
+            .bearer_auth(&token)
+            .header("producer-epoch", spelling)
+            .json(&json!({"messageId": "m-1", "sequence": 1, "amount": 1}))
+            .send()
+            .await
+            .expect("POST reaches the server");
+        let problem = crate::helpers::assert_bad_request(response).await;
+        assert!(
+            problem["detail"]
+                .as_str()
+                .is_some_and(|detail| detail.contains("no leading zero")),
+            "{spelling}: {problem}"
+        );
+    }
+    assert_eq!(applied_count(&app, "acct"), 0);
+    let (status, body) = send(&app, Some((&token, 4)), "acct", "m-1", 1).await;
+    assert_eq!((status, body["outcome"].clone()), (200, json!("applied")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_epoch_with_a_sign_or_a_leading_zero_is_a_malformed_message_on_the_broker_door() {
+    use production_lab::broker::{BrokerConfig, server::NatsServer, wire};
+
+    let nats = NatsServer::start(None).unwrap_or_else(|error| panic!("{error}"));
+    let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
+    broker.ack_wait = std::time::Duration::from_secs(5);
+    let app = crate::helpers::spawn_app_with(move |config| config.nats = Some(broker)).await;
+    let js = async_nats::jetstream::new(nats.connect().await.expect("connect to nats-server"));
+    let (token, current) = producer_at_epoch(&app, "billing", 4).await;
+    let bearer = format!("Bearer {token}");
+    let publish = |message_id: &str, epoch: &str| {
+        let mut headers = async_nats::HeaderMap::new();
+        let nats_id = wire::nats_message_id(Some("billing"), message_id);
+        headers.insert(wire::MESSAGE_ID_HEADER, nats_id.as_str());
+        headers.insert(wire::AUTHORIZATION_HEADER, bearer.as_str());
+        headers.insert(wire::PRODUCER_EPOCH_HEADER, epoch);
+        let body = json!({"messageId": message_id, "sequence": 1, "amount": 1});
+        let js = js.clone();
+        async move {
+            js.publish_with_headers(
+                wire::subject_for("ordered", "acct"),
+                headers,
+                body.to_string().into(),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("PubAck");
+        }
+    };
+    for (index, spelling) in NOT_HOW_A_SESSION_WRITES_4.iter().enumerate() {
+        publish(&format!("bad-{index}"), spelling).await;
+    }
+    let rejected = poll_until(
+        "three malformed epochs listed",
+        || async { status_and_json(app.get("/broker/rejected").await).await.1 },
+        |body| {
+            body["rejected"]
+                .as_array()
+                .is_some_and(|list| list.len() == 3)
+        },
+    )
+    .await;
+    for entry in rejected["rejected"].as_array().into_iter().flatten() {
+        assert_eq!(entry["outcome"], "malformed", "{rejected}");
+        assert!(
+            entry["reason"]
+                .as_str()
+                .is_some_and(|reason| reason.contains("no leading zero")),
+            "{rejected}"
+        );
+    }
+    publish("good", &current.to_string()).await;
+    poll_until(
+        "the well-written epoch's message applied",
+        || async { applied_count(&app, "acct") },
+        |count| *count == 1,
+    )
+    .await;
+    assert_eq!(
+        app.inbox_rows("SELECT message_id FROM ordered_inbox WHERE aggregate_id = 'acct'"),
+        ["good"]
+    );
+    app.stop().await;
+}

@@ -122,7 +122,7 @@ fn producer_unauthorized(detail: String) -> Response {
     unauthorized_titled("Producer authentication required", detail)
 }
 
-/// `Producer-Epoch: N`, exactly one, a whole number from 1.
+/// `Producer-Epoch: N`, exactly one, written as [`crate::producer_epoch::parse`] reads it.
 fn epoch_header(headers: &HeaderMap) -> Result<i64, AppError> {
     const ADVICE: &str = "a producer's delivery needs one Producer-Epoch header: the epoch POST /producers/session answered";
     let mut values = headers.get_all(&PRODUCER_EPOCH).iter();
@@ -132,9 +132,12 @@ fn epoch_header(headers: &HeaderMap) -> Result<i64, AppError> {
     value
         .to_str()
         .ok()
-        .and_then(|text| text.trim().parse::<i64>().ok())
-        .filter(|epoch| *epoch >= 1)
-        .ok_or_else(|| AppError::bad_request(format!("{ADVICE}, a whole number from 1")))
+        .and_then(crate::producer_epoch::parse)
+        .ok_or_else(|| {
+            AppError::bad_request(format!(
+                "{ADVICE}, a whole number from 1 in digits only (no sign, no leading zero)"
+            ))
+        })
 }
 
 /// The answer to a delivery the inbox refused before deciding it: nothing was written.
