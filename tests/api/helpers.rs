@@ -110,7 +110,9 @@ pub async fn spawn_app_on_with(backend: Backend, configure: impl FnOnce(&mut Con
     start(dir, config).await
 }
 
-async fn start(dir: TempDir, config: Config) -> TestApp {
+/// Starts a server on `config`, its files in `dir`: a stopped server's (see [`TestApp::stop`]),
+/// to start it again with settings of the test's choosing.
+pub async fn start(dir: TempDir, config: Config) -> TestApp {
     let database = config.database.clone();
     let settings = config.settings.clone();
     let inbox_url = config.inbox.clone();

@@ -1,0 +1,390 @@
+//! Held messages and ownership, over a real nats-server and real HTTP on both backends: anonymous
+//! broker messages held for an unowned aggregate never write it once an operator gave it an owner
+//! (the transfer rejects them, and so does any drain), a held message whose sequence another
+//! message took is rejected as stale, and the rejected list that shows them is kept in the
+//! inbox's store: paged, and still there after a restart.
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use production_lab::broker::server::NatsServer;
+use production_lab::broker::{BrokerConfig, wire};
+use serde_json::{Value, json};
+
+use crate::aggregates::add_operator;
+use crate::helpers::{
+    Backend, TestApp, assert_bad_request, poll_until, spawn_app_on_with, status_and_json,
+};
+use crate::producers::{add_producer, epoch};
+
+fn broker_config(nats: &NatsServer) -> BrokerConfig {
+    let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
+    broker.ack_wait = Duration::from_secs(5);
+    broker.nak_delay = Duration::from_millis(50);
+    broker
+}
+
+/// A private nats-server and a server consuming it, with its inbox on `backend`.
+async fn consumer_on(backend: Backend) -> (NatsServer, TestApp, jetstream::Context) {
+    let nats = NatsServer::start(None).unwrap_or_else(|error| panic!("{error}"));
+    let broker = broker_config(&nats);
+    let app = spawn_app_on_with(backend, move |config| config.nats = Some(broker)).await;
+    let js = jetstream::new(nats.connect().await.expect("connect to nats-server"));
+    (nats, app, js)
+}
+
+/// Publishes one anonymous message (`Nats-Msg-Id` its id) and waits for its PubAck.
+async fn publish(js: &jetstream::Context, aggregate: &str, id: &str, sequence: i64, amount: i64) {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(wire::MESSAGE_ID_HEADER, id);
+    let body = json!({"messageId": id, "sequence": sequence, "amount": amount});
+    js.publish_with_headers(
+        wire::subject_for("ordered", aggregate),
+        headers,
+        body.to_string().into(),
+    )
+    .await
+    .expect("publish")
+    .await
+    .expect("PubAck");
+}
+
+async fn get(app: &TestApp, path: &str) -> (u16, Value) {
+    status_and_json(app.get(path).await).await
+}
+
+/// Waits until the aggregate holds exactly `sequences`.
+async fn holding(app: &TestApp, aggregate: &str, sequences: Value) -> Value {
+    let path = format!("/aggregates/{aggregate}");
+    poll_until(
+        &format!("{aggregate} holds {sequences}"),
+        || get(app, &path),
+        |(status, view)| *status == 200 && view["heldSequences"] == sequences,
+    )
+    .await
+    .1
+}
+
+/// `POST /aggregates/{aggregate}/owner` by the operator, from unowned at last `expected_last`.
+async fn transfer_to(
+    app: &TestApp,
+    operator: &str,
+    aggregate: &str,
+    producer: &str,
+    expected_last: i64,
+) -> Value {
+    let body = json!({
+        "producer": producer,
+        "expectedOwner": null,
+        "expectedLast": expected_last,
+        "reason": "the billing service owns this account now",
+    });
+    let response = app
+        .client
+        .post(app.url(&format!("/aggregates/{aggregate}/owner")))
+        .bearer_auth(operator)
+        .json(&body)
+        .send()
+        .await
+        .expect("POST reaches the server");
+    let (status, answer) = status_and_json(response).await;
+    assert_eq!(status, 200, "{answer}");
+    answer
+}
+
+/// A general-door delivery of amount 1 by the producer holding `token` under `epoch`.
+async fn deliver_as(
+    app: &TestApp,
+    (token, epoch): (&str, i64),
+    aggregate: &str,
+    id: &str,
+    sequence: i64,
+) -> (u16, Value) {
+    let response = app
+        .client
+        .post(app.url(&format!("/aggregates/{aggregate}/messages")))
+        .bearer_auth(token)
+        .header("producer-epoch", epoch.to_string())
+        .json(&json!({"messageId": id, "sequence": sequence, "amount": 1}))
+        .send()
+        .await
+        .expect("POST reaches the server");
+    status_and_json(response).await
+}
+
+fn applied_by(app: &TestApp, aggregate: &str) -> Vec<String> {
+    app.inbox_rows(&format!(
+        "SELECT message_id, producer FROM ordered_inbox WHERE aggregate_id = '{aggregate}' ORDER BY sequence"
+    ))
+}
+
+/// Every entry of `GET /broker/rejected`, following its cursor.
+async fn rejected_list(app: &TestApp) -> Vec<Value> {
+    let mut entries = Vec::new();
+    let mut after = 0;
+    loop {
+        let (status, page) = get(app, &format!("/broker/rejected?after={after}")).await;
+        assert_eq!(status, 200, "{page}");
+        entries.extend(page["rejected"].as_array().cloned().unwrap_or_default());
+        match page["next"].as_i64() {
+            Some(next) => after = next,
+            None => return entries,
+        }
+    }
+}
+
+/// The (message id, outcome) of every entry of the rejected list.
+fn outcomes(entries: &[Value]) -> Vec<(String, String)> {
+    entries
+        .iter()
+        .map(|entry| {
+            (
+                entry["messageId"].as_str().unwrap_or("").to_owned(),
+                entry["outcome"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// The message ids of the aggregate's `held rejected` events, oldest first.
+async fn held_rejected_events(app: &TestApp, aggregate: &str) -> Vec<String> {
+    let (_, timeline) = get(app, &format!("/aggregates/{aggregate}/timeline")).await;
+    timeline["events"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter(|event| event["kind"] == "held rejected")
+        .map(|event| event["messageId"].as_str().unwrap_or("").to_owned())
+        .collect()
+}
+
+async fn a_transfer_rejects_held_anonymous_messages_so_the_owners_own_sequence_applies(
+    backend: Backend,
+) {
+    let (_nats, app, js) = consumer_on(backend).await;
+    publish(&js, "acct", "x-2", 2, 100).await;
+    publish(&js, "acct", "x-3", 3, 100).await;
+    holding(&app, "acct", json!([2, 3])).await;
+
+    let operator = add_operator(&app, "alice");
+    let billing = add_producer(&app, "billing");
+    let billing = (billing.as_str(), epoch(&app, &billing).await);
+    let answer = transfer_to(&app, &operator, "acct", "billing", 0).await;
+    assert_eq!(answer["outcome"], "owner transferred", "{answer}");
+    assert_eq!(answer["transfer"]["heldRejected"], 2, "{answer}");
+    assert_eq!(answer["transfer"]["toOwner"], "billing", "{answer}");
+
+    let (status, first) = deliver_as(&app, billing, "acct", "m-1", 1).await;
+    assert_eq!((status, first["total"].clone()), (200, json!(1)), "{first}");
+    let (status, second) = deliver_as(&app, billing, "acct", "m-2", 2).await;
+    assert_eq!(status, 200, "the owner's real 2 is not stale: {second}");
+    assert_eq!(applied_by(&app, "acct"), ["m-1|billing", "m-2|billing"]);
+    let view = holding(&app, "acct", json!([])).await;
+    assert_eq!(
+        (view["last"].clone(), view["total"].clone()),
+        (json!(2), json!(2))
+    );
+    assert_eq!(held_rejected_events(&app, "acct").await, ["x-2", "x-3"]);
+
+    let rejected = rejected_list(&app).await;
+    assert_eq!(
+        outcomes(&rejected),
+        [
+            ("x-2".to_owned(), "owner required".to_owned()),
+            ("x-3".to_owned(), "owner required".to_owned())
+        ]
+    );
+    assert_eq!(rejected[0]["subject"], "ordered.acct", "{rejected:?}");
+    assert_eq!(rejected[0]["aggregateId"], "acct", "{rejected:?}");
+    app.stop().await;
+}
+
+async fn a_skip_after_a_transfer_drains_no_held_anonymous_message_into_the_owned_aggregate(
+    backend: Backend,
+) {
+    let (_nats, app, js) = consumer_on(backend).await;
+    publish(&js, "acct", "bad-1", 1, -1).await;
+    publish(&js, "acct", "x-2", 2, 100).await;
+    publish(&js, "acct", "x-3", 3, 100).await;
+    let view = holding(&app, "acct", json!([2, 3])).await;
+    assert_eq!(view["status"], "blocked", "{view}");
+
+    let operator = add_operator(&app, "alice");
+    let billing = add_producer(&app, "billing");
+    let billing = (billing.as_str(), epoch(&app, &billing).await);
+    let answer = transfer_to(&app, &operator, "acct", "billing", 0).await;
+    assert_eq!(answer["transfer"]["heldRejected"], 2, "{answer}");
+
+    let skip = app
+        .client
+        .post(app.url("/deadletters/bad-1/resolution"))
+        .bearer_auth(&operator)
+        .json(&json!({"action": "skip", "expectedLast": 0, "reason": "cancelled upstream"}))
+        .send()
+        .await
+        .expect("POST reaches the server");
+    let (status, body) = status_and_json(skip).await;
+    assert_eq!(status, 200, "{body}");
+    let (_, view) = get(&app, "/aggregates/acct").await;
+    assert_eq!(
+        (
+            view["last"].clone(),
+            view["total"].clone(),
+            view["status"].clone()
+        ),
+        (json!(1), json!(0), json!("flowing")),
+        "the skip took sequence 1 and nothing drained: {view}"
+    );
+    let (status, second) = deliver_as(&app, billing, "acct", "m-2", 2).await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(applied_by(&app, "acct"), ["m-2|billing"]);
+    assert_eq!(
+        outcomes(&rejected_list(&app).await),
+        [
+            ("x-2".to_owned(), "owner required".to_owned()),
+            ("x-3".to_owned(), "owner required".to_owned())
+        ]
+    );
+    app.stop().await;
+}
+
+/// A held row an earlier release could leave behind on an owned aggregate (the transfer did not
+/// reject it then): the next drain checks admission itself and rejects it.
+async fn a_held_anonymous_message_left_on_an_owned_aggregate_is_rejected_by_the_next_drain(
+    backend: Backend,
+) {
+    let (_nats, app, js) = consumer_on(backend).await;
+    publish(&js, "acct", "bad-1", 1, -1).await;
+    publish(&js, "acct", "x-2", 2, 100).await;
+    holding(&app, "acct", json!([2])).await;
+    let operator = add_operator(&app, "alice");
+    let billing = add_producer(&app, "billing");
+    epoch(&app, &billing).await;
+    // The owner columns set as a transfer sets them, the held row left in place.
+    app.inbox_execute(
+        "UPDATE aggregate_state SET owner = 'billing', owner_epoch = 1, owner_since = 'then'
+          WHERE aggregate_id = 'acct'",
+    );
+    let skip = app
+        .client
+        .post(app.url("/deadletters/bad-1/resolution"))
+        .bearer_auth(&operator)
+        .json(&json!({"action": "skip", "expectedLast": 0, "reason": "cancelled upstream"}))
+        .send()
+        .await
+        .expect("POST reaches the server");
+    assert_eq!(skip.status(), 200);
+    let view = holding(&app, "acct", json!([])).await;
+    assert_eq!(
+        (view["last"].clone(), view["total"].clone()),
+        (json!(1), json!(0))
+    );
+    assert!(applied_by(&app, "acct").is_empty());
+    assert_eq!(held_rejected_events(&app, "acct").await, ["x-2"]);
+    assert_eq!(
+        outcomes(&rejected_list(&app).await),
+        [("x-2".to_owned(), "owner required".to_owned())]
+    );
+    app.stop().await;
+}
+
+/// A held row whose sequence another message took (as earlier releases could leave one behind,
+/// for ever): the next drain rejects it as stale.
+async fn a_held_message_whose_sequence_another_message_took_is_rejected_as_stale_and_listed(
+    backend: Backend,
+) {
+    let (_nats, app, js) = consumer_on(backend).await;
+    publish(&js, "acct", "m-1", 1, 1).await;
+    publish(&js, "acct", "m-2", 2, 1).await;
+    poll_until(
+        "acct at 2",
+        || get(&app, "/aggregates/acct"),
+        |(_, view)| view["last"] == 2,
+    )
+    .await;
+    app.inbox_execute(
+        "INSERT INTO held_messages(message_id, aggregate_id, sequence, amount, payload, held_at)
+         VALUES ('late-2', 'acct', 2, 5,
+                 '{\"AggregateId\":\"acct\",\"Sequence\":2,\"Amount\":5}', '2020-01-01T00:00:00.000Z')",
+    );
+    holding(&app, "acct", json!([2])).await;
+    publish(&js, "acct", "m-3", 3, 1).await;
+    let view = holding(&app, "acct", json!([])).await;
+    assert_eq!(
+        (view["last"].clone(), view["total"].clone()),
+        (json!(3), json!(3))
+    );
+    assert_eq!(held_rejected_events(&app, "acct").await, ["late-2"]);
+    let rejected = rejected_list(&app).await;
+    assert_eq!(
+        outcomes(&rejected),
+        [("late-2".to_owned(), "stale".to_owned())]
+    );
+    assert!(
+        rejected[0]["reason"]
+            .as_str()
+            .is_some_and(|reason| reason.contains("the aggregate expects 4")),
+        "{rejected:?}"
+    );
+    app.stop().await;
+}
+
+async fn the_rejected_list_is_paged_and_survives_a_restart(backend: Backend) {
+    let (nats, app, js) = consumer_on(backend).await;
+    for n in 1..=3 {
+        let id = format!("broken-{n}");
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(wire::MESSAGE_ID_HEADER, id.as_str());
+        js.publish_with_headers("ordered.acct".to_owned(), headers, "{".into())
+            .await
+            .expect("publish")
+            .await
+            .expect("PubAck");
+    }
+    poll_until(
+        "three malformed deliveries listed",
+        || rejected_list(&app),
+        |list| list.len() == 3,
+    )
+    .await;
+    let (status, first) = get(&app, "/broker/rejected?limit=2").await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["kept"], 1000, "{first}");
+    assert_eq!(
+        first["rejected"].as_array().map(Vec::len),
+        Some(2),
+        "{first}"
+    );
+    let next = first["next"].as_i64().expect("a cursor to the next page");
+    let (_, rest) = get(&app, &format!("/broker/rejected?after={next}&limit=2")).await;
+    assert_eq!(rest["rejected"].as_array().map(Vec::len), Some(1), "{rest}");
+    assert_eq!(rest["next"], Value::Null, "{rest}");
+    for bad in ["after=-1", "after=soon", "limit=0", "limit=1001"] {
+        assert_bad_request(app.get(&format!("/broker/rejected?{bad}")).await).await;
+    }
+
+    let (dir, mut config) = app.stop().await;
+    config.nats = Some(broker_config(&nats));
+    let again = crate::helpers::start(dir, config).await;
+    let listed = rejected_list(&again).await;
+    assert_eq!(
+        outcomes(&listed),
+        ["broken-1", "broken-2", "broken-3"].map(|id| (id.to_owned(), "malformed".to_owned()))
+    );
+    assert!(
+        listed
+            .iter()
+            .all(|entry| entry["subject"] == "ordered.acct" && entry["streamSequence"].is_u64()),
+        "{listed:?}"
+    );
+    again.stop().await;
+}
+
+crate::on_both_backends!(
+    a_transfer_rejects_held_anonymous_messages_so_the_owners_own_sequence_applies,
+    a_skip_after_a_transfer_drains_no_held_anonymous_message_into_the_owned_aggregate,
+    a_held_anonymous_message_left_on_an_owned_aggregate_is_rejected_by_the_next_drain,
+    a_held_message_whose_sequence_another_message_took_is_rejected_as_stale_and_listed,
+    the_rejected_list_is_paged_and_survives_a_restart,
+);
