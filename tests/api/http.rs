@@ -329,39 +329,44 @@ async fn without_arming_the_pause_header_does_nothing() {
         json!({"entered": false})
     );
     assert_eq!(document_row(&app), ("straight".to_owned(), 2));
+}
 
-    let bad = app
+/// A PUT of `{"body": body}` with `If-Match: *` and one `X-Lab-Pause` header per value.
+async fn put_with_pause_headers(app: &TestApp, body: &str, values: &[&str]) -> reqwest::Response {
+    let mut request = app
         .client
         .put(app.url("/documents/1"))
-        .header("if-match", "\"v2\"")
-        .header("x-lab-pause", "maybe")
-        .json(&json!({"body": "x"}))
-        .send()
-        .await
-        .unwrap();
-    assert_bad_request(bad).await;
+        .header("if-match", "*")
+        .json(&json!({"body": body}));
+    for value in values {
+        request = request.header("x-lab-pause", *value);
+    }
+    request.send().await.expect("PUT reaches the server")
 }
 
 #[tokio::test]
-async fn only_the_exact_value_true_parks_a_writer() {
+async fn only_one_exact_true_parks_a_writer_and_any_other_pause_value_writes_at_once() {
     let app = spawn_app().await;
     assert_eq!(app.post("/lab/condition/arm").await.status(), 204);
-    for value in ["TRUE", "True", "tRuE"] {
-        let response = app
-            .client
-            .put(app.url("/documents/1"))
-            .header("if-match", "\"v1\"")
-            .header("x-lab-pause", value)
-            .json(&json!({"body": "x"}))
-            .send()
-            .await
-            .unwrap();
-        // Answered at once, never parked at the armed probe.
-        let problem = assert_bad_request(response).await;
-        assert!(
-            problem["detail"].as_str().unwrap().contains("exactly"),
-            "{problem}"
-        );
+    // The seed compares the header with "true" ordinally: no other value is an error, none
+    // parks, and the write goes ahead at once.
+    let others: [&[&str]; 7] = [
+        &["TRUE"],
+        &["True"],
+        &["tRuE"],
+        &["yes"],
+        &["maybe"],
+        &[""],
+        &["true", "true"],
+    ];
+    for (written, values) in others.iter().enumerate() {
+        let body = format!("write-{written}");
+        let response = put_with_pause_headers(&app, &body, values).await;
+        let (status, view) = status_and_json(response).await;
+        assert_eq!(status, 200, "{values:?}: {view}");
+        let version = i64::try_from(written).expect("a small count") + 2;
+        assert_eq!(view["version"], version, "{values:?}: {view}");
+        assert_eq!(document_row(&app), (body, version), "{values:?}");
     }
     assert_eq!(app.state.http.parked_writers(), 0);
     assert_eq!(
@@ -370,7 +375,15 @@ async fn only_the_exact_value_true_parks_a_writer() {
             .1,
         json!({"entered": false})
     );
-    assert_eq!(document_row(&app), ("rune".to_owned(), 1));
+
+    // The one exact value still parks at the armed probe.
+    let parked = {
+        let (client, url) = (app.client.clone(), app.address.clone());
+        tokio::spawn(async move { put_document(&client, &url, "parked", Some("*"), true).await })
+    };
+    wait_for_parked(&app.state.http, 1).await;
+    assert_eq!(app.post("/lab/condition/release").await.status(), 204);
+    assert_eq!(parked.await.expect("the parked writer").status(), 200);
 }
 
 async fn wait_for_parked(lab: &HttpLab, expected: usize) {
