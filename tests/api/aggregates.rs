@@ -924,7 +924,7 @@ async fn resolution_preconditions_refuse_with_the_current_state(backend: Backend
 }
 
 /// A server on a copy of a fixture database, after checking that the server brought both the
-/// labs' schema (`user_version` 3, the current one) and the inbox's (its own version table) up to date.
+/// labs' schema (`user_version`, the current one) and the inbox's (its own version table) up to date.
 pub(crate) async fn spawn_on_fixture(name: &str) -> (tempfile::TempDir, TestApp) {
     let (dir, path) = fixture_copy(name);
     let app = spawn_app_with(move |config| config.database = path).await;
