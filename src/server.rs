@@ -257,6 +257,10 @@ impl Phase {
         let now = Instant::now();
         Phase {
             state: Mutex::new(State::Head {
+        headers.insert(
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        );
                 since: now,
                 deadline: now + limits.header_read_timeout,
             }),

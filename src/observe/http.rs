@@ -9,8 +9,8 @@
 //! In order: the request id (a sane `x-request-id` or a new one, echoed in the response header
 //! and in every problem+json body as `requestId`); the `request` span (method, route template,
 //! request id); the host filter and forwarded headers; the route; the bare-status problems; the
-//! HTTP metrics; and the `request finished` line when the response head is ready, with its status
-//! and latency. The raw path and query are never logged or used as a label: they may carry ids or
+//! HTTP metrics; the `request finished` line when the response head is ready, with its status
+//! and latency; and `X-Content-Type-Options: nosniff` on every response. The raw path and query are never logged or used as a label: they may carry ids or
 //! an email; the route template cannot.
 
 use std::time::{Duration, Instant};
@@ -104,7 +104,19 @@ pub async fn edge(State(edge): State<Edge>, mut request: Request, next: Next) ->
     }
     .instrument(span)
     .await;
-    with_request_id(response, &id).await
+    let mut response = with_request_id(response, &id).await;
+    forbid_sniffing(&mut response);
+    response
+}
+
+/// `X-Content-Type-Options: nosniff` on every response (JSON, problem+json, the router's own
+/// 404/405, a 413), so that a browser never runs a JSON body that echoes a client's text as a
+/// script or a page.
+fn forbid_sniffing(response: &mut Response) {
+    response
+        .headers_mut()
+        .entry(header::X_CONTENT_TYPE_OPTIONS)
+        .or_insert(HeaderValue::from_static("nosniff"));
 }
 
 /// Echoes the request id in the response header, and in the body of a problem.

@@ -558,3 +558,78 @@ async fn other_stream_parameters_are_bad_requests() {
         assert_bad_request(response).await;
     }
 }
+
+// ---------------------------------------------------------------- content sniffing
+
+#[tokio::test]
+async fn every_json_and_problem_answer_forbids_content_sniffing() {
+    let app = spawn_app().await;
+    let json_body = |body: &str| {
+        app.client
+            .post(app.url("/aggregates/acct/messages"))
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+    };
+    let answers = [
+        ("a JSON document", app.client.get(app.url("/documents/1"))),
+        (
+            "an applied delivery",
+            json_body(r#"{"messageId":"m-1","sequence":1,"amount":1}"#),
+        ),
+        ("a 400 problem", json_body("{not json")),
+        (
+            "a 404 of a handler",
+            app.client.get(app.url("/aggregates/nobody")),
+        ),
+        (
+            "the router's 404",
+            app.client.get(app.url("/no/such/route")),
+        ),
+        (
+            "the router's 405",
+            app.client.delete(app.url("/documents/1")),
+        ),
+        (
+            "the body limit's 413",
+            json_body(&" ".repeat(production_lab::server::MAX_REQUEST_BODY_BYTES + 1)),
+        ),
+        (
+            "the OpenAPI document",
+            app.client.get(app.url("/openapi.json")),
+        ),
+        (
+            "a 428 problem",
+            app.client
+                .put(app.url("/documents/1"))
+                .json(&json!({"body": "x"})),
+        ),
+    ];
+    let mut statuses = Vec::new();
+    for (what, request) in answers {
+        let response = request
+            .send()
+            .await
+            .expect("the request reaches the server");
+        statuses.push(response.status().as_u16());
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        assert!(
+            content_type.starts_with("application/json")
+                || content_type.starts_with("application/problem+json"),
+            "{what}: {content_type}"
+        );
+        assert_eq!(
+            response
+                .headers()
+                .get("x-content-type-options")
+                .and_then(|value| value.to_str().ok()),
+            Some("nosniff"),
+            "{what}"
+        );
+    }
+    assert_eq!(statuses, [200, 200, 400, 404, 404, 405, 413, 200, 428]);
+}
