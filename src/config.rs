@@ -50,12 +50,21 @@ pub struct ConnectionLimits {
     pub keep_alive_timeout: Duration,
     /// Open connections at most; keep it below the process's open-file limit (`ulimit -n`).
     pub max_connections: usize,
+    /// Bytes of request bodies all connections together may be receiving at once; past it a new
+    /// body waits briefly for room, then answers 503.
+    pub request_body_budget: usize,
 }
 
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// 64 MiB: 32 bodies of the largest size at once.
+pub const DEFAULT_REQUEST_BODY_BUDGET: usize = 64 * MIB;
+/// The largest body budget `serve` accepts.
+const MAX_REQUEST_BODY_BUDGET: usize = 64 * 1024 * MIB;
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
 /// The longest timeout `serve` accepts.
 const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
 
@@ -66,6 +75,7 @@ impl Default for ConnectionLimits {
             body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
             keep_alive_timeout: DEFAULT_KEEP_ALIVE_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            request_body_budget: DEFAULT_REQUEST_BODY_BUDGET,
         }
     }
 }
@@ -98,6 +108,28 @@ pub fn parse_max_connections(text: &str) -> Result<usize, String> {
     match text.trim().parse::<usize>() {
         Ok(value) if (1..=65_536).contains(&value) => Ok(value),
         _ => Err(format!("'{text}' must be a whole number from 1 to 65536")),
+    }
+}
+
+/// The request-body budget flag: bytes, or a number with `KiB`, `MiB` or `GiB`; from the largest
+/// request body (so that one always fits) to 64 GiB.
+pub fn parse_request_body_budget(text: &str) -> Result<usize, String> {
+    let trimmed = text.trim();
+    let (number, unit) = [("GiB", 1024 * MIB), ("MiB", MIB), ("KiB", KIB)]
+        .into_iter()
+        .find_map(|(suffix, unit)| trimmed.strip_suffix(suffix).map(|number| (number, unit)))
+        .unwrap_or((trimmed, 1));
+    let lowest = crate::server::MAX_REQUEST_BODY_BYTES;
+    match number
+        .trim()
+        .parse::<usize>()
+        .ok()
+        .and_then(|value| value.checked_mul(unit))
+    {
+        Some(bytes) if (lowest..=MAX_REQUEST_BODY_BUDGET).contains(&bytes) => Ok(bytes),
+        _ => Err(format!(
+            "'{text}' must be a size such as 64MiB, 512KiB or 67108864 (bytes), from 2MiB to 64GiB"
+        )),
     }
 }
 
@@ -386,6 +418,13 @@ mod tests {
         assert_eq!(parse_max_connections("2"), Ok(2));
         assert!(parse_max_connections("0").is_err());
         assert!(parse_max_connections("many").is_err());
+        assert_eq!(parse_request_body_budget("64MiB"), Ok(64 * 1024 * 1024));
+        assert_eq!(parse_request_body_budget(" 4096KiB "), Ok(4 * 1024 * 1024));
+        assert_eq!(parse_request_body_budget("1GiB"), Ok(1024 * 1024 * 1024));
+        assert_eq!(parse_request_body_budget("2097152"), Ok(2 * 1024 * 1024));
+        for refused in ["1MiB", "2097151", "65GiB", "lots", "-1MiB", "64MB", ""] {
+            assert!(parse_request_body_budget(refused).is_err(), "{refused:?}");
+        }
     }
 
     #[test]

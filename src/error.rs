@@ -30,6 +30,11 @@ pub enum AppError {
     /// a late body could otherwise be read as the next request.
     #[error("{0}")]
     RequestTimeout(String),
+    /// The server is already receiving its budget of request bodies: 503 with `Retry-After`,
+    /// and the connection is closed, since the unread body could otherwise be read as the next
+    /// request.
+    #[error("{0}")]
+    BodyBudgetExhausted(String),
     /// The store failed underneath the request: 503 when the writer is gone or SQLite is busy
     /// past its retries, 500 otherwise. The detail stays in the server log.
     #[error(transparent)]
@@ -142,6 +147,22 @@ impl IntoResponse for AppError {
                     Some(&detail),
                 );
                 response.headers_mut().insert(
+                    header::CONNECTION,
+                    axum::http::HeaderValue::from_static("close"),
+                );
+                response
+            }
+            AppError::BodyBudgetExhausted(detail) => {
+                let mut response = problem_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Too many request bodies at once",
+                    Some(&detail),
+                );
+                let headers = response.headers_mut();
+                // By then, bodies that waited as long as this one have had their answer.
+                let retry_after = crate::server::BODY_BUDGET_PATIENCE.as_secs().max(1);
+                headers.insert(header::RETRY_AFTER, header::HeaderValue::from(retry_after));
+                headers.insert(
                     header::CONNECTION,
                     axum::http::HeaderValue::from_static("close"),
                 );
@@ -261,7 +282,8 @@ where
 }
 
 /// Why a body could not be read: too large (413), not complete within the body-read timeout
-/// (408, and the connection is closed), or anything else the client broke (400).
+/// (408, and the connection is closed), no room in the server's body budget (503), or anything
+/// else the client broke (400).
 fn body_rejection(rejection: BytesRejection) -> AppError {
     if let BytesRejection::FailedToBufferBody(FailedToBufferBody::LengthLimitError(_)) = rejection {
         return AppError::Problem {
@@ -279,6 +301,9 @@ fn body_rejection(rejection: BytesRejection) -> AppError {
             return AppError::RequestTimeout(
                 "the request body did not arrive within the body-read timeout".to_owned(),
             );
+        }
+        if let Some(exhausted) = error.downcast_ref::<crate::server::BodyBudgetExhausted>() {
+            return AppError::BodyBudgetExhausted(exhausted.to_string());
         }
         cause = error.source();
     }

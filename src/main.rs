@@ -323,6 +323,11 @@ struct ServeArgs {
     /// every one is busy a new one is answered 503 and closed.
     #[arg(long, value_parser = config::parse_max_connections, default_value_t = config::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+    /// Bytes of request bodies all connections together may be receiving at once (64MiB, 512KiB
+    /// or bytes); past it a new body waits up to a second for room, then answers 503.
+    #[arg(long, env = "LAB_REQUEST_BODY_BUDGET", value_parser = config::parse_request_body_budget,
+          default_value = "64MiB")]
+    request_body_budget: usize,
     /// Keep the ordered inbox in PostgreSQL, postgres://USER@127.0.0.1:PORT/DB (loopback or a
     /// Unix socket directory only), shared by every server given the same URL.
     #[arg(long)]
@@ -728,6 +733,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             body_read_timeout: args.body_timeout,
             keep_alive_timeout: args.keep_alive_timeout,
             max_connections: args.max_connections,
+            request_body_budget: args.request_body_budget,
         },
         max_held_per_aggregate: args.max_held_per_aggregate as usize,
         nats: args.nats.broker_config()?,
