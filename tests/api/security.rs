@@ -2,7 +2,6 @@
 //! forwarded headers, canonical URLs and host filtering.
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 use production_lab::{Application, Config};
 use reqwest::Method;
@@ -224,7 +223,13 @@ async fn an_invalid_settings_file_answers_503_until_it_is_fixed() {
 #[tokio::test]
 async fn configuration_errors_are_logged_once_each_and_never_with_the_secret() {
     let (dir, settings) = settings_dir();
-    let mut server = ServerProcess::start(&dir.path().join("lab.db"), &settings, &[]);
+    let mut server = ServerProcess::start_with_env(
+        &dir.path().join("lab.db"),
+        &settings,
+        &["--log-format", "json"],
+        &[("LAB_LOG", "warn,production_lab::configuration=debug")],
+    );
+    let stderr = crate::connections::StderrLines::collect(&mut server);
     let http = client();
     let url = server.url("/configuration");
     let secret = "process-secret-7731";
@@ -235,10 +240,16 @@ async fn configuration_errors_are_logged_once_each_and_never_with_the_secret() {
             && body["detail"].as_str().unwrap_or("").contains("Label")
     })
     .await;
-    // The same error again (rewritten twice) must not be logged again.
-    for _ in 0..2 {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        std::fs::write(&settings, live_settings(" ", 3, secret)).unwrap();
+    // The same error again, rewritten twice (each write a byte longer, so the server's read of
+    // each one is seen), must not be logged again.
+    for blank in [" ", "  "] {
+        let rewritten = live_settings(blank, 3, secret);
+        std::fs::write(&settings, &rewritten).unwrap();
+        stderr
+            .wait_for(1, "settings file read", |fields| {
+                fields["bytes"] == rewritten.len()
+            })
+            .await;
     }
     std::fs::write(&settings, live_settings("x", 11, secret)).unwrap();
     configuration_when(&http, &url, "the second error", |status, body| {
@@ -252,7 +263,8 @@ async fn configuration_errors_are_logged_once_each_and_never_with_the_secret() {
     })
     .await;
 
-    let (stdout, stderr) = server.stop_and_collect_output().await;
+    let (stdout, _) = server.stop_and_collect_output().await;
+    let stderr = stderr.all();
     let logged: Vec<&str> = stderr
         .lines()
         .filter(|line| line.contains("Current configuration is invalid"))

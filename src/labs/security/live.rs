@@ -115,6 +115,15 @@ impl LiveConfiguration {
             Err(error) if is_transient(&error) => return Reloaded::Transient(error.to_string()),
             Err(error) => Err(format!("cannot read the settings file: {error}")),
         };
+        if let Ok(text) = &text {
+            // The length says which write was read (never the content: it holds the secret).
+            tracing::debug!(
+                target: "production_lab::configuration",
+                path = %self.path.display(),
+                bytes = text.len(),
+                "settings file read"
+            );
+        }
         let outcome = text.and_then(|text| parse_settings(&text));
         match self.apply(outcome) {
             Transition::NewError(reason) => tracing::warn!(
