@@ -12,74 +12,28 @@
 //! that serializes deliveries to the same aggregate; that is what makes concurrent deliveries of
 //! one sequence apply exactly once. Nothing here touches a database.
 
+use crate::change::Change;
+use crate::content::{Check, Detail, Poison, same_content};
+use crate::facts::{
+    AppliedFact, DeliveryFacts, HeldMessage, KnownDeadLetter, OpenDeadLetter, OwnershipFacts,
+};
 use crate::model::{
-    AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
+    AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage,
     QuarantineReason,
 };
 use crate::policy::{Decision, decide};
-use crate::producers::{
-    Admission, AggregateOwner, OwnershipFacts, ProducerClaim, ProducerRefusal, TransferRecord,
-    admit,
-};
+use crate::producers::{Admission, admit};
+use crate::records::{AggregateOwner, ProducerClaim, ProducerRefusal};
 use crate::rejected::{HeldRejection, reject_held};
 use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
 
-/// An applied message with this id, as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AppliedMessage {
-    /// The canonical payload.
-    pub payload: String,
-    /// Unknown for rows written before the column existed.
-    pub sequence: Option<i64>,
-    pub applied_at: Option<String>,
-}
-
-/// A dead letter with this id, as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KnownDeadLetter {
-    /// Unknown for dead letters recorded before payloads were kept.
-    pub payload: Option<String>,
-    pub reason: QuarantineReason,
-    pub status: DeadLetterStatus,
-    pub observations: i64,
-}
-
-/// An open dead letter of the aggregate.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OpenDeadLetter {
-    /// The namespace of its message id: the producer that delivered it (`None`: anonymous).
-    pub producer: Option<String>,
-    pub message_id: String,
-    /// Unknown for dead letters recorded before sequences were kept.
-    pub sequence: Option<i64>,
-}
-
-/// A message held for its aggregate until its predecessor applies, as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HeldMessage {
-    pub message: OrderedMessage,
-    /// The canonical payload.
-    pub payload: String,
-    pub held_at: String,
-}
-
-/// What the store knows that a delivery's verdict depends on.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DeliveryFacts {
-    pub applied: Option<AppliedMessage>,
-    pub dead_letter: Option<KnownDeadLetter>,
-    pub aggregate: Option<AggregateRow>,
-    /// Every open dead letter of the aggregate; only a blocked aggregate has any, so a backend
-    /// may leave this empty for one that is not blocked.
-    pub open_dead_letters: Vec<OpenDeadLetter>,
-    /// This message id, if it is held (for whichever aggregate).
-    pub held_message: Option<HeldMessage>,
-    /// The aggregate's held messages, in sequence order (at most
-    /// [`Limits::max_held_per_aggregate`]). Read them for every door: any apply may release them.
-    pub held: Vec<HeldMessage>,
-    /// The aggregate's owner: a held message (anonymous) drains only if an anonymous delivery
-    /// would be admitted now.
-    pub owner: Option<AggregateOwner>,
+/// What every decision is made with: the store's bounds, the application's check (pure), and
+/// the time that stamps every row.
+#[derive(Clone, Copy)]
+pub struct Context<'a> {
+    pub limits: &'a Limits,
+    pub check: &'a dyn Check,
+    pub now: &'a str,
 }
 
 /// How an earlier delivery of the same message was applied.
@@ -101,9 +55,11 @@ pub struct DeadLetterNote {
 pub enum Outcome {
     Applied {
         sequence: i64,
-        total: i64,
         /// Open dead letters at this sequence that the message replaced.
         superseded: Vec<String>,
+        /// What the handler's `apply` reported. The decision leaves it empty; the backend fills
+        /// it in after `apply` ran.
+        detail: Detail,
     },
     /// The same id with the same payload was applied before; nothing changed.
     Replay {
@@ -130,6 +86,8 @@ pub enum Outcome {
         expected: i64,
         open: usize,
         limit: usize,
+        /// Why the message is poison.
+        reason: QuarantineReason,
     },
     /// ([`Door::Broker`] only) Ahead of its turn: recorded as held for its aggregate; it applies
     /// as soon as `expected` and the sequences between do. `held` counts the aggregate's held
@@ -160,96 +118,17 @@ impl Outcome {
     }
 }
 
-/// One row change. Values are absolute (computed from the facts), so a backend writes them as
-/// they are, in order; the transaction's per-aggregate serialization keeps them true.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Change {
-    /// Insert or overwrite the aggregate's row.
-    PutAggregate {
-        aggregate_id: String,
-        row: AggregateRow,
-    },
-    /// An applied message, its id in `producer`'s namespace (`None`: the anonymous one).
-    InsertApplied {
-        producer: Option<String>,
-        message: OrderedMessage,
-        payload: String,
-        applied_at: String,
-    },
-    /// A new dead letter, its id in `producer`'s namespace (`None`: the anonymous one).
-    InsertDeadLetter {
-        producer: Option<String>,
-        message: OrderedMessage,
-        payload: String,
-        reason: QuarantineReason,
-        at: String,
-    },
-    /// A dead letter seen again: its count becomes `observations`.
-    ObserveDeadLetter {
-        producer: Option<String>,
-        message_id: String,
-        observations: i64,
-        at: String,
-    },
-    /// The aggregate's open dead letters with these ids (whatever their namespace: all of them
-    /// wait for the same sequence), whose sequence `by` took.
-    SupersedeDeadLetters {
-        aggregate_id: String,
-        message_ids: Vec<String>,
-        by: String,
-        at: String,
-    },
-    /// The dead letter an operator resolves; the audit row follows as [`Change::RecordResolution`].
-    ResolveDeadLetter {
-        producer: Option<String>,
-        message_id: String,
-        at: String,
-    },
-    /// Insert one held message: a plain row keyed by `message.message_id`, with its aggregate,
-    /// sequence, amount, canonical `payload` and `at` (when it was held). At most one message is
-    /// held per (aggregate, sequence); the core never asks for a second.
-    InsertHeld {
-        message: OrderedMessage,
-        payload: String,
-        at: String,
-    },
-    /// Delete the held message row with this id: it was drained (applied or quarantined, which
-    /// the changes that follow record; the `drained` timeline event keeps the evidence), or
-    /// rejected ([`Change::RecordRejected`] and a `held rejected` event follow).
-    ReleaseHeld { message_id: String },
-    /// Insert an entry of the rejected list and prune the list to the newest
-    /// [`crate::rejected::REJECTED_KEPT`].
-    RecordRejected(crate::rejected::RejectedDelivery),
-    /// Append a timeline entry (an observation is numbered and pruned by the backend).
-    Append(TimelineEntry),
-    /// Insert the audit row, link it from the dead letter, and append its `resolved` event
-    /// (whose detail carries the id the store assigns).
-    RecordResolution(crate::views::ResolutionRecord),
-    /// Record `owner` as the aggregate's owner (a claim or a transfer): the aggregate's owner
-    /// columns, created with the aggregate's row if it has none yet (last 0, total 0, flowing).
-    SetOwner {
-        aggregate_id: String,
-        owner: AggregateOwner,
-        at: String,
-    },
-    /// Stamp the producer's last delivery time (a delivery to `aggregate_id`: a backend may keep
-    /// the time per aggregate, so that one producer's deliveries to different aggregates never
-    /// write the same row).
-    TouchProducer {
-        producer: String,
-        aggregate_id: String,
-        at: String,
-    },
-    /// Insert the transfer's audit row (the `owner transferred` event follows as an
-    /// [`Change::Append`]).
-    RecordTransfer(TransferRecord),
-}
-
 /// The verdict and the rows that record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeliveryPlan {
     pub outcome: Outcome,
     pub changes: Vec<Change>,
+}
+
+impl crate::change::Plan for DeliveryPlan {
+    fn changes(&self) -> &[Change] {
+        &self.changes
+    }
 }
 
 /// Decides one delivery made by `claim`'s producer (`None`: anonymous): first whether it may be
@@ -268,12 +147,12 @@ pub fn decide_producer_delivery(
     claim: Option<&ProducerClaim>,
     ownership: &OwnershipFacts,
     facts: &DeliveryFacts,
-    limits: &Limits,
-    now: &str,
+    context: Context<'_>,
 ) -> Result<DeliveryPlan, ProducerRefusal> {
     let admission = admit(claim, ownership)?;
     let producer = claim.map(|claim| claim.producer.as_str());
-    let mut plan = decide_delivery_as(producer, message, door, facts, limits, now);
+    let now = context.now;
+    let mut plan = decide_delivery_as(producer, message, door, facts, context);
     let mut first = Vec::with_capacity(3);
     match admission {
         Admission::Claim(_) if !plan.outcome.records_the_message() => plan.changes.clear(),
@@ -314,15 +193,14 @@ fn claim_changes(message: &OrderedMessage, owner: AggregateOwner, now: &str) -> 
     ]
 }
 
-/// Decides one anonymous delivery through `door`, stamping every row with `now`.
+/// Decides one anonymous delivery through `door`, stamping every row with `context.now`.
 pub fn decide_delivery(
     message: &OrderedMessage,
     door: Door,
     facts: &DeliveryFacts,
-    limits: &Limits,
-    now: &str,
+    context: Context<'_>,
 ) -> DeliveryPlan {
-    decide_delivery_as(None, message, door, facts, limits, now)
+    decide_delivery_as(None, message, door, facts, context)
 }
 
 /// Decides one delivery whose message id is in `producer`'s namespace (`None`: the anonymous
@@ -335,18 +213,25 @@ pub fn decide_delivery_as(
     message: &OrderedMessage,
     door: Door,
     facts: &DeliveryFacts,
-    limits: &Limits,
-    now: &str,
+    context: Context<'_>,
 ) -> DeliveryPlan {
     let decision = Delivery {
         producer,
         message,
         facts,
-        payload: message.canonical_payload(),
-        now,
+        payload: context.check.canonical(message),
+        context,
+        now: context.now,
     };
     if let Some(prior) = &facts.applied {
-        return if prior.payload == decision.payload {
+        let same = same_content(
+            Some(&prior.payload),
+            prior.aggregate_id.as_deref(),
+            prior.sequence,
+            message,
+            &decision.payload,
+        );
+        return if same {
             decision.replay(prior)
         } else {
             decision.payload_conflict()
@@ -357,7 +242,7 @@ pub fn decide_delivery_as(
     {
         // A dead letter from before its payload was stored cannot prove it is the same message,
         // so it counts as a conflict: the id must not acquire a second meaning.
-        return if known.payload.as_deref() == Some(decision.payload.as_str()) {
+        return if decision.is_known(known) {
             decision.quarantined_again(known)
         } else {
             decision.payload_conflict()
@@ -366,7 +251,14 @@ pub fn decide_delivery_as(
     if door != Door::Classroom
         && let Some(held) = &facts.held_message
     {
-        if held.payload != decision.payload {
+        let same = same_content(
+            Some(&held.payload),
+            Some(&held.message.aggregate_id),
+            Some(held.message.sequence),
+            message,
+            &decision.payload,
+        );
+        if !same {
             return decision.payload_conflict();
         }
         if door == Door::Broker {
@@ -374,12 +266,12 @@ pub fn decide_delivery_as(
         }
         // The general door answers a held message as any early one: a gap.
     }
-    match decide(decision.before().last, message.sequence, message.amount) {
+    match decide(decision.before_last(), message, context.check) {
         // Held rows live in the anonymous namespace (a drain applies them as anonymous), so only
         // an anonymous broker message is held; a producer's early one is a gap, which the broker
         // door naks: it comes back after a back-off and applies in its turn, in its own namespace.
         Decision::Gap { expected } if door == Door::Broker && producer.is_none() => {
-            decision.hold(expected, limits)
+            decision.hold(expected)
         }
         Decision::Gap { expected } => decision.gap(door, expected),
         Decision::Stale { expected } => decision.observed(
@@ -387,8 +279,8 @@ pub fn decide_delivery_as(
             TimelineKind::Stale,
             TimelineDetail::Expected { expected },
         ),
-        Decision::Quarantine { expected, reason } => decision.quarantine(expected, reason, limits),
-        Decision::Apply { sequence } => decision.apply(sequence, limits),
+        Decision::Quarantine { expected, poison } => decision.quarantine(expected, poison),
+        Decision::Apply { sequence } => decision.apply(sequence),
     }
 }
 
@@ -398,17 +290,27 @@ struct Delivery<'a> {
     producer: Option<&'a str>,
     message: &'a OrderedMessage,
     facts: &'a DeliveryFacts,
+    /// The message's canonical content.
     payload: String,
+    context: Context<'a>,
     now: &'a str,
 }
 
 impl Delivery<'_> {
-    fn before(&self) -> Position {
-        self.facts
-            .aggregate
-            .as_ref()
-            .map(AggregateRow::position)
-            .unwrap_or_default()
+    fn before_last(&self) -> i64 {
+        self.facts.aggregate.as_ref().map_or(0, |row| row.last)
+    }
+
+    /// Whether a dead letter with this id holds this very message. One from before its payload
+    /// was stored cannot prove it, so it does not.
+    fn is_known(&self, known: &KnownDeadLetter) -> bool {
+        same_content(
+            known.payload.as_deref(),
+            known.aggregate_id.as_deref(),
+            known.sequence,
+            self.message,
+            &self.payload,
+        )
     }
 
     fn status(&self) -> Option<AggregateStatus> {
@@ -427,12 +329,10 @@ impl Delivery<'_> {
     }
 
     fn put_status(&self, status: AggregateStatus) -> Change {
-        let before = self.before();
         Change::PutAggregate {
             aggregate_id: self.message.aggregate_id.clone(),
             row: AggregateRow {
-                last: before.last,
-                total: before.total,
+                last: self.before_last(),
                 status,
                 since: Some(self.now.to_owned()),
             },
@@ -452,7 +352,7 @@ impl Delivery<'_> {
         }
     }
 
-    fn replay(self, prior: &AppliedMessage) -> DeliveryPlan {
+    fn replay(self, prior: &AppliedFact) -> DeliveryPlan {
         DeliveryPlan {
             outcome: Outcome::Replay {
                 original: AppliedRecord {
@@ -479,7 +379,7 @@ impl Delivery<'_> {
     /// more observation, no new row.
     fn quarantined_again(self, known: &KnownDeadLetter) -> DeliveryPlan {
         let observations = known.observations.saturating_add(1);
-        let expected = self.before().last.saturating_add(1);
+        let expected = self.before_last().saturating_add(1);
         let detail = TimelineDetail::SeenAgain {
             observations,
             status: known.status,
@@ -496,7 +396,7 @@ impl Delivery<'_> {
         DeliveryPlan {
             outcome: Outcome::Quarantined {
                 expected,
-                reason: known.reason,
+                reason: known.reason.clone(),
                 dead_letter: Some(DeadLetterNote {
                     status: known.status,
                     observations,
@@ -526,7 +426,7 @@ impl Delivery<'_> {
 
     /// A held message delivered again: recognised, nothing new.
     fn held_again(self) -> DeliveryPlan {
-        let expected = self.before().last.saturating_add(1);
+        let expected = self.before_last().saturating_add(1);
         DeliveryPlan {
             outcome: Outcome::Held {
                 expected,
@@ -539,7 +439,7 @@ impl Delivery<'_> {
 
     /// Holds a message ahead of its turn, unless its sequence is already held (the first held
     /// wins: this one is stale) or the aggregate holds the most it may.
-    fn hold(self, expected: i64, limits: &Limits) -> DeliveryPlan {
+    fn hold(self, expected: i64) -> DeliveryPlan {
         let sequence = self.message.sequence;
         if self
             .facts
@@ -554,7 +454,7 @@ impl Delivery<'_> {
             );
         }
         let count = self.facts.held.len();
-        let limit = limits.max_held_per_aggregate;
+        let limit = self.context.limits.max_held_per_aggregate;
         if count >= limit {
             return self.observed(
                 Outcome::HoldFull {
@@ -589,17 +489,20 @@ impl Delivery<'_> {
 
     /// Records a poison message at the expected sequence. The aggregate does not advance; it is
     /// blocked until a valid message takes the sequence or an operator resolves the dead letter.
-    fn quarantine(self, expected: i64, reason: QuarantineReason, limits: &Limits) -> DeliveryPlan {
+    fn quarantine(self, expected: i64, poison: Poison) -> DeliveryPlan {
         let open = self.facts.open_dead_letters.len();
-        if self.facts.dead_letter.is_none() && open >= limits.max_open_dead_letters {
-            let detail = TimelineDetail::QuarantineFull {
-                open_dead_letters: open,
-                limit: limits.max_open_dead_letters,
-            };
+        let limit = self.context.limits.max_open_dead_letters;
+        let Poison { reason, detail } = poison;
+        if self.facts.dead_letter.is_none() && open >= limit {
             let outcome = Outcome::QuarantineFull {
                 expected,
                 open,
-                limit: limits.max_open_dead_letters,
+                limit,
+                reason,
+            };
+            let detail = TimelineDetail::QuarantineFull {
+                open_dead_letters: open,
+                limit,
             };
             return self.observed(outcome, TimelineKind::QuarantineFull, detail);
         }
@@ -618,7 +521,7 @@ impl Delivery<'_> {
                     producer: self.producer.map(str::to_owned),
                     message: self.message.clone(),
                     payload: self.payload.clone(),
-                    reason,
+                    reason: reason.clone(),
                     at: self.now.to_owned(),
                 });
                 Some(DeadLetterNote {
@@ -626,7 +529,7 @@ impl Delivery<'_> {
                     observations: 1,
                 })
             }
-            Some(known) if known.payload.as_deref() == Some(self.payload.as_str()) => {
+            Some(known) if self.is_known(known) => {
                 let observations = known.observations.saturating_add(1);
                 changes.push(Change::ObserveDeadLetter {
                     producer: self.producer.map(str::to_owned),
@@ -645,8 +548,8 @@ impl Delivery<'_> {
             Some(note) if note.observations == 1 => self.entry(
                 TimelineKind::Quarantined,
                 TimelineDetail::Quarantined {
-                    reason,
-                    amount: self.message.amount,
+                    reason: reason.clone(),
+                    detail,
                 },
             ),
             _ => self.entry(
@@ -668,9 +571,7 @@ impl Delivery<'_> {
 
     /// Applies the next sequence: the inbox row, the advanced state, the open dead letters at
     /// this sequence superseded by the message, and the held messages it makes next.
-    fn apply(self, sequence: i64, limits: &Limits) -> DeliveryPlan {
-        let before = self.before();
-        let total = before.total.saturating_add(self.message.amount);
+    fn apply(self, sequence: i64) -> DeliveryPlan {
         let since = match &self.facts.aggregate {
             Some(row) if row.status == AggregateStatus::Flowing => row.since.clone(),
             _ => Some(self.now.to_owned()),
@@ -682,13 +583,6 @@ impl Delivery<'_> {
                 payload: self.payload.clone(),
                 applied_at: self.now.to_owned(),
             },
-            self.entry(
-                TimelineKind::Applied,
-                TimelineDetail::Applied {
-                    amount: self.message.amount,
-                    total,
-                },
-            ),
         ];
         let superseded = supersede_at(
             &self.message.aggregate_id,
@@ -700,7 +594,6 @@ impl Delivery<'_> {
         );
         let row = AggregateRow {
             last: sequence,
-            total,
             status: AggregateStatus::Flowing,
             since,
         };
@@ -719,7 +612,7 @@ impl Delivery<'_> {
             open: &open,
             owner: self.facts.owner.as_ref(),
         };
-        let row = drain(start, limits, self.now, &mut changes);
+        let row = drain(start, self.context, &mut changes);
         changes.push(Change::PutAggregate {
             aggregate_id: self.message.aggregate_id.clone(),
             row,
@@ -727,8 +620,8 @@ impl Delivery<'_> {
         DeliveryPlan {
             outcome: Outcome::Applied {
                 sequence,
-                total,
                 superseded,
+                detail: Detail::new(),
             },
             changes,
         }
@@ -759,10 +652,10 @@ pub(crate) struct DrainStart<'a> {
 /// gap, flowing otherwise. The caller writes it.
 pub(crate) fn drain(
     start: DrainStart<'_>,
-    limits: &Limits,
-    now: &str,
+    context: Context<'_>,
     changes: &mut Vec<Change>,
 ) -> AggregateRow {
+    let now = context.now;
     let DrainStart {
         aggregate_id,
         mut row,
@@ -800,24 +693,15 @@ pub(crate) fn drain(
                 },
             ));
         };
-        match decide(row.last, message.sequence, message.amount) {
+        match decide(row.last, message, context.check) {
             Decision::Apply { sequence } => {
                 release(changes);
-                let total = row.total.saturating_add(message.amount);
                 changes.push(Change::InsertApplied {
                     producer: None,
                     message: message.clone(),
                     payload: next.payload.clone(),
                     applied_at: now.to_owned(),
                 });
-                changes.push(entry(
-                    TimelineKind::Applied,
-                    next,
-                    TimelineDetail::Applied {
-                        amount: message.amount,
-                        total,
-                    },
-                ));
                 let superseded = supersede_at(
                     aggregate_id,
                     sequence,
@@ -828,25 +712,26 @@ pub(crate) fn drain(
                 );
                 open.retain(|letter| !superseded.contains(&letter.message_id));
                 row.last = sequence;
-                row.total = total;
                 after = message.message_id.clone();
                 released += 1;
             }
-            Decision::Quarantine { reason, .. } if open.len() < limits.max_open_dead_letters => {
+            Decision::Quarantine { poison, .. }
+                if open.len() < context.limits.max_open_dead_letters =>
+            {
                 release(changes);
                 changes.push(Change::InsertDeadLetter {
                     producer: None,
                     message: message.clone(),
                     payload: next.payload.clone(),
-                    reason,
+                    reason: poison.reason.clone(),
                     at: now.to_owned(),
                 });
                 changes.push(entry(
                     TimelineKind::Quarantined,
                     next,
                     TimelineDetail::Quarantined {
-                        reason,
-                        amount: message.amount,
+                        reason: poison.reason,
+                        detail: poison.detail,
                     },
                 ));
                 row.status = AggregateStatus::Blocked;
@@ -943,34 +828,54 @@ pub(crate) fn supersede_at(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::content::canonical_json;
+    use crate::policy::tests::{NoNegativeQuantity, order as message};
 
-    fn message(id: &str, sequence: i64, amount: i64) -> OrderedMessage {
-        OrderedMessage {
-            message_id: id.into(),
-            aggregate_id: "a".into(),
-            sequence,
-            amount,
+    const LIMITS: Limits = Limits {
+        max_open_dead_letters: 1000,
+        max_held_per_aggregate: 1000,
+    };
+
+    /// The tests' context: the default limits unless given, the tests' check, time `t1`.
+    fn within(limits: &Limits) -> Context<'_> {
+        Context {
+            limits,
+            check: &NoNegativeQuantity,
+            now: "t1",
         }
     }
 
-    fn at(last: i64, total: i64, status: AggregateStatus) -> Option<AggregateRow> {
+    fn context() -> Context<'static> {
+        within(&LIMITS)
+    }
+
+    fn canonical(message: &OrderedMessage) -> String {
+        canonical_json(&message.payload)
+    }
+
+    fn poisoned() -> QuarantineReason {
+        QuarantineReason::new("negative quantity")
+    }
+
+    fn at(last: i64, status: AggregateStatus) -> Option<AggregateRow> {
         Some(AggregateRow {
             last,
-            total,
             status,
             since: Some("t0".into()),
         })
     }
 
     fn decide_general(message: &OrderedMessage, facts: &DeliveryFacts) -> DeliveryPlan {
-        decide_delivery(message, Door::General, facts, &Limits::default(), "t1")
+        decide_delivery(message, Door::General, facts, context())
     }
 
+    /// The timeline events the plan records, in order (an applied message carries its own).
     fn kinds(plan: &DeliveryPlan) -> Vec<TimelineKind> {
         plan.changes
             .iter()
             .filter_map(|change| match change {
                 Change::Append(entry) => Some(entry.kind),
+                Change::InsertApplied { .. } => Some(TimelineKind::Applied),
                 _ => None,
             })
             .collect()
@@ -990,14 +895,14 @@ mod tests {
             plan.outcome,
             Outcome::Applied {
                 sequence: 1,
-                total: 5,
-                superseded: vec![]
+                superseded: vec![],
+                detail: Detail::new(),
             }
         );
         let row = put_row(&plan).unwrap();
         assert_eq!(
-            (row.last, row.total, row.status),
-            (1, 5, AggregateStatus::Flowing)
+            (row.last, row.status),
+            (1, AggregateStatus::Flowing)
         );
         assert_eq!(row.since.as_deref(), Some("t1"));
         assert_eq!(kinds(&plan), [TimelineKind::Applied]);
@@ -1006,7 +911,7 @@ mod tests {
     #[test]
     fn a_flowing_aggregate_keeps_the_time_it_started_flowing() {
         let facts = DeliveryFacts {
-            aggregate: at(1, 5, AggregateStatus::Flowing),
+            aggregate: at(1, AggregateStatus::Flowing),
             ..Default::default()
         };
         let plan = decide_general(&message("m-2", 2, 1), &facts);
@@ -1016,12 +921,13 @@ mod tests {
     #[test]
     fn a_replay_writes_nothing_and_reports_the_original() {
         let facts = DeliveryFacts {
-            applied: Some(AppliedMessage {
-                payload: message("m-1", 1, 5).canonical_payload(),
+            applied: Some(AppliedFact {
+                aggregate_id: None,
+                payload: canonical(&message("m-1", 1, 5)),
                 sequence: Some(1),
                 applied_at: Some("t0".into()),
             }),
-            aggregate: at(3, 9, AggregateStatus::Flowing),
+            aggregate: at(3, AggregateStatus::Flowing),
             ..Default::default()
         };
         let plan = decide_general(&message("m-1", 1, 5), &facts);
@@ -1048,13 +954,10 @@ mod tests {
         let classroom = decide_delivery(
             &message("m-3", 3, 1),
             Door::Classroom,
-            &DeliveryFacts::default(),
-            &Limits::default(),
-            "t1",
-        );
+            &DeliveryFacts::default(), context());
         assert!(put_row(&classroom).is_none());
         let blocked = DeliveryFacts {
-            aggregate: at(1, 1, AggregateStatus::Blocked),
+            aggregate: at(1, AggregateStatus::Blocked),
             ..Default::default()
         };
         let plan = decide_general(&message("m-3", 3, 1), &blocked);
@@ -1066,7 +969,7 @@ mod tests {
 
     #[test]
     fn a_producers_broker_message_ahead_of_its_turn_is_a_gap_not_held() {
-        use crate::producers::ProducerFact;
+        use crate::facts::ProducerFact;
         let claim = ProducerClaim {
             producer: "billing".into(),
             epoch: 1,
@@ -1076,14 +979,14 @@ mod tests {
                 current_epoch: 1,
                 active: true,
             }),
-            owner: Some(crate::producers::AggregateOwner {
+            owner: Some(AggregateOwner {
                 producer: "billing".into(),
                 epoch: 1,
             }),
             history: true,
         };
         let facts = DeliveryFacts {
-            aggregate: at(1, 1, AggregateStatus::Flowing),
+            aggregate: at(1, AggregateStatus::Flowing),
             ..Default::default()
         };
         let plan = decide_producer_delivery(
@@ -1091,10 +994,7 @@ mod tests {
             Door::Broker,
             Some(&claim),
             &owned,
-            &facts,
-            &Limits::default(),
-            "t1",
-        )
+            &facts, context())
         .unwrap();
         assert_eq!(plan.outcome, Outcome::Gap { expected: 2 });
         assert!(
@@ -1112,7 +1012,7 @@ mod tests {
 
     #[test]
     fn a_claiming_delivery_records_its_owner_first_and_a_refused_one_writes_nothing() {
-        use crate::producers::{ProducerFact, ProducerRefusal};
+        use crate::facts::ProducerFact;
         let claim = ProducerClaim {
             producer: "billing".into(),
             epoch: 2,
@@ -1130,10 +1030,7 @@ mod tests {
             Door::General,
             Some(&claim),
             &fresh,
-            &DeliveryFacts::default(),
-            &Limits::default(),
-            "t1",
-        )
+            &DeliveryFacts::default(), context())
         .unwrap();
         assert!(matches!(plan.outcome, Outcome::Applied { sequence: 1, .. }));
         assert!(matches!(
@@ -1155,10 +1052,7 @@ mod tests {
                 Door::General,
                 Some(&claim),
                 &fenced,
-                &DeliveryFacts::default(),
-                &Limits::default(),
-                "t1",
-            ),
+                &DeliveryFacts::default(), context()),
             Err(ProducerRefusal::Fenced {
                 offered: 2,
                 current_epoch: 3
@@ -1170,10 +1064,7 @@ mod tests {
             Door::General,
             None,
             &OwnershipFacts::default(),
-            &DeliveryFacts::default(),
-            &Limits::default(),
-            "t1",
-        );
+            &DeliveryFacts::default(), context());
         assert_eq!(
             anonymous,
             Ok(decide_general(
@@ -1190,7 +1081,7 @@ mod tests {
         facts: &DeliveryFacts,
         limits: &Limits,
     ) -> DeliveryPlan {
-        use crate::producers::ProducerFact;
+        use crate::facts::ProducerFact;
         let fresh = OwnershipFacts {
             producer: Some(ProducerFact {
                 current_epoch: 1,
@@ -1203,7 +1094,7 @@ mod tests {
             producer: "billing".into(),
             epoch: 1,
         };
-        decide_producer_delivery(message, door, Some(&claim), &fresh, facts, limits, "t1").unwrap()
+        decide_producer_delivery(message, door, Some(&claim), &fresh, facts, within(limits)).unwrap()
     }
 
     fn touched_only(plan: &DeliveryPlan) -> bool {
@@ -1228,10 +1119,9 @@ mod tests {
         }
         // billing's m-1 was applied to another aggregate: here it is a payload conflict.
         let elsewhere = DeliveryFacts {
-            applied: Some(AppliedMessage {
-                payload: message("m-1", 1, 1)
-                    .canonical_payload()
-                    .replace("\"a\"", "\"b\""),
+            applied: Some(AppliedFact {
+                aggregate_id: Some("b".into()),
+                payload: canonical(&message("m-1", 1, 1)),
                 sequence: Some(1),
                 applied_at: Some("t0".into()),
             }),
@@ -1288,12 +1178,12 @@ mod tests {
         let recorded = [
             Outcome::Applied {
                 sequence: 1,
-                total: 1,
                 superseded: Vec::new(),
+                detail: Detail::new(),
             },
             Outcome::Quarantined {
                 expected: 1,
-                reason: QuarantineReason::NegativeAmount,
+                reason: poisoned(),
                 dead_letter: None,
             },
             Outcome::Held {
@@ -1316,6 +1206,7 @@ mod tests {
                 expected: 1,
                 open: 1,
                 limit: 1,
+                reason: poisoned(),
             },
             Outcome::HoldFull {
                 expected: 1,
@@ -1330,7 +1221,7 @@ mod tests {
     #[test]
     fn a_stale_sequence_is_only_observed() {
         let facts = DeliveryFacts {
-            aggregate: at(2, 2, AggregateStatus::Flowing),
+            aggregate: at(2, AggregateStatus::Flowing),
             ..Default::default()
         };
         let plan = decide_general(&message("late", 1, 1), &facts);
@@ -1342,7 +1233,7 @@ mod tests {
     #[test]
     fn a_poison_message_blocks_without_advancing() {
         let facts = DeliveryFacts {
-            aggregate: at(1, 5, AggregateStatus::Flowing),
+            aggregate: at(1, AggregateStatus::Flowing),
             ..Default::default()
         };
         let plan = decide_general(&message("p", 2, -1), &facts);
@@ -1350,7 +1241,7 @@ mod tests {
             plan.outcome,
             Outcome::Quarantined {
                 expected: 2,
-                reason: QuarantineReason::NegativeAmount,
+                reason: poisoned(),
                 dead_letter: Some(DeadLetterNote {
                     status: DeadLetterStatus::Open,
                     observations: 1
@@ -1369,8 +1260,10 @@ mod tests {
 
     fn known_poison(status: DeadLetterStatus) -> KnownDeadLetter {
         KnownDeadLetter {
-            payload: Some(message("p", 1, -1).canonical_payload()),
-            reason: QuarantineReason::NegativeAmount,
+            payload: Some(canonical(&message("p", 1, -1))),
+            aggregate_id: Some("a".into()),
+            sequence: Some(1),
+            reason: poisoned(),
             status,
             observations: 1,
         }
@@ -1380,7 +1273,7 @@ mod tests {
     fn identity_spans_dead_letters_only_at_the_general_door() {
         let facts = DeliveryFacts {
             dead_letter: Some(known_poison(DeadLetterStatus::Open)),
-            aggregate: at(0, 0, AggregateStatus::Blocked),
+            aggregate: at(0, AggregateStatus::Blocked),
             open_dead_letters: vec![OpenDeadLetter {
                 producer: None,
                 message_id: "p".into(),
@@ -1393,7 +1286,7 @@ mod tests {
             again.outcome,
             Outcome::Quarantined {
                 expected: 1,
-                reason: QuarantineReason::NegativeAmount,
+                reason: poisoned(),
                 dead_letter: Some(DeadLetterNote {
                     status: DeadLetterStatus::Open,
                     observations: 2
@@ -1408,10 +1301,7 @@ mod tests {
         let classroom = decide_delivery(
             &message("p", 1, 1),
             Door::Classroom,
-            &facts,
-            &Limits::default(),
-            "t1",
-        );
+            &facts, context());
         assert!(matches!(
             classroom.outcome,
             Outcome::Applied { sequence: 1, .. }
@@ -1435,11 +1325,11 @@ mod tests {
     fn the_classroom_counts_a_repeat_only_when_the_content_matches() {
         let facts = DeliveryFacts {
             dead_letter: Some(known_poison(DeadLetterStatus::Open)),
-            aggregate: at(0, 0, AggregateStatus::Blocked),
+            aggregate: at(0, AggregateStatus::Blocked),
             ..Default::default()
         };
         let classroom = |m: &OrderedMessage| {
-            decide_delivery(m, Door::Classroom, &facts, &Limits::default(), "t1")
+            decide_delivery(m, Door::Classroom, &facts, context())
         };
         let same = classroom(&message("p", 1, -1));
         assert!(matches!(
@@ -1466,7 +1356,7 @@ mod tests {
     #[test]
     fn a_new_id_at_the_quarantined_sequence_supersedes_the_dead_letters() {
         let facts = DeliveryFacts {
-            aggregate: at(0, 0, AggregateStatus::Blocked),
+            aggregate: at(0, AggregateStatus::Blocked),
             open_dead_letters: vec![
                 OpenDeadLetter {
                     producer: None,
@@ -1486,8 +1376,8 @@ mod tests {
             plan.outcome,
             Outcome::Applied {
                 sequence: 1,
-                total: 2,
-                superseded: vec!["p".into()]
+                superseded: vec!["p".into()],
+                detail: Detail::new(),
             }
         );
         assert_eq!(
@@ -1512,17 +1402,18 @@ mod tests {
             })
             .collect();
         let facts = DeliveryFacts {
-            aggregate: at(0, 0, AggregateStatus::Blocked),
+            aggregate: at(0, AggregateStatus::Blocked),
             open_dead_letters: open,
             ..Default::default()
         };
-        let refused = decide_delivery(&message("r", 1, -1), Door::General, &facts, &limits, "t1");
+        let refused = decide_delivery(&message("r", 1, -1), Door::General, &facts, within(&limits));
         assert_eq!(
             refused.outcome,
             Outcome::QuarantineFull {
                 expected: 1,
                 open: 2,
-                limit: 2
+                limit: 2,
+                reason: poisoned(),
             }
         );
         assert_eq!(kinds(&refused), [TimelineKind::QuarantineFull]);
@@ -1531,14 +1422,14 @@ mod tests {
             dead_letter: Some(known_poison(DeadLetterStatus::Open)),
             ..facts
         };
-        let again = decide_delivery(&message("p", 1, -1), Door::General, &known, &limits, "t1");
+        let again = decide_delivery(&message("p", 1, -1), Door::General, &known, within(&limits));
         assert!(matches!(again.outcome, Outcome::Quarantined { .. }));
     }
 
     #[test]
     fn a_producers_rows_carry_its_namespace_and_drained_held_messages_stay_anonymous() {
         let facts = DeliveryFacts {
-            aggregate: at(0, 0, AggregateStatus::Waiting),
+            aggregate: at(0, AggregateStatus::Waiting),
             held: vec![held("m-2", 2, 1), held("bad-3", 3, -1)],
             ..DeliveryFacts::default()
         };
@@ -1546,10 +1437,7 @@ mod tests {
             Some("billing"),
             &message("m-1", 1, 1),
             Door::General,
-            &facts,
-            &Limits::default(),
-            "t1",
-        );
+            &facts, context());
         let namespaces: Vec<(&str, Option<&str>)> = plan
             .changes
             .iter()
@@ -1575,10 +1463,7 @@ mod tests {
             Some("billing"),
             &message("p", 1, -1),
             Door::General,
-            &known,
-            &Limits::default(),
-            "t1",
-        );
+            &known, context());
         assert!(again.changes.iter().any(|change| matches!(
             change,
             Change::ObserveDeadLetter { producer: Some(p), .. } if p == "billing"
@@ -1588,14 +1473,14 @@ mod tests {
     fn held(id: &str, sequence: i64, amount: i64) -> HeldMessage {
         let message = message(id, sequence, amount);
         HeldMessage {
-            payload: message.canonical_payload(),
+            payload: canonical(&message),
             message,
             held_at: "t0".into(),
         }
     }
 
     fn decide_broker(message: &OrderedMessage, facts: &DeliveryFacts) -> DeliveryPlan {
-        decide_delivery(message, Door::Broker, facts, &Limits::default(), "t1")
+        decide_delivery(message, Door::Broker, facts, context())
     }
 
     fn released(plan: &DeliveryPlan) -> Vec<String> {
@@ -1648,7 +1533,7 @@ mod tests {
         assert_eq!(general.outcome, Outcome::Gap { expected: 1 });
         // A blocked aggregate stays blocked while it holds successors.
         let blocked = DeliveryFacts {
-            aggregate: at(1, 1, AggregateStatus::Blocked),
+            aggregate: at(1, AggregateStatus::Blocked),
             ..Default::default()
         };
         let plan = decide_broker(&message("m-3", 3, 1), &blocked);
@@ -1659,7 +1544,7 @@ mod tests {
     #[test]
     fn a_held_id_is_recognised_and_its_sequence_belongs_to_the_first_held() {
         let facts = DeliveryFacts {
-            aggregate: at(1, 1, AggregateStatus::Waiting),
+            aggregate: at(1, AggregateStatus::Waiting),
             held_message: Some(held("m-3", 3, 1)),
             held: vec![held("m-3", 3, 1)],
             ..Default::default()
@@ -1702,11 +1587,11 @@ mod tests {
             ..Limits::default()
         };
         let facts = DeliveryFacts {
-            aggregate: at(0, 0, AggregateStatus::Waiting),
+            aggregate: at(0, AggregateStatus::Waiting),
             held: vec![held("m-2", 2, 1), held("m-3", 3, 1)],
             ..Default::default()
         };
-        let plan = decide_delivery(&message("m-4", 4, 1), Door::Broker, &facts, &limits, "t1");
+        let plan = decide_delivery(&message("m-4", 4, 1), Door::Broker, &facts, within(&limits));
         assert_eq!(
             plan.outcome,
             Outcome::HoldFull {
@@ -1722,7 +1607,7 @@ mod tests {
     #[test]
     fn the_missing_predecessor_drains_held_successors_in_order() {
         let facts = DeliveryFacts {
-            aggregate: at(0, 0, AggregateStatus::Waiting),
+            aggregate: at(0, AggregateStatus::Waiting),
             // Stored order is not trusted: the drain sorts by sequence.
             held: vec![held("m-3", 3, 3), held("m-2", 2, 2), held("m-5", 5, 5)],
             ..Default::default()
@@ -1731,16 +1616,13 @@ mod tests {
             let plan = decide_delivery(
                 &message("m-1", 1, 1),
                 door,
-                &facts,
-                &Limits::default(),
-                "t1",
-            );
+                &facts, context());
             assert_eq!(
                 plan.outcome,
                 Outcome::Applied {
                     sequence: 1,
-                    total: 1,
-                    superseded: vec![]
+                    superseded: vec![],
+                    detail: Detail::new(),
                 }
             );
             assert_eq!(applied_ids(&plan), ["m-1", "m-2", "m-3"]);
@@ -1748,8 +1630,8 @@ mod tests {
             let row = final_row(&plan).unwrap();
             // 5 stays held behind the gap at 4: the aggregate waits.
             assert_eq!(
-                (row.last, row.total, row.status),
-                (3, 6, AggregateStatus::Waiting)
+                (row.last, row.status),
+                (3, AggregateStatus::Waiting)
             );
             assert_eq!(
                 kinds(&plan),
@@ -1768,15 +1650,15 @@ mod tests {
         };
         let row = final_row(&decide_broker(&message("m-1", 1, 1), &everything)).cloned();
         assert_eq!(
-            row.map(|row| (row.last, row.total, row.status)),
-            Some((2, 3, AggregateStatus::Flowing))
+            row.map(|row| (row.last, row.status)),
+            Some((2, AggregateStatus::Flowing))
         );
     }
 
     #[test]
     fn a_held_poison_is_quarantined_and_stops_the_drain() {
         let facts = DeliveryFacts {
-            aggregate: at(0, 0, AggregateStatus::Waiting),
+            aggregate: at(0, AggregateStatus::Waiting),
             held: vec![held("m-2", 2, 2), held("bad-3", 3, -1), held("m-4", 4, 4)],
             ..Default::default()
         };
@@ -1789,8 +1671,8 @@ mod tests {
         )));
         let row = final_row(&plan).unwrap();
         assert_eq!(
-            (row.last, row.total, row.status),
-            (2, 3, AggregateStatus::Blocked)
+            (row.last, row.status),
+            (2, AggregateStatus::Blocked)
         );
         assert_eq!(kinds(&plan).last(), Some(&TimelineKind::Quarantined));
     }
@@ -1811,7 +1693,7 @@ mod tests {
     #[test]
     fn the_owners_first_message_rejects_the_anonymous_held_successors_instead_of_draining_them() {
         let facts = DeliveryFacts {
-            aggregate: at(0, 0, AggregateStatus::Waiting),
+            aggregate: at(0, AggregateStatus::Waiting),
             held: vec![held("x-2", 2, 2), held("x-3", 3, 3)],
             owner: Some(AggregateOwner {
                 producer: "billing".into(),
@@ -1823,10 +1705,7 @@ mod tests {
             Some("billing"),
             &message("m-1", 1, 1),
             Door::General,
-            &facts,
-            &Limits::default(),
-            "t1",
-        );
+            &facts, context());
         assert_eq!(applied_ids(&plan), ["m-1"]);
         assert_eq!(released(&plan), ["x-2", "x-3"]);
         assert_eq!(
@@ -1846,8 +1725,8 @@ mod tests {
         );
         let row = final_row(&plan).unwrap();
         assert_eq!(
-            (row.last, row.total, row.status),
-            (1, 1, AggregateStatus::Flowing),
+            (row.last, row.status),
+            (1, AggregateStatus::Flowing),
             "nothing stays held"
         );
     }
@@ -1856,7 +1735,7 @@ mod tests {
     fn a_held_message_whose_sequence_another_message_took_is_rejected_as_stale() {
         // bad-2 stayed held (the full quarantine could not take it); g-2 took sequence 2.
         let facts = DeliveryFacts {
-            aggregate: at(1, 1, AggregateStatus::Waiting),
+            aggregate: at(1, AggregateStatus::Waiting),
             held: vec![held("bad-2", 2, -1), held("m-3", 3, 3)],
             ..Default::default()
         };
@@ -1869,7 +1748,7 @@ mod tests {
         );
         let detail = plan.changes.iter().find_map(|change| match change {
             Change::Append(entry) if entry.kind == TimelineKind::HeldRejected => {
-                Some(entry.detail.to_json())
+                entry.detail.to_json()
             }
             _ => None,
         });
@@ -1880,8 +1759,8 @@ mod tests {
         );
         let row = final_row(&plan).unwrap();
         assert_eq!(
-            (row.last, row.total, row.status),
-            (3, 6, AggregateStatus::Flowing)
+            (row.last, row.status),
+            (3, AggregateStatus::Flowing)
         );
     }
 }

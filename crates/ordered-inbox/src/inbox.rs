@@ -10,27 +10,31 @@
 use async_trait::async_trait;
 
 use crate::delivery::Outcome;
+pub use crate::error::InboxError;
+use crate::error::HandlerError;
 use crate::model::{AggregateStatus, Door, OrderedMessage};
 use crate::operators::OperatorCheck;
-use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
-use crate::rejected::RejectedDelivery;
+use crate::producers::TransferRequest;
+use crate::records::{
+    ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
+};
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
-    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
-    TimelineEvent, TransferConflict,
+    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, TimelineEvent,
+    TransferConflict,
 };
 
-/// A store failure underneath an inbox operation.
+/// Why one delivery of [`Inbox::deliver_batch`] has no verdict. Either way nothing of it was
+/// recorded, and the other deliveries of the batch are not affected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum InboxError {
-    /// A condition a retry can clear: lock contention past its retries, a stopped writer, a
-    /// database that is down or restarting.
-    #[error("store unavailable: {0}")]
-    Unavailable(String),
-    /// Anything else: the detail belongs in the server's log, not in an answer.
-    #[error("store failure: {0}")]
-    Failed(String),
+pub enum Undelivered {
+    /// Producer admission refused it (epoch fencing, ownership): deciding it would change nothing.
+    #[error(transparent)]
+    Refused(ProducerRefusal),
+    /// The application's handler failed applying it: delivering it again retries.
+    #[error("handler failure: {0}")]
+    Handler(HandlerError),
 }
 
 /// One delivery of [`Inbox::deliver_batch`]: the message, its door, and the producer that made
@@ -68,13 +72,14 @@ pub trait Inbox: Send + Sync {
     ///
     /// Each delivery is checked as [`Inbox::deliver_as`] checks one (epoch fencing and
     /// ownership for its claim, or anonymous), on facts read in the same transaction as its
-    /// write; a refusal (the inner `Err`) writes nothing and does not stop the ones after it.
+    /// write; a refusal or a handler failure (the inner `Err`) writes nothing and does not stop
+    /// the ones after it.
     /// The SQLite backend writes them all in ONE unit: `Ok` means all committed, `Err` that none
     /// did. (PostgreSQL commits one transaction per delivery; see its documentation.)
     async fn deliver_batch(
         &self,
         deliveries: Vec<BatchDelivery>,
-    ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError>;
+    ) -> Result<Vec<Result<Outcome, Undelivered>>, InboxError>;
 
     /// Resolves a dead letter for an authenticated operator, or (dry run) reports what that would
     /// do.

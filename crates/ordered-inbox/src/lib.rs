@@ -84,8 +84,12 @@
 //! # }
 //! ```
 
+pub mod change;
 pub mod clock;
+pub mod content;
 pub mod delivery;
+pub mod error;
+pub mod facts;
 pub mod inbox;
 pub mod model;
 pub mod operators;
@@ -93,6 +97,7 @@ pub mod policy;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod producers;
+pub mod records;
 pub mod rejected;
 pub mod resolution;
 #[cfg(feature = "sqlite")]
@@ -100,20 +105,25 @@ pub mod sqlite;
 pub mod timeline;
 pub mod views;
 
+pub use change::Change;
+pub use content::{AcceptAll, ApplyOutcome, Check, Detail, Poison, canonical_json};
 pub use delivery::{
-    DeadLetterNote, DeliveryFacts, DeliveryPlan, HeldMessage, Outcome, decide_delivery,
-    decide_delivery_as, decide_producer_delivery,
+    Context, DeadLetterNote, DeliveryPlan, Outcome, decide_delivery, decide_delivery_as,
+    decide_producer_delivery,
 };
-pub use inbox::{BatchDelivery, Inbox, InboxError};
+pub use error::{HandlerError, InboxError};
+pub use facts::{DeliveryFacts, HeldMessage, OwnershipFacts, ProducerFact};
+pub use inbox::{BatchDelivery, Inbox, Undelivered};
 pub use model::{
-    AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position, QuarantineReason,
+    ActionKind, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
+    QuarantineReason,
 };
-pub use producers::{
-    AggregateOwner, OwnershipFacts, ProducerClaim, ProducerFact, ProducerRefusal, TransferPlan,
-    TransferRecord, TransferRefusal, TransferRequest,
+pub use producers::{TransferPlan, TransferRequest};
+pub use records::{
+    AggregateOwner, ProducerClaim, ProducerRefusal, REJECTED_KEPT, RejectedDelivery, Replacement,
+    ResolutionRecord, TransferRecord, TransferRefusal,
 };
-pub use rejected::{HeldRejection, REJECTED_KEPT, RejectedDelivery};
+pub use rejected::HeldRejection;
 pub use resolution::{
-    Action, ActionKind, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved,
-    decide_resolution,
+    Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved, decide_resolution,
 };

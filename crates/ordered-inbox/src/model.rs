@@ -1,38 +1,23 @@
 //! The typed values the core decides over: a message, the door it came through, an aggregate's
-//! position and status, a dead letter's status.
+//! position and status, a dead letter's status, the stored enums.
 
 use serde::Serialize;
+use serde_json::Value;
 
-/// One ordered message as the consumer receives it.
+/// One ordered message as the consumer receives it: its identity, its place in its aggregate's
+/// sequence, and a payload the inbox stores and hands to the application's handler without
+/// interpreting it.
+///
+/// The payload is a JSON value: what brokers and HTTP bodies carry in practice, storable as text
+/// in every backend, readable back in the evidence (`payload` of applied messages, dead letters
+/// and held messages), and with a canonical form ([`crate::content::canonical_json`]) that makes
+/// "the same content" a definite question.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OrderedMessage {
     pub message_id: String,
     pub aggregate_id: String,
     pub sequence: i64,
-    pub amount: i64,
-}
-
-/// The stored form of a message's meaning, with the seed's property names and order:
-/// `{"AggregateId":"demo","Sequence":1,"Amount":1}`.
-#[derive(Serialize)]
-#[serde(rename_all = "PascalCase")]
-struct CanonicalPayload<'a> {
-    aggregate_id: &'a str,
-    sequence: i64,
-    amount: i64,
-}
-
-impl OrderedMessage {
-    /// The canonical payload two deliveries must share to be the same message.
-    pub fn canonical_payload(&self) -> String {
-        // Serializing a struct of a string and two integers cannot fail.
-        serde_json::to_string(&CanonicalPayload {
-            aggregate_id: &self.aggregate_id,
-            sequence: self.sequence,
-            amount: self.amount,
-        })
-        .unwrap_or_default()
-    }
+    pub payload: Value,
 }
 
 /// Which way a message came in. The doors share the policy and the tables; they differ in one
@@ -142,37 +127,67 @@ stored_enum!(
 );
 
 stored_enum!(
-    /// Why a message at the expected sequence is not applied.
-    QuarantineReason, "quarantine reason" {
-        NegativeAmount => "negative amount",
+    /// The kind of a resolution, as the audit row stores it.
+    ActionKind, "resolution action" {
+        Replace => "replace",
+        Skip => "skip",
     }
 );
 
-/// An aggregate's last applied sequence and running total.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+/// Why a message at the expected sequence is not applied: the reason the application's handler
+/// gave ([`crate::content::Poison`]), stored on the dead letter as it is and shown as a string.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(transparent)]
+pub struct QuarantineReason(String);
+
+impl QuarantineReason {
+    pub fn new(reason: impl Into<String>) -> QuarantineReason {
+        QuarantineReason(reason.into())
+    }
+
+    /// The stored spelling.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for QuarantineReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::PartialSchema for QuarantineReason {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::schema::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::String)
+            .description(Some("quarantine reason: the application handler's"))
+            .into()
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::ToSchema for QuarantineReason {}
+
+/// An aggregate's last applied sequence, and what the application's handler reports of the
+/// aggregate at that point (its `state`; `None` when the handler reports nothing, or for a dry
+/// run's replacement, which was not applied).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Position {
     pub last: i64,
-    pub total: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<Value>,
 }
 
 /// An aggregate's row: position, status and when it entered that status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AggregateRow {
     pub last: i64,
-    pub total: i64,
     pub status: AggregateStatus,
     /// Unknown only for rows written before the status existed.
     pub since: Option<String>,
-}
-
-impl AggregateRow {
-    pub fn position(&self) -> Position {
-        Position {
-            last: self.last,
-            total: self.total,
-        }
-    }
 }
 
 /// Bounds the store keeps for every aggregate, whatever its clients send.
@@ -200,20 +215,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_canonical_payload_keeps_the_seed_spelling() {
-        let message = OrderedMessage {
-            message_id: "m".into(),
-            aggregate_id: "demo".into(),
-            sequence: 1,
-            amount: 1,
-        };
-        assert_eq!(
-            message.canonical_payload(),
-            r#"{"AggregateId":"demo","Sequence":1,"Amount":1}"#
-        );
-    }
-
-    #[test]
     fn statuses_round_trip_through_their_stored_spelling() {
         for status in [
             AggregateStatus::Flowing,
@@ -228,8 +229,8 @@ mod tests {
         );
         assert!("Open".parse::<DeadLetterStatus>().is_err());
         assert_eq!(
-            serde_json::to_string(&QuarantineReason::NegativeAmount).unwrap(),
-            "\"negative amount\""
+            serde_json::to_string(&QuarantineReason::new("out of stock")).unwrap(),
+            "\"out of stock\""
         );
     }
 }

@@ -7,75 +7,15 @@
 //! operator may transfer it.
 //!
 //! Everything here is pure: a backend reads [`OwnershipFacts`] in the same transaction as the
-//! delivery's other facts and writes the claim [`crate::delivery::Change`]s it is given.
+//! delivery's other facts and writes the claim [`crate::change::Change`]s it is given.
 
-use serde::Serialize;
-
+use crate::change::Change;
+use crate::facts::{OwnershipFacts, ProducerFact, TransferFacts};
+use crate::records::{
+    AggregateOwner, ProducerClaim, ProducerRefusal, TransferRecord, TransferRefusal,
+};
 use crate::rejected::{HeldRejection, reject_held};
-
-/// The authenticated producer a delivery was made by, and the epoch of its session.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProducerClaim {
-    pub producer: String,
-    pub epoch: i64,
-}
-
-/// The producer's row as the store holds it now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ProducerFact {
-    /// The last epoch a session was issued (0: no session yet).
-    pub current_epoch: i64,
-    /// False once the producer was revoked.
-    pub active: bool,
-}
-
-/// Who owns an aggregate, and the epoch under which it was claimed (or transferred).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-pub struct AggregateOwner {
-    pub producer: String,
-    pub epoch: i64,
-}
-
-/// What the store knows that a producer's right to write depends on.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct OwnershipFacts {
-    /// The claiming producer's row (`None`: unknown, or the delivery is anonymous).
-    pub producer: Option<ProducerFact>,
-    /// The aggregate's owner, if it has one.
-    pub owner: Option<AggregateOwner>,
-    /// Whether the aggregate has any history (a state row, an applied message, a dead letter, a
-    /// held message or a timeline event): only an aggregate without one can be claimed by a
-    /// delivery.
-    pub history: bool,
-}
-
-/// Why a delivery was not even decided: nothing was written.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ProducerRefusal {
-    /// A newer session of this producer exists: this instance must stop.
-    #[error("fenced: epoch {offered} is older than the producer's current epoch {current_epoch}")]
-    Fenced { offered: i64, current_epoch: i64 },
-    /// The epoch was never issued (higher than the current one, or below 1).
-    #[error("epoch {offered} was never issued (current epoch {current_epoch})")]
-    EpochNotIssued { offered: i64, current_epoch: i64 },
-    /// The producer never started a session.
-    #[error("the producer has no session: start one first")]
-    NoSession,
-    /// The producer is unknown or was revoked.
-    #[error("the producer is not active")]
-    Revoked,
-    /// The aggregate belongs to another producer.
-    #[error("the aggregate is owned by '{owner}'")]
-    NotOwner { owner: String },
-    /// An anonymous delivery to an owned aggregate.
-    #[error("the aggregate is owned by a producer: deliver with its credentials")]
-    OwnerRequired,
-    /// An authenticated delivery to an unowned aggregate that already has history: only an
-    /// operator may give it an owner.
-    #[error("the aggregate has history and no owner: an operator must assign it")]
-    ClaimRequiresOperator,
-}
+use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
 
 /// What an admitted delivery does about ownership before it is decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,54 +93,11 @@ pub struct TransferRequest {
     pub reason: String,
 }
 
-/// What a transfer's decision depends on.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransferFacts {
-    pub operator_active: bool,
-    /// The receiving producer's row (`None`: unknown).
-    pub producer: Option<ProducerFact>,
-    pub owner: Option<AggregateOwner>,
-    /// The aggregate's last applied sequence (0 without a row).
-    pub last: i64,
-    /// The aggregate's held messages (anonymous ones, held while it had no owner).
-    pub held: Vec<crate::delivery::HeldMessage>,
-}
-
-/// Why a transfer was refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TransferRefusal {
-    Unauthorized,
-    /// The producer is unknown or revoked.
-    UnknownProducer,
-    /// The owner is not the one expected.
-    OwnerMismatch,
-    /// The last sequence is not the one expected.
-    LastMismatch,
-}
-
-/// The recorded transfer: the audit row's content.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[serde(rename_all = "camelCase")]
-pub struct TransferRecord {
-    pub aggregate_id: String,
-    pub operator: String,
-    pub from_owner: Option<String>,
-    pub to_owner: String,
-    /// The receiving producer's current epoch: its owner epoch from now on.
-    pub epoch: i64,
-    pub last: i64,
-    pub reason: String,
-    pub transferred_at: String,
-    /// How many held messages the transfer made inadmissible: they were rejected with it.
-    pub held_rejected: usize,
-}
-
 /// A decided transfer and the rows that record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferPlan {
     pub record: TransferRecord,
-    pub changes: Vec<crate::delivery::Change>,
+    pub changes: Vec<Change>,
 }
 
 /// Decides an operator's transfer. The new owner's epoch is the producer's current one.
@@ -255,45 +152,41 @@ pub fn decide_transfer(
         transferred_at: now.to_owned(),
         held_rejected: inadmissible.len(),
     };
-    let mut changes = record.changes().to_vec();
+    let mut changes = transfer_changes(&record).to_vec();
     for (held, why) in &inadmissible {
         reject_held(held, why, now, &mut changes);
     }
     Ok(TransferPlan { record, changes })
 }
 
-impl TransferRecord {
-    /// The transfer's own rows, in this order: the aggregate's owner columns, the audit row and
-    /// the timeline event, all stamped with `transferred_at`.
-    fn changes(&self) -> [crate::delivery::Change; 3] {
-        use crate::delivery::Change;
-        use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
-        [
-            Change::SetOwner {
-                aggregate_id: self.aggregate_id.clone(),
-                owner: AggregateOwner {
-                    producer: self.to_owner.clone(),
-                    epoch: self.epoch,
-                },
-                at: self.transferred_at.clone(),
+/// The transfer's own rows, in this order: the aggregate's owner columns, the audit row and
+/// the timeline event, all stamped with `transferred_at`.
+fn transfer_changes(record: &TransferRecord) -> [Change; 3] {
+    [
+        Change::SetOwner {
+            aggregate_id: record.aggregate_id.clone(),
+            owner: AggregateOwner {
+                producer: record.to_owner.clone(),
+                epoch: record.epoch,
             },
-            Change::RecordTransfer(self.clone()),
-            Change::Append(TimelineEntry {
-                aggregate_id: self.aggregate_id.clone(),
-                at: self.transferred_at.clone(),
-                kind: TimelineKind::OwnerTransferred,
-                sequence: None,
-                message_id: None,
-                detail: TimelineDetail::Transferred {
-                    operator: self.operator.clone(),
-                    from: self.from_owner.clone(),
-                    to: self.to_owner.clone(),
-                    epoch: self.epoch,
-                    reason: self.reason.clone(),
-                },
-            }),
-        ]
-    }
+            at: record.transferred_at.clone(),
+        },
+        Change::RecordTransfer(record.clone()),
+        Change::Append(TimelineEntry {
+            aggregate_id: record.aggregate_id.clone(),
+            at: record.transferred_at.clone(),
+            kind: TimelineKind::OwnerTransferred,
+            sequence: None,
+            message_id: None,
+            detail: TimelineDetail::Transferred {
+                operator: record.operator.clone(),
+                from: record.from_owner.clone(),
+                to: record.to_owner.clone(),
+                epoch: record.epoch,
+                reason: record.reason.clone(),
+            },
+        }),
+    ]
 }
 
 #[cfg(test)]
@@ -473,14 +366,9 @@ mod tests {
             reason: "billing takes over".into(),
         };
         let held = |id: &str, sequence| {
-            let message = crate::OrderedMessage {
-                message_id: id.into(),
-                aggregate_id: "a".into(),
-                sequence,
-                amount: 1,
-            };
-            crate::HeldMessage {
-                payload: message.canonical_payload(),
+            let message = crate::policy::tests::order(id, sequence, 1);
+            crate::facts::HeldMessage {
+                payload: crate::content::canonical_json(&message.payload),
                 message,
                 held_at: "t0".into(),
             }
@@ -501,14 +389,14 @@ mod tests {
             .changes
             .iter()
             .filter_map(|change| match change {
-                crate::delivery::Change::ReleaseHeld { message_id } => Some(message_id.as_str()),
+                Change::ReleaseHeld { message_id } => Some(message_id.as_str()),
                 _ => None,
             })
             .collect();
         assert_eq!(released, ["x-2", "x-3"]);
         assert!(plan.changes.iter().any(|change| matches!(
             change,
-            crate::delivery::Change::RecordRejected(entry)
+            Change::RecordRejected(entry)
                 if entry.outcome == "owner required" && entry.reason.contains("sequence 3")
         )));
         let without = TransferFacts {

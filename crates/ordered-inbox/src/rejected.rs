@@ -1,37 +1,16 @@
 //! The rejected list: deliveries a broker consumer terminated (malformed, stale, a payload
 //! conflict, a producer refusal) and held messages that left the held set without applying. It
 //! lives in the inbox's store, so it survives a restart, and it is bounded: each insert prunes
-//! what fell out of the newest [`REJECTED_KEPT`].
+//! what fell out of the newest [`crate::records::REJECTED_KEPT`].
 //!
 //! A held message is rejected by the core, in the transaction that decides it: a drain or a
 //! transfer that finds it may no longer write its aggregate (held messages are anonymous, and the
 //! aggregate has an owner now), or whose sequence another message took while it was held.
 
-use crate::delivery::{Change, HeldMessage};
-use crate::producers::ProducerRefusal;
+use crate::change::Change;
+use crate::facts::HeldMessage;
+use crate::records::{ProducerRefusal, RejectedDelivery, refusal_outcome};
 use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
-
-/// Rejected deliveries the store keeps (the newest; older ones are pruned as new ones arrive).
-pub const REJECTED_KEPT: i64 = 1000;
-
-/// One entry of the rejected list, as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RejectedDelivery {
-    pub at: String,
-    /// The subject it arrived on (`None`: a held message the store rejected; the store never
-    /// knew its subject).
-    pub subject: Option<String>,
-    pub stream_sequence: Option<i64>,
-    /// How many times the broker had delivered it.
-    pub delivered: Option<i64>,
-    pub message_id: Option<String>,
-    pub aggregate_id: Option<String>,
-    /// The producer whose token the message carried (`None`: anonymous, or not known).
-    pub producer: Option<String>,
-    /// `malformed`, `stale`, `payload conflict`, or a producer refusal ([`refusal_outcome`]).
-    pub outcome: String,
-    pub reason: String,
-}
 
 /// Why a held message left the held set without applying.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,20 +45,6 @@ impl HeldRejection {
                 "sequence {sequence} was taken by another message while this one was held; the aggregate expects {expected}"
             ),
         }
-    }
-}
-
-/// A producer refusal's name: the `outcome` the HTTP general door answers it with (`unauthorized`
-/// and `owner required` are its 401s), and the one the rejected list shows.
-pub fn refusal_outcome(refusal: &ProducerRefusal) -> &'static str {
-    match refusal {
-        ProducerRefusal::Fenced { .. } => "fenced",
-        ProducerRefusal::EpochNotIssued { .. } => "epoch not issued",
-        ProducerRefusal::NoSession => "no session",
-        ProducerRefusal::Revoked => "unauthorized",
-        ProducerRefusal::NotOwner { .. } => "not the owner",
-        ProducerRefusal::OwnerRequired => "owner required",
-        ProducerRefusal::ClaimRequiresOperator => "claim requires operator",
     }
 }
 

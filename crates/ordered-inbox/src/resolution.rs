@@ -15,30 +15,27 @@
 //! changes are written in, so of two operators racing with the same `expectedLast` exactly one
 //! wins. A dry run is the same decision with its changes left unwritten.
 
-use crate::delivery::{
-    AppliedMessage, Change, DeliveryFacts, DrainStart, HeldMessage, KnownDeadLetter,
-    OpenDeadLetter, Outcome, decide_delivery_as, drain, supersede_at,
-};
-use crate::model::{
-    AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
-    QuarantineReason, stored_enum,
-};
-use crate::producers::AggregateOwner;
-use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
-use crate::views::{CurrentState, Replacement, ResolutionRecord};
+use serde_json::Value;
 
-stored_enum!(
-    /// The kind of a resolution, as the audit row stores it.
-    ActionKind, "resolution action" {
-        Replace => "replace",
-        Skip => "skip",
-    }
-);
+use crate::change::Change;
+use crate::delivery::{
+    Context, DrainStart, Outcome, decide_delivery_as, drain, supersede_at,
+};
+use crate::error::InboxError;
+use crate::facts::{DeliveryFacts, OpenDeadLetter, ResolutionFacts};
+use crate::model::{
+    ActionKind, AggregateRow, AggregateStatus, DeadLetterStatus, Door, OrderedMessage, Position,
+    QuarantineReason,
+};
+use crate::records::{Replacement, ResolutionRecord};
+use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
+use crate::views::CurrentState;
 
 /// What the operator decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    Replace { message_id: String, amount: i64 },
+    /// Apply a new message, under a new id, at the dead letter's sequence.
+    Replace { message_id: String, payload: Value },
     Skip,
 }
 
@@ -52,9 +49,12 @@ impl Action {
 
     fn replacement(&self) -> Option<Replacement> {
         match self {
-            Action::Replace { message_id, amount } => Some(Replacement {
+            Action::Replace {
+                message_id,
+                payload,
+            } => Some(Replacement {
                 message_id: message_id.clone(),
-                amount: *amount,
+                payload: payload.clone(),
             }),
             Action::Skip => None,
         }
@@ -79,38 +79,6 @@ pub struct ResolutionRequest {
 pub enum Mode {
     Commit,
     DryRun,
-}
-
-/// The dead letter being resolved, as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadLetterFact {
-    pub status: DeadLetterStatus,
-    /// Unknown for dead letters recorded before sequences were kept.
-    pub aggregate_id: Option<String>,
-    pub sequence: Option<i64>,
-}
-
-/// What the store knows that a resolution depends on.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ResolutionFacts {
-    pub dead_letter: Option<DeadLetterFact>,
-    /// The recorded resolution, when the dead letter is already resolved.
-    pub recorded: Option<ResolutionRecord>,
-    /// The dead letter's aggregate.
-    pub aggregate: Option<AggregateRow>,
-    pub open_dead_letters: Vec<OpenDeadLetter>,
-    /// Whether the operator is still active (not revoked since authentication).
-    pub operator_active: bool,
-    /// What is known of the replacement's message id.
-    pub replacement_applied: Option<AppliedMessage>,
-    pub replacement_dead_letter: Option<KnownDeadLetter>,
-    pub replacement_held: Option<HeldMessage>,
-    /// The aggregate's held messages, in sequence order: the resolution drains those it makes
-    /// next.
-    pub held: Vec<HeldMessage>,
-    /// The aggregate's owner: a held message (anonymous) drains only if an anonymous delivery
-    /// would be admitted now.
-    pub owner: Option<AggregateOwner>,
 }
 
 /// What a resolution did, or would do.
@@ -152,7 +120,7 @@ pub enum ConflictKind {
 pub enum Refusal {
     NotFound,
     Conflict(ConflictKind),
-    /// The replacement itself would be quarantined by the policy.
+    /// The replacement itself is poison (its check, or its handler's `apply`).
     ReplacementQuarantined(QuarantineReason),
     /// The operator was revoked after authenticating.
     Unauthorized,
@@ -174,7 +142,7 @@ pub enum ResolutionError {
     #[error("the operator's token is no longer valid")]
     Unauthorized,
     #[error(transparent)]
-    Store(#[from] crate::InboxError),
+    Store(#[from] InboxError),
 }
 
 /// The decided resolution and its rows.
@@ -184,14 +152,20 @@ pub struct ResolutionPlan {
     pub changes: Vec<Change>,
 }
 
+impl crate::change::Plan for ResolutionPlan {
+    fn changes(&self) -> &[Change] {
+        &self.changes
+    }
+}
+
 /// Decides a resolution. With [`Mode::DryRun`] the plan carries no changes and the record no id.
 pub fn decide_resolution(
     request: &ResolutionRequest,
     facts: &ResolutionFacts,
-    limits: &Limits,
     mode: Mode,
-    now: &str,
+    context: Context<'_>,
 ) -> Result<ResolutionPlan, Refusal> {
+    let now = context.now;
     let dead_letter = facts.dead_letter.as_ref().ok_or(Refusal::NotFound)?;
     match dead_letter.status {
         DeadLetterStatus::Open => {}
@@ -212,16 +186,11 @@ pub fn decide_resolution(
         at: now.to_owned(),
     }];
     let after = match &request.action {
-        Action::Replace { message_id, amount } => replace(
-            &target,
-            facts,
+        Action::Replace {
             message_id,
-            *amount,
-            limits,
-            now,
-            &mut changes,
-        )?,
-        Action::Skip => skip(&target, &request.operator, facts, limits, now, &mut changes),
+            payload,
+        } => replace(&target, facts, message_id, payload, context, &mut changes)?,
+        Action::Skip => skip(&target, &request.operator, facts, context, &mut changes),
     };
     let record = ResolutionRecord {
         resolution_id: None,
@@ -234,8 +203,14 @@ pub fn decide_resolution(
         reason: request.reason.clone(),
         expected_last: request.expected_last,
         replacement: request.action.replacement(),
-        before: target.before,
-        after,
+        before: Position {
+            last: target.before,
+            state: None,
+        },
+        after: Position {
+            last: after,
+            state: None,
+        },
         resolved_at: now.to_owned(),
     };
     Ok(match mode {
@@ -303,7 +278,8 @@ struct Target<'a> {
     dead_letter_id: &'a str,
     aggregate_id: &'a str,
     sequence: i64,
-    before: Position,
+    /// The aggregate's last applied sequence.
+    before: i64,
 }
 
 fn check_target<'a>(
@@ -312,18 +288,14 @@ fn check_target<'a>(
     aggregate_id: &'a str,
     sequence: i64,
 ) -> Result<Target<'a>, Refusal> {
-    let before = facts
-        .aggregate
-        .as_ref()
-        .map(AggregateRow::position)
-        .unwrap_or_default();
-    if request.expected_last != before.last {
+    let before = facts.aggregate.as_ref().map_or(0, |row| row.last);
+    if request.expected_last != before {
         return Err(Refusal::Conflict(ConflictKind::ExpectedLastMismatch {
             expected_last: request.expected_last,
-            last: before.last,
+            last: before,
         }));
     }
-    let needed = before.last.saturating_add(1);
+    let needed = before.saturating_add(1);
     if sequence != needed {
         return Err(Refusal::Conflict(ConflictKind::NotNextSequence {
             sequence,
@@ -355,21 +327,21 @@ fn others_open(facts: &ResolutionFacts, target: &Target<'_>) -> Vec<OpenDeadLett
         .collect()
 }
 
-/// Applies the replacement through the ordinary delivery decision.
+/// Applies the replacement through the ordinary delivery decision. Returns the last sequence
+/// after it.
 fn replace(
     target: &Target<'_>,
     facts: &ResolutionFacts,
     message_id: &str,
-    amount: i64,
-    limits: &Limits,
-    now: &str,
+    payload: &Value,
+    context: Context<'_>,
     changes: &mut Vec<Change>,
-) -> Result<Position, Refusal> {
+) -> Result<i64, Refusal> {
     let replacement = OrderedMessage {
         message_id: message_id.to_owned(),
         aggregate_id: target.aggregate_id.to_owned(),
         sequence: target.sequence,
-        amount,
+        payload: payload.clone(),
     };
     let delivery_facts = DeliveryFacts {
         applied: facts.replacement_applied.clone(),
@@ -385,23 +357,16 @@ fn replace(
         &replacement,
         Door::General,
         &delivery_facts,
-        limits,
-        now,
+        context,
     );
     match plan.outcome {
-        Outcome::Applied {
-            sequence, total, ..
-        } => {
+        Outcome::Applied { sequence, .. } => {
             changes.extend(plan.changes);
-            Ok(Position {
-                last: sequence,
-                total,
-            })
+            Ok(sequence)
         }
-        Outcome::Quarantined { reason, .. } => Err(Refusal::ReplacementQuarantined(reason)),
-        Outcome::QuarantineFull { .. } => Err(Refusal::ReplacementQuarantined(
-            QuarantineReason::NegativeAmount,
-        )),
+        Outcome::Quarantined { reason, .. } | Outcome::QuarantineFull { reason, .. } => {
+            Err(Refusal::ReplacementQuarantined(reason))
+        }
         Outcome::Replay { .. } | Outcome::PayloadConflict => {
             Err(Refusal::Conflict(ConflictKind::ReplacementIdUsed {
                 message_id: message_id.to_owned(),
@@ -423,19 +388,15 @@ fn replace(
 }
 
 /// Takes the sequence with no effect, superseding any other open dead letter there, and drains
-/// the held messages that become next.
+/// the held messages that become next. Returns the last sequence after it.
 fn skip(
     target: &Target<'_>,
     operator: &str,
     facts: &ResolutionFacts,
-    limits: &Limits,
-    now: &str,
+    context: Context<'_>,
     changes: &mut Vec<Change>,
-) -> Position {
-    let after = Position {
-        last: target.sequence,
-        total: target.before.total,
-    };
+) -> i64 {
+    let now = context.now;
     changes.push(Change::Append(TimelineEntry {
         aggregate_id: target.aggregate_id.to_owned(),
         at: now.to_owned(),
@@ -460,8 +421,7 @@ fn skip(
     let start = DrainStart {
         aggregate_id: target.aggregate_id,
         row: AggregateRow {
-            last: after.last,
-            total: after.total,
+            last: target.sequence,
             status: AggregateStatus::Flowing,
             since: Some(now.to_owned()),
         },
@@ -470,17 +430,35 @@ fn skip(
         open: &open,
         owner: facts.owner.as_ref(),
     };
-    let row = drain(start, limits, now, changes);
+    let row = drain(start, context, changes);
     changes.push(Change::PutAggregate {
         aggregate_id: target.aggregate_id.to_owned(),
         row,
     });
-    after
+    target.sequence
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::content::canonical_json;
+    use crate::facts::{AppliedFact, DeadLetterFact, HeldMessage};
+    use crate::model::Limits;
+    use crate::policy::tests::NoNegativeQuantity;
+    use crate::records::AggregateOwner;
+    use serde_json::json;
+
+    fn position(last: i64) -> Position {
+        Position { last, state: None }
+    }
+
+    fn context(limits: &Limits) -> Context<'_> {
+        Context {
+            limits,
+            check: &NoNegativeQuantity,
+            now: "t1",
+        }
+    }
 
     fn request(action: Action, expected_last: i64) -> ResolutionRequest {
         ResolutionRequest {
@@ -493,7 +471,7 @@ mod tests {
         }
     }
 
-    /// `a` at last 1, total 5, blocked by `poison-2` at sequence 2 (and `other-2` beside it).
+    /// `a` at last 1, blocked by `poison-2` at sequence 2 (and `other-2` beside it).
     fn blocked() -> ResolutionFacts {
         ResolutionFacts {
             dead_letter: Some(DeadLetterFact {
@@ -504,7 +482,6 @@ mod tests {
             recorded: None,
             aggregate: Some(AggregateRow {
                 last: 1,
-                total: 5,
                 status: AggregateStatus::Blocked,
                 since: Some("t0".into()),
             }),
@@ -530,7 +507,7 @@ mod tests {
         facts: &ResolutionFacts,
         mode: Mode,
     ) -> Result<ResolutionPlan, Refusal> {
-        decide_resolution(request, facts, &Limits::default(), mode, "t1")
+        decide_resolution(request, facts, mode, context(&Limits::default()))
     }
 
     fn superseded(plan: &ResolutionPlan) -> Vec<String> {
@@ -549,8 +526,8 @@ mod tests {
         let Resolved::New(record) = &plan.resolved else {
             panic!("expected a new resolution");
         };
-        assert_eq!(record.before, Position { last: 1, total: 5 });
-        assert_eq!(record.after, Position { last: 2, total: 5 });
+        assert_eq!(record.before, position(1));
+        assert_eq!(record.after, position(2));
         assert_eq!(superseded(&plan), ["other-2"]);
         assert!(matches!(
             plan.changes.first(),
@@ -566,13 +543,13 @@ mod tests {
     fn a_replacement_goes_through_the_delivery_decision() {
         let replace = Action::Replace {
             message_id: "fixed-2".into(),
-            amount: 3,
+            payload: json!({"quantity": 3}),
         };
         let plan = decide(&request(replace, 1), &blocked(), Mode::Commit).unwrap();
         let Resolved::New(record) = &plan.resolved else {
             panic!("expected a new resolution");
         };
-        assert_eq!(record.after, Position { last: 2, total: 8 });
+        assert_eq!(record.after, position(2));
         assert!(
             plan.changes
                 .iter()
@@ -582,17 +559,18 @@ mod tests {
 
         let poison = Action::Replace {
             message_id: "fixed-2".into(),
-            amount: -3,
+            payload: json!({"quantity": -3}),
         };
         assert_eq!(
             decide(&request(poison, 1), &blocked(), Mode::Commit),
             Err(Refusal::ReplacementQuarantined(
-                QuarantineReason::NegativeAmount
+                QuarantineReason::new("negative quantity")
             ))
         );
         let used = ResolutionFacts {
-            replacement_applied: Some(AppliedMessage {
+            replacement_applied: Some(AppliedFact {
                 payload: "{}".into(),
+                aggregate_id: None,
                 sequence: Some(1),
                 applied_at: None,
             }),
@@ -600,7 +578,7 @@ mod tests {
         };
         let again = Action::Replace {
             message_id: "m-1".into(),
-            amount: 3,
+            payload: json!({"quantity": 3}),
         };
         assert_eq!(
             decide(&request(again, 1), &used, Mode::Commit),
@@ -712,15 +690,10 @@ mod tests {
         );
     }
 
-    fn held_at(id: &str, sequence: i64, amount: i64) -> HeldMessage {
-        let message = OrderedMessage {
-            message_id: id.into(),
-            aggregate_id: "a".into(),
-            sequence,
-            amount,
-        };
+    fn held_at(id: &str, sequence: i64, quantity: i64) -> HeldMessage {
+        let message = crate::policy::tests::order(id, sequence, quantity);
         HeldMessage {
-            payload: message.canonical_payload(),
+            payload: canonical_json(&message.payload),
             message,
             held_at: "t0".into(),
         }
@@ -757,26 +730,22 @@ mod tests {
         assert_eq!(released, ["m-3", "m-4"]);
         let row = row.unwrap();
         assert_eq!(
-            (row.last, row.total, row.status),
-            (4, 12, AggregateStatus::Waiting)
+            (row.last, row.status),
+            (4, AggregateStatus::Waiting)
         );
         let Resolved::New(record) = &skip.resolved else {
             panic!("expected a resolution");
         };
-        assert_eq!(
-            record.after,
-            Position { last: 2, total: 5 },
-            "the skip's own step"
-        );
+        assert_eq!(record.after, position(2), "the skip's own step");
 
         let replace = Action::Replace {
             message_id: "fixed-2".into(),
-            amount: 1,
+            payload: json!({"quantity": 1}),
         };
         let plan = decide(&request(replace, 1), &facts, Mode::Commit).unwrap();
         let (released, row) = drained(&plan);
         assert_eq!(released, ["m-3", "m-4"]);
-        assert_eq!(row.map(|row| (row.last, row.total)), Some((4, 13)));
+        assert_eq!(row.map(|row| row.last), Some(4));
         // A dry run drains nothing.
         assert!(
             decide(&request(Action::Skip, 1), &facts, Mode::DryRun)
@@ -793,10 +762,10 @@ mod tests {
                 message_id: id.into(),
                 aggregate_id: "a".into(),
                 sequence,
-                amount: 1,
+                payload: json!({"quantity": 1}),
             };
             HeldMessage {
-                payload: message.canonical_payload(),
+                payload: canonical_json(&message.payload),
                 message,
                 held_at: "t0".into(),
             }
@@ -812,9 +781,8 @@ mod tests {
         let plan = decide_resolution(
             &request(Action::Skip, 1),
             &facts,
-            &Limits::default(),
             Mode::Commit,
-            "t1",
+            context(&Limits::default()),
         )
         .unwrap();
         assert!(

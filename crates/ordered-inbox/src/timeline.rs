@@ -7,8 +7,8 @@
 
 use serde::Serialize;
 
-use crate::model::{DeadLetterStatus, QuarantineReason, stored_enum};
-use crate::resolution::ActionKind;
+use crate::content::Detail;
+use crate::model::{ActionKind, DeadLetterStatus, QuarantineReason, stored_enum};
 
 /// Rejection observations kept per aggregate.
 pub const OBSERVATIONS_KEPT: i64 = 100;
@@ -83,19 +83,20 @@ pub enum TimelineDetail {
     Repeated {
         observations: Option<i64>,
     },
+    /// A poison message recorded: its reason, then the members of the poison's detail.
     Quarantined {
         reason: QuarantineReason,
-        amount: i64,
+        #[serde(flatten)]
+        detail: Detail,
     },
     #[serde(rename_all = "camelCase")]
     QuarantineFull {
         open_dead_letters: usize,
         limit: usize,
     },
-    Applied {
-        amount: i64,
-        total: i64,
-    },
+    /// What the handler's `apply` reported (stored as the object itself; an empty one as no
+    /// detail at all).
+    Applied(Detail),
     Superseded {
         by: String,
     },
@@ -151,9 +152,12 @@ pub enum TimelineDetail {
 }
 
 impl TimelineDetail {
-    /// The stored text.
-    pub fn to_json(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
+    /// The stored text: `None` for an applied event without a detail.
+    pub fn to_json(&self) -> Option<String> {
+        match self {
+            TimelineDetail::Applied(detail) if detail.is_empty() => None,
+            other => Some(serde_json::to_string(other).unwrap_or_default()),
+        }
     }
 }
 
@@ -191,6 +195,16 @@ mod tests {
                 r#"{"observations":null}"#,
             ),
             (
+                TimelineDetail::Quarantined {
+                    reason: QuarantineReason::new("out of stock"),
+                    detail: serde_json::json!({"sku": "x", "asked": 3})
+                        .as_object()
+                        .cloned()
+                        .unwrap(),
+                },
+                r#"{"reason":"out of stock","sku":"x","asked":3}"#,
+            ),
+            (
                 TimelineDetail::Resolved {
                     resolution_id: 1,
                     action: ActionKind::Skip,
@@ -202,8 +216,18 @@ mod tests {
             ),
         ];
         for (detail, text) in cases {
-            assert_eq!(detail.to_json(), text);
+            assert_eq!(detail.to_json().as_deref(), Some(text));
         }
+    }
+
+    #[test]
+    fn an_applied_event_stores_the_handlers_detail_or_nothing() {
+        let detail = serde_json::json!({"sku": "x"}).as_object().cloned().unwrap();
+        assert_eq!(
+            TimelineDetail::Applied(detail).to_json().as_deref(),
+            Some(r#"{"sku":"x"}"#)
+        );
+        assert_eq!(TimelineDetail::Applied(Detail::new()).to_json(), None);
     }
 
     #[test]

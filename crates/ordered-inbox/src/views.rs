@@ -5,8 +5,8 @@
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::model::{AggregateStatus, DeadLetterStatus, Position, QuarantineReason};
-use crate::resolution::ActionKind;
+use crate::model::{ActionKind, AggregateStatus, DeadLetterStatus, QuarantineReason};
+use crate::records::{AggregateOwner, TransferRefusal};
 use crate::timeline::TimelineKind;
 
 /// An aggregate's current position.
@@ -16,7 +16,6 @@ use crate::timeline::TimelineKind;
 pub struct AggregateSummary {
     pub aggregate_id: String,
     pub last: i64,
-    pub total: i64,
     /// The sequence the aggregate needs next.
     pub expected: i64,
     pub status: AggregateStatus,
@@ -49,9 +48,8 @@ pub const HELD_SHOWN: i64 = 1000;
 /// The most open dead letters [`AggregateView`] lists.
 pub const OPEN_DEAD_LETTERS_SHOWN: i64 = 1000;
 
-/// One applied message: a row of `ordered_inbox`. Rows recorded by the original lab before the
-/// columns existed were backfilled from their payload; a payload that never parsed leaves them
-/// unknown.
+/// One applied message: a row of `ordered_inbox`. Rows recorded before the columns existed may
+/// leave the aggregate and sequence unknown.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
@@ -62,8 +60,7 @@ pub struct AppliedMessage {
     pub message_id: String,
     pub aggregate_id: Option<String>,
     pub sequence: Option<i64>,
-    pub amount: Option<i64>,
-    /// The canonical payload as stored: opaque JSON.
+    /// The canonical content as stored: opaque JSON.
     pub payload: Value,
     pub applied_at: Option<String>,
 }
@@ -107,7 +104,7 @@ pub struct DeadLetterView {
     pub message_id: String,
     pub aggregate_id: Option<String>,
     pub sequence: Option<i64>,
-    /// The canonical payload as stored: opaque JSON.
+    /// The canonical content as stored: opaque JSON.
     pub payload: Option<Value>,
     pub reason: QuarantineReason,
     pub first_seen: Option<String>,
@@ -134,37 +131,6 @@ pub struct TimelineEvent {
     pub observation: bool,
     /// The stored detail object: opaque JSON.
     pub detail: Option<Value>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[serde(rename_all = "camelCase")]
-pub struct Replacement {
-    pub message_id: String,
-    pub amount: i64,
-}
-
-/// One audited resolution: who, when, what, why, and the aggregate before and after.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[serde(rename_all = "camelCase")]
-pub struct ResolutionRecord {
-    /// `None` in a dry run, which assigns nothing.
-    pub resolution_id: Option<i64>,
-    /// The producer whose message id the dead letter is (absent: the anonymous namespace).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub producer: Option<String>,
-    pub message_id: String,
-    pub aggregate_id: String,
-    pub sequence: i64,
-    pub action: ActionKind,
-    pub operator: String,
-    pub reason: String,
-    pub expected_last: i64,
-    pub replacement: Option<Replacement>,
-    pub before: Position,
-    pub after: Position,
-    pub resolved_at: String,
 }
 
 /// The aggregate and the dead letter as they are now: what a refused resolution shows.
@@ -199,19 +165,18 @@ pub struct InboxHealth {
     pub longest_blocked_seconds: Option<f64>,
 }
 
-/// Which dead letters to list.
 /// An aggregate's owner (if any) and last applied sequence: what a transfer is checked against.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct OwnershipState {
-    pub owner: Option<crate::producers::AggregateOwner>,
+    pub owner: Option<AggregateOwner>,
     pub last: i64,
 }
 
 /// A refused transfer and the ownership as it is now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferConflict {
-    pub refusal: crate::producers::TransferRefusal,
+    pub refusal: TransferRefusal,
     pub current: OwnershipState,
 }
 
@@ -228,6 +193,7 @@ pub struct ProducerView {
     pub revoked_at: Option<String>,
 }
 
+/// Which dead letters to list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeadLetterFilter {
     pub status: Option<DeadLetterStatus>,

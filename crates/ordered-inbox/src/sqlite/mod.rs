@@ -4,20 +4,28 @@
 //!
 //! - [`store`]: the writer thread, group commit, read connections;
 //! - [`schema`]: the inbox's tables and migrations;
-//! - [`engine`]: facts read, core decision, changes written, in one unit of work;
+//! - [`handler`]: the application's handler, run in the inbox's transaction;
+//! - [`engine`]: facts read, core decision, handler run and changes written, in one unit of
+//!   work, for each write operation;
+//! - `rows`, `facts`, `writes`: reading rows into values, the facts of each decision, the SQL
+//!   of each change;
 //! - [`views`]: the evidence queries;
-//! - [`operators`]: the operator commands on a file;
+//! - [`operators`]: the operator and producer registry commands on a file;
 //! - `rejected`: the rejected list's rows.
 
 pub mod engine;
+mod facts;
+pub mod handler;
 pub mod operators;
-pub mod producers;
 mod rejected;
+mod rows;
 pub mod schema;
 pub mod store;
 pub mod views;
+mod writes;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 
@@ -26,19 +34,23 @@ pub use store::{
     WriterObserver, is_busy, is_constraint,
 };
 
+pub use handler::SqliteHandler;
+
 use crate::clock;
+use crate::content::AcceptAll;
 use crate::delivery::Outcome;
-use crate::inbox::{BatchDelivery, Inbox, InboxError};
+use crate::inbox::{BatchDelivery, Inbox, InboxError, Undelivered};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
-use crate::operators::OperatorCheck;
-use crate::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
-use crate::rejected::RejectedDelivery;
+use crate::operators::{OperatorCheck, Registry};
+use crate::producers::TransferRequest;
+use crate::records::{ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord};
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
-    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
-    TimelineEvent, TransferConflict,
+    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, TimelineEvent,
+    TransferConflict,
 };
+use engine::Unit;
 
 impl From<StoreError> for ResolutionError {
     fn from(error: StoreError) -> Self {
@@ -46,20 +58,36 @@ impl From<StoreError> for ResolutionError {
     }
 }
 
-/// The ordered inbox in a SQLite file. Cheap to clone.
+/// The ordered inbox in a SQLite file, with the application's handler. Cheap to clone.
 #[derive(Clone)]
 pub struct SqliteInbox {
     store: Store,
     limits: Limits,
+    handler: Arc<dyn SqliteHandler>,
 }
 
 impl SqliteInbox {
-    /// The inbox on a store whose file was migrated with [`schema::migrate`].
+    /// The inbox on a store whose file was migrated with [`schema::migrate`], with the default
+    /// handler ([`AcceptAll`]: every payload applies, nothing else is written).
     pub fn new(store: Store, limits: Limits) -> SqliteInbox {
-        SqliteInbox { store, limits }
+        SqliteInbox::with_handler(store, limits, Arc::new(AcceptAll))
     }
 
-    /// Opens (creating if needed) a file that holds only the inbox.
+    /// The inbox on a migrated store, running `handler` in its transactions. The handler's own
+    /// tables live in the same file: create them in the `migrate` given to [`Store::open`].
+    pub fn with_handler(
+        store: Store,
+        limits: Limits,
+        handler: Arc<dyn SqliteHandler>,
+    ) -> SqliteInbox {
+        SqliteInbox {
+            store,
+            limits,
+            handler,
+        }
+    }
+
+    /// Opens (creating if needed) a file that holds only the inbox, with the default handler.
     pub fn open(
         path: &Path,
         synchronous: Synchronous,
@@ -67,6 +95,27 @@ impl SqliteInbox {
     ) -> Result<SqliteInbox, StoreError> {
         let store = Store::open(path, synchronous, schema::migrate)?;
         Ok(SqliteInbox::new(store, limits))
+    }
+
+    /// Runs `work` as a unit of the writer with this inbox's handler, bounds and the time now.
+    async fn write<T, E, F>(&self, work: F) -> Result<T, E>
+    where
+        F: Fn(Unit<'_>) -> Result<T, E> + Send + 'static,
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+    {
+        let handler = self.handler.clone();
+        let limits = self.limits;
+        self.store
+            .write(move |connection| {
+                work(Unit {
+                    connection,
+                    handler: handler.as_ref(),
+                    limits: &limits,
+                    now: &clock::now(),
+                })
+            })
+            .await
     }
 
     pub fn store(&self) -> &Store {
@@ -93,46 +142,38 @@ impl SqliteInbox {
 #[async_trait]
 impl Inbox for SqliteInbox {
     async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError> {
-        let limits = self.limits;
-        self.store
-            .write(move |connection| {
-                engine::deliver_in(connection, &message, door, &limits, &clock::now())
-            })
+        self.write(move |unit| engine::deliver_in(unit, &message, door))
             .await
-            .map_err(InboxError::from)
+            .map_err(InboxError::from)?
+            .map_err(InboxError::Handler)
     }
 
     /// One unit of the writer (in one group commit) for the whole batch: any
     /// store failure rolls all of it back. Each delivery reads its ownership facts in that unit,
     /// after the ones before it wrote theirs, so a claim earlier in the batch binds the rest; a
-    /// refusal writes nothing and the next delivery goes on.
+    /// refusal or a handler failure writes nothing of that delivery and the next one goes on.
     async fn deliver_batch(
         &self,
         deliveries: Vec<BatchDelivery>,
-    ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError> {
+    ) -> Result<Vec<Result<Outcome, Undelivered>>, InboxError> {
         if deliveries.is_empty() {
             return Ok(Vec::new());
         }
-        let limits = self.limits;
-        self.store
-            .write(move |connection| {
-                let now = clock::now();
-                deliveries
-                    .iter()
-                    .map(|delivery| {
-                        producers::deliver_as_in(
-                            connection,
-                            &delivery.message,
-                            delivery.door,
-                            delivery.claim.as_ref(),
-                            &limits,
-                            &now,
-                        )
-                    })
-                    .collect::<Result<Vec<_>, StoreError>>()
-            })
-            .await
-            .map_err(InboxError::from)
+        self.write(move |unit| {
+            deliveries
+                .iter()
+                .map(|delivery| {
+                    engine::deliver_as_in(
+                        unit,
+                        &delivery.message,
+                        delivery.door,
+                        delivery.claim.as_ref(),
+                    )
+                })
+                .collect::<Result<Vec<_>, StoreError>>()
+        })
+        .await
+        .map_err(InboxError::from)
     }
 
     async fn resolve(
@@ -140,11 +181,7 @@ impl Inbox for SqliteInbox {
         request: ResolutionRequest,
         mode: Mode,
     ) -> Result<Resolved, ResolutionError> {
-        let limits = self.limits;
-        self.store
-            .write(move |connection| {
-                engine::resolve_in(connection, &request, mode, &limits, &clock::now())
-            })
+        self.write(move |unit| engine::resolve_in(unit, &request, mode))
             .await
     }
 
@@ -225,24 +262,19 @@ impl Inbox for SqliteInbox {
         door: Door,
         claim: Option<ProducerClaim>,
     ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
-        let limits = self.limits;
-        self.store
-            .write(move |connection| {
-                producers::deliver_as_in(
-                    connection,
-                    &message,
-                    door,
-                    claim.as_ref(),
-                    &limits,
-                    &clock::now(),
-                )
-            })
+        let written = self
+            .write(move |unit| engine::deliver_as_in(unit, &message, door, claim.as_ref()))
             .await
-            .map_err(InboxError::from)
+            .map_err(InboxError::from)?;
+        match written {
+            Ok(outcome) => Ok(Ok(outcome)),
+            Err(Undelivered::Refused(refusal)) => Ok(Err(refusal)),
+            Err(Undelivered::Handler(error)) => Err(InboxError::Handler(error)),
+        }
     }
 
     async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {
-        self.read(move |connection| producers::holder(connection, &token))
+        self.read(move |connection| operators::holder(connection, Registry::Producers, &token))
             .await
     }
 
@@ -251,7 +283,7 @@ impl Inbox for SqliteInbox {
         producer: String,
     ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
         self.store
-            .write(move |connection| producers::start_session_in(connection, &producer))
+            .write(move |connection| engine::start_session_in(connection, &producer))
             .await
             .map_err(InboxError::from)
     }
@@ -261,18 +293,18 @@ impl Inbox for SqliteInbox {
         request: TransferRequest,
     ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
         self.store
-            .write(move |connection| producers::transfer_in(connection, &request, &clock::now()))
+            .write(move |connection| engine::transfer_in(connection, &request, &clock::now()))
             .await
             .map_err(InboxError::from)
     }
 
     async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError> {
-        self.read(move |connection| producers::ownership_state(connection, &aggregate_id))
+        self.read(move |connection| facts::ownership_state(connection, &aggregate_id))
             .await
     }
 
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
-        self.read(producers::producers).await
+        self.read(views::producers).await
     }
 
     async fn record_rejected(&self, entries: Vec<RejectedDelivery>) -> Result<(), InboxError> {
@@ -298,111 +330,3 @@ impl Inbox for SqliteInbox {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn message(id: &str, sequence: i64, amount: i64) -> OrderedMessage {
-        OrderedMessage {
-            message_id: id.into(),
-            aggregate_id: "acct".into(),
-            sequence,
-            amount,
-        }
-    }
-
-    #[tokio::test]
-    async fn applied_messages_page_in_sequence_order_and_a_dead_letter_reads_by_id() {
-        let dir = tempfile::tempdir().unwrap();
-        let inbox = SqliteInbox::open(
-            &dir.path().join("inbox.db"),
-            Synchronous::Normal,
-            Limits::default(),
-        )
-        .unwrap();
-        for (id, sequence, amount) in [("m-1", 1, 5), ("m-2", 2, 7), ("bad-3", 3, -1)] {
-            inbox
-                .deliver(message(id, sequence, amount), Door::General)
-                .await
-                .unwrap();
-        }
-        let first = inbox
-            .applied_messages("acct".into(), PageRequest { after: 0, limit: 1 })
-            .await
-            .unwrap();
-        assert_eq!(first.items.len(), 1);
-        assert_eq!(first.items[0].message_id, "m-1");
-        assert_eq!(first.items[0].amount, Some(5));
-        assert_eq!(
-            first.items[0].payload,
-            serde_json::json!({"AggregateId": "acct", "Sequence": 1, "Amount": 5})
-        );
-        assert_eq!(first.next, Some(1));
-        let rest = inbox
-            .applied_messages(
-                "acct".into(),
-                PageRequest {
-                    after: 1,
-                    limit: 10,
-                },
-            )
-            .await
-            .unwrap();
-        let ids: Vec<&str> = rest.items.iter().map(|m| m.message_id.as_str()).collect();
-        assert_eq!((ids, rest.next), (vec!["m-2"], None));
-
-        let poison = inbox
-            .dead_letter(None, "bad-3".into())
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(poison.sequence, Some(3));
-        assert_eq!(poison.status, crate::DeadLetterStatus::Open);
-        assert_eq!(inbox.dead_letter(None, "m-1".into()).await.unwrap(), None);
-        inbox.shutdown().await;
-    }
-
-    fn message_in_a(id: &str, sequence: i64) -> OrderedMessage {
-        OrderedMessage {
-            message_id: id.into(),
-            aggregate_id: "a".into(),
-            sequence,
-            amount: 1,
-        }
-    }
-
-    #[tokio::test]
-    async fn a_batch_is_one_unit_of_one_commit_and_each_delivery_sees_the_ones_before() {
-        let dir = tempfile::tempdir().unwrap();
-        let inbox = SqliteInbox::open(
-            &dir.path().join("b.db"),
-            Synchronous::Normal,
-            Limits::default(),
-        )
-        .unwrap();
-        let before = inbox.store().stats();
-        let batch = vec![
-            BatchDelivery::anonymous(message_in_a("m-2", 2), Door::Broker),
-            BatchDelivery::anonymous(message_in_a("m-1", 1), Door::Broker),
-            BatchDelivery::anonymous(message_in_a("m-2", 2), Door::Broker),
-        ];
-        let outcomes = inbox.deliver_batch(batch).await.unwrap();
-        assert!(matches!(outcomes[0], Ok(Outcome::Held { .. })));
-        assert!(matches!(
-            outcomes[1],
-            Ok(Outcome::Applied { sequence: 1, .. })
-        ));
-        assert!(
-            matches!(outcomes[2], Ok(Outcome::Replay { .. })),
-            "{:?}",
-            outcomes[2]
-        );
-        let after = inbox.store().stats();
-        assert_eq!(
-            (after.commits - before.commits, after.units - before.units),
-            (1, 1)
-        );
-        assert_eq!(inbox.counts("a".into()).await.unwrap().last, 2);
-        inbox.shutdown().await;
-    }
-}

@@ -3,7 +3,7 @@
 
 use rusqlite::{Connection, Row, params};
 
-use crate::rejected::{REJECTED_KEPT, RejectedDelivery};
+use crate::records::{REJECTED_KEPT, RejectedDelivery};
 use crate::views::{Page, PageRequest};
 
 /// Appends one entry and drops the ones that fell out of the newest [`REJECTED_KEPT`]: ids only

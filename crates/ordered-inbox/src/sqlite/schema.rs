@@ -369,6 +369,46 @@ CREATE INDEX ix_deadletters_aggregate_id ON deadletters(aggregate_id, status, id
 CREATE INDEX ix_deadletters_aggregate_all_id ON deadletters(aggregate_id, id);
 ";
 
+/// Content of the application's own (version 10): the inbox stops keeping the lesson's ledger
+/// figures in its rows and keeps what an application's handler gives it instead. Each generic
+/// column replaces a ledger one with the same meaning for every existing row (all of them were
+/// written by the lesson's ledger, whose canonical content is `{"AggregateId":…,"Sequence":…,
+/// "Amount":…}`):
+///
+/// - `ordered_inbox.applied_detail`: the handler's detail of the `applied` event, replacing
+///   `total_after`; an existing event's detail is the one the view showed for it;
+/// - `held_messages.message_payload`: the payload as delivered, which a drain hands to the
+///   handler, replacing `amount` (an existing row's payload was its canonical content);
+/// - `resolutions.replacement_payload`, `before_state`, `after_state`: the replacement's payload
+///   and the handler's state of the aggregate before and after, replacing the replacement's
+///   amount and the totals.
+///
+/// `ordered_inbox.amount` and `aggregate_state.total` stay, unwritten by the inbox (a new
+/// aggregate row gets 0): they are the seed's and its readers', an application may keep them.
+const APPLICATION_CONTENT: &str = "
+ALTER TABLE ordered_inbox ADD COLUMN applied_detail TEXT;
+UPDATE ordered_inbox SET applied_detail = json_object('amount', amount, 'total', total_after)
+ WHERE event_id IS NOT NULL AND total_after IS NOT NULL;
+ALTER TABLE ordered_inbox DROP COLUMN total_after;
+
+ALTER TABLE held_messages ADD COLUMN message_payload TEXT;
+UPDATE held_messages SET message_payload = payload;
+ALTER TABLE held_messages DROP COLUMN amount;
+
+ALTER TABLE resolutions ADD COLUMN replacement_payload TEXT;
+ALTER TABLE resolutions ADD COLUMN before_state TEXT;
+ALTER TABLE resolutions ADD COLUMN after_state TEXT;
+UPDATE resolutions
+   SET replacement_payload = CASE WHEN replacement_message_id IS NOT NULL THEN
+           json_object('AggregateId', aggregate_id, 'Sequence', sequence,
+                       'Amount', replacement_amount) END,
+       before_state = json_object('total', before_total),
+       after_state = json_object('total', after_total);
+ALTER TABLE resolutions DROP COLUMN replacement_amount;
+ALTER TABLE resolutions DROP COLUMN before_total;
+ALTER TABLE resolutions DROP COLUMN after_total;
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -381,6 +421,7 @@ pub const MIGRATIONS: &[&str] = &[
     APPLIED_ON_THE_INBOX_ROW,
     REJECTED_DELIVERIES,
     SEED_KEYS_FIRST,
+    APPLICATION_CONTENT,
 ];
 
 /// The migrations that rebuild tables: they run with foreign keys off, and check them before

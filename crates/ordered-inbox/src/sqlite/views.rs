@@ -4,13 +4,14 @@
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde_json::Value;
 
-use super::engine::parsed;
-use crate::model::{AggregateStatus, Position};
-use crate::timeline::{TimelineDetail, TimelineKind};
+use super::rows::{json, namespace, optional_json, parsed};
+use crate::model::{AggregateStatus, Position, QuarantineReason};
+use crate::records::{Replacement, ResolutionRecord};
+use crate::timeline::TimelineKind;
 use crate::views::{
     AggregateCounts, AggregateSummary, AggregateView, AppliedMessage, DeadLetterFilter,
     DeadLetterView, HELD_SHOWN, InboxHealth, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page,
-    PageRequest, Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
+    PageRequest, ProducerView, ResolutionSummary, TimelineEvent,
 };
 
 pub fn aggregate_summary(
@@ -19,7 +20,7 @@ pub fn aggregate_summary(
 ) -> rusqlite::Result<Option<AggregateSummary>> {
     connection
         .prepare_cached(
-            "SELECT aggregate_id, last_sequence, total, status, status_since
+            "SELECT aggregate_id, last_sequence, status, status_since
                FROM aggregate_state WHERE aggregate_id = ?1",
         )?
         .query_row([aggregate_id], summary_from_row)
@@ -31,10 +32,9 @@ fn summary_from_row(row: &Row<'_>) -> rusqlite::Result<AggregateSummary> {
     Ok(AggregateSummary {
         aggregate_id: row.get(0)?,
         last,
-        total: row.get(2)?,
         expected: last.saturating_add(1),
-        status: parsed(row, 3)?,
-        since: row.get(4)?,
+        status: parsed(row, 2)?,
+        since: row.get(3)?,
     })
 }
 
@@ -91,7 +91,7 @@ pub fn inventory(
 ) -> rusqlite::Result<Vec<InventoryEntry>> {
     connection
         .prepare_cached(
-            "SELECT a.aggregate_id, a.last_sequence, a.total, a.status, a.status_since,
+            "SELECT a.aggregate_id, a.last_sequence, a.status, a.status_since,
                     CAST(ROUND((julianday(?2) - julianday(a.status_since)) * 86400) AS INTEGER),
                     (SELECT COUNT(*) FROM deadletters d
                       WHERE d.aggregate_id = a.aggregate_id AND d.status = 'open'),
@@ -104,9 +104,9 @@ pub fn inventory(
         .query_map(params![status.as_str(), now, limit], |row| {
             Ok(InventoryEntry {
                 summary: summary_from_row(row)?,
-                age_seconds: row.get::<_, Option<i64>>(5)?.unwrap_or(0).max(0),
-                open_dead_letters: row.get(6)?,
-                held: row.get(7)?,
+                age_seconds: row.get::<_, Option<i64>>(4)?.unwrap_or(0).max(0),
+                open_dead_letters: row.get(5)?,
+                held: row.get(6)?,
             })
         })?
         .collect()
@@ -174,8 +174,8 @@ fn dead_letter_from_row(row: &Row<'_>) -> rusqlite::Result<DeadLetterView> {
         message_id: row.get(0)?,
         aggregate_id: row.get(1)?,
         sequence: row.get(2)?,
-        payload: payload.map(|text| serde_json::from_str(&text).unwrap_or(Value::String(text))),
-        reason: parsed(row, 4)?,
+        payload: optional_json(payload),
+        reason: QuarantineReason::new(row.get::<_, String>(4)?),
         first_seen: row.get(5)?,
         last_seen: row.get(6)?,
         observations: row.get(7)?,
@@ -197,7 +197,7 @@ pub fn dead_letter(
             "{DEAD_LETTER_COLUMNS} WHERE d.producer = ?1 AND d.message_id = ?2"
         ))?
         .query_row(
-            params![super::engine::namespace(producer), message_id],
+            params![namespace(producer), message_id],
             dead_letter_from_row,
         )
         .optional()
@@ -234,7 +234,7 @@ pub fn dead_letters(
 }
 
 /// The aggregate's timeline after event `page.after`, oldest first: its timeline rows merged
-/// with the `applied` events its inbox rows carry (schema version 7), by event number.
+/// with the `applied` events its inbox rows carry (schema versions 7 and 10), by event number.
 pub fn timeline(
     connection: &Connection,
     aggregate_id: &str,
@@ -292,16 +292,13 @@ fn applied_events(
     let from = first_sequence_applied_after(connection, aggregate_id, after)?;
     connection
         .prepare_cached(
-            "SELECT event_id, applied_at, sequence, message_id, amount, total_after
+            "SELECT event_id, applied_at, sequence, message_id, applied_detail
                FROM ordered_inbox
               WHERE aggregate_id = ?1 AND sequence >= ?2 AND event_id > ?3
               ORDER BY sequence LIMIT ?4",
         )?
         .query_map(params![aggregate_id, from, after, wanted], |row| {
-            let detail = TimelineDetail::Applied {
-                amount: row.get(4)?,
-                total: row.get(5)?,
-            };
+            let detail: Option<String> = row.get(4)?;
             let event = TimelineEvent {
                 id: row.get(0)?,
                 at: row.get(1)?,
@@ -309,7 +306,7 @@ fn applied_events(
                 sequence: row.get(2)?,
                 message_id: row.get(3)?,
                 observation: false,
-                detail: serde_json::to_value(detail).ok(),
+                detail: detail.and_then(|text| serde_json::from_str(&text).ok()),
             };
             Ok((event.id, event))
         })?
@@ -363,13 +360,13 @@ fn first_sequence_applied_after(
 
 const RESOLUTION_COLUMNS: &str = "
 SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
-       replacement_message_id, replacement_amount, before_last, before_total, after_last,
-       after_total, resolved_at, NULLIF(producer, '')
+       replacement_message_id, replacement_payload, before_last, before_state, after_last,
+       after_state, resolved_at, NULLIF(producer, '')
   FROM resolutions";
 
 fn resolution_from_row(row: &Row<'_>) -> rusqlite::Result<ResolutionRecord> {
     let replacement_id: Option<String> = row.get(8)?;
-    let replacement_amount: Option<i64> = row.get(9)?;
+    let replacement_payload: Option<String> = row.get(9)?;
     Ok(ResolutionRecord {
         resolution_id: row.get(0)?,
         producer: row.get(15)?,
@@ -382,15 +379,15 @@ fn resolution_from_row(row: &Row<'_>) -> rusqlite::Result<ResolutionRecord> {
         expected_last: row.get(7)?,
         replacement: replacement_id.map(|message_id| Replacement {
             message_id,
-            amount: replacement_amount.unwrap_or(0),
+            payload: optional_json(replacement_payload).unwrap_or(Value::Null),
         }),
         before: Position {
             last: row.get(10)?,
-            total: row.get(11)?,
+            state: optional_json(row.get(11)?),
         },
         after: Position {
             last: row.get(12)?,
-            total: row.get(13)?,
+            state: optional_json(row.get(13)?),
         },
         resolved_at: row.get(14)?,
     })
@@ -407,7 +404,7 @@ pub fn resolution_of(
             "{RESOLUTION_COLUMNS} WHERE producer = ?1 AND message_id = ?2"
         ))?
         .query_row(
-            params![super::engine::namespace(producer), message_id],
+            params![namespace(producer), message_id],
             resolution_from_row,
         )
         .optional()
@@ -448,7 +445,7 @@ pub fn applied_messages(
 ) -> rusqlite::Result<Page<AppliedMessage>> {
     let rows = connection
         .prepare_cached(
-            "SELECT message_id, aggregate_id, sequence, amount, payload, applied_at,
+            "SELECT message_id, aggregate_id, sequence, payload, applied_at,
                     NULLIF(producer, '')
                FROM ordered_inbox
               WHERE aggregate_id = ?1 AND sequence > ?2
@@ -457,15 +454,13 @@ pub fn applied_messages(
         .query_map(
             params![aggregate_id, page.after, page.limit.saturating_add(1)],
             |row| {
-                let payload: String = row.get(4)?;
                 let message = AppliedMessage {
-                    producer: row.get(6)?,
+                    producer: row.get(5)?,
                     message_id: row.get(0)?,
                     aggregate_id: row.get(1)?,
                     sequence: row.get(2)?,
-                    amount: row.get(3)?,
-                    payload: serde_json::from_str(&payload).unwrap_or(Value::String(payload)),
-                    applied_at: row.get(5)?,
+                    payload: json(row.get(3)?),
+                    applied_at: row.get(4)?,
                 };
                 Ok((message.sequence.unwrap_or(0), message))
             },
@@ -490,6 +485,27 @@ pub fn counts(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<A
                 last: row.get(2)?,
             })
         })
+}
+
+/// Every producer, the first registered first: never tokens.
+pub fn producers(connection: &Connection) -> rusqlite::Result<Vec<ProducerView>> {
+    connection
+        .prepare_cached(
+            "SELECT p.name, p.current_epoch, p.created_at, p.revoked_at, p.last_delivery_at,
+                    (SELECT COUNT(*) FROM aggregate_state a WHERE a.owner = p.name)
+               FROM producers p ORDER BY p.created_at, p.name",
+        )?
+        .query_map([], |row| {
+            Ok(ProducerView {
+                name: row.get(0)?,
+                current_epoch: row.get(1)?,
+                created_at: row.get(2)?,
+                revoked_at: row.get(3)?,
+                last_delivery_at: row.get(4)?,
+                owned_aggregates: row.get(5)?,
+            })
+        })?
+        .collect()
 }
 
 #[cfg(test)]

@@ -1,0 +1,115 @@
+//! The change plan: the rows a decision writes, as values. The core decides them; a backend
+//! writes each one as it is, in order, in the decision's transaction.
+
+use crate::model::{AggregateRow, OrderedMessage, QuarantineReason};
+use crate::records::{AggregateOwner, RejectedDelivery, ResolutionRecord, TransferRecord};
+use crate::timeline::TimelineEntry;
+
+/// One row change. Values are absolute (computed from the facts), so a backend writes them as
+/// they are, in order; the transaction's per-aggregate serialization keeps them true.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Insert or overwrite the aggregate's row.
+    PutAggregate {
+        aggregate_id: String,
+        row: AggregateRow,
+    },
+    /// An applied message, its id in `producer`'s namespace (`None`: the anonymous one), with its
+    /// canonical content as `payload`, and its `applied` event. The backend calls the
+    /// application handler's `apply` for it first, in the same transaction, and records the
+    /// event with the detail `apply` returned.
+    InsertApplied {
+        producer: Option<String>,
+        message: OrderedMessage,
+        payload: String,
+        applied_at: String,
+    },
+    /// A new dead letter, its id in `producer`'s namespace (`None`: the anonymous one).
+    InsertDeadLetter {
+        producer: Option<String>,
+        message: OrderedMessage,
+        payload: String,
+        reason: QuarantineReason,
+        at: String,
+    },
+    /// A dead letter seen again: its count becomes `observations`.
+    ObserveDeadLetter {
+        producer: Option<String>,
+        message_id: String,
+        observations: i64,
+        at: String,
+    },
+    /// The aggregate's open dead letters with these ids (whatever their namespace: all of them
+    /// wait for the same sequence), whose sequence `by` took.
+    SupersedeDeadLetters {
+        aggregate_id: String,
+        message_ids: Vec<String>,
+        by: String,
+        at: String,
+    },
+    /// The dead letter an operator resolves; the audit row follows as [`Change::RecordResolution`].
+    ResolveDeadLetter {
+        producer: Option<String>,
+        message_id: String,
+        at: String,
+    },
+    /// Insert one held message: a plain row keyed by `message.message_id`, with its aggregate,
+    /// sequence, the payload as delivered, its canonical content `payload` and `at` (when it was
+    /// held). At most one message is
+    /// held per (aggregate, sequence); the core never asks for a second.
+    InsertHeld {
+        message: OrderedMessage,
+        payload: String,
+        at: String,
+    },
+    /// Delete the held message row with this id: it was drained (applied or quarantined, which
+    /// the changes that follow record; the `drained` timeline event keeps the evidence), or
+    /// rejected ([`Change::RecordRejected`] and a `held rejected` event follow).
+    ReleaseHeld { message_id: String },
+    /// Insert an entry of the rejected list and prune the list to the newest
+    /// [`crate::records::REJECTED_KEPT`].
+    RecordRejected(RejectedDelivery),
+    /// Append a timeline entry (an observation is numbered and pruned by the backend).
+    Append(TimelineEntry),
+    /// Insert the audit row, link it from the dead letter, and append its `resolved` event
+    /// (whose detail carries the id the store assigns).
+    RecordResolution(ResolutionRecord),
+    /// Record `owner` as the aggregate's owner (a claim or a transfer): the aggregate's owner
+    /// columns, created with the aggregate's row if it has none yet (last 0, flowing).
+    SetOwner {
+        aggregate_id: String,
+        owner: AggregateOwner,
+        at: String,
+    },
+    /// Stamp the producer's last delivery time (a delivery to `aggregate_id`: a backend may keep
+    /// the time per aggregate, so that one producer's deliveries to different aggregates never
+    /// write the same row).
+    TouchProducer {
+        producer: String,
+        aggregate_id: String,
+        at: String,
+    },
+    /// Insert the transfer's audit row (the `owner transferred` event follows as an
+    /// [`Change::Append`]).
+    RecordTransfer(TransferRecord),
+}
+
+impl Change {
+    /// The message this change applies, if it is an [`Change::InsertApplied`].
+    pub fn applied_message(&self) -> Option<&OrderedMessage> {
+        match self {
+            Change::InsertApplied { message, .. } => Some(message),
+            _ => None,
+        }
+    }
+}
+
+/// A decision's outcome with the changes that record it: what a backend writes.
+pub trait Plan {
+    fn changes(&self) -> &[Change];
+}
+
+/// Whether any of `changes` applies a message (so that the application's handler runs).
+pub fn applies_any(changes: &[Change]) -> bool {
+    changes.iter().any(|change| change.applied_message().is_some())
+}

@@ -1,0 +1,152 @@
+//! The records the core writes and the evidence reads back: who owns an aggregate and who may
+//! write it, the audit rows of transfers and resolutions, the rejected list's entries. Shared by
+//! the decisions (which produce them) and the views (which show them), so they sit below both.
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::model::{ActionKind, Position};
+
+/// The authenticated producer a delivery was made by, and the epoch of its session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProducerClaim {
+    pub producer: String,
+    pub epoch: i64,
+}
+
+/// Who owns an aggregate, and the epoch under which it was claimed (or transferred).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AggregateOwner {
+    pub producer: String,
+    pub epoch: i64,
+}
+
+/// Why a delivery was not even decided: nothing was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProducerRefusal {
+    /// A newer session of this producer exists: this instance must stop.
+    #[error("fenced: epoch {offered} is older than the producer's current epoch {current_epoch}")]
+    Fenced { offered: i64, current_epoch: i64 },
+    /// The epoch was never issued (higher than the current one, or below 1).
+    #[error("epoch {offered} was never issued (current epoch {current_epoch})")]
+    EpochNotIssued { offered: i64, current_epoch: i64 },
+    /// The producer never started a session.
+    #[error("the producer has no session: start one first")]
+    NoSession,
+    /// The producer is unknown or was revoked.
+    #[error("the producer is not active")]
+    Revoked,
+    /// The aggregate belongs to another producer.
+    #[error("the aggregate is owned by '{owner}'")]
+    NotOwner { owner: String },
+    /// An anonymous delivery to an owned aggregate.
+    #[error("the aggregate is owned by a producer: deliver with its credentials")]
+    OwnerRequired,
+    /// An authenticated delivery to an unowned aggregate that already has history: only an
+    /// operator may give it an owner.
+    #[error("the aggregate has history and no owner: an operator must assign it")]
+    ClaimRequiresOperator,
+}
+
+/// A producer refusal's name: the `outcome` a server's general door answers it with (`unauthorized`
+/// and `owner required` are its 401s), and the one the rejected list shows.
+pub fn refusal_outcome(refusal: &ProducerRefusal) -> &'static str {
+    match refusal {
+        ProducerRefusal::Fenced { .. } => "fenced",
+        ProducerRefusal::EpochNotIssued { .. } => "epoch not issued",
+        ProducerRefusal::NoSession => "no session",
+        ProducerRefusal::Revoked => "unauthorized",
+        ProducerRefusal::NotOwner { .. } => "not the owner",
+        ProducerRefusal::OwnerRequired => "owner required",
+        ProducerRefusal::ClaimRequiresOperator => "claim requires operator",
+    }
+}
+
+/// Why a transfer was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferRefusal {
+    Unauthorized,
+    /// The producer is unknown or revoked.
+    UnknownProducer,
+    /// The owner is not the one expected.
+    OwnerMismatch,
+    /// The last sequence is not the one expected.
+    LastMismatch,
+}
+
+/// The recorded transfer: the audit row's content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct TransferRecord {
+    pub aggregate_id: String,
+    pub operator: String,
+    pub from_owner: Option<String>,
+    pub to_owner: String,
+    /// The receiving producer's current epoch: its owner epoch from now on.
+    pub epoch: i64,
+    pub last: i64,
+    pub reason: String,
+    pub transferred_at: String,
+    /// How many held messages the transfer made inadmissible: they were rejected with it.
+    pub held_rejected: usize,
+}
+
+/// Rejected deliveries the store keeps (the newest; older ones are pruned as new ones arrive).
+pub const REJECTED_KEPT: i64 = 1000;
+
+/// One entry of the rejected list, as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RejectedDelivery {
+    pub at: String,
+    /// The subject it arrived on (`None`: a held message the store rejected; the store never
+    /// knew its subject).
+    pub subject: Option<String>,
+    pub stream_sequence: Option<i64>,
+    /// How many times the broker had delivered it.
+    pub delivered: Option<i64>,
+    pub message_id: Option<String>,
+    pub aggregate_id: Option<String>,
+    /// The producer whose token the message carried (`None`: anonymous, or not known).
+    pub producer: Option<String>,
+    /// `malformed`, `stale`, `payload conflict`, or a producer refusal ([`refusal_outcome`]).
+    pub outcome: String,
+    pub reason: String,
+}
+
+/// An operator's replacement of a dead letter: a new message id at its sequence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Replacement {
+    pub message_id: String,
+    /// The replacement's payload, as the operator gave it.
+    pub payload: Value,
+}
+
+/// One audited resolution: who, when, what, why, and the aggregate before and after.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ResolutionRecord {
+    /// `None` in a dry run, which assigns nothing.
+    pub resolution_id: Option<i64>,
+    /// The producer whose message id the dead letter is (absent: the anonymous namespace).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub producer: Option<String>,
+    pub message_id: String,
+    pub aggregate_id: String,
+    pub sequence: i64,
+    pub action: ActionKind,
+    pub operator: String,
+    pub reason: String,
+    pub expected_last: i64,
+    pub replacement: Option<Replacement>,
+    /// The aggregate before the resolution, and after its own step (the replacement applied or
+    /// the sequence skipped; held messages drained after it are on the timeline).
+    pub before: Position,
+    pub after: Position,
+    pub resolved_at: String,
+}
+
