@@ -1,88 +1,149 @@
 //! # ordered-inbox
 //!
-//! A per-aggregate ordered inbox: each aggregate's messages apply in sequence order, exactly once;
-//! a message ahead of its turn is a *gap*, one behind it is *stale*; a poison message at the
-//! expected sequence becomes a *dead letter* and blocks its aggregate (never advances it) until a
-//! corrected message under a new id takes the sequence or an *operator* resolves it, with an audit
-//! row. A message id never changes meaning, across applied messages, dead letters and held messages
-//! alike. Every change and every rejection is on the aggregate's *timeline*.
+//! A per-aggregate ordered inbox in front of an application's own handler: each aggregate's
+//! messages apply in sequence order, exactly once, and the application's handler runs for each
+//! of them inside the inbox's own transaction, so the inbox's rows and the application's rows
+//! commit together or not at all.
+//!
+//! A message is an identity (`message_id`), a position (`aggregate_id`, `sequence`) and a JSON
+//! payload the inbox does not interpret ([`OrderedMessage`]). One ahead of its turn is a *gap*,
+//! one behind it is *stale*; a poison message (the handler says why) at the expected sequence
+//! becomes a *dead letter* and blocks its aggregate until a corrected message under a new id
+//! takes the sequence or an *operator* resolves it, with an audit row. A message id never changes
+//! meaning, across applied messages, dead letters and held messages alike. Every change and
+//! every rejection is on the aggregate's *timeline*.
 //!
 //! Through a broker's door ([`Door::Broker`]) a message ahead of its turn is *held* rather than
 //! refused: recorded, and applied (or quarantined) in sequence order in the same transaction as
 //! the predecessor that makes it next, whichever door or resolution that came through. A batch of
 //! deliveries ([`Inbox::deliver_batch`]) costs one transaction.
 //!
-//! ## Layout
+//! ## A handler of one's own
 //!
-//! The crate is a functional core with storage behind one seam:
-//!
-//! - [`model`]: the typed values: messages, doors, statuses, positions, limits.
-//! - [`policy`]: the ordering rule for one sequence against the last applied one.
-//! - [`delivery`]: the decision of one delivery: facts in, verdict and row changes out.
-//! - [`resolution`]: the decision of an operator's resolution, the same way.
-//! - [`timeline`]: what the timeline records and the bound on rejection observations.
-//! - [`views`]: the evidence read back (aggregate, inventory, dead letters, audit trail).
-//! - [`operators`]: tokens and names of the people who may resolve.
-//! - [`producers`]: who may write an aggregate's sequence: producer sessions and epochs
-//!   (fencing), aggregate ownership and its transfer.
-//! - [`rejected`]: the rejected list: deliveries a broker consumer terminated and held messages
-//!   that may no longer apply, kept in the store, bounded.
-//! - [`inbox`]: the [`Inbox`] trait every backend implements (async; a backend reads facts and
-//!   writes the decided changes in one transaction serialized per aggregate).
-//! - [`sqlite`] (feature `sqlite`, on by default): the SQLite backend: one writer thread with
-//!   group commit (a savepoint per unit only when a unit fails), read connections, the inbox's schema and migrations.
-//! - [`postgres`] (feature `postgres`): the PostgreSQL backend, for several server processes on
-//!   one database: a connection pool, one transaction per operation serialized per aggregate by
-//!   advisory and row locks, pipelined prepared statements, versioned migrations.
-//!
-//! The two backends are the only modules that know SQL; neither holds an ordering rule.
-//! - [`clock`]: the stored timestamp format.
-//!
-//! Nothing here speaks HTTP: verdicts, conflicts and refusals are enums, and a server words them.
-//!
-//! ## Example
+//! An order book: an order with a negative quantity is poison (the pure [`Check`]), and applying
+//! an order writes the application's `orders` table in the inbox's transaction
+//! ([`sqlite::SqliteHandler::apply`]), reporting a short detail that the timeline shows.
 //!
 //! ```
-//! use ordered_inbox::sqlite::{SqliteInbox, Synchronous, operators};
-//! use ordered_inbox::{Action, Door, Inbox, Limits, Mode, OrderedMessage, Outcome, ResolutionRequest};
+//! use std::sync::Arc;
+//!
+//! use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, schema};
+//! use ordered_inbox::{
+//!     ApplyOutcome, Check, Door, HandlerError, Inbox, Limits, OrderedMessage, Outcome, Poison,
+//! };
+//! use rusqlite::Connection;
+//! use serde_json::json;
+//!
+//! struct OrderBook;
+//!
+//! impl Check for OrderBook {
+//!     fn check(&self, message: &OrderedMessage) -> Result<(), Poison> {
+//!         match message.payload["quantity"].as_i64() {
+//!             Some(quantity) if quantity > 0 => Ok(()),
+//!             _ => Err(Poison::new("no quantity")),
+//!         }
+//!     }
+//! }
+//!
+//! impl SqliteHandler for OrderBook {
+//!     fn apply(
+//!         &self,
+//!         connection: &Connection,
+//!         message: &OrderedMessage,
+//!     ) -> Result<ApplyOutcome, HandlerError> {
+//!         let sku = message.payload["sku"].as_str().unwrap_or_default();
+//!         let quantity = message.payload["quantity"].as_i64().unwrap_or_default();
+//!         connection.execute(
+//!             "INSERT INTO orders(message_id, customer, sku, quantity) VALUES (?1, ?2, ?3, ?4)",
+//!             (&message.message_id, &message.aggregate_id, sku, quantity),
+//!         )?;
+//!         let lines: i64 = connection.query_row(
+//!             "SELECT COUNT(*) FROM orders WHERE customer = ?1",
+//!             [&message.aggregate_id],
+//!             |row| row.get(0),
+//!         )?;
+//!         let detail = json!({ "lines": lines });
+//!         Ok(ApplyOutcome::Applied { detail: detail.as_object().cloned().unwrap_or_default() })
+//!     }
+//! }
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dir = tempfile::tempdir()?;
-//! let path = dir.path().join("inbox.db");
-//! let inbox = SqliteInbox::open(&path, Synchronous::Full, Limits::default())?;
-//! let message = |id: &str, sequence, amount| OrderedMessage {
+//! let path = dir.path().join("shop.db");
+//! // One file for the inbox's tables and the application's.
+//! let store = Store::open(&path, Synchronous::Full, |connection| {
+//!     schema::migrate(connection)?;
+//!     connection.execute_batch(
+//!         "CREATE TABLE IF NOT EXISTS orders(message_id TEXT PRIMARY KEY, customer TEXT,
+//!                                            sku TEXT, quantity INTEGER)",
+//!     )
+//! })?;
+//! let inbox = SqliteInbox::with_handler(store.clone(), Limits::default(), Arc::new(OrderBook));
+//! let order = |id: &str, sequence, quantity| OrderedMessage {
 //!     message_id: id.into(),
-//!     aggregate_id: "account-7".into(),
+//!     aggregate_id: "customer-7".into(),
 //!     sequence,
-//!     amount,
+//!     payload: json!({ "sku": "tea", "quantity": quantity }),
 //! };
 //!
-//! let first = inbox.deliver(message("m-1", 1, 10), Door::General).await?;
-//! assert!(matches!(first, Outcome::Applied { sequence: 1, total: 10, .. }));
-//! let early = inbox.deliver(message("m-3", 3, 5), Door::General).await?;
-//! assert_eq!(early, Outcome::Gap { expected: 2 });
-//! let poison = inbox.deliver(message("bad-2", 2, -1), Door::General).await?;
-//! assert!(matches!(poison, Outcome::Quarantined { expected: 2, .. }));
+//! let first = inbox.deliver(order("o-1", 1, 2), Door::General).await?;
+//! assert!(matches!(first, Outcome::Applied { sequence: 1, ref detail, .. } if detail["lines"] == 1));
+//! // Delivered again: a replay, and the handler does not run twice.
+//! let again = inbox.deliver(order("o-1", 1, 2), Door::General).await?;
+//! assert!(matches!(again, Outcome::Replay { .. }));
+//! // Ahead of its turn: a gap; nothing applies, nothing is written to `orders`.
+//! assert_eq!(inbox.deliver(order("o-3", 3, 1), Door::General).await?, Outcome::Gap { expected: 2 });
+//! // Poison: a dead letter that blocks the customer's sequence.
+//! let poison = inbox.deliver(order("o-2", 2, 0), Door::General).await?;
+//! assert!(matches!(poison, Outcome::Quarantined { expected: 2, ref reason, .. } if reason.as_str() == "no quantity"));
 //!
-//! // An operator, registered out of band, skips the poison record: no effect, last moves to 2.
-//! operators::add(&path, "alice")?;
-//! let skip = ResolutionRequest {
-//!     producer: None, // an anonymous delivery's dead letter
-//!     dead_letter_id: "bad-2".into(),
-//!     operator: "alice".into(),
-//!     action: Action::Skip,
-//!     expected_last: 1,
-//!     reason: "the order was cancelled upstream".into(),
+//! let count = |connection: &Connection| {
+//!     connection.query_row("SELECT COUNT(*) FROM orders", [], |row| row.get(0))
 //! };
-//! inbox.resolve(skip, Mode::Commit).await?;
-//!
-//! let next = inbox.deliver(message("m-3", 3, 5), Door::General).await?;
-//! assert!(matches!(next, Outcome::Applied { sequence: 3, total: 15, .. }));
+//! let orders: i64 = store.read(move |connection| count(connection).map_err(StoreError::from)).await?;
+//! assert_eq!(orders, 1);
 //! inbox.shutdown().await;
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! On PostgreSQL the same check goes with a [`postgres::PostgresHandler`], whose `apply` gets the
+//! client inside the open transaction. Handlers may also define what "the same content" means
+//! ([`Check::canonical`], see [`content`]); the default is the payload's canonical JSON.
+//!
+//! ## Layout
+//!
+//! The crate is a functional core with storage behind one seam. Its modules import one way,
+//! from the decisions down to the values they share:
+//!
+//! - [`model`], [`error`]: the typed values (messages, doors, statuses, stored enums, limits)
+//!   and the failures.
+//! - [`content`]: what the application says about content: [`Check`], [`Poison`],
+//!   [`ApplyOutcome`], the canonical form, the default handler [`AcceptAll`].
+//! - [`records`], [`timeline`], [`facts`], [`change`]: what the decisions write and read: the
+//!   audit and ownership records, the timeline's entries, the facts a backend reads, the change
+//!   plan a backend writes.
+//! - [`policy`]: the ordering rule for one sequence against the last applied one.
+//! - [`rejected`], [`producers`]: held messages that may no longer apply; who may write an
+//!   aggregate's sequence (producer sessions and epochs, ownership and its transfer).
+//! - [`delivery`], [`resolution`]: the decisions of a delivery and of an operator's resolution:
+//!   facts in, verdict and changes out.
+//! - [`views`]: the evidence read back (aggregate, inventory, dead letters, audit trail).
+//! - [`operators`]: tokens and names of the people who may resolve.
+//! - [`inbox`]: the [`Inbox`] trait every backend implements (async; a backend reads facts,
+//!   writes the decided changes and runs the handler in one transaction serialized per
+//!   aggregate).
+//! - [`sqlite`] (feature `sqlite`, on by default): one writer thread with group commit (a
+//!   savepoint per unit only when a unit fails), read connections, the inbox's schema.
+//! - [`postgres`] (feature `postgres`): for several server processes on one database: a
+//!   connection pool, one transaction per operation serialized per aggregate by advisory and
+//!   row locks, pipelined prepared statements, versioned migrations.
+//! - [`clock`]: the stored timestamp format.
+//!
+//! The two backends are the only modules that know SQL; neither holds an ordering rule. Nothing
+//! here speaks HTTP: verdicts, conflicts and refusals are enums, and a server words them. Nor
+//! does anything here know what a payload means: that is the handler's.
 
 pub mod change;
 pub mod clock;

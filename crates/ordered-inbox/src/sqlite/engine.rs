@@ -432,3 +432,695 @@ impl<'c> Guard<'c> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use rusqlite::params;
+    use rusqlite::types::ValueRef;
+
+    use super::super::facts::{DELIVERY_FACTS, HELD_FOR_AGGREGATE, held_for};
+    use super::super::testing::{detail, migrated, order as message, orders, unit};
+    use super::super::writes::{OBSERVATION_PRUNE, append};
+    use crate::model::{DeadLetterStatus, QuarantineReason};
+    use crate::sqlite::schema::query_plan;
+    use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
+    use crate::views::PageRequest;
+    use serde_json::json;
+
+    fn deliver_through(
+        connection: &Connection,
+        message: &OrderedMessage,
+        door: Door,
+        at: &str,
+    ) -> Outcome {
+        deliver_in(unit(connection, at), message, door)
+            .unwrap()
+            .unwrap()
+    }
+
+    fn deliver(connection: &Connection, message: &OrderedMessage, at: &str) -> Outcome {
+        deliver_through(connection, message, Door::General, at)
+    }
+
+    fn rows(connection: &Connection, sql: &str) -> Vec<String> {
+        let mut statement = connection.prepare(sql).unwrap();
+        let columns = statement.column_count();
+        let mut query = statement.query([]).unwrap();
+        let mut rows = Vec::new();
+        while let Some(row) = query.next().unwrap() {
+            let values: Vec<String> = (0..columns)
+                .map(|i| match row.get_ref(i).unwrap() {
+                    ValueRef::Null => "NULL".to_owned(),
+                    ValueRef::Integer(n) => n.to_string(),
+                    ValueRef::Real(x) => x.to_string(),
+                    ValueRef::Text(t) | ValueRef::Blob(t) => String::from_utf8_lossy(t).into(),
+                })
+                .collect();
+            rows.push(values.join("|"));
+        }
+        rows
+    }
+
+    fn snapshot(connection: &Connection) -> Vec<String> {
+        [
+            "aggregate_state",
+            "deadletters",
+            "ordered_inbox",
+            "aggregate_timeline",
+            "resolutions",
+        ]
+        .iter()
+        .flat_map(|table| rows(connection, &format!("SELECT * FROM {table}")))
+        .collect()
+    }
+
+    /// Every event of the aggregate's timeline, walked `limit` at a time, as
+    /// `id|kind|sequence|detail`.
+    fn walked_timeline(connection: &Connection, aggregate: &str, limit: i64) -> Vec<String> {
+        let mut seen = Vec::new();
+        let mut after = 0;
+        loop {
+            let page =
+                views::timeline(connection, aggregate, PageRequest { after, limit }).unwrap();
+            assert!(page.items.len() <= limit as usize);
+            seen.extend(page.items.iter().map(|event| {
+                let detail = event
+                    .detail
+                    .as_ref()
+                    .map(|d| d.to_string())
+                    .unwrap_or_default();
+                format!(
+                    "{}|{}|{}|{}",
+                    event.id,
+                    event.kind.as_str(),
+                    event.sequence.unwrap_or(0),
+                    detail
+                )
+            }));
+            match page.next {
+                Some(next) => after = next,
+                None => return seen,
+            }
+        }
+    }
+
+    #[test]
+    fn an_applied_event_is_stored_on_its_inbox_row_and_paged_in_order_with_the_others() {
+        let connection = migrated();
+        deliver(&connection, &message("m-1", "a", 1, 5), "t1");
+        deliver(&connection, &message("m-3", "a", 3, 1), "t2"); // a gap
+        deliver(&connection, &message("p-2", "a", 2, -1), "t3"); // quarantined
+        deliver(&connection, &message("m-2", "a", 2, 2), "t4"); // supersedes p-2, applies
+        deliver(&connection, &message("m-3", "a", 3, 3), "t5");
+        deliver(&connection, &message("b-1", "b", 1, 7), "t6"); // another aggregate, between
+        deliver(&connection, &message("m-4", "a", 4, 4), "t7");
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT COUNT(*) FROM aggregate_timeline WHERE kind = 'applied'"
+            ),
+            ["0"]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT message_id, event_id IS NOT NULL, json_extract(applied_detail, '$.ordered')
+                   FROM ordered_inbox WHERE aggregate_id = 'a' ORDER BY sequence"
+            ),
+            ["m-1|1|5", "m-2|1|7", "m-3|1|10", "m-4|1|14"]
+        );
+        let whole = walked_timeline(&connection, "a", 100);
+        let kinds: Vec<&str> = whole.iter().map(|e| e.split('|').nth(1).unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "applied",
+                "gap",
+                "quarantined",
+                "applied",
+                "superseded",
+                "applied",
+                "applied"
+            ]
+        );
+        assert!(
+            whole[0].ends_with(r#"|1|{"quantity":5,"ordered":5}"#),
+            "{}",
+            whole[0]
+        );
+        let ids: Vec<i64> = whole
+            .iter()
+            .map(|e| e.split('|').next().unwrap().parse().unwrap())
+            .collect();
+        assert!(ids.windows(2).all(|pair| pair[0] < pair[1]), "{ids:?}");
+        for limit in 1..=4 {
+            assert_eq!(
+                walked_timeline(&connection, "a", limit),
+                whole,
+                "pages of {limit}"
+            );
+        }
+        assert_eq!(walked_timeline(&connection, "b", 1).len(), 1);
+    }
+
+    #[test]
+    fn a_file_without_its_event_counter_refuses_the_write_instead_of_losing_the_event() {
+        let connection = migrated();
+        connection.execute("DELETE FROM timeline_ids", []).unwrap();
+        let refused = deliver_in(unit(&connection, "t1"), &message("m-1", "a", 1, 5), Door::General);
+        assert!(refused.is_err());
+    }
+
+    #[test]
+    fn a_new_id_at_the_quarantined_sequence_supersedes_the_dead_letter_in_the_rows() {
+        let connection = migrated();
+        deliver(&connection, &message("p", "a", 1, -1), "t1");
+        let outcome = deliver(&connection, &message("fix", "a", 1, 2), "t2");
+        assert_eq!(
+            outcome,
+            Outcome::Applied {
+                sequence: 1,
+                superseded: vec!["p".into()],
+                detail: detail(json!({"quantity": 2, "ordered": 2})),
+            }
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT status, superseded_by, closed_at FROM deadletters WHERE message_id = 'p'"
+            ),
+            ["superseded|fix|t2"]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT last_sequence, total, status, status_since FROM aggregate_state"
+            ),
+            ["1|0|flowing|t2"],
+            "the inbox writes 0 into the seed's total and never touches it again"
+        );
+        assert_eq!(orders(&connection), ["fix|a|2"]);
+    }
+
+    #[test]
+    fn a_resolution_writes_the_audit_row_and_a_dry_run_writes_nothing() {
+        let connection = migrated();
+        connection
+            .execute(
+                "INSERT INTO operators(name, token_hash, created_at) VALUES ('alice', 'h', 't')",
+                [],
+            )
+            .unwrap();
+        deliver(&connection, &message("m-1", "a", 1, 5), "t0");
+        deliver(&connection, &message("poison-2", "a", 2, -1), "t0");
+        let skip = ResolutionRequest {
+            producer: None,
+            dead_letter_id: "poison-2".into(),
+            operator: "alice".into(),
+            action: Action::Skip,
+            expected_last: 1,
+            reason: "duplicate order".into(),
+        };
+        let before = snapshot(&connection);
+        let rehearsal = resolve_in(unit(&connection, "t1"), &skip, Mode::DryRun).unwrap();
+        assert_eq!(snapshot(&connection), before);
+        let Resolved::New(record) =
+            resolve_in(unit(&connection, "t1"), &skip, Mode::Commit).unwrap()
+        else {
+            panic!("expected a resolution");
+        };
+        assert_eq!(record.resolution_id, Some(1));
+        assert_eq!(
+            rehearsal,
+            Resolved::DryRun(ResolutionRecord {
+                resolution_id: None,
+                ..record.clone()
+            })
+        );
+        assert_eq!(
+            views::resolution_of(&connection, None, "poison-2").unwrap(),
+            Some(record)
+        );
+        let event = rows(
+            &connection,
+            "SELECT kind, detail FROM aggregate_timeline WHERE kind = 'resolved'",
+        );
+        assert_eq!(
+            event,
+            [format!(
+                "resolved|{}",
+                TimelineDetail::Resolved {
+                    resolution_id: 1,
+                    action: crate::ActionKind::Skip,
+                    operator: "alice".into(),
+                    reason: "duplicate order".into(),
+                    replacement_message_id: None
+                }
+                .to_json()
+                .unwrap()
+            )]
+        );
+        let refused = resolve_in(
+            unit(&connection, "t2"),
+            &ResolutionRequest {
+                reason: "again".into(),
+                ..skip
+            },
+            Mode::Commit,
+        )
+        .unwrap_err();
+        let ResolutionError::Conflict { current, .. } = refused else {
+            panic!("expected a conflict, got {refused:?}");
+        };
+        assert_eq!(current.aggregate.map(|a| a.last), Some(2));
+        assert_eq!(
+            current.dead_letter.map(|d| d.status),
+            Some(DeadLetterStatus::Resolved)
+        );
+    }
+
+    #[test]
+    fn observations_keep_only_the_newest_hundred_per_aggregate() {
+        let connection = migrated();
+        for sequence in 0..250 {
+            let entry = TimelineEntry {
+                aggregate_id: "a".into(),
+                at: "t".into(),
+                kind: TimelineKind::Gap,
+                sequence: Some(sequence),
+                message_id: Some("m".into()),
+                detail: TimelineDetail::Expected { expected: 1 },
+            };
+            append(&connection, &entry).unwrap();
+        }
+        let state_event = TimelineEntry {
+            aggregate_id: "b".into(),
+            at: "t".into(),
+            kind: TimelineKind::Quarantined,
+            sequence: None,
+            message_id: None,
+            detail: TimelineDetail::Quarantined {
+                reason: QuarantineReason::new("negative quantity"),
+                detail: detail(json!({"quantity": -1})),
+            },
+        };
+        append(&connection, &state_event).unwrap();
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT COUNT(*), MIN(sequence) FROM aggregate_timeline WHERE aggregate_id = 'a'"
+            ),
+            ["100|150"]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = 'b'"
+            ),
+            ["1"]
+        );
+    }
+
+    #[test]
+    fn recording_an_observation_never_scans_the_timeline() {
+        let connection = migrated();
+        for sql in [
+            OBSERVATION_PRUNE,
+            "SELECT observation_no FROM aggregate_timeline
+              WHERE aggregate_id = ?1 AND observation_no IS NOT NULL
+              ORDER BY observation_no DESC LIMIT ?2",
+        ] {
+            let details = query_plan(&connection, sql, params!["a", 1]);
+            assert!(
+                details.iter().all(|d| !d.starts_with("SCAN")),
+                "{details:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn held_rows_are_read_without_re_preparing() {
+        let connection = migrated();
+        // Held out of order, so the sort has something to do.
+        for (id, sequence) in [("m-4", 4), ("m-2", 2), ("m-3", 3)] {
+            deliver_through(&connection, &message(id, "a", sequence, 1), Door::Broker, "t1");
+        }
+        let next = message("m-5", "a", 5, 1);
+        for _ in 0..20 {
+            let by_resolution = held_for(&connection, "a").unwrap();
+            let by_delivery = delivery_facts(&connection, None, &next).unwrap().facts.held;
+            for held in [by_resolution, by_delivery] {
+                let sequences: Vec<i64> = held.iter().map(|row| row.message.sequence).collect();
+                assert_eq!(sequences, [2, 3, 4]);
+            }
+        }
+        for sql in [HELD_FOR_AGGREGATE, DELIVERY_FACTS] {
+            let statement = connection.prepare_cached(sql).unwrap();
+            assert_eq!(
+                statement.get_status(rusqlite::StatementStatus::RePrepare),
+                0,
+                "every delivery reads the held rows; a re-prepare per read is a parse per delivery"
+            );
+        }
+    }
+
+    #[test]
+    fn the_aggregate_row_and_its_status_index_follow_every_delivery() {
+        let connection = migrated();
+        let by_status = |status: &str| {
+            rows(
+                &connection,
+                &format!(
+                    "SELECT aggregate_id, last_sequence, status_since FROM aggregate_state
+                      INDEXED BY ix_aggregate_state_status WHERE status = '{status}'"
+                ),
+            )
+        };
+        deliver(&connection, &message("m-1", "a", 1, 5), "t1");
+        deliver(&connection, &message("m-2", "a", 2, 3), "t2");
+        assert_eq!(by_status("flowing"), ["a|2|t1"]);
+        deliver(&connection, &message("m-3", "a", 3, -1), "t3");
+        assert_eq!(by_status("blocked"), ["a|2|t3"]);
+        assert!(by_status("flowing").is_empty());
+        deliver(&connection, &message("m-3b", "a", 3, 4), "t4");
+        deliver(&connection, &message("m-4", "a", 4, 1), "t5");
+        assert_eq!(by_status("flowing"), ["a|4|t4"]);
+        assert_eq!(rows(&connection, "SELECT ordered FROM books"), ["13"]);
+        assert!(by_status("blocked").is_empty());
+        assert_eq!(rows(&connection, "PRAGMA integrity_check"), ["ok"]);
+    }
+
+    #[test]
+    fn a_delivery_reads_its_facts_by_index_seeks_only() {
+        let connection = migrated();
+        let details = query_plan(&connection, DELIVERY_FACTS, params!["", "m-1", "a"]);
+        let seeks = details.iter().filter(|d| d.starts_with("SEARCH")).count();
+        assert_eq!(seeks, 5, "{details:?}");
+        assert!(
+            details.iter().all(|d| !d.starts_with("SCAN")),
+            "{details:?}"
+        );
+    }
+
+    #[test]
+    fn one_read_finds_every_fact_of_a_delivery() {
+        let connection = migrated();
+        deliver(&connection, &message("m-1", "a", 1, 1), "t1");
+        deliver(&connection, &message("m-3", "a", 3, 1), "t2");
+        deliver_through(&connection, &message("m-4", "a", 4, 1), Door::Broker, "t3");
+        let applied = delivery_facts(&connection, None, &message("m-1", "a", 1, 1)).unwrap();
+        assert_eq!(applied.facts.applied.unwrap().sequence, Some(1));
+        assert_eq!(applied.facts.aggregate.unwrap().last, 1);
+        let gap = delivery_facts(&connection, None, &message("m-3", "a", 3, 1)).unwrap();
+        assert!(gap.facts.applied.is_none());
+        assert_eq!(gap.facts.held.len(), 1);
+        let held = delivery_facts(&connection, None, &message("m-4", "a", 4, 1)).unwrap();
+        assert_eq!(held.facts.held_message.unwrap().message.sequence, 4);
+        let producers = delivery_facts(&connection, Some("p"), &message("m-1", "a", 1, 1)).unwrap();
+        assert!(producers.facts.applied.is_none() && producers.facts.held_message.is_none());
+        assert!(producers.owner.is_none());
+    }
+
+    #[test]
+    fn held_rows_are_written_by_the_broker_door_and_drained_by_the_predecessor() {
+        let connection = migrated();
+        let broker = |message: &OrderedMessage| deliver_through(&connection, message, Door::Broker, "t1");
+        assert!(matches!(
+            broker(&message("m-3", "a", 3, 3)),
+            Outcome::Held { held: 1, .. }
+        ));
+        assert!(matches!(
+            broker(&message("m-2", "a", 2, 2)),
+            Outcome::Held { held: 2, .. }
+        ));
+        assert!(matches!(
+            broker(&message("m-2", "a", 2, 2)),
+            Outcome::Held { repeated: true, .. }
+        ));
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT message_id, sequence FROM held_messages ORDER BY sequence"
+            ),
+            ["m-2|2", "m-3|3"]
+        );
+        assert_eq!(
+            rows(&connection, "SELECT status FROM aggregate_state"),
+            ["waiting"]
+        );
+        let view = views::aggregate_view(&connection, "a").unwrap().unwrap();
+        assert_eq!((view.held_sequences, view.held_count), (vec![2, 3], 2));
+        broker(&message("m-1", "a", 1, 1));
+        assert!(rows(&connection, "SELECT * FROM held_messages").is_empty());
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT last_sequence, status FROM aggregate_state"
+            ),
+            ["3|flowing"]
+        );
+        assert_eq!(
+            orders(&connection),
+            ["m-1|a|1", "m-2|a|2", "m-3|a|3"],
+            "each drained message went through the handler"
+        );
+        assert_eq!(rows(&connection, "SELECT ordered FROM books"), ["6"]);
+        let timeline = views::timeline(
+            &connection,
+            "a",
+            PageRequest {
+                after: 0,
+                limit: 50,
+            },
+        )
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|event| format!("{}|{}", event.kind.as_str(), event.sequence.unwrap_or(0)))
+        .collect::<Vec<_>>();
+        assert_eq!(
+            timeline,
+            [
+                "held|3",
+                "held|2",
+                "applied|1",
+                "drained|2",
+                "applied|2",
+                "drained|3",
+                "applied|3"
+            ]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT message_id FROM ordered_inbox ORDER BY sequence"
+            ),
+            ["m-1", "m-2", "m-3"]
+        );
+    }
+
+    fn cap(connection: &Connection, aggregate: &str, most: i64) {
+        connection
+            .execute("INSERT INTO caps(aggregate_id, most) VALUES (?1, ?2)", params![aggregate, most])
+            .unwrap();
+    }
+
+    #[test]
+    fn a_poison_from_apply_after_it_wrote_a_row_leaves_no_trace_of_that_row() {
+        let connection = migrated();
+        cap(&connection, "a", 5);
+        deliver(&connection, &message("m-1", "a", 1, 4), "t1");
+        let outcome = deliver(&connection, &message("m-2", "a", 2, 3), "t2");
+        // Recorded exactly as a poison from the check: a dead letter blocking the aggregate.
+        assert_eq!(
+            outcome,
+            Outcome::Quarantined {
+                expected: 2,
+                reason: QuarantineReason::new("over the cap"),
+                dead_letter: Some(crate::DeadLetterNote {
+                    status: DeadLetterStatus::Open,
+                    observations: 1
+                }),
+            }
+        );
+        assert_eq!(orders(&connection), ["m-1|a|4"], "m-2's order row was rolled back");
+        assert_eq!(rows(&connection, "SELECT ordered FROM books"), ["4"]);
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT message_id, reason, status FROM deadletters"
+            ),
+            ["m-2|over the cap|open"]
+        );
+        assert_eq!(
+            rows(&connection, "SELECT last_sequence, status FROM aggregate_state"),
+            ["1|blocked"]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT detail FROM aggregate_timeline WHERE kind = 'quarantined'"
+            ),
+            [r#"{"reason":"over the cap","quantity":3}"#]
+        );
+        assert_eq!(rows(&connection, "SELECT COUNT(*) FROM ordered_inbox"), ["1"]);
+    }
+
+    #[test]
+    fn a_handler_error_records_nothing_of_the_delivery_and_a_retry_applies_it_once() {
+        let connection = migrated();
+        connection
+            .execute("INSERT INTO outage(aggregate_id) VALUES ('a')", [])
+            .unwrap();
+        let before = snapshot(&connection);
+        let failed = deliver_in(unit(&connection, "t1"), &message("m-1", "a", 1, 2), Door::General)
+            .unwrap();
+        assert_eq!(
+            failed,
+            Err(HandlerError::new("the order book is unavailable"))
+        );
+        assert_eq!(snapshot(&connection), before, "no inbox row, no timeline event");
+        assert!(orders(&connection).is_empty(), "the handler's own row is gone too");
+        connection.execute("DELETE FROM outage", []).unwrap();
+        assert!(matches!(
+            deliver(&connection, &message("m-1", "a", 1, 2), "t2"),
+            Outcome::Applied { sequence: 1, .. }
+        ));
+        assert!(matches!(
+            deliver(&connection, &message("m-1", "a", 1, 2), "t3"),
+            Outcome::Replay { .. }
+        ));
+        assert_eq!(orders(&connection), ["m-1|a|2"]);
+    }
+
+    #[test]
+    fn a_poison_from_apply_in_a_drain_quarantines_that_held_message_and_stops_the_drain() {
+        let connection = migrated();
+        cap(&connection, "a", 3);
+        for (id, sequence, quantity) in [("m-2", 2, 5), ("m-3", 3, 1)] {
+            let held = deliver_through(
+                &connection,
+                &message(id, "a", sequence, quantity),
+                Door::Broker,
+                "t1",
+            );
+            assert!(matches!(held, Outcome::Held { .. }));
+        }
+        let first = deliver_through(&connection, &message("m-1", "a", 1, 1), Door::Broker, "t2");
+        assert_eq!(
+            first,
+            Outcome::Applied {
+                sequence: 1,
+                superseded: vec![],
+                detail: detail(json!({"quantity": 1, "ordered": 1})),
+            }
+        );
+        assert_eq!(orders(&connection), ["m-1|a|1"]);
+        assert_eq!(
+            rows(&connection, "SELECT message_id, reason FROM deadletters"),
+            ["m-2|over the cap"]
+        );
+        assert_eq!(
+            rows(&connection, "SELECT message_id FROM held_messages"),
+            ["m-3"],
+            "the drain stopped at the poison"
+        );
+        assert_eq!(
+            rows(&connection, "SELECT last_sequence, status FROM aggregate_state"),
+            ["1|blocked"]
+        );
+    }
+
+    fn replace(connection: &Connection, id: &str, quantity: i64, at: &str) -> Result<Resolved, ResolutionError> {
+        let request = ResolutionRequest {
+            producer: None,
+            dead_letter_id: "bad-2".into(),
+            operator: "alice".into(),
+            action: Action::Replace {
+                message_id: id.into(),
+                payload: json!({ "quantity": quantity }),
+            },
+            expected_last: 1,
+            reason: "corrected upstream".into(),
+        };
+        resolve_in(unit(connection, at), &request, Mode::Commit)
+    }
+
+    /// `a` at last 1 (an order of 1), blocked by `bad-2`, with `m-3` (3) held behind it.
+    fn blocked_with_a_held_successor() -> Connection {
+        let connection = migrated();
+        connection
+            .execute(
+                "INSERT INTO operators(name, token_hash, created_at) VALUES ('alice', 'h', 't')",
+                [],
+            )
+            .unwrap();
+        deliver(&connection, &message("m-1", "a", 1, 1), "t0");
+        deliver(&connection, &message("bad-2", "a", 2, -1), "t0");
+        deliver_through(&connection, &message("m-3", "a", 3, 3), Door::Broker, "t0");
+        connection
+    }
+
+    #[test]
+    fn a_replacement_and_the_drain_after_it_run_the_handler_and_the_audit_row_shows_its_states() {
+        let connection = blocked_with_a_held_successor();
+        let Resolved::New(record) = replace(&connection, "fix-2", 4, "t1").unwrap() else {
+            panic!("expected a resolution");
+        };
+        assert_eq!(orders(&connection), ["fix-2|a|4", "m-1|a|1", "m-3|a|3"]);
+        assert_eq!(record.before.state, Some(json!({"ordered": 1})));
+        assert_eq!(
+            record.after.state,
+            Some(json!({"ordered": 5})),
+            "after the replacement, before the drain"
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT replacement_payload, before_state, after_state FROM resolutions"
+            ),
+            [r#"{"quantity":4}|{"ordered":1}|{"ordered":5}"#]
+        );
+        assert_eq!(
+            views::resolution_of(&connection, None, "bad-2").unwrap(),
+            Some(record)
+        );
+    }
+
+    #[test]
+    fn a_replacement_that_apply_finds_poison_is_refused_and_writes_nothing() {
+        let connection = blocked_with_a_held_successor();
+        cap(&connection, "a", 2);
+        let before = snapshot(&connection);
+        let refused = replace(&connection, "fix-2", 4, "t1").unwrap_err();
+        assert!(
+            matches!(&refused, ResolutionError::ReplacementQuarantined(reason) if reason.as_str() == "over the cap"),
+            "{refused:?}"
+        );
+        assert_eq!(snapshot(&connection), before);
+        assert_eq!(orders(&connection), ["m-1|a|1"]);
+    }
+
+    #[test]
+    fn a_skips_audit_row_shows_the_same_state_before_and_after() {
+        let connection = blocked_with_a_held_successor();
+        let skip = ResolutionRequest {
+            producer: None,
+            dead_letter_id: "bad-2".into(),
+            operator: "alice".into(),
+            action: Action::Skip,
+            expected_last: 1,
+            reason: "cancelled".into(),
+        };
+        let Resolved::New(record) = resolve_in(unit(&connection, "t1"), &skip, Mode::Commit).unwrap()
+        else {
+            panic!("expected a resolution");
+        };
+        assert_eq!(record.before.state, Some(json!({"ordered": 1})));
+        assert_eq!(record.after.state, record.before.state);
+        assert_eq!(orders(&connection), ["m-1|a|1", "m-3|a|3"], "the drain ran the handler");
+    }
+}
+

@@ -20,6 +20,8 @@ pub mod operators;
 mod rejected;
 mod rows;
 pub mod schema;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod store;
 pub mod views;
 mod writes;
@@ -330,3 +332,439 @@ impl Inbox for SqliteInbox {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::{AggregateOwner, TransferRefusal};
+    use crate::sqlite::operators::add_to;
+    use crate::sqlite::testing::{ORDER_TABLES, Orders, order};
+
+    fn message(id: &str, sequence: i64, quantity: i64) -> OrderedMessage {
+        order(id, "acct", sequence, quantity)
+    }
+
+    /// An inbox whose file holds the order book too, with the order book's handler.
+    fn order_book(path: &Path) -> SqliteInbox {
+        let store = Store::open(path, Synchronous::Normal, |connection| {
+            schema::migrate(connection)?;
+            connection.execute_batch(ORDER_TABLES)
+        })
+        .unwrap();
+        SqliteInbox::with_handler(store, Limits::default(), Arc::new(Orders))
+    }
+
+    async fn scalar(inbox: &SqliteInbox, sql: &'static str) -> i64 {
+        inbox
+            .store()
+            .read(move |connection| {
+                connection
+                    .query_row(sql, [], |row| row.get(0))
+                    .map_err(StoreError::from)
+            })
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn applied_messages_page_in_sequence_order_and_a_dead_letter_reads_by_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = SqliteInbox::open(
+            &dir.path().join("inbox.db"),
+            Synchronous::Normal,
+            Limits::default(),
+        )
+        .unwrap();
+        for (id, sequence, quantity) in [("m-1", 1, 5), ("m-2", 2, 7)] {
+            inbox
+                .deliver(message(id, sequence, quantity), Door::General)
+                .await
+                .unwrap();
+        }
+        let first = inbox
+            .applied_messages("acct".into(), PageRequest { after: 0, limit: 1 })
+            .await
+            .unwrap();
+        assert_eq!(first.items.len(), 1);
+        assert_eq!(first.items[0].message_id, "m-1");
+        assert_eq!(first.items[0].sequence, Some(1));
+        assert_eq!(first.items[0].payload, serde_json::json!({"quantity": 5}));
+        assert_eq!(first.next, Some(1));
+        let rest = inbox
+            .applied_messages(
+                "acct".into(),
+                PageRequest {
+                    after: 1,
+                    limit: 10,
+                },
+            )
+            .await
+            .unwrap();
+        let ids: Vec<&str> = rest.items.iter().map(|m| m.message_id.as_str()).collect();
+        assert_eq!((ids, rest.next), (vec!["m-2"], None));
+
+        inbox.shutdown().await;
+        // The order book's handler finds a negative quantity poison.
+        let books = order_book(&dir.path().join("orders.db"));
+        books
+            .deliver(message("m-1", 1, 5), Door::General)
+            .await
+            .unwrap();
+        books
+            .deliver(message("bad-2", 2, -1), Door::General)
+            .await
+            .unwrap();
+        let poison = books
+            .dead_letter(None, "bad-2".into())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(poison.sequence, Some(2));
+        assert_eq!(poison.status, crate::DeadLetterStatus::Open);
+        assert_eq!(poison.reason.as_str(), "negative quantity");
+        assert_eq!(books.dead_letter(None, "m-1".into()).await.unwrap(), None);
+        books.shutdown().await;
+    }
+
+    fn message_in_a(id: &str, sequence: i64) -> OrderedMessage {
+        order(id, "a", sequence, 1)
+    }
+
+    #[tokio::test]
+    async fn a_batch_is_one_unit_of_one_commit_and_each_delivery_sees_the_ones_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = SqliteInbox::open(
+            &dir.path().join("b.db"),
+            Synchronous::Normal,
+            Limits::default(),
+        )
+        .unwrap();
+        let before = inbox.store().stats();
+        let batch = vec![
+            BatchDelivery::anonymous(message_in_a("m-2", 2), Door::Broker),
+            BatchDelivery::anonymous(message_in_a("m-1", 1), Door::Broker),
+            BatchDelivery::anonymous(message_in_a("m-2", 2), Door::Broker),
+        ];
+        let outcomes = inbox.deliver_batch(batch).await.unwrap();
+        assert!(matches!(outcomes[0], Ok(Outcome::Held { .. })));
+        assert!(matches!(
+            outcomes[1],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
+        assert!(
+            matches!(outcomes[2], Ok(Outcome::Replay { .. })),
+            "{:?}",
+            outcomes[2]
+        );
+        let after = inbox.store().stats();
+        assert_eq!(
+            (after.commits - before.commits, after.units - before.units),
+            (1, 1)
+        );
+        assert_eq!(inbox.counts("a".into()).await.unwrap().last, 2);
+        inbox.shutdown().await;
+    }
+
+    fn in_aggregate(id: &str, aggregate: &str, sequence: i64) -> OrderedMessage {
+        order(id, aggregate, sequence, 1)
+    }
+
+    fn claim(producer: &str, epoch: i64) -> Option<ProducerClaim> {
+        Some(ProducerClaim {
+            producer: producer.into(),
+            epoch,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_claim_a_fence_and_a_transfer_are_written_in_the_delivery_unit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let inbox = SqliteInbox::open(&path, Synchronous::Normal, Limits::default()).unwrap();
+        let billing_token = add_to(Registry::Producers, &path, "billing").unwrap();
+        add_to(Registry::Producers, &path, "shipping").unwrap();
+        crate::sqlite::operators::add(&path, "alice").unwrap();
+        assert_eq!(
+            inbox
+                .check_producer(billing_token)
+                .await
+                .unwrap()
+                .as_deref(),
+            Some("billing")
+        );
+        assert_eq!(inbox.start_session("billing".into()).await.unwrap(), Ok(1));
+        assert_eq!(inbox.start_session("shipping".into()).await.unwrap(), Ok(1));
+
+        let first = inbox
+            .deliver_as(
+                in_aggregate("m-1", "acct", 1),
+                Door::General,
+                claim("billing", 1),
+            )
+            .await
+            .unwrap();
+        assert!(matches!(first, Ok(Outcome::Applied { sequence: 1, .. })));
+        let state = inbox.ownership("acct".into()).await.unwrap();
+        assert_eq!(
+            state.owner,
+            Some(AggregateOwner {
+                producer: "billing".into(),
+                epoch: 1
+            })
+        );
+        assert_eq!(
+            inbox
+                .deliver_as(
+                    in_aggregate("m-1", "acct", 2),
+                    Door::General,
+                    claim("shipping", 1)
+                )
+                .await
+                .unwrap(),
+            Err(ProducerRefusal::NotOwner {
+                owner: "billing".into()
+            })
+        );
+        assert_eq!(inbox.start_session("billing".into()).await.unwrap(), Ok(2));
+        assert_eq!(
+            inbox
+                .deliver_as(
+                    in_aggregate("m-2", "acct", 2),
+                    Door::General,
+                    claim("billing", 1)
+                )
+                .await
+                .unwrap(),
+            Err(ProducerRefusal::Fenced {
+                offered: 1,
+                current_epoch: 2
+            })
+        );
+        assert_eq!(inbox.counts("acct".into()).await.unwrap().last, 1);
+
+        let request = TransferRequest {
+            aggregate_id: "acct".into(),
+            operator: "alice".into(),
+            producer: "shipping".into(),
+            expected_owner: Some("billing".into()),
+            expected_last: 0,
+            reason: "billing retired".into(),
+        };
+        let stale = inbox.transfer_owner(request.clone()).await.unwrap();
+        assert_eq!(
+            stale.map_err(|conflict| (conflict.refusal, conflict.current.last)),
+            Err((TransferRefusal::LastMismatch, 1))
+        );
+        let record = inbox
+            .transfer_owner(TransferRequest {
+                expected_last: 1,
+                ..request
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(record.from_owner.as_deref(), Some("billing"));
+        assert_eq!(
+            inbox
+                .deliver_as(
+                    in_aggregate("m-2", "acct", 2),
+                    Door::General,
+                    claim("billing", 2)
+                )
+                .await
+                .unwrap(),
+            Err(ProducerRefusal::NotOwner {
+                owner: "shipping".into()
+            })
+        );
+        let listed = inbox.producers().await.unwrap();
+        let counts: Vec<(&str, i64, i64)> = listed
+            .iter()
+            .map(|p| (p.name.as_str(), p.current_epoch, p.owned_aggregates))
+            .collect();
+        assert_eq!(counts, [("billing", 2, 0), ("shipping", 1, 1)]);
+        assert!(listed[0].last_delivery_at.is_some());
+        inbox.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_batch_checks_each_claim_in_its_unit_and_a_refusal_never_stops_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.db");
+        let inbox = SqliteInbox::open(&path, Synchronous::Normal, Limits::default()).unwrap();
+        add_to(Registry::Producers, &path, "billing").unwrap();
+        add_to(Registry::Producers, &path, "shipping").unwrap();
+        assert_eq!(inbox.start_session("billing".into()).await.unwrap(), Ok(1));
+        assert_eq!(inbox.start_session("shipping".into()).await.unwrap(), Ok(1));
+        let by = |message: OrderedMessage, who: Option<ProducerClaim>| BatchDelivery {
+            message,
+            door: Door::Broker,
+            claim: who,
+        };
+        let before = inbox.store().stats();
+        let verdicts = inbox
+            .deliver_batch(vec![
+                // billing claims `acct` with its first message; the rest of the batch sees it.
+                by(in_aggregate("m-1", "acct", 1), claim("billing", 1)),
+                by(in_aggregate("s-2", "acct", 2), claim("shipping", 1)),
+                by(in_aggregate("x-2", "acct", 2), None),
+                by(in_aggregate("m-2", "acct", 2), claim("billing", 1)),
+                // the same id, another producer, another aggregate: another message.
+                by(in_aggregate("m-1", "ship", 1), claim("shipping", 1)),
+                // a producer's message ahead of its turn is not held (a gap, nak'd by a broker).
+                by(in_aggregate("m-4", "acct", 4), claim("billing", 1)),
+            ])
+            .await
+            .unwrap();
+        let after = inbox.store().stats();
+        assert_eq!(
+            after.commits - before.commits,
+            1,
+            "one COMMIT for the batch"
+        );
+        assert!(matches!(
+            verdicts[0],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
+        assert_eq!(
+            verdicts[1],
+            Err(Undelivered::Refused(ProducerRefusal::NotOwner {
+                owner: "billing".into()
+            }))
+        );
+        assert_eq!(
+            verdicts[2],
+            Err(Undelivered::Refused(ProducerRefusal::OwnerRequired))
+        );
+        assert!(matches!(
+            verdicts[3],
+            Ok(Outcome::Applied { sequence: 2, .. })
+        ));
+        assert!(matches!(
+            verdicts[4],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
+        assert_eq!(verdicts[5], Ok(Outcome::Gap { expected: 3 }));
+        let acct = inbox.aggregate("acct".into()).await.unwrap().unwrap();
+        assert_eq!((acct.summary.last, acct.held_count), (2, 0));
+
+        // A new session fences the older epoch for every message of a later batch.
+        assert_eq!(inbox.start_session("billing".into()).await.unwrap(), Ok(2));
+        let verdicts = inbox
+            .deliver_batch(vec![
+                by(in_aggregate("m-3", "acct", 3), claim("billing", 1)),
+                by(in_aggregate("m-3b", "acct", 3), claim("billing", 2)),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(
+            verdicts[0],
+            Err(Undelivered::Refused(ProducerRefusal::Fenced {
+                offered: 1,
+                current_epoch: 2
+            }))
+        );
+        assert!(matches!(
+            verdicts[1],
+            Ok(Outcome::Applied { sequence: 3, .. })
+        ));
+        assert_eq!(inbox.counts("acct".into()).await.unwrap().last, 3);
+        inbox.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_handler_error_in_one_delivery_of_a_batch_leaves_the_others_applied_and_it_applies_once_when_retried()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = order_book(&dir.path().join("o.db"));
+        inbox
+            .store()
+            .write(|connection| {
+                connection
+                    .execute("INSERT INTO outage(aggregate_id) VALUES ('b')", [])
+                    .map_err(StoreError::from)
+            })
+            .await
+            .unwrap();
+        let batch = |ids: [(&str, &str); 3]| {
+            ids.map(|(id, aggregate)| BatchDelivery::anonymous(order(id, aggregate, 1, 2), Door::Broker))
+                .to_vec()
+        };
+        let before = inbox.store().stats();
+        let verdicts = inbox
+            .deliver_batch(batch([("a-1", "a"), ("b-1", "b"), ("c-1", "c")]))
+            .await
+            .unwrap();
+        assert!(matches!(verdicts[0], Ok(Outcome::Applied { .. })));
+        assert_eq!(
+            verdicts[1],
+            Err(Undelivered::Handler(crate::HandlerError::new(
+                "the order book is unavailable"
+            )))
+        );
+        assert!(matches!(verdicts[2], Ok(Outcome::Applied { .. })));
+        let after = inbox.store().stats();
+        assert_eq!(
+            (after.commits - before.commits, after.replayed - before.replayed),
+            (1, 0),
+            "one commit, and the failure stayed inside its delivery"
+        );
+        assert_eq!(
+            scalar(&inbox, "SELECT COUNT(*) FROM orders WHERE aggregate_id = 'b'").await,
+            0
+        );
+        assert_eq!(inbox.counts("b".into()).await.unwrap().applied, 0);
+        assert_eq!(scalar(&inbox, "SELECT COUNT(*) FROM orders").await, 2);
+
+        inbox
+            .store()
+            .write(|connection| {
+                connection
+                    .execute("DELETE FROM outage", [])
+                    .map_err(StoreError::from)
+            })
+            .await
+            .unwrap();
+        let retried = inbox
+            .deliver_batch(batch([("a-1", "a"), ("b-1", "b"), ("c-1", "c")]))
+            .await
+            .unwrap();
+        assert!(matches!(retried[0], Ok(Outcome::Replay { .. })));
+        assert!(matches!(retried[1], Ok(Outcome::Applied { sequence: 1, .. })));
+        assert!(matches!(retried[2], Ok(Outcome::Replay { .. })));
+        assert_eq!(
+            scalar(&inbox, "SELECT COUNT(*) FROM orders WHERE aggregate_id = 'b'").await,
+            1
+        );
+        assert_eq!(scalar(&inbox, "SELECT COUNT(*) FROM orders").await, 3);
+        inbox.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_handler_error_fails_a_single_delivery_without_failing_its_group_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = order_book(&dir.path().join("g.db"));
+        inbox
+            .store()
+            .write(|connection| {
+                connection
+                    .execute("INSERT INTO outage(aggregate_id) VALUES ('b')", [])
+                    .map_err(StoreError::from)
+            })
+            .await
+            .unwrap();
+        let (failed, applied) = tokio::join!(
+            inbox.deliver(order("b-1", "b", 1, 1), Door::General),
+            inbox.deliver(order("a-1", "a", 1, 1), Door::General),
+        );
+        assert_eq!(
+            failed,
+            Err(InboxError::Handler(crate::HandlerError::new(
+                "the order book is unavailable"
+            )))
+        );
+        assert!(matches!(applied, Ok(Outcome::Applied { .. })));
+        assert_eq!(inbox.store().stats().replayed, 0);
+        assert_eq!(scalar(&inbox, "SELECT COUNT(*) FROM orders").await, 1);
+        inbox.shutdown().await;
+    }
+}

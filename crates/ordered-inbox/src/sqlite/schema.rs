@@ -572,6 +572,7 @@ pub(crate) fn query_plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::views::PageRequest;
 
     #[test]
     fn a_seed_file_is_recognised_and_upgraded_once() {
@@ -906,8 +907,8 @@ mod tests {
         let indexes = strings(&connection, index_sql);
         assert_eq!(indexes.len(), 10);
 
-        migrate(&mut connection).unwrap();
-        assert_eq!(found_version(&connection).unwrap(), current_version());
+        migrate_to(&mut connection, seed_keys_version()).unwrap();
+        assert_eq!(found_version(&connection).unwrap(), seed_keys_version());
         let after: Vec<Vec<String>> = tables.iter().map(|t| dump(&connection, t)).collect();
         assert_eq!(after, rows);
         assert_eq!(strings(&connection, index_sql), indexes);
@@ -932,6 +933,96 @@ mod tests {
         let orphan = "INSERT INTO resolutions VALUES (2, 'p-2', 'b', 2, 'skip', 'alice', 'why', 1,
                                                       NULL, NULL, 1, 2, 2, 2, 't6', 'shipping')";
         assert!(connection.execute(orphan, []).is_err());
+    }
+
+    #[test]
+    fn version_10_moves_the_ledgers_figures_into_generic_columns_with_the_same_meaning() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        connection
+            .pragma_update(None, "foreign_keys", true)
+            .unwrap();
+        migrate_to(&mut connection, seed_keys_version()).unwrap();
+        connection
+            .execute_batch(
+                r#"INSERT INTO operators VALUES ('alice', 'h', 't', NULL);
+                 INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence, amount,
+                                           applied_at, producer, event_id, total_after)
+                 VALUES ('m-1', '{"AggregateId":"a","Sequence":1,"Amount":5}', 'a', 1, 5, 't1',
+                         '', 1, 5),
+                        ('fix-2', '{"AggregateId":"a","Sequence":2,"Amount":3}', 'a', 2, 3, 't3',
+                         '', 3, 8),
+                        ('old', '{"AggregateId":"demo","Sequence":1,"Amount":1}', 'demo', 1, 1,
+                         NULL, '', NULL, NULL);
+                 INSERT INTO deadletters(message_id, reason, aggregate_id, sequence, payload,
+                                         first_seen, last_seen, observations, status,
+                                         resolution_id, id, producer)
+                 VALUES ('p-2', 'negative amount', 'a', 2,
+                         '{"AggregateId":"a","Sequence":2,"Amount":-1}', 't2', 't2', 1,
+                         'resolved', 1, 1, '');
+                 INSERT INTO resolutions(id, message_id, aggregate_id, sequence, action, operator,
+                                         reason, expected_last, replacement_message_id,
+                                         replacement_amount, before_last, before_total,
+                                         after_last, after_total, resolved_at, producer)
+                 VALUES (1, 'p-2', 'a', 2, 'replace', 'alice', 'fixed', 1, 'fix-2', 3, 1, 5,
+                         2, 8, 't3', '');
+                 INSERT INTO held_messages(message_id, aggregate_id, sequence, amount, payload,
+                                           held_at)
+                 VALUES ('m-4', 'a', 4, 2, '{"AggregateId":"a","Sequence":4,"Amount":2}', 't4');"#,
+            )
+            .unwrap();
+        migrate(&mut connection).unwrap();
+        assert_eq!(found_version(&connection).unwrap(), current_version());
+        assert_eq!(
+            strings(
+                &connection,
+                "SELECT message_id || '|' || IFNULL(applied_detail, 'none') FROM ordered_inbox
+                  ORDER BY rowid"
+            ),
+            [
+                r#"m-1|{"amount":5,"total":5}"#,
+                r#"fix-2|{"amount":3,"total":8}"#,
+                "old|none"
+            ]
+        );
+        let page = PageRequest {
+            after: 0,
+            limit: 10,
+        };
+        let events = super::super::views::timeline(&connection, "a", page).unwrap();
+        let details: Vec<String> = events
+            .items
+            .iter()
+            .map(|event| format!("{:?}", event.detail))
+            .collect();
+        assert_eq!(
+            details,
+            [
+                r#"Some(Object {"amount": Number(5), "total": Number(5)})"#,
+                r#"Some(Object {"amount": Number(3), "total": Number(8)})"#
+            ],
+            "the timeline shows what it showed before"
+        );
+        let record = super::super::views::resolution_of(&connection, None, "p-2")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            record.replacement.map(|replacement| replacement.payload.to_string()),
+            Some(r#"{"AggregateId":"a","Sequence":2,"Amount":3}"#.to_owned())
+        );
+        assert_eq!(
+            (record.before.state, record.after.state),
+            (
+                Some(serde_json::json!({"total": 5})),
+                Some(serde_json::json!({"total": 8}))
+            )
+        );
+        let held = super::super::facts::held_for(&connection, "a").unwrap();
+        assert_eq!(
+            held[0].message.payload.to_string(),
+            r#"{"AggregateId":"a","Sequence":4,"Amount":2}"#
+        );
+        assert_eq!(held[0].payload, r#"{"AggregateId":"a","Sequence":4,"Amount":2}"#);
+        assert_eq!(strings(&connection, "PRAGMA integrity_check"), ["ok"]);
     }
 
     #[test]

@@ -530,7 +530,7 @@ mod tests {
             "SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = 'a'".to_owned(),
             "SELECT message_id FROM ordered_inbox WHERE aggregate_id = 'a' AND sequence > 0 ORDER BY sequence".to_owned(),
             // The applied events of the timeline: the page and the binary search's probes.
-            "SELECT event_id, total_after FROM ordered_inbox WHERE aggregate_id = 'a' AND sequence >= 3 AND event_id > 9 ORDER BY sequence LIMIT 5".to_owned(),
+            "SELECT event_id, applied_detail FROM ordered_inbox WHERE aggregate_id = 'a' AND sequence >= 3 AND event_id > 9 ORDER BY sequence LIMIT 5".to_owned(),
             "SELECT event_id FROM ordered_inbox WHERE aggregate_id = 'a' AND sequence >= 3 ORDER BY sequence LIMIT 1".to_owned(),
             "SELECT (SELECT MIN(sequence) FROM ordered_inbox WHERE aggregate_id = 'a'), (SELECT MAX(sequence) FROM ordered_inbox WHERE aggregate_id = 'a')".to_owned(),
             "SELECT COUNT(*) FROM aggregate_state WHERE status = 'waiting'".to_owned(),
@@ -557,8 +557,9 @@ mod tests {
 
     #[test]
     fn health_counts_every_status_the_open_dead_letters_and_the_longest_block() {
-        use crate::model::{Door, Limits, OrderedMessage};
-        let connection = crate::sqlite::schema::migrated_in_memory();
+        use crate::model::Door;
+        use crate::sqlite::testing::{migrated, order, unit};
+        let connection = migrated();
         let empty = health(&connection, "2026-01-01T00:10:00.000Z").unwrap();
         assert_eq!(
             empty.aggregates,
@@ -573,21 +574,11 @@ mod tests {
             (0, None)
         );
 
-        let deliver = |id: &str, aggregate: &str, sequence, amount, at: &str| {
-            let message = OrderedMessage {
-                message_id: id.into(),
-                aggregate_id: aggregate.into(),
-                sequence,
-                amount,
-            };
-            crate::sqlite::engine::deliver_in(
-                &connection,
-                &message,
-                Door::General,
-                &Limits::default(),
-                at,
-            )
-            .unwrap();
+        let deliver = |id: &str, aggregate: &str, sequence, quantity, at: &str| {
+            let message = order(id, aggregate, sequence, quantity);
+            crate::sqlite::engine::deliver_in(unit(&connection, at), &message, Door::General)
+                .unwrap()
+                .unwrap();
         };
         deliver("f1", "flowing", 1, 1, "2026-01-01T00:00:00.000Z");
         deliver("w1", "waiting", 1, 1, "2026-01-01T00:00:00.000Z");
@@ -596,19 +587,13 @@ mod tests {
         deliver("b1b", "blocked-early", 1, -2, "2026-01-01T00:02:00.000Z");
         deliver("c1", "blocked-late", 1, -1, "2026-01-01T00:05:00.000Z");
         // Through the broker door a message ahead of its turn is held (the aggregate waits).
-        let ahead = OrderedMessage {
-            message_id: "h2".into(),
-            aggregate_id: "holding".into(),
-            sequence: 2,
-            amount: 1,
-        };
+        let ahead = order("h2", "holding", 2, 1);
         crate::sqlite::engine::deliver_in(
-            &connection,
+            unit(&connection, "2026-01-01T00:06:00.000Z"),
             &ahead,
             Door::Broker,
-            &Limits::default(),
-            "2026-01-01T00:06:00.000Z",
         )
+        .unwrap()
         .unwrap();
 
         let figures = health(&connection, "2026-01-01T00:10:00.000Z").unwrap();
