@@ -73,7 +73,7 @@ pub enum Change {
     Append(TimelineEntry),
     /// Insert the audit row, link it from the dead letter, and append its `resolved` event
     /// (whose detail carries the id the store assigns).
-    RecordResolution(ResolutionRecord),
+    RecordResolution(Box<ResolutionRecord>),
     /// Record `owner` as the aggregate's owner (a claim or a transfer): the aggregate's owner
     /// columns, created with the aggregate's row if it has none yet (last 0, flowing).
     SetOwner {
@@ -111,5 +111,7 @@ pub trait Plan {
 
 /// Whether any of `changes` applies a message (so that the application's handler runs).
 pub fn applies_any(changes: &[Change]) -> bool {
-    changes.iter().any(|change| change.applied_message().is_some())
+    changes
+        .iter()
+        .any(|change| change.applied_message().is_some())
 }

@@ -142,32 +142,6 @@ pub(crate) fn same_content(
         && sequence.is_none_or(|sequence| sequence == offered.sequence)
 }
 
-/// A check whose verdicts on some sequences were overruled by `apply`: the inbox decides again
-/// with it after an `apply` declared a message poison, so that the decision stays the core's.
-pub(crate) struct Overruled<'a> {
-    pub inner: &'a dyn Check,
-    /// Sequences of the aggregate being decided that `apply` found poison. Within one decision
-    /// every message that may apply is of one aggregate, so a sequence names one message.
-    pub poisoned: &'a [(i64, Poison)],
-}
-
-impl Check for Overruled<'_> {
-    fn check(&self, message: &OrderedMessage) -> Result<(), Poison> {
-        match self
-            .poisoned
-            .iter()
-            .find(|(sequence, _)| *sequence == message.sequence)
-        {
-            Some((_, poison)) => Err(poison.clone()),
-            None => self.inner.check(message),
-        }
-    }
-
-    fn canonical(&self, message: &OrderedMessage) -> String {
-        self.inner.canonical(message)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,9 +149,10 @@ mod tests {
 
     #[test]
     fn the_canonical_form_sorts_keys_at_every_depth_and_drops_whitespace() {
-        let payload: Value =
-            serde_json::from_str(r#"{ "b": [ {"z": 1, "a": "x"} ], "a": { "d": null, "c": true } }"#)
-                .unwrap();
+        let payload: Value = serde_json::from_str(
+            r#"{ "b": [ {"z": 1, "a": "x"} ], "a": { "d": null, "c": true } }"#,
+        )
+        .unwrap();
         assert_eq!(
             canonical_json(&payload),
             r#"{"a":{"c":true,"d":null},"b":[{"a":"x","z":1}]}"#
@@ -202,10 +177,40 @@ mod tests {
             payload: json!({"sku": "x"}),
         };
         let canonical = canonical_json(&offered.payload);
-        assert!(same_content(Some(&canonical), Some("a"), Some(2), &offered, &canonical));
-        assert!(same_content(Some(&canonical), None, None, &offered, &canonical));
-        assert!(!same_content(Some(&canonical), Some("b"), Some(2), &offered, &canonical));
-        assert!(!same_content(Some(&canonical), Some("a"), Some(3), &offered, &canonical));
-        assert!(!same_content(None, Some("a"), Some(2), &offered, &canonical));
+        assert!(same_content(
+            Some(&canonical),
+            Some("a"),
+            Some(2),
+            &offered,
+            &canonical
+        ));
+        assert!(same_content(
+            Some(&canonical),
+            None,
+            None,
+            &offered,
+            &canonical
+        ));
+        assert!(!same_content(
+            Some(&canonical),
+            Some("b"),
+            Some(2),
+            &offered,
+            &canonical
+        ));
+        assert!(!same_content(
+            Some(&canonical),
+            Some("a"),
+            Some(3),
+            &offered,
+            &canonical
+        ));
+        assert!(!same_content(
+            None,
+            Some("a"),
+            Some(2),
+            &offered,
+            &canonical
+        ));
     }
 }

@@ -18,8 +18,7 @@ use crate::facts::{
     AppliedFact, DeliveryFacts, HeldMessage, KnownDeadLetter, OpenDeadLetter, OwnershipFacts,
 };
 use crate::model::{
-    AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage,
-    QuarantineReason,
+    AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, QuarantineReason,
 };
 use crate::policy::{Decision, decide};
 use crate::producers::{Admission, admit};
@@ -576,14 +575,12 @@ impl Delivery<'_> {
             Some(row) if row.status == AggregateStatus::Flowing => row.since.clone(),
             _ => Some(self.now.to_owned()),
         };
-        let mut changes = vec![
-            Change::InsertApplied {
-                producer: self.producer.map(str::to_owned),
-                message: self.message.clone(),
-                payload: self.payload.clone(),
-                applied_at: self.now.to_owned(),
-            },
-        ];
+        let mut changes = vec![Change::InsertApplied {
+            producer: self.producer.map(str::to_owned),
+            message: self.message.clone(),
+            payload: self.payload.clone(),
+            applied_at: self.now.to_owned(),
+        }];
         let superseded = supersede_at(
             &self.message.aggregate_id,
             sequence,
@@ -900,10 +897,7 @@ mod tests {
             }
         );
         let row = put_row(&plan).unwrap();
-        assert_eq!(
-            (row.last, row.status),
-            (1, AggregateStatus::Flowing)
-        );
+        assert_eq!((row.last, row.status), (1, AggregateStatus::Flowing));
         assert_eq!(row.since.as_deref(), Some("t1"));
         assert_eq!(kinds(&plan), [TimelineKind::Applied]);
     }
@@ -954,7 +948,9 @@ mod tests {
         let classroom = decide_delivery(
             &message("m-3", 3, 1),
             Door::Classroom,
-            &DeliveryFacts::default(), context());
+            &DeliveryFacts::default(),
+            context(),
+        );
         assert!(put_row(&classroom).is_none());
         let blocked = DeliveryFacts {
             aggregate: at(1, AggregateStatus::Blocked),
@@ -994,7 +990,9 @@ mod tests {
             Door::Broker,
             Some(&claim),
             &owned,
-            &facts, context())
+            &facts,
+            context(),
+        )
         .unwrap();
         assert_eq!(plan.outcome, Outcome::Gap { expected: 2 });
         assert!(
@@ -1030,7 +1028,9 @@ mod tests {
             Door::General,
             Some(&claim),
             &fresh,
-            &DeliveryFacts::default(), context())
+            &DeliveryFacts::default(),
+            context(),
+        )
         .unwrap();
         assert!(matches!(plan.outcome, Outcome::Applied { sequence: 1, .. }));
         assert!(matches!(
@@ -1052,7 +1052,9 @@ mod tests {
                 Door::General,
                 Some(&claim),
                 &fenced,
-                &DeliveryFacts::default(), context()),
+                &DeliveryFacts::default(),
+                context()
+            ),
             Err(ProducerRefusal::Fenced {
                 offered: 2,
                 current_epoch: 3
@@ -1064,7 +1066,9 @@ mod tests {
             Door::General,
             None,
             &OwnershipFacts::default(),
-            &DeliveryFacts::default(), context());
+            &DeliveryFacts::default(),
+            context(),
+        );
         assert_eq!(
             anonymous,
             Ok(decide_general(
@@ -1094,7 +1098,8 @@ mod tests {
             producer: "billing".into(),
             epoch: 1,
         };
-        decide_producer_delivery(message, door, Some(&claim), &fresh, facts, within(limits)).unwrap()
+        decide_producer_delivery(message, door, Some(&claim), &fresh, facts, within(limits))
+            .unwrap()
     }
 
     fn touched_only(plan: &DeliveryPlan) -> bool {
@@ -1298,10 +1303,7 @@ mod tests {
         let corrected = decide_general(&message("p", 1, 1), &facts);
         assert_eq!(corrected.outcome, Outcome::PayloadConflict);
         // while the classroom door, like the seed, only knows applied ids.
-        let classroom = decide_delivery(
-            &message("p", 1, 1),
-            Door::Classroom,
-            &facts, context());
+        let classroom = decide_delivery(&message("p", 1, 1), Door::Classroom, &facts, context());
         assert!(matches!(
             classroom.outcome,
             Outcome::Applied { sequence: 1, .. }
@@ -1328,9 +1330,7 @@ mod tests {
             aggregate: at(0, AggregateStatus::Blocked),
             ..Default::default()
         };
-        let classroom = |m: &OrderedMessage| {
-            decide_delivery(m, Door::Classroom, &facts, context())
-        };
+        let classroom = |m: &OrderedMessage| decide_delivery(m, Door::Classroom, &facts, context());
         let same = classroom(&message("p", 1, -1));
         assert!(matches!(
             same.outcome,
@@ -1437,7 +1437,9 @@ mod tests {
             Some("billing"),
             &message("m-1", 1, 1),
             Door::General,
-            &facts, context());
+            &facts,
+            context(),
+        );
         let namespaces: Vec<(&str, Option<&str>)> = plan
             .changes
             .iter()
@@ -1463,7 +1465,9 @@ mod tests {
             Some("billing"),
             &message("p", 1, -1),
             Door::General,
-            &known, context());
+            &known,
+            context(),
+        );
         assert!(again.changes.iter().any(|change| matches!(
             change,
             Change::ObserveDeadLetter { producer: Some(p), .. } if p == "billing"
@@ -1613,10 +1617,7 @@ mod tests {
             ..Default::default()
         };
         for door in [Door::Broker, Door::General] {
-            let plan = decide_delivery(
-                &message("m-1", 1, 1),
-                door,
-                &facts, context());
+            let plan = decide_delivery(&message("m-1", 1, 1), door, &facts, context());
             assert_eq!(
                 plan.outcome,
                 Outcome::Applied {
@@ -1629,10 +1630,7 @@ mod tests {
             assert_eq!(released(&plan), ["m-2", "m-3"]);
             let row = final_row(&plan).unwrap();
             // 5 stays held behind the gap at 4: the aggregate waits.
-            assert_eq!(
-                (row.last, row.status),
-                (3, AggregateStatus::Waiting)
-            );
+            assert_eq!((row.last, row.status), (3, AggregateStatus::Waiting));
             assert_eq!(
                 kinds(&plan),
                 [
@@ -1670,10 +1668,7 @@ mod tests {
             Change::InsertDeadLetter { message, .. } if message.message_id == "bad-3"
         )));
         let row = final_row(&plan).unwrap();
-        assert_eq!(
-            (row.last, row.status),
-            (2, AggregateStatus::Blocked)
-        );
+        assert_eq!((row.last, row.status), (2, AggregateStatus::Blocked));
         assert_eq!(kinds(&plan).last(), Some(&TimelineKind::Quarantined));
     }
 
@@ -1705,7 +1700,9 @@ mod tests {
             Some("billing"),
             &message("m-1", 1, 1),
             Door::General,
-            &facts, context());
+            &facts,
+            context(),
+        );
         assert_eq!(applied_ids(&plan), ["m-1"]);
         assert_eq!(released(&plan), ["x-2", "x-3"]);
         assert_eq!(
@@ -1758,9 +1755,6 @@ mod tests {
             plan.changes
         );
         let row = final_row(&plan).unwrap();
-        assert_eq!(
-            (row.last, row.status),
-            (3, AggregateStatus::Flowing)
-        );
+        assert_eq!((row.last, row.status), (3, AggregateStatus::Flowing));
     }
 }

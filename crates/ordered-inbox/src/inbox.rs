@@ -10,8 +10,8 @@
 use async_trait::async_trait;
 
 use crate::delivery::Outcome;
-pub use crate::error::InboxError;
 use crate::error::HandlerError;
+pub use crate::error::InboxError;
 use crate::model::{AggregateStatus, Door, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::producers::TransferRequest;

@@ -151,6 +151,8 @@ pub mod content;
 pub mod delivery;
 pub mod error;
 pub mod facts;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod handling;
 pub mod inbox;
 pub mod model;
 pub mod operators;

@@ -149,4 +149,3 @@ pub struct ResolutionRecord {
     pub after: Position,
     pub resolved_at: String,
 }
-

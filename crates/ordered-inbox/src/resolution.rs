@@ -18,9 +18,7 @@
 use serde_json::Value;
 
 use crate::change::Change;
-use crate::delivery::{
-    Context, DrainStart, Outcome, decide_delivery_as, drain, supersede_at,
-};
+use crate::delivery::{Context, DrainStart, Outcome, decide_delivery_as, drain, supersede_at};
 use crate::error::InboxError;
 use crate::facts::{DeliveryFacts, OpenDeadLetter, ResolutionFacts};
 use crate::model::{
@@ -35,7 +33,10 @@ use crate::views::CurrentState;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// Apply a new message, under a new id, at the dead letter's sequence.
-    Replace { message_id: String, payload: Value },
+    Replace {
+        message_id: String,
+        payload: Value,
+    },
     Skip,
 }
 
@@ -219,7 +220,7 @@ pub fn decide_resolution(
             changes: Vec::new(),
         },
         Mode::Commit => {
-            changes.push(Change::RecordResolution(record.clone()));
+            changes.push(Change::RecordResolution(Box::new(record.clone())));
             ResolutionPlan {
                 resolved: Resolved::New(record),
                 changes,
@@ -563,9 +564,9 @@ mod tests {
         };
         assert_eq!(
             decide(&request(poison, 1), &blocked(), Mode::Commit),
-            Err(Refusal::ReplacementQuarantined(
-                QuarantineReason::new("negative quantity")
-            ))
+            Err(Refusal::ReplacementQuarantined(QuarantineReason::new(
+                "negative quantity"
+            )))
         );
         let used = ResolutionFacts {
             replacement_applied: Some(AppliedFact {
@@ -729,10 +730,7 @@ mod tests {
         let (released, row) = drained(&skip);
         assert_eq!(released, ["m-3", "m-4"]);
         let row = row.unwrap();
-        assert_eq!(
-            (row.last, row.status),
-            (4, AggregateStatus::Waiting)
-        );
+        assert_eq!((row.last, row.status), (4, AggregateStatus::Waiting));
         let Resolved::New(record) = &skip.resolved else {
             panic!("expected a resolution");
         };

@@ -222,7 +222,10 @@ mod tests {
 
     #[test]
     fn an_applied_event_stores_the_handlers_detail_or_nothing() {
-        let detail = serde_json::json!({"sku": "x"}).as_object().cloned().unwrap();
+        let detail = serde_json::json!({"sku": "x"})
+            .as_object()
+            .cloned()
+            .unwrap();
         assert_eq!(
             TimelineDetail::Applied(detail).to_json().as_deref(),
             Some(r#"{"sku":"x"}"#)

@@ -6,7 +6,7 @@
 use futures_util::join;
 use tokio_postgres::types::ToSql;
 
-use super::{Client, Counters, Failure, PostgresError, Target, error_text};
+use super::connection::{Client, Counters, Failure, PostgresError, Target, error_text};
 use crate::clock;
 use crate::operators::{
     OperatorCheck, OperatorError, OperatorRecord, Registry, Revocation, new_token, token_hash,

@@ -4,8 +4,8 @@
 
 use tokio_postgres::Row;
 
-use super::{Client, Counters, Failure};
-use crate::rejected::RejectedDelivery;
+use super::connection::{Client, Counters, Failure};
+use crate::records::RejectedDelivery;
 use crate::views::{Page, PageRequest};
 
 const PAGE: &str = "SELECT id, at, subject, stream_sequence, delivered, message_id, aggregate_id,

@@ -9,7 +9,7 @@
 //! Migrations run under a session advisory lock, so servers that start together against one
 //! database migrate once: the others wait, then find the version current.
 
-use super::{PostgresError, Target, error_text};
+use super::connection::{PostgresError, Target, error_text};
 
 /// The two-key advisory lock held while migrating (a key space apart from the one-key locks the
 /// engine takes per aggregate and message id).
@@ -108,7 +108,13 @@ INSERT INTO ordered_inbox_counters(name, value) VALUES ('deadletters', 0), ('res
 
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
-pub const MIGRATIONS: &[&str] = &[INBOX, HELD_MESSAGES, PRODUCERS, REJECTED_DELIVERIES];
+pub const MIGRATIONS: &[&str] = &[
+    INBOX,
+    HELD_MESSAGES,
+    PRODUCERS,
+    REJECTED_DELIVERIES,
+    APPLICATION_CONTENT,
+];
 
 /// Held successors (version 2): messages a broker delivered ahead of their turn, one row each
 /// until their predecessor applies and they drain. At most one per (aggregate, sequence).
@@ -200,6 +206,43 @@ CREATE TABLE rejected_deliveries(
 );
 INSERT INTO ordered_inbox_counters(name, value) VALUES ('rejected', 0);
 ALTER TABLE ownership_transfers ADD COLUMN held_rejected bigint NOT NULL DEFAULT 0;
+"#;
+
+/// Content of the application's own (version 5; the SQLite backend's version 10): the inbox
+/// stops keeping the lesson's ledger figures in its rows and keeps what an application's handler
+/// gives it instead, each generic column with the same meaning for every existing row (all of
+/// them written by the lesson's ledger, whose canonical content is `{"AggregateId":…,
+/// "Sequence":…,"Amount":…}`, built here as compact text the way the library writes JSON):
+///
+/// - `held_messages.message_payload`: the payload as delivered, replacing `amount` (an existing
+///   row's payload was its canonical content);
+/// - `resolutions.replacement_payload`, `before_state`, `after_state`: the replacement's payload
+///   and the handler's state of the aggregate before and after, replacing the replacement's
+///   amount and the totals.
+///
+/// The `applied` events are timeline rows here, their detail already the one shown.
+/// `ordered_inbox.amount` and `aggregate_state.total` stay, unwritten by the inbox (a new
+/// aggregate row gets 0): they are the seed's and its readers', an application may keep them.
+const APPLICATION_CONTENT: &str = r#"
+ALTER TABLE held_messages ADD COLUMN message_payload text;
+UPDATE held_messages SET message_payload = payload;
+ALTER TABLE held_messages ALTER COLUMN message_payload SET NOT NULL;
+ALTER TABLE held_messages DROP COLUMN amount;
+
+ALTER TABLE resolutions
+    ADD COLUMN replacement_payload text,
+    ADD COLUMN before_state text,
+    ADD COLUMN after_state text;
+UPDATE resolutions
+   SET replacement_payload = CASE WHEN replacement_message_id IS NOT NULL THEN
+           '{"AggregateId":' || to_json(aggregate_id)::text || ',"Sequence":' || sequence
+           || ',"Amount":' || COALESCE(replacement_amount::text, 'null') || '}' END,
+       before_state = '{"total":' || before_total || '}',
+       after_state = '{"total":' || after_total || '}';
+ALTER TABLE resolutions
+    DROP COLUMN replacement_amount,
+    DROP COLUMN before_total,
+    DROP COLUMN after_total;
 "#;
 
 /// The inbox schema version this build writes.

@@ -7,22 +7,23 @@ use serde_json::Value;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
-use super::engine::parsed;
-use super::{Client, Counters, Failure};
+use super::connection::{Client, Counters, Failure};
+use super::rows::{json, namespace, optional_json, parsed};
 use crate::clock;
-use crate::model::{AggregateStatus, DeadLetterStatus, Position};
+use crate::model::{AggregateStatus, DeadLetterStatus, Position, QuarantineReason};
+use crate::records::{Replacement, ResolutionRecord};
 use crate::views::{
     AggregateCounts, AggregateSummary, AggregateView, AppliedMessage, DeadLetterFilter,
     DeadLetterView, HELD_SHOWN, InboxHealth, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page,
-    PageRequest, ProducerView, Replacement, ResolutionRecord, ResolutionSummary, TimelineEvent,
+    PageRequest, ProducerView, ResolutionSummary, TimelineEvent,
 };
 
-const AGGREGATE_SUMMARY: &str = "SELECT aggregate_id, last_sequence, total, status, status_since
+const AGGREGATE_SUMMARY: &str = "SELECT aggregate_id, last_sequence, status, status_since
   FROM aggregate_state WHERE aggregate_id = $1";
 const OPEN_COUNT: &str =
     "SELECT COUNT(*) FROM deadletters WHERE aggregate_id = $1 AND status = 'open'";
 const INVENTORY: &str = "
-SELECT a.aggregate_id, a.last_sequence, a.total, a.status, a.status_since,
+SELECT a.aggregate_id, a.last_sequence, a.status, a.status_since,
        (SELECT COUNT(*) FROM deadletters d
          WHERE d.aggregate_id = a.aggregate_id AND d.status = 'open'),
        (SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = a.aggregate_id)
@@ -34,7 +35,7 @@ const HELD_SEQUENCES: &str =
     "SELECT sequence FROM held_messages WHERE aggregate_id = $1 ORDER BY sequence LIMIT $2";
 const HELD_COUNT: &str = "SELECT COUNT(*) FROM held_messages WHERE aggregate_id = $1";
 const APPLIED_MESSAGES: &str = "
-SELECT message_id, aggregate_id, sequence, amount, payload, applied_at, NULLIF(producer, '')
+SELECT message_id, aggregate_id, sequence, payload, applied_at, NULLIF(producer, '')
   FROM ordered_inbox
  WHERE aggregate_id = $1 AND sequence > $2 ORDER BY sequence LIMIT $3";
 const DEAD_LETTER_COLUMNS: &str = "
@@ -50,13 +51,13 @@ SELECT id, at, kind, sequence, message_id, observation_no IS NOT NULL, detail
  ORDER BY id LIMIT $3";
 const RESOLUTION_COLUMNS: &str = "
 SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
-       replacement_message_id, replacement_amount, before_last, before_total, after_last,
-       after_total, resolved_at, NULLIF(producer, '')
+       replacement_message_id, replacement_payload, before_last, before_state, after_last,
+       after_state, resolved_at, NULLIF(producer, '')
   FROM resolutions";
 pub(super) const RESOLUTION_OF: &str = "
 SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
-       replacement_message_id, replacement_amount, before_last, before_total, after_last,
-       after_total, resolved_at, NULLIF(producer, '')
+       replacement_message_id, replacement_payload, before_last, before_state, after_last,
+       after_state, resolved_at, NULLIF(producer, '')
   FROM resolutions WHERE message_id = $1 AND producer = $2";
 /// Every producer, the first registered first: never tokens.
 const PRODUCERS: &str = "
@@ -98,10 +99,9 @@ fn summary_from_row(row: &Row) -> Result<AggregateSummary, Failure> {
     Ok(AggregateSummary {
         aggregate_id: row.try_get(0)?,
         last,
-        total: row.try_get(2)?,
         expected: last.saturating_add(1),
-        status: parsed(row, 3)?,
-        since: row.try_get(4)?,
+        status: parsed(row, 2)?,
+        since: row.try_get(3)?,
     })
 }
 
@@ -184,8 +184,8 @@ pub(super) async fn inventory(
             Ok(InventoryEntry {
                 summary,
                 age_seconds,
-                open_dead_letters: row.try_get(5)?,
-                held: row.try_get(6)?,
+                open_dead_letters: row.try_get(4)?,
+                held: row.try_get(5)?,
             })
         })
         .collect()
@@ -210,8 +210,8 @@ fn dead_letter_from_row(row: &Row) -> Result<DeadLetterView, Failure> {
         message_id: row.try_get(0)?,
         aggregate_id: row.try_get(1)?,
         sequence: row.try_get(2)?,
-        payload: payload.map(|text| serde_json::from_str(&text).unwrap_or(Value::String(text))),
-        reason: parsed(row, 4)?,
+        payload: optional_json(payload),
+        reason: QuarantineReason::new(row.try_get::<_, String>(4)?),
         first_seen: row.try_get(5)?,
         last_seen: row.try_get(6)?,
         observations: row.try_get(7)?,
@@ -230,7 +230,7 @@ pub(super) async fn dead_letter(
 ) -> Result<Option<DeadLetterView>, Failure> {
     let sql = format!("{DEAD_LETTER_COLUMNS} WHERE d.message_id = $1 AND d.producer = $2");
     let statement = client.prepare_cached(&sql).await?;
-    let space = super::engine::namespace(producer);
+    let space = namespace(producer);
     let row = client.query_opt(&statement, &[&message_id, &space]).await;
     counters.trip();
     row?.map(|row| dead_letter_from_row(&row)).transpose()
@@ -329,7 +329,7 @@ pub(super) async fn timeline(
 
 pub(super) fn resolution_from_row(row: &Row) -> Result<ResolutionRecord, Failure> {
     let replacement_id: Option<String> = row.try_get(8)?;
-    let replacement_amount: Option<i64> = row.try_get(9)?;
+    let replacement_payload: Option<String> = row.try_get(9)?;
     Ok(ResolutionRecord {
         resolution_id: row.try_get(0)?,
         producer: row.try_get(15)?,
@@ -342,15 +342,15 @@ pub(super) fn resolution_from_row(row: &Row) -> Result<ResolutionRecord, Failure
         expected_last: row.try_get(7)?,
         replacement: replacement_id.map(|message_id| Replacement {
             message_id,
-            amount: replacement_amount.unwrap_or(0),
+            payload: optional_json(replacement_payload).unwrap_or(Value::Null),
         }),
         before: Position {
             last: row.try_get(10)?,
-            total: row.try_get(11)?,
+            state: optional_json(row.try_get(11)?),
         },
         after: Position {
             last: row.try_get(12)?,
-            total: row.try_get(13)?,
+            state: optional_json(row.try_get(13)?),
         },
         resolved_at: row.try_get(14)?,
     })
@@ -389,22 +389,6 @@ pub(super) async fn resolutions(
         })
         .collect::<Result<Vec<_>, Failure>>()?;
     Ok(Page::from_rows(rows, page.limit))
-}
-
-const APPLIED_TOTALS: &str = "
-SELECT COUNT(*), COALESCE(SUM(amount), 0)::bigint FROM ordered_inbox WHERE aggregate_id = $1";
-
-/// How many messages of one aggregate are applied, and the sum of their amounts.
-pub(super) async fn applied_totals(
-    client: &Client,
-    counters: &Counters,
-    aggregate_id: &str,
-) -> Result<(i64, i64), Failure> {
-    let statement = client.prepare_cached(APPLIED_TOTALS).await?;
-    let row = client.query_one(&statement, &[&aggregate_id]).await;
-    counters.trip();
-    let row = row?;
-    Ok((row.try_get(0)?, row.try_get(1)?))
 }
 
 /// Applied messages, dead letters and last sequence of one aggregate.
@@ -471,15 +455,13 @@ pub(super) async fn applied_messages(
     let rows = rows?
         .iter()
         .map(|row| {
-            let payload: String = row.try_get(4)?;
             let message = AppliedMessage {
-                producer: row.try_get(6)?,
+                producer: row.try_get(5)?,
                 message_id: row.try_get(0)?,
                 aggregate_id: row.try_get(1)?,
                 sequence: row.try_get(2)?,
-                amount: row.try_get(3)?,
-                payload: serde_json::from_str(&payload).unwrap_or(Value::String(payload)),
-                applied_at: row.try_get(5)?,
+                payload: json(row.try_get(3)?),
+                applied_at: row.try_get(4)?,
             };
             Ok((message.sequence.unwrap_or(0), message))
         })

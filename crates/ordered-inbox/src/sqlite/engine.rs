@@ -14,7 +14,6 @@
 use std::convert::Infallible;
 
 use rusqlite::Connection;
-use serde_json::Value;
 
 use super::facts::{
     DeliveryRead, delivery_facts, ownership_facts, producer_fact, resolution_facts, transfer_facts,
@@ -24,13 +23,14 @@ use super::store::StoreError;
 use super::views;
 use super::writes::write;
 use crate::change::{Change, Plan, applies_any};
-use crate::content::{ApplyOutcome, Detail, Overruled, Poison};
+use crate::content::{ApplyOutcome, Detail, Poison};
 use crate::delivery::{Context, Outcome, decide_delivery, decide_producer_delivery};
 use crate::error::{HandlerError, InboxError};
+use crate::handling::{Overruled, Report, States, recorded, rounds};
 use crate::inbox::Undelivered;
 use crate::model::{Door, Limits, OrderedMessage};
 use crate::producers::{TransferRequest, decide_transfer, next_epoch};
-use crate::records::{ProducerClaim, ProducerRefusal, ResolutionRecord, TransferRecord};
+use crate::records::{ProducerClaim, ProducerRefusal, TransferRecord};
 use crate::resolution::{
     Action, Mode, Refusal, ResolutionError, ResolutionRequest, Resolved, decide_resolution,
 };
@@ -97,7 +97,10 @@ pub fn resolve_in(
 ) -> Result<Resolved, ResolutionError> {
     let connection = unit.connection;
     let facts = resolution_facts(connection, request).map_err(StoreError::from)?;
-    let home = facts.dead_letter.as_ref().and_then(|d| d.aggregate_id.as_deref());
+    let home = facts
+        .dead_letter
+        .as_ref()
+        .and_then(|d| d.aggregate_id.as_deref());
     let before = match home {
         Some(aggregate_id) => unit
             .handler
@@ -122,25 +125,6 @@ pub fn resolve_in(
 
 fn handler_failure(error: HandlerError) -> ResolutionError {
     ResolutionError::Store(InboxError::Handler(error))
-}
-
-/// The resolution as written: its row's id and the handler's states.
-fn recorded(resolved: Resolved, states: &States<'_>, report: &Report, replaces: bool) -> Resolved {
-    let stated = |record: ResolutionRecord| {
-        let record = states.on(record, report.after.as_ref(), replaces);
-        ResolutionRecord {
-            resolution_id: report.resolution_id.or(record.resolution_id),
-            ..record
-        }
-    };
-    match resolved {
-        Resolved::New(record) => Resolved::New(stated(record)),
-        Resolved::DryRun(record) => Resolved::DryRun(ResolutionRecord {
-            resolution_id: None,
-            ..stated(record)
-        }),
-        repeated @ Resolved::Repeated(_) => repeated,
-    }
 }
 
 fn refusal_error(
@@ -238,50 +222,6 @@ enum Run<P, R> {
     Failed(HandlerError),
 }
 
-/// What writing a plan learnt from the handler.
-#[derive(Default)]
-struct Report {
-    /// Each applied message's detail, by sequence.
-    details: Vec<(i64, Detail)>,
-    resolution_id: Option<i64>,
-    /// The handler's state of the aggregate right after the plan's first apply.
-    after: Option<Value>,
-}
-
-impl Report {
-    /// The delivery's verdict with the detail its message's `apply` reported.
-    fn outcome(mut self, mut outcome: Outcome) -> Outcome {
-        if let Outcome::Applied {
-            sequence, detail, ..
-        } = &mut outcome
-            && let Some(index) = self.details.iter().position(|(at, _)| at == sequence)
-        {
-            *detail = self.details.swap_remove(index).1;
-        }
-        outcome
-    }
-}
-
-/// A resolution's states of its aggregate: before it, and whether `after` is read right after
-/// the replacement's apply (for the aggregate named) or is `before` (a skip has no effect).
-struct States<'a> {
-    before: Option<Value>,
-    after_the_first_apply: Option<&'a str>,
-}
-
-impl States<'_> {
-    /// `record` with its `before` and `after` states.
-    fn on(&self, mut record: ResolutionRecord, after: Option<&Value>, replaces: bool) -> ResolutionRecord {
-        record.before.state = self.before.clone();
-        record.after.state = if replaces {
-            after.cloned()
-        } else {
-            self.before.clone()
-        };
-        record
-    }
-}
-
 /// How writing one plan ended.
 enum Ran {
     Done(Report),
@@ -300,7 +240,7 @@ fn decided<P: Plan, R>(
     mut decide: impl FnMut(Context<'_>) -> Result<P, R>,
 ) -> Result<Run<P, R>, StoreError> {
     let mut poisoned: Vec<(i64, Poison)> = Vec::new();
-    let rounds = unit.limits.max_held_per_aggregate.saturating_add(2);
+    let rounds = rounds(unit.limits.max_held_per_aggregate);
     while poisoned.len() < rounds {
         let check = Overruled {
             inner: unit.handler,
@@ -355,8 +295,12 @@ fn write_plan(
         let written = match (change, states) {
             (Change::RecordResolution(record), Some(states)) => {
                 let replaces = states.after_the_first_apply.is_some();
-                let record = states.on(record.clone(), report.after.as_ref(), replaces);
-                write(unit.connection, &Change::RecordResolution(record), &detail)?
+                let record = states.on(record.as_ref().clone(), report.after.as_ref(), replaces);
+                write(
+                    unit.connection,
+                    &Change::RecordResolution(Box::new(record)),
+                    &detail,
+                )?
             }
             _ => write(unit.connection, change, &detail)?,
         };
@@ -444,6 +388,7 @@ mod tests {
     use super::super::testing::{detail, migrated, order as message, orders, unit};
     use super::super::writes::{OBSERVATION_PRUNE, append};
     use crate::model::{DeadLetterStatus, QuarantineReason};
+    use crate::records::ResolutionRecord;
     use crate::sqlite::schema::query_plan;
     use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
     use crate::views::PageRequest;
@@ -589,7 +534,11 @@ mod tests {
     fn a_file_without_its_event_counter_refuses_the_write_instead_of_losing_the_event() {
         let connection = migrated();
         connection.execute("DELETE FROM timeline_ids", []).unwrap();
-        let refused = deliver_in(unit(&connection, "t1"), &message("m-1", "a", 1, 5), Door::General);
+        let refused = deliver_in(
+            unit(&connection, "t1"),
+            &message("m-1", "a", 1, 5),
+            Door::General,
+        );
         assert!(refused.is_err());
     }
 
@@ -765,7 +714,12 @@ mod tests {
         let connection = migrated();
         // Held out of order, so the sort has something to do.
         for (id, sequence) in [("m-4", 4), ("m-2", 2), ("m-3", 3)] {
-            deliver_through(&connection, &message(id, "a", sequence, 1), Door::Broker, "t1");
+            deliver_through(
+                &connection,
+                &message(id, "a", sequence, 1),
+                Door::Broker,
+                "t1",
+            );
         }
         let next = message("m-5", "a", 5, 1);
         for _ in 0..20 {
@@ -846,7 +800,8 @@ mod tests {
     #[test]
     fn held_rows_are_written_by_the_broker_door_and_drained_by_the_predecessor() {
         let connection = migrated();
-        let broker = |message: &OrderedMessage| deliver_through(&connection, message, Door::Broker, "t1");
+        let broker =
+            |message: &OrderedMessage| deliver_through(&connection, message, Door::Broker, "t1");
         assert!(matches!(
             broker(&message("m-3", "a", 3, 3)),
             Outcome::Held { held: 1, .. }
@@ -923,7 +878,10 @@ mod tests {
 
     fn cap(connection: &Connection, aggregate: &str, most: i64) {
         connection
-            .execute("INSERT INTO caps(aggregate_id, most) VALUES (?1, ?2)", params![aggregate, most])
+            .execute(
+                "INSERT INTO caps(aggregate_id, most) VALUES (?1, ?2)",
+                params![aggregate, most],
+            )
             .unwrap();
     }
 
@@ -945,7 +903,11 @@ mod tests {
                 }),
             }
         );
-        assert_eq!(orders(&connection), ["m-1|a|4"], "m-2's order row was rolled back");
+        assert_eq!(
+            orders(&connection),
+            ["m-1|a|4"],
+            "m-2's order row was rolled back"
+        );
         assert_eq!(rows(&connection, "SELECT ordered FROM books"), ["4"]);
         assert_eq!(
             rows(
@@ -955,7 +917,10 @@ mod tests {
             ["m-2|over the cap|open"]
         );
         assert_eq!(
-            rows(&connection, "SELECT last_sequence, status FROM aggregate_state"),
+            rows(
+                &connection,
+                "SELECT last_sequence, status FROM aggregate_state"
+            ),
             ["1|blocked"]
         );
         assert_eq!(
@@ -965,7 +930,10 @@ mod tests {
             ),
             [r#"{"reason":"over the cap","quantity":3}"#]
         );
-        assert_eq!(rows(&connection, "SELECT COUNT(*) FROM ordered_inbox"), ["1"]);
+        assert_eq!(
+            rows(&connection, "SELECT COUNT(*) FROM ordered_inbox"),
+            ["1"]
+        );
     }
 
     #[test]
@@ -975,14 +943,25 @@ mod tests {
             .execute("INSERT INTO outage(aggregate_id) VALUES ('a')", [])
             .unwrap();
         let before = snapshot(&connection);
-        let failed = deliver_in(unit(&connection, "t1"), &message("m-1", "a", 1, 2), Door::General)
-            .unwrap();
+        let failed = deliver_in(
+            unit(&connection, "t1"),
+            &message("m-1", "a", 1, 2),
+            Door::General,
+        )
+        .unwrap();
         assert_eq!(
             failed,
             Err(HandlerError::new("the order book is unavailable"))
         );
-        assert_eq!(snapshot(&connection), before, "no inbox row, no timeline event");
-        assert!(orders(&connection).is_empty(), "the handler's own row is gone too");
+        assert_eq!(
+            snapshot(&connection),
+            before,
+            "no inbox row, no timeline event"
+        );
+        assert!(
+            orders(&connection).is_empty(),
+            "the handler's own row is gone too"
+        );
         connection.execute("DELETE FROM outage", []).unwrap();
         assert!(matches!(
             deliver(&connection, &message("m-1", "a", 1, 2), "t2"),
@@ -1028,12 +1007,20 @@ mod tests {
             "the drain stopped at the poison"
         );
         assert_eq!(
-            rows(&connection, "SELECT last_sequence, status FROM aggregate_state"),
+            rows(
+                &connection,
+                "SELECT last_sequence, status FROM aggregate_state"
+            ),
             ["1|blocked"]
         );
     }
 
-    fn replace(connection: &Connection, id: &str, quantity: i64, at: &str) -> Result<Resolved, ResolutionError> {
+    fn replace(
+        connection: &Connection,
+        id: &str,
+        quantity: i64,
+        at: &str,
+    ) -> Result<Resolved, ResolutionError> {
         let request = ResolutionRequest {
             producer: None,
             dead_letter_id: "bad-2".into(),
@@ -1114,13 +1101,17 @@ mod tests {
             expected_last: 1,
             reason: "cancelled".into(),
         };
-        let Resolved::New(record) = resolve_in(unit(&connection, "t1"), &skip, Mode::Commit).unwrap()
+        let Resolved::New(record) =
+            resolve_in(unit(&connection, "t1"), &skip, Mode::Commit).unwrap()
         else {
             panic!("expected a resolution");
         };
         assert_eq!(record.before.state, Some(json!({"ordered": 1})));
         assert_eq!(record.after.state, record.before.state);
-        assert_eq!(orders(&connection), ["m-1|a|1", "m-3|a|3"], "the drain ran the handler");
+        assert_eq!(
+            orders(&connection),
+            ["m-1|a|1", "m-3|a|3"],
+            "the drain ran the handler"
+        );
     }
 }
-

@@ -20,9 +20,9 @@ pub mod operators;
 mod rejected;
 mod rows;
 pub mod schema;
+pub mod store;
 #[cfg(test)]
 pub(crate) mod testing;
-pub mod store;
 pub mod views;
 mod writes;
 
@@ -45,7 +45,9 @@ use crate::inbox::{BatchDelivery, Inbox, InboxError, Undelivered};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::{OperatorCheck, Registry};
 use crate::producers::TransferRequest;
-use crate::records::{ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord};
+use crate::records::{
+    ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
+};
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
@@ -686,8 +688,10 @@ mod tests {
             .await
             .unwrap();
         let batch = |ids: [(&str, &str); 3]| {
-            ids.map(|(id, aggregate)| BatchDelivery::anonymous(order(id, aggregate, 1, 2), Door::Broker))
-                .to_vec()
+            ids.map(|(id, aggregate)| {
+                BatchDelivery::anonymous(order(id, aggregate, 1, 2), Door::Broker)
+            })
+            .to_vec()
         };
         let before = inbox.store().stats();
         let verdicts = inbox
@@ -704,12 +708,19 @@ mod tests {
         assert!(matches!(verdicts[2], Ok(Outcome::Applied { .. })));
         let after = inbox.store().stats();
         assert_eq!(
-            (after.commits - before.commits, after.replayed - before.replayed),
+            (
+                after.commits - before.commits,
+                after.replayed - before.replayed
+            ),
             (1, 0),
             "one commit, and the failure stayed inside its delivery"
         );
         assert_eq!(
-            scalar(&inbox, "SELECT COUNT(*) FROM orders WHERE aggregate_id = 'b'").await,
+            scalar(
+                &inbox,
+                "SELECT COUNT(*) FROM orders WHERE aggregate_id = 'b'"
+            )
+            .await,
             0
         );
         assert_eq!(inbox.counts("b".into()).await.unwrap().applied, 0);
@@ -729,10 +740,17 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(retried[0], Ok(Outcome::Replay { .. })));
-        assert!(matches!(retried[1], Ok(Outcome::Applied { sequence: 1, .. })));
+        assert!(matches!(
+            retried[1],
+            Ok(Outcome::Applied { sequence: 1, .. })
+        ));
         assert!(matches!(retried[2], Ok(Outcome::Replay { .. })));
         assert_eq!(
-            scalar(&inbox, "SELECT COUNT(*) FROM orders WHERE aggregate_id = 'b'").await,
+            scalar(
+                &inbox,
+                "SELECT COUNT(*) FROM orders WHERE aggregate_id = 'b'"
+            )
+            .await,
             1
         );
         assert_eq!(scalar(&inbox, "SELECT COUNT(*) FROM orders").await, 3);

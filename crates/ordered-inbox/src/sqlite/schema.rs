@@ -1006,7 +1006,9 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(
-            record.replacement.map(|replacement| replacement.payload.to_string()),
+            record
+                .replacement
+                .map(|replacement| replacement.payload.to_string()),
             Some(r#"{"AggregateId":"a","Sequence":2,"Amount":3}"#.to_owned())
         );
         assert_eq!(
@@ -1021,7 +1023,10 @@ mod tests {
             held[0].message.payload.to_string(),
             r#"{"AggregateId":"a","Sequence":4,"Amount":2}"#
         );
-        assert_eq!(held[0].payload, r#"{"AggregateId":"a","Sequence":4,"Amount":2}"#);
+        assert_eq!(
+            held[0].payload,
+            r#"{"AggregateId":"a","Sequence":4,"Amount":2}"#
+        );
         assert_eq!(strings(&connection, "PRAGMA integrity_check"), ["ok"]);
     }
 

@@ -66,12 +66,12 @@ impl StoreError {
     }
 }
 
-impl From<StoreError> for crate::InboxError {
+impl From<StoreError> for crate::error::InboxError {
     fn from(error: StoreError) -> Self {
         if error.is_retryable() {
-            crate::InboxError::Unavailable(error.to_string())
+            crate::error::InboxError::Unavailable(error.to_string())
         } else {
-            crate::InboxError::Failed(error.to_string())
+            crate::error::InboxError::Failed(error.to_string())
         }
     }
 }

@@ -46,7 +46,7 @@ pub fn aggregate_view(
         return Ok(None);
     };
     let filter = DeadLetterFilter {
-        status: Some(crate::DeadLetterStatus::Open),
+        status: Some(crate::model::DeadLetterStatus::Open),
         aggregate_id: Some(aggregate_id.to_owned()),
     };
     let page = PageRequest {

@@ -26,20 +26,40 @@ pub(super) fn write(
             message,
             payload,
             applied_at,
-        } => insert_applied(connection, producer.as_deref(), message, payload, applied_at, detail),
+        } => insert_applied(
+            connection,
+            producer.as_deref(),
+            message,
+            payload,
+            applied_at,
+            detail,
+        ),
         Change::InsertDeadLetter {
             producer,
             message,
             payload,
             reason,
             at,
-        } => insert_dead_letter(connection, producer.as_deref(), message, payload, reason, at),
+        } => insert_dead_letter(
+            connection,
+            producer.as_deref(),
+            message,
+            payload,
+            reason,
+            at,
+        ),
         Change::ObserveDeadLetter {
             producer,
             message_id,
             observations,
             at,
-        } => observe_dead_letter(connection, producer.as_deref(), message_id, *observations, at),
+        } => observe_dead_letter(
+            connection,
+            producer.as_deref(),
+            message_id,
+            *observations,
+            at,
+        ),
         Change::SupersedeDeadLetters {
             aggregate_id,
             message_ids,
@@ -86,7 +106,12 @@ fn put_aggregate(
             "UPDATE aggregate_state SET last_sequence = ?2
               WHERE aggregate_id = ?1 AND status = ?3 AND status_since IS ?4",
         )?
-        .execute(params![aggregate_id, row.last, row.status.as_str(), row.since])?;
+        .execute(params![
+            aggregate_id,
+            row.last,
+            row.status.as_str(),
+            row.since
+        ])?;
     if moved == 1 {
         return Ok(());
     }
@@ -99,7 +124,12 @@ fn put_aggregate(
                  status = excluded.status,
                  status_since = excluded.status_since",
         )?
-        .execute(params![aggregate_id, row.last, row.status.as_str(), row.since])?;
+        .execute(params![
+            aggregate_id,
+            row.last,
+            row.status.as_str(),
+            row.since
+        ])?;
     Ok(())
 }
 

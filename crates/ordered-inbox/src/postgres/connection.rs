@@ -1,0 +1,345 @@
+//! Where the PostgreSQL inbox connects and how its failures read: the checked connection
+//! target (loopback or a Unix socket directory only), the failure of one attempt and whether
+//! another may be made, the backend's counters. Every other module of the backend builds on
+//! these.
+
+use std::net::IpAddr;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use deadpool_postgres::PoolError;
+use tokio_postgres::NoTls;
+use tokio_postgres::config::Host;
+
+use crate::error::{HandlerError, InboxError};
+use crate::model::UnknownValue;
+
+/// Connections each server process keeps to the database at most.
+pub const POOL_SIZE: usize = 16;
+/// Attempts of one operation when PostgreSQL asks for a retry (serialization failure, deadlock,
+/// a unique violation from a concurrent first delivery) or a pooled connection turns out closed.
+pub const ATTEMPTS: u32 = 8;
+/// How long opening a connection may take before the store counts as unavailable.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an operation waits for a free pooled connection.
+pub const POOL_WAIT: Duration = Duration::from_secs(10);
+
+/// Why the PostgreSQL inbox could not be opened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PostgresError {
+    #[error(
+        "invalid PostgreSQL URL: {0} (expected postgres://USER@127.0.0.1:PORT/DATABASE or a Unix socket directory)"
+    )]
+    BadUrl(String),
+    #[error(
+        "refusing to use PostgreSQL at '{0}': only loopback hosts (127.0.0.1, ::1, localhost) or a Unix socket directory are accepted"
+    )]
+    NotLocal(String),
+    #[error("PostgreSQL at {target}: {reason}")]
+    Connect { target: String, reason: String },
+    #[error(
+        "PostgreSQL at {target}: the ordered inbox has schema version {found}, newer than this build's {known}"
+    )]
+    NewerSchema {
+        target: String,
+        found: i64,
+        known: i64,
+    },
+}
+
+/// A checked connection target: loopback or a Unix socket directory, never anything else.
+#[derive(Clone)]
+pub struct Target {
+    pub(crate) config: tokio_postgres::Config,
+    /// `user@host:port/database`, without any password: safe to print.
+    pub(crate) description: String,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.description)
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.description)
+    }
+}
+
+impl Target {
+    /// Parses a `postgres://` (or `postgresql://`) URL and insists on a loopback host or a Unix
+    /// socket directory. The URL's password, if any, never appears in an error or a description.
+    pub fn parse(url: &str) -> Result<Target, PostgresError> {
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(PostgresError::BadUrl(
+                "it must start with postgres:// or postgresql://".to_owned(),
+            ));
+        }
+        let mut config = tokio_postgres::Config::from_str(url).map_err(|error| {
+            // tokio-postgres's messages name the offending part, not the whole URL.
+            PostgresError::BadUrl(error.to_string())
+        })?;
+        let hosts = config.get_hosts();
+        if hosts.is_empty() && config.get_hostaddrs().is_empty() {
+            return Err(PostgresError::BadUrl(
+                "it names no host: give 127.0.0.1, ::1, localhost or a socket directory".to_owned(),
+            ));
+        }
+        for host in hosts {
+            match host {
+                Host::Tcp(name) if is_loopback_name(name) => {}
+                Host::Tcp(name) => return Err(PostgresError::NotLocal(name.clone())),
+                Host::Unix(path) if path.is_absolute() => {}
+                Host::Unix(path) => {
+                    return Err(PostgresError::NotLocal(path.display().to_string()));
+                }
+            }
+        }
+        if let Some(address) = config.get_hostaddrs().iter().find(|a| !a.is_loopback()) {
+            return Err(PostgresError::NotLocal(address.to_string()));
+        }
+        // Every statement of the inbox is a key lookup or a keyed write: a generic plan is
+        // always the right one, so the server never re-plans a prepared statement.
+        let options = match config.get_options() {
+            Some(given) => format!("{given} -c plan_cache_mode=force_generic_plan"),
+            None => "-c plan_cache_mode=force_generic_plan".to_owned(),
+        };
+        config
+            .connect_timeout(CONNECT_TIMEOUT)
+            .application_name("production-lab ordered inbox")
+            .options(options);
+        let description = describe(&config);
+        Ok(Target {
+            config,
+            description,
+        })
+    }
+
+    pub fn config(&self) -> &tokio_postgres::Config {
+        &self.config
+    }
+
+    /// Opens one connection outside any pool (migrations, the operator commands); the connection
+    /// task runs until the client is dropped.
+    pub async fn connect(&self) -> Result<tokio_postgres::Client, PostgresError> {
+        let (client, connection) =
+            self.config
+                .connect(NoTls)
+                .await
+                .map_err(|error| PostgresError::Connect {
+                    target: self.description.clone(),
+                    reason: error_text(&error),
+                })?;
+        tokio::spawn(async move {
+            // The connection ends with the client or the server; its error, if any, surfaces
+            // on the client's next statement.
+            let _ = connection.await;
+        });
+        Ok(client)
+    }
+}
+
+fn is_loopback_name(name: &str) -> bool {
+    if name.eq_ignore_ascii_case("localhost") {
+        return true;
+    }
+    let literal = name.trim_start_matches('[').trim_end_matches(']');
+    literal.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+fn describe(config: &tokio_postgres::Config) -> String {
+    let host = config
+        .get_hosts()
+        .iter()
+        .map(|host| match host {
+            Host::Tcp(name) => name.clone(),
+            Host::Unix(path) => path.display().to_string(),
+        })
+        .chain(config.get_hostaddrs().iter().map(IpAddr::to_string))
+        .next()
+        .unwrap_or_default();
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let user = config.get_user().unwrap_or("");
+    let database = config.get_dbname().unwrap_or(user);
+    format!("{user}@{host}:{port}/{database}")
+}
+
+/// The text of a driver error including its cause (tokio-postgres's `Display` of a database
+/// error is just "db error").
+pub(crate) fn error_text(error: &tokio_postgres::Error) -> String {
+    match error.as_db_error() {
+        Some(db) => format!("{} ({})", db.message(), db.code().code()),
+        None => match std::error::Error::source(error) {
+            Some(source) => format!("{error}: {source}"),
+            None => error.to_string(),
+        },
+    }
+}
+
+/// A failure underneath one attempt of an operation.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// A statement failed before COMMIT was sent: the transaction did not commit.
+    Db(tokio_postgres::Error),
+    /// A statement of the final flight (the writes and COMMIT) failed. A database error there
+    /// still means the transaction rolled back; a lost connection leaves its fate unknown.
+    Commit(tokio_postgres::Error),
+    /// No connection could be had.
+    Pool(PoolError),
+    /// A stored value this build cannot read.
+    Data(String),
+    /// The application's handler failed: the operation's transaction is rolled back, and the
+    /// caller may deliver again.
+    Handler(HandlerError),
+}
+
+impl From<tokio_postgres::Error> for Failure {
+    fn from(error: tokio_postgres::Error) -> Self {
+        Failure::Db(error)
+    }
+}
+
+impl From<UnknownValue> for Failure {
+    fn from(error: UnknownValue) -> Self {
+        Failure::Data(error.to_string())
+    }
+}
+
+/// SQLSTATEs after which the whole operation is tried again: the transaction rolled back, and
+/// reading the facts anew decides it correctly.
+fn asks_for_retry(error: &tokio_postgres::Error) -> bool {
+    matches!(
+        error.code().map(|code| code.code()),
+        Some("40001" | "40P01" | "23505")
+    )
+}
+
+/// True when the database or the way to it is down, restarting or overloaded.
+fn is_unavailable(error: &tokio_postgres::Error) -> bool {
+    if error.is_closed() {
+        return true;
+    }
+    match error.code().map(|code| code.code()) {
+        // Connection exceptions, insufficient resources, operator intervention (shutdown,
+        // cannot connect now), lock not available; and the retry codes once retries ran out.
+        Some(code) => {
+            code.starts_with("08")
+                || code.starts_with("53")
+                || code.starts_with("57P")
+                || matches!(code, "55P03" | "40001" | "40P01" | "25006")
+        }
+        // No SQLSTATE: an I/O error, a timeout or a closed socket.
+        None => true,
+    }
+}
+
+impl Failure {
+    /// Whether another attempt may be made.
+    pub(crate) fn retryable(&self) -> bool {
+        match self {
+            Failure::Db(error) => asks_for_retry(error) || error.is_closed(),
+            // A database error in the final flight means COMMIT did not take; a lost
+            // connection there may have committed, so it is not retried: the caller learns
+            // "unavailable" and its own retry reads the outcome (a replay).
+            Failure::Commit(error) => asks_for_retry(error),
+            Failure::Pool(_) | Failure::Data(_) | Failure::Handler(_) => false,
+        }
+    }
+
+    pub(crate) fn into_inbox_error(self) -> InboxError {
+        match self {
+            Failure::Db(error) | Failure::Commit(error) => {
+                let text = format!("postgres: {}", error_text(&error));
+                if is_unavailable(&error) {
+                    InboxError::Unavailable(text)
+                } else {
+                    InboxError::Failed(text)
+                }
+            }
+            Failure::Pool(error) => InboxError::Unavailable(format!("postgres pool: {error}")),
+            Failure::Data(text) => InboxError::Failed(text),
+            Failure::Handler(error) => InboxError::Handler(error),
+        }
+    }
+}
+
+/// Counters of the backend's work: operations, database round trips and retried attempts.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub(crate) operations: AtomicU64,
+    pub(crate) round_trips: AtomicU64,
+    pub(crate) retries: AtomicU64,
+}
+
+impl Counters {
+    /// One flight of pipelined statements and its answers.
+    pub(crate) fn trip(&self) {
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of [`Counters`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PostgresStats {
+    pub operations: u64,
+    pub round_trips: u64,
+    pub retries: u64,
+}
+
+pub(crate) type Client = deadpool_postgres::Client;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_hosts_and_socket_directories_are_accepted() {
+        for url in [
+            "postgres://lab@127.0.0.1:5432/inbox",
+            "postgresql://lab@localhost/inbox",
+            "postgres://lab@[::1]:6000/inbox",
+            "postgres://lab@%2Ftmp%2Fpg/inbox",
+            "postgres://lab@/inbox?host=/var/run/postgresql",
+            "postgres://lab:secret@127.0.0.2:5432/inbox",
+        ] {
+            let target = Target::parse(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert!(!target.to_string().contains("secret"), "{target}");
+        }
+        assert_eq!(
+            Target::parse("postgres://lab:pw@127.0.0.1:5433/inbox")
+                .unwrap()
+                .to_string(),
+            "lab@127.0.0.1:5433/inbox"
+        );
+    }
+
+    #[test]
+    fn other_hosts_and_other_forms_are_refused_without_echoing_a_password() {
+        for url in [
+            "postgres://lab:secret@db.example.com/inbox",
+            "postgres://lab:secret@10.0.0.5:5432/inbox",
+            "postgres://lab:secret@0.0.0.0/inbox",
+            "postgres://lab:secret@127.0.0.1,db.example.com/inbox",
+            "postgres://lab:secret@/inbox?hostaddr=192.168.1.2",
+        ] {
+            let error = Target::parse(url).unwrap_err();
+            assert!(
+                matches!(error, PostgresError::NotLocal(_)),
+                "{url}: {error}"
+            );
+            assert!(!error.to_string().contains("secret"), "{error}");
+        }
+        for url in [
+            "host=127.0.0.1 user=lab",
+            "mysql://lab@127.0.0.1/inbox",
+            "postgres://lab@/inbox",
+        ] {
+            assert!(
+                matches!(Target::parse(url), Err(PostgresError::BadUrl(_))),
+                "{url}"
+            );
+        }
+    }
+}

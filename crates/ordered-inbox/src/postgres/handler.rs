@@ -1,0 +1,52 @@
+//! The application's handler on PostgreSQL: [`PostgresHandler::apply`] runs on the operation's
+//! pooled connection, inside the transaction that records the message.
+
+use async_trait::async_trait;
+use serde_json::Value;
+use tokio_postgres::Client;
+
+use crate::content::{AcceptAll, ApplyOutcome, Check};
+use crate::error::HandlerError;
+use crate::model::OrderedMessage;
+
+/// An application's handler for the PostgreSQL inbox: its pure [`Check`], and what applying a
+/// message does to the application's own tables.
+///
+/// `apply` is called for each message the inbox applies (delivered, drained from the held set,
+/// or an operator's replacement), after its check accepted it, with the client of the open
+/// transaction that records it (the aggregate and the message ids locked): the inbox's rows and
+/// the handler's commit together or not at all. It may read and write any table but the
+/// inbox's own, and must act only through `client`, without transaction statements (no
+/// `COMMIT`, `ROLLBACK` or `SAVEPOINT` of its own): the inbox rolls its writes back to a
+/// savepoint when it returns a poison and decides again, and retries a whole operation after a
+/// serialization failure or a deadlock, so `apply` may run more than once for one delivery,
+/// each time with the earlier run's writes gone.
+#[async_trait]
+pub trait PostgresHandler: Check {
+    /// Applies `message`: [`ApplyOutcome::Applied`] keeps the handler's writes;
+    /// [`ApplyOutcome::Poison`] rolls them back and quarantines the message; an `Err` rolls the
+    /// whole delivery back (it fails alone, and may be delivered again).
+    async fn apply(
+        &self,
+        client: &Client,
+        message: &OrderedMessage,
+    ) -> Result<ApplyOutcome, HandlerError>;
+
+    /// What the application shows of an aggregate in a resolution's audit row (`before` and
+    /// `after`), read in the resolution's transaction. `None` by default.
+    async fn state(
+        &self,
+        client: &Client,
+        aggregate_id: &str,
+    ) -> Result<Option<Value>, HandlerError> {
+        let _ = (client, aggregate_id);
+        Ok(None)
+    }
+}
+
+#[async_trait]
+impl PostgresHandler for AcceptAll {
+    async fn apply(&self, _: &Client, _: &OrderedMessage) -> Result<ApplyOutcome, HandlerError> {
+        Ok(ApplyOutcome::applied())
+    }
+}

@@ -1,0 +1,422 @@
+//! The PostgreSQL backend with an application's handler, against a private PostgreSQL cluster
+//! (`initdb` into a temp directory, `pg_ctl` on a free loopback port; as root every step runs as
+//! the `postgres` system user). The order book's handler writes its own tables in the inbox's
+//! transaction.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ordered_inbox::postgres::{PostgresHandler, PostgresInbox, Target};
+use ordered_inbox::{
+    Action, ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
+    Mode, OrderedMessage, Outcome, Poison, ResolutionError, ResolutionRequest, Resolved,
+    Undelivered,
+};
+use serde_json::{Value, json};
+use tokio_postgres::Client;
+
+/// A private cluster, stopped and removed when dropped (also while a failed test unwinds).
+struct Cluster {
+    bindir: PathBuf,
+    root: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let bindir = std::fs::read_dir("/usr/lib/postgresql")
+            .expect("PostgreSQL server binaries (Debian package postgresql)")
+            .filter_map(|entry| entry.ok().map(|entry| entry.path().join("bin")))
+            .filter(|bin| bin.join("initdb").exists())
+            .max()
+            .expect("an initdb under /usr/lib/postgresql/*/bin");
+        let root = tempfile::Builder::new()
+            .prefix("ordered-inbox-pg-")
+            .tempdir()
+            .unwrap()
+            .keep();
+        let as_postgres = Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "0");
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let cluster = Cluster {
+            bindir,
+            root,
+            port,
+            as_postgres,
+        };
+        if as_postgres {
+            run(Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(&cluster.root));
+        }
+        let data = cluster.root.join("data");
+        run(cluster.server("initdb").arg("-D").arg(&data).args([
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "-E",
+            "UTF8",
+            "--no-locale",
+            "--no-sync",
+        ]));
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={} -c fsync=off",
+            cluster.root.display()
+        );
+        run(cluster
+            .server("pg_ctl")
+            .arg("-D")
+            .arg(&data)
+            .arg("-l")
+            .arg(cluster.root.join("server.log"))
+            .args(["-o", &options, "-w", "-t", "60", "start"]));
+        cluster
+    }
+
+    fn server(&self, binary: &str) -> Command {
+        let path = self.bindir.join(binary);
+        if self.as_postgres {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--"]).arg(path);
+            command
+        } else {
+            Command::new(path)
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self
+            .server("pg_ctl")
+            .arg("-D")
+            .arg(self.root.join("data"))
+            .args(["stop", "-m", "immediate", "-w"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+fn run(command: &mut Command) {
+    let output = command.stdin(Stdio::null()).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{command:?}: {} {}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+const ORDER_TABLES: &str = "
+CREATE TABLE orders(message_id text PRIMARY KEY, aggregate_id text NOT NULL, quantity bigint NOT NULL);
+CREATE TABLE books(aggregate_id text PRIMARY KEY, ordered bigint NOT NULL);
+CREATE TABLE caps(aggregate_id text PRIMARY KEY, most bigint NOT NULL);
+CREATE TABLE outage(aggregate_id text PRIMARY KEY);";
+
+/// The order book: a negative quantity is poison; applying writes the order, then fails while
+/// the aggregate has an outage, finds it poison when it would pass the aggregate's cap, and
+/// otherwise adds it to the book.
+struct Orders;
+
+impl Check for Orders {
+    fn check(&self, message: &OrderedMessage) -> Result<(), Poison> {
+        match message.payload["quantity"].as_i64() {
+            Some(quantity) if quantity >= 0 => Ok(()),
+            _ => Err(Poison::new("negative quantity")),
+        }
+    }
+}
+
+#[async_trait]
+impl PostgresHandler for Orders {
+    async fn apply(
+        &self,
+        client: &Client,
+        message: &OrderedMessage,
+    ) -> Result<ApplyOutcome, HandlerError> {
+        let quantity = message.payload["quantity"].as_i64().unwrap_or(0);
+        client
+            .execute(
+                "INSERT INTO orders(message_id, aggregate_id, quantity) VALUES ($1, $2, $3)",
+                &[&message.message_id, &message.aggregate_id, &quantity],
+            )
+            .await?;
+        let outage = client
+            .query_opt(
+                "SELECT 1 FROM outage WHERE aggregate_id = $1",
+                &[&message.aggregate_id],
+            )
+            .await?;
+        if outage.is_some() {
+            return Err(HandlerError::new("the order book is unavailable"));
+        }
+        let over: bool = client
+            .query_one(
+                "SELECT EXISTS(SELECT 1 FROM caps c LEFT JOIN books b USING (aggregate_id)
+                                WHERE c.aggregate_id = $1 AND COALESCE(b.ordered, 0) + $2 > c.most)",
+                &[&message.aggregate_id, &quantity],
+            )
+            .await?
+            .get(0);
+        if over {
+            return Ok(ApplyOutcome::Poison(Poison::new("over the cap")));
+        }
+        let ordered: i64 = client
+            .query_one(
+                "INSERT INTO books(aggregate_id, ordered) VALUES ($1, $2)
+                 ON CONFLICT (aggregate_id) DO UPDATE SET ordered = books.ordered + excluded.ordered
+                 RETURNING ordered",
+                &[&message.aggregate_id, &quantity],
+            )
+            .await?
+            .get(0);
+        let detail = json!({"quantity": quantity, "ordered": ordered});
+        Ok(ApplyOutcome::Applied {
+            detail: detail.as_object().cloned().unwrap_or_default(),
+        })
+    }
+
+    async fn state(
+        &self,
+        client: &Client,
+        aggregate_id: &str,
+    ) -> Result<Option<Value>, HandlerError> {
+        let ordered: Option<i64> = client
+            .query_opt(
+                "SELECT ordered FROM books WHERE aggregate_id = $1",
+                &[&aggregate_id],
+            )
+            .await?
+            .map(|row| row.get(0));
+        Ok(Some(json!({"ordered": ordered.unwrap_or(0)})))
+    }
+}
+
+fn order(id: &str, aggregate: &str, sequence: i64, quantity: i64) -> OrderedMessage {
+    OrderedMessage {
+        message_id: id.into(),
+        aggregate_id: aggregate.into(),
+        sequence,
+        payload: json!({ "quantity": quantity }),
+    }
+}
+
+async fn texts(client: &Client, sql: &str) -> Vec<String> {
+    client
+        .query(sql, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+#[tokio::test]
+async fn the_handler_writes_its_tables_in_the_inbox_transaction_on_postgres() {
+    let cluster = Cluster::start();
+    let target = Target::parse(&cluster.url()).unwrap();
+    let client = target.connect().await.unwrap();
+    client.batch_execute(ORDER_TABLES).await.unwrap();
+    let inbox = PostgresInbox::open_with_handler(target, Limits::default(), Arc::new(Orders))
+        .await
+        .unwrap();
+
+    // Applied, with the handler's detail on the verdict and the timeline; a replay runs nothing.
+    let first = inbox
+        .deliver(order("m-1", "a", 1, 4), Door::General)
+        .await
+        .unwrap();
+    let Outcome::Applied { detail, .. } = &first else {
+        panic!("expected an apply, got {first:?}");
+    };
+    assert_eq!(
+        Value::Object(detail.clone()),
+        json!({"quantity": 4, "ordered": 4})
+    );
+    let again = inbox
+        .deliver(order("m-1", "a", 1, 4), Door::General)
+        .await
+        .unwrap();
+    assert!(matches!(again, Outcome::Replay { .. }));
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT detail FROM aggregate_timeline WHERE kind = 'applied'"
+        )
+        .await,
+        [r#"{"quantity":4,"ordered":4}"#]
+    );
+
+    // A poison from apply after it wrote its row: no trace of the row, the message quarantined.
+    client
+        .execute("INSERT INTO caps VALUES ('a', 5)", &[])
+        .await
+        .unwrap();
+    let capped = inbox
+        .deliver(order("m-2", "a", 2, 3), Door::General)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&capped, Outcome::Quarantined { reason, .. } if reason.as_str() == "over the cap"),
+        "{capped:?}"
+    );
+    assert_eq!(
+        texts(&client, "SELECT message_id FROM orders ORDER BY message_id").await,
+        ["m-1"]
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT reason FROM deadletters WHERE message_id = 'm-2'"
+        )
+        .await,
+        ["over the cap"]
+    );
+
+    // A replacement goes through the handler; the audit row carries its states.
+    client.execute("DELETE FROM caps", &[]).await.unwrap();
+    client
+        .batch_execute("INSERT INTO operators VALUES ('alice', 'h', 't', NULL)")
+        .await
+        .unwrap();
+    let held = inbox
+        .deliver_as(order("m-3", "a", 3, 1), Door::Broker, None)
+        .await
+        .unwrap();
+    assert!(matches!(held, Ok(Outcome::Held { .. })), "{held:?}");
+    let request = ResolutionRequest {
+        producer: None,
+        dead_letter_id: "m-2".into(),
+        operator: "alice".into(),
+        action: Action::Replace {
+            message_id: "fix-2".into(),
+            payload: json!({"quantity": 1}),
+        },
+        expected_last: 1,
+        reason: "smaller order".into(),
+    };
+    let Resolved::New(record) = inbox.resolve(request, Mode::Commit).await.unwrap() else {
+        panic!("expected a resolution");
+    };
+    assert_eq!(
+        (record.before.state, record.after.state),
+        (Some(json!({"ordered": 4})), Some(json!({"ordered": 5})))
+    );
+    assert_eq!(
+        texts(&client, "SELECT message_id FROM orders ORDER BY message_id").await,
+        ["fix-2", "m-1", "m-3"],
+        "the replacement and the held message it released went through the handler"
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT replacement_payload || '|' || before_state || '|' || after_state FROM resolutions"
+        )
+        .await,
+        [r#"{"quantity":1}|{"ordered":4}|{"ordered":5}"#]
+    );
+
+    // A handler error fails its delivery alone; the retry applies it once.
+    client
+        .execute("INSERT INTO outage VALUES ('b')", &[])
+        .await
+        .unwrap();
+    let batch = || {
+        vec![
+            BatchDelivery::anonymous(order("b-1", "b", 1, 1), Door::Broker),
+            BatchDelivery::anonymous(order("c-1", "c", 1, 1), Door::Broker),
+        ]
+    };
+    let verdicts = inbox.deliver_batch(batch()).await.unwrap();
+    assert!(
+        matches!(verdicts[0], Err(Undelivered::Handler(_))),
+        "{verdicts:?}"
+    );
+    assert!(matches!(verdicts[1], Ok(Outcome::Applied { .. })));
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT message_id FROM ordered_inbox WHERE aggregate_id = 'b'"
+        )
+        .await,
+        Vec::<String>::new()
+    );
+    let single = inbox.deliver(order("b-1", "b", 1, 1), Door::General).await;
+    assert!(matches!(single, Err(InboxError::Handler(_))), "{single:?}");
+    client.execute("DELETE FROM outage", &[]).await.unwrap();
+    let retried = inbox.deliver_batch(batch()).await.unwrap();
+    assert!(matches!(retried[0], Ok(Outcome::Applied { .. })));
+    assert!(matches!(retried[1], Ok(Outcome::Replay { .. })));
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT message_id FROM orders WHERE aggregate_id = 'b'"
+        )
+        .await,
+        ["b-1"]
+    );
+
+    // A replacement that apply finds poison is refused and leaves nothing.
+    inbox
+        .deliver(order("bad-2", "c", 2, -1), Door::General)
+        .await
+        .unwrap();
+    client
+        .execute("INSERT INTO caps VALUES ('c', 1)", &[])
+        .await
+        .unwrap();
+    let refused = inbox
+        .resolve(
+            ResolutionRequest {
+                producer: None,
+                dead_letter_id: "bad-2".into(),
+                operator: "alice".into(),
+                action: Action::Replace {
+                    message_id: "fix-c".into(),
+                    payload: json!({"quantity": 2}),
+                },
+                expected_last: 1,
+                reason: "corrected".into(),
+            },
+            Mode::Commit,
+        )
+        .await;
+    assert!(
+        matches!(&refused, Err(ResolutionError::ReplacementQuarantined(reason)) if reason.as_str() == "over the cap"),
+        "{refused:?}"
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT message_id FROM orders WHERE aggregate_id = 'c'"
+        )
+        .await,
+        ["c-1"]
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT status FROM deadletters WHERE message_id = 'bad-2'"
+        )
+        .await,
+        ["open"]
+    );
+    inbox.close();
+}
