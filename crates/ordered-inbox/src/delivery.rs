@@ -1474,8 +1474,8 @@ mod tests {
         )));
     }
 
-    fn held(id: &str, sequence: i64, amount: i64) -> HeldMessage {
-        let message = message(id, sequence, amount);
+    fn held(id: &str, sequence: i64, quantity: i64) -> HeldMessage {
+        let message = message(id, sequence, quantity);
         HeldMessage {
             payload: canonical(&message),
             message,

@@ -242,6 +242,31 @@ impl Inbox for PostgresInbox {
         .await
     }
 
+    /// One transaction per delivery, in order: each is committed (or, refused or failed in its
+    /// handler, rolled back) before the next is decided, so `Ok` means every delivery has its
+    /// verdict, and after an `Err` a prefix may have committed (a repeat of any of them is a
+    /// replay). Unlike SQLite's group commit this is not one COMMIT for the batch. Each is
+    /// checked as [`Inbox::deliver_as`] checks one, under the same locks (the producer's row
+    /// shared).
+    async fn deliver_batch(
+        &self,
+        deliveries: Vec<BatchDelivery>,
+    ) -> Result<Vec<Result<Outcome, Undelivered>>, InboxError> {
+        let mut outcomes = Vec::with_capacity(deliveries.len());
+        for delivery in deliveries {
+            let verdict = self
+                .deliver_as(delivery.message, delivery.door, delivery.claim)
+                .await;
+            outcomes.push(match verdict {
+                Ok(Ok(outcome)) => Ok(outcome),
+                Ok(Err(refusal)) => Err(Undelivered::Refused(refusal)),
+                Err(InboxError::Handler(error)) => Err(Undelivered::Handler(error)),
+                Err(other) => return Err(other),
+            });
+        }
+        Ok(outcomes)
+    }
+
     async fn resolve(
         &self,
         request: ResolutionRequest,
@@ -326,38 +351,6 @@ impl Inbox for PostgresInbox {
             Box::pin(async move { views::counts(client, counters, &aggregate_id).await })
         })
         .await
-    }
-
-    async fn health(&self) -> Result<InboxHealth, InboxError> {
-        self.run(move |client, counters| {
-            Box::pin(async move { views::health(client, counters).await })
-        })
-        .await
-    }
-
-    /// One transaction per delivery, in order: each is committed (or, refused or failed in its
-    /// handler, rolled back) before the next is decided, so `Ok` means every delivery has its
-    /// verdict, and after an `Err` a prefix may have committed (a repeat of any of them is a
-    /// replay). Unlike SQLite's group commit this is not one COMMIT for the batch. Each is
-    /// checked as [`Inbox::deliver_as`] checks one, under the same locks (the producer's row
-    /// shared).
-    async fn deliver_batch(
-        &self,
-        deliveries: Vec<BatchDelivery>,
-    ) -> Result<Vec<Result<Outcome, Undelivered>>, InboxError> {
-        let mut outcomes = Vec::with_capacity(deliveries.len());
-        for delivery in deliveries {
-            let verdict = self
-                .deliver_as(delivery.message, delivery.door, delivery.claim)
-                .await;
-            outcomes.push(match verdict {
-                Ok(Ok(outcome)) => Ok(outcome),
-                Ok(Err(refusal)) => Err(Undelivered::Refused(refusal)),
-                Err(InboxError::Handler(error)) => Err(Undelivered::Handler(error)),
-                Err(other) => return Err(other),
-            });
-        }
-        Ok(outcomes)
     }
 
     async fn applied_messages(
@@ -465,6 +458,13 @@ impl Inbox for PostgresInbox {
     async fn rejected(&self, page: PageRequest) -> Result<Page<RejectedDelivery>, InboxError> {
         self.run(move |client, counters| {
             Box::pin(async move { rejected::page(client, counters, page).await })
+        })
+        .await
+    }
+
+    async fn health(&self) -> Result<InboxHealth, InboxError> {
+        self.run(move |client, counters| {
+            Box::pin(async move { views::health(client, counters).await })
         })
         .await
     }

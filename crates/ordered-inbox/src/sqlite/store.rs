@@ -604,7 +604,7 @@ mod tests {
             c.execute_batch(
                 "CREATE TABLE counters(id INTEGER PRIMARY KEY, value INTEGER NOT NULL);
                  INSERT INTO counters VALUES(1, 10);
-                 CREATE TABLE effects(id INTEGER PRIMARY KEY, total INTEGER NOT NULL);
+                 CREATE TABLE effects(id INTEGER PRIMARY KEY, tally INTEGER NOT NULL);
                  INSERT INTO effects VALUES(1, 0);",
             )
         })
@@ -612,12 +612,12 @@ mod tests {
         (dir, store)
     }
 
-    /// The seeded `counters` value and `effects` total, which the tests below change.
+    /// The seeded `counters` value and `effects` tally, which the tests below change.
     async fn counter_and_effects(store: &Store) -> (i64, i64) {
         store
             .read(|c| {
                 c.query_row(
-                    "SELECT (SELECT value FROM counters WHERE id=1), (SELECT total FROM effects WHERE id=1)",
+                    "SELECT (SELECT value FROM counters WHERE id=1), (SELECT tally FROM effects WHERE id=1)",
                     [],
                     |r| Ok((r.get(0)?, r.get(1)?)),
                 )
@@ -635,14 +635,14 @@ mod tests {
             Err::<(), StoreError>(StoreError::Unavailable("deliberate".into()))
         });
         let succeeding = store.write(|c| {
-            c.execute("UPDATE effects SET total = 7 WHERE id = 1", [])?;
+            c.execute("UPDATE effects SET tally = 7 WHERE id = 1", [])?;
             Ok::<(), StoreError>(())
         });
         let (failed, succeeded) = tokio::join!(failing, succeeding);
         assert!(failed.is_err());
         succeeded.unwrap();
-        let (value, total) = counter_and_effects(&store).await;
-        assert_eq!((value, total), (10, 7));
+        let (value, tally) = counter_and_effects(&store).await;
+        assert_eq!((value, tally), (10, 7));
     }
 
     #[tokio::test]
@@ -658,11 +658,11 @@ mod tests {
         });
         let failing = store.write(|c| {
             c.execute("UPDATE counters SET value = 1000 WHERE id = 1", [])?;
-            c.execute("UPDATE effects SET total = 1000 WHERE id = 1", [])?;
+            c.execute("UPDATE effects SET tally = 1000 WHERE id = 1", [])?;
             Err::<(), StoreError>(StoreError::Unavailable("deliberate".into()))
         });
         let last = store.write(|c| {
-            c.execute("UPDATE effects SET total = total + 5 WHERE id = 1", [])?;
+            c.execute("UPDATE effects SET tally = tally + 5 WHERE id = 1", [])?;
             Ok::<(), StoreError>(())
         });
         let (first, failing, last, ()) = tokio::join!(first, failing, last, async {
@@ -685,8 +685,8 @@ mod tests {
             1,
             "the failure replayed its batch"
         );
-        let (value, total) = counter_and_effects(&store).await;
-        assert_eq!((value, total), (11, 5));
+        let (value, tally) = counter_and_effects(&store).await;
+        assert_eq!((value, tally), (11, 5));
     }
 
     /// Holds the writer until the returned sender is used, so the units sent meanwhile queue up
@@ -727,7 +727,7 @@ mod tests {
                 .write(move |c| {
                     runs.fetch_add(1, Ordering::Relaxed);
                     let in_savepoint = c.execute_batch("ROLLBACK TO work").is_ok();
-                    c.execute("UPDATE effects SET total = total + 1 WHERE id = 1", [])?;
+                    c.execute("UPDATE effects SET tally = tally + 1 WHERE id = 1", [])?;
                     if fails {
                         return Err(StoreError::Unavailable("deliberate".into()));
                     }
