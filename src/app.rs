@@ -18,11 +18,12 @@ use utoipa_axum::router::OpenApiRouter;
 
 use crate::config::{Config, StartupError, load_settings, parse_listen_url, require_development};
 use crate::console::ConsoleEvents;
+use crate::inbox::SharedInbox;
+use crate::inbox::changes::InboxChanges;
+use crate::inbox::observed::ObservedInbox;
 use crate::labs;
-use crate::labs::ordered::SharedInbox;
+use crate::labs::context::StartupContext;
 use crate::observe::Metrics;
-use crate::observe::inbox::ObservedInbox;
-use crate::startup::StartupContext;
 use crate::store::Store;
 
 /// The start-up line that announces the real address; supervisors, the bench and the tests wait
@@ -138,7 +139,7 @@ impl Application {
         let store = Store::open_observed(
             &config.database,
             config.synchronous.into(),
-            crate::schema::migrate,
+            crate::store::schema::migrate,
             Some(metrics.writer_observer()),
         )
         .map_err(|error| StartupError::Database {
@@ -182,7 +183,8 @@ impl Application {
             shutdown: &shutdown,
             tasks: &tasks,
         };
-        let console = ConsoleEvents::new(shutdown.clone());
+        let changes = InboxChanges::new();
+        let console = ConsoleEvents::new(changes.clone(), shutdown.clone());
         let state = AppState::new(AppParts {
             messaging: labs::messaging::MessagingLab::new(&context)?,
             http: labs::http::HttpLab::new(&context)?,
@@ -193,7 +195,7 @@ impl Application {
             broker,
             // Every write, whatever door or consumer makes it, is counted, logged and told to
             // the console here.
-            inbox: Arc::new(ObservedInbox::new(inbox, metrics.clone(), console.clone())),
+            inbox: Arc::new(ObservedInbox::new(inbox, metrics.clone(), changes)),
             console,
             postgres,
             metrics,
@@ -255,7 +257,7 @@ impl Application {
         }
         println!("Application started. Press Ctrl+C to shut down.");
 
-        let serving = crate::server::serve(
+        let serving = crate::http::server::serve(
             listener,
             router,
             state.config.limits,
@@ -311,7 +313,7 @@ pub fn parse_postgres_figures(line: &str) -> Option<(u64, u64, u64)> {
 /// takes the path and the methods from the handler's annotation, so the router and the document
 /// are built from one source.
 pub fn api_router() -> OpenApiRouter<AppState> {
-    OpenApiRouter::with_openapi(crate::openapi::ApiDoc::openapi())
+    OpenApiRouter::with_openapi(crate::http::openapi::ApiDoc::openapi())
         .merge(crate::observe::routes::routes())
         .merge(labs::ordered::routes())
         .merge(labs::sql::routes())
@@ -334,7 +336,7 @@ pub fn router(state: AppState) -> Router {
     let security = state.security.clone();
     let metrics = state.metrics.clone();
     let (routes, mut document) = api_router().split_for_parts();
-    crate::openapi::Shared.modify(&mut document);
+    crate::http::openapi::Shared.modify(&mut document);
     crate::observe::routes::publish_document(&document);
     let edge = crate::observe::http::Edge { metrics, security };
     routes

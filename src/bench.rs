@@ -646,7 +646,7 @@ pub fn raw_baseline(
         "PRAGMA synchronous={}; PRAGMA foreign_keys=ON;",
         synchronous.pragma_value()
     ))?;
-    crate::schema::migrate(&mut connection)?;
+    crate::store::schema::migrate(&mut connection)?;
     let longest = streams.iter().map(|s| s.messages.len()).max().unwrap_or(0);
     let mut count = 0usize;
     let started = Instant::now();

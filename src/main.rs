@@ -7,8 +7,10 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use ordered_inbox::operators::Registry;
 use production_lab::config::{self, Config, Synchronous};
+use production_lab::labs::contracts::verify;
+use production_lab::labs::ordered::practice;
 use production_lab::observe::{self, LogFormat};
-use production_lab::{Application, bench, practice, verify};
+use production_lab::{Application, bench};
 
 /// mimalloc rather than the system allocator: a delivery allocates and frees a few hundred small
 /// blocks across threads (request, JSON, rows, replies), and glibc's malloc, free and

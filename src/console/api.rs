@@ -17,11 +17,12 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::error::{AppError, Path, Query, json_response};
-use crate::labs::ordered::{
-    SharedInbox, identity_words, page_body, page_request, producer_namespace,
-    validate_aggregate_id, validate_message_id,
+use crate::http::error::{AppError, Path, Query, json_response};
+use crate::inbox::SharedInbox;
+use crate::inbox::input::{
+    identity_words, producer_namespace, validate_aggregate_id, validate_message_id,
 };
+use crate::inbox::pages::{page_body, page_request};
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -61,9 +62,9 @@ struct AppliedPage {
     params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate"), PageQuery),
     responses(
         (status = 200, description = "The aggregate's applied messages in sequence order", body = AppliedPage),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn applied_messages(
@@ -94,10 +95,10 @@ struct DeadLetterOf {
     params(("message_id" = String, Path, min_length = 1, max_length = 100, description = "The dead letter's message id"), DeadLetterOf),
     responses(
         (status = 200, description = "The dead letter with its lifecycle and resolution", body = DeadLetterView),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 404, description = "No dead letter has this message id", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn dead_letter(
@@ -125,10 +126,10 @@ struct NamedDeadLetter {
     params(NamedDeadLetter),
     responses(
         (status = 200, description = "The dead letter with its lifecycle and resolution", body = DeadLetterView),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 404, description = "No dead letter has this message id", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn dead_letter_named_in_query(

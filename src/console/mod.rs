@@ -23,9 +23,9 @@ use axum::response::Response;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-pub use events::{ConsoleEvents, InboxChange};
+pub use events::ConsoleEvents;
 
-use crate::labs::ordered::SharedInbox;
+use crate::inbox::SharedInbox;
 
 /// The console's Content-Security-Policy: everything from this origin only, so no inline script,
 /// no inline style attribute, no third-party anything; no framing, no `<base>`, forms post here.

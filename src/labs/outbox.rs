@@ -30,12 +30,11 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::ordered::{
-    page_body, page_request, validate_aggregate_id, validate_message_id, validate_sequence,
-};
-use crate::error::{AppError, Json, Query, RequestBody, json_response};
-use crate::observe::metrics::Metrics;
+use crate::http::error::{AppError, Json, Query, RequestBody, json_response};
+use crate::inbox::input::{validate_aggregate_id, validate_message_id, validate_sequence};
+use crate::inbox::pages::{page_body, page_request};
 use crate::store::Store;
+use crate::telemetry::metrics::Metrics;
 
 pub fn routes<S>() -> OpenApiRouter<S>
 where
@@ -286,10 +285,10 @@ enum RecordOutcome {
     responses(
         (status = 201, description = "Recorded, pending (`replay: false`)", body = Recorded),
         (status = 200, description = "This key was recorded before with the same content (`replay: true`)", body = Recorded),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 409, description = "The key was recorded with other content, or the aggregate's sequence belongs to another key: nothing changed", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 409, description = "The key was recorded with other content, or the aggregate's sequence belongs to another key: nothing changed", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn record_outbox_event(
@@ -356,7 +355,7 @@ async fn record_outbox_event(
         RecordOutcome::Replay(event) => {
             json_response(StatusCode::OK, json!({"replay": true, "event": event}))
         }
-        RecordOutcome::KeyConflict(prior) => crate::error::problem_response(
+        RecordOutcome::KeyConflict(prior) => crate::http::error::problem_response(
             StatusCode::CONFLICT,
             "Event key conflict",
             Some(&format!(
@@ -364,7 +363,7 @@ async fn record_outbox_event(
                 prior.event_key, prior.aggregate_id, prior.sequence, prior.amount
             )),
         ),
-        RecordOutcome::SequenceTaken(prior) => crate::error::problem_response(
+        RecordOutcome::SequenceTaken(prior) => crate::http::error::problem_response(
             StatusCode::CONFLICT,
             "Sequence already recorded",
             Some(&format!(
@@ -412,9 +411,9 @@ struct EventPage {
 
 #[utoipa::path(get, path = "/outbox/events", tag = "outbox", params(ListQuery), responses(
     (status = 200, description = "Events in the order they were recorded, and the counts by status", body = EventPage),
-    (status = 400, response = crate::openapi::BadRequest),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 400, response = crate::http::openapi::BadRequest),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn list_outbox_events(
     State(store): State<Store>,
@@ -575,9 +574,9 @@ fn plan_lease_in(
 #[utoipa::path(post, path = "/outbox/leases", tag = "outbox", request_body = LeaseInput,
     responses(
         (status = 200, description = "The leased events (possibly none), in (aggregateId, sequence) order, each with its generation", body = Lease),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn lease_outbox_events(
@@ -714,9 +713,9 @@ struct AckAnswer {
 #[utoipa::path(post, path = "/outbox/leases/ack", tag = "outbox", request_body = AckInput,
     responses(
         (status = 200, description = "Each event acked (now sent) or fenced (not this lease's: nothing changed), in one transaction", body = AckAnswer),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn ack_outbox_leases(
@@ -861,7 +860,7 @@ mod tests {
     /// A database at the labs' current schema, in memory.
     fn labs_database() -> rusqlite::Connection {
         let mut connection = rusqlite::Connection::open_in_memory().expect("in-memory database");
-        crate::schema::migrate(&mut connection).expect("migrate");
+        crate::store::schema::migrate(&mut connection).expect("migrate");
         connection
     }
 

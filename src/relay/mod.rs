@@ -217,7 +217,7 @@ async fn pause(stop: &CancellationToken, duration: Duration) {
 }
 
 async fn connect(options: &RelayOptions) -> Result<Peers, RelayError> {
-    let base = crate::verify::parse_base_url(&options.base)
+    let base = crate::labs::contracts::verify::parse_base_url(&options.base)
         .map_err(|error| RelayError::Refused(format!("--base: {error}")))?;
     let base = base.as_str().trim_end_matches('/').to_owned();
     let urls =

@@ -19,9 +19,9 @@ use ordered_inbox::{
     RejectedDelivery, ResolutionError, ResolutionRequest, Resolved,
 };
 
-use super::metrics::{Metrics, door_label, refusal_reason};
-use crate::console::ConsoleEvents;
-use crate::labs::ordered::SharedInbox;
+use super::changes::InboxChanges;
+use crate::inbox::SharedInbox;
+use crate::telemetry::metrics::{Metrics, door_label, refusal_reason};
 
 /// The log target of the inbox's domain events.
 pub const TARGET: &str = "production_lab::inbox";
@@ -31,15 +31,15 @@ pub const TARGET: &str = "production_lab::inbox";
 pub struct ObservedInbox {
     inner: SharedInbox,
     metrics: Metrics,
-    console: ConsoleEvents,
+    changes: InboxChanges,
 }
 
 impl ObservedInbox {
-    pub fn new(inner: SharedInbox, metrics: Metrics, console: ConsoleEvents) -> ObservedInbox {
+    pub fn new(inner: SharedInbox, metrics: Metrics, changes: InboxChanges) -> ObservedInbox {
         ObservedInbox {
             inner,
             metrics,
-            console,
+            changes,
         }
     }
 }
@@ -54,7 +54,7 @@ impl Inbox for ObservedInbox {
         self.metrics.delivery(door, outcome.as_ref());
         if let Ok(outcome) = &outcome {
             log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
-            self.console.delivered(&aggregate_id, &message_id, outcome);
+            self.changes.delivered(&aggregate_id, &message_id, outcome);
         }
         outcome
     }
@@ -85,7 +85,7 @@ impl Inbox for ObservedInbox {
                         Ok(outcome) => {
                             self.metrics.delivery::<InboxError>(*door, Ok(outcome));
                             log_delivery(*door, aggregate_id, message_id, *sequence, outcome);
-                            self.console.delivered(aggregate_id, message_id, outcome);
+                            self.changes.delivered(aggregate_id, message_id, outcome);
                         }
                         Err(refusal) => {
                             self.metrics.producer_refusal(*door, refusal);
@@ -123,7 +123,7 @@ impl Inbox for ObservedInbox {
                 sequence = record.sequence,
                 "dead letter resolved by an operator"
             );
-            self.console.resolved(record);
+            self.changes.resolved(record);
         }
         resolved
     }
@@ -207,7 +207,7 @@ impl Inbox for ObservedInbox {
             Ok(Ok(outcome)) => {
                 self.metrics.delivery::<InboxError>(door, Ok(outcome));
                 log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
-                self.console.delivered(&aggregate_id, &message_id, outcome);
+                self.changes.delivered(&aggregate_id, &message_id, outcome);
             }
             Ok(Err(refusal)) => {
                 self.metrics.producer_refusal(door, refusal);
@@ -255,7 +255,7 @@ impl Inbox for ObservedInbox {
                 held_rejected = record.held_rejected,
                 "aggregate transferred by an operator"
             );
-            self.console.owner_transferred(record);
+            self.changes.owner_transferred(record);
         }
         transferred
     }
