@@ -4,7 +4,7 @@
 //!
 //! One layer rather than one per concern: axum clones a route's whole layered service for every
 //! request and drops it afterwards, and with seven layers that cloning, boxing and dropping cost
-//! more CPU than the handler of a delivery (issue 18's profile).
+//! more CPU than the handler of a delivery (see docs/performance.md).
 //!
 //! In order: the request id (a sane `x-request-id` or a new one, echoed in the response header
 //! and in every problem+json body as `requestId`); the `request` span (method, route template,

@@ -1,4 +1,4 @@
-//! Producers, epochs and ownership on the general door (issue 17): sessions issue epochs, an
+//! Producers, epochs and ownership on the general door: sessions issue epochs, an
 //! older epoch is fenced, an aggregate belongs to the producer that claimed it, an operator may
 //! transfer it; over real HTTP, real files and the real CLI.
 
