@@ -16,7 +16,7 @@ use ordered_inbox::views::{
 };
 use ordered_inbox::{
     AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
-    RejectedDelivery, ResolutionError, ResolutionRequest, Resolved,
+    QuarantineReason, RejectedDelivery, ResolutionError, ResolutionRequest, Resolved,
 };
 
 use super::changes::InboxChanges;
@@ -277,8 +277,6 @@ impl Inbox for ObservedInbox {
     }
 }
 
-/// The domain events of one delivery: a quarantine (or a refused one), and each dead letter an
-/// applied message superseded.
 /// Logs a producer delivery the inbox refused before deciding it (nothing was written): a fenced
 /// instance at warn (it must stop), every other refusal at info.
 fn log_refusal(
@@ -316,6 +314,9 @@ fn log_refusal(
     }
 }
 
+/// The domain events of one delivery: a quarantine (or a refused one), a hold (or a refused
+/// one), and each dead letter an applied message superseded. The other verdicts log no event of
+/// their own.
 fn log_delivery(
     door: Door,
     aggregate_id: &str,
@@ -323,89 +324,123 @@ fn log_delivery(
     sequence: i64,
     outcome: &Outcome,
 ) {
-    let door = door_label(door);
+    let delivery = LoggedDelivery {
+        door: door_label(door),
+        aggregate_id,
+        message_id,
+        sequence,
+    };
     match outcome {
         Outcome::Quarantined {
             expected,
             reason,
             dead_letter,
-        } => tracing::info!(
-            target: TARGET,
-            event = "quarantined",
-            door,
-            aggregate_id,
-            message_id,
-            sequence,
-            expected,
-            reason = %reason,
-            observations = dead_letter.map(|note| note.observations),
-            "message quarantined as a dead letter; the aggregate waits"
-        ),
+        } => delivery.quarantined(*expected, reason, dead_letter.map(|note| note.observations)),
         Outcome::QuarantineFull {
             expected,
             open,
             limit,
-        } => tracing::warn!(
-            target: TARGET,
-            event = "quarantine_full",
-            door,
-            aggregate_id,
-            message_id,
-            sequence,
-            expected,
-            open,
-            limit,
-            "poison message refused: the aggregate's quarantine is full"
-        ),
-        Outcome::Applied { superseded, .. } => {
-            for dead_letter in superseded {
-                tracing::info!(
-                    target: TARGET,
-                    event = "superseded",
-                    door,
-                    aggregate_id,
-                    message_id = %dead_letter,
-                    superseded_by = message_id,
-                    sequence,
-                    "dead letter superseded by a message that took its sequence"
-                );
-            }
-        }
+        } => delivery.quarantine_full(*expected, *open, *limit),
+        Outcome::Applied { superseded, .. } => delivery.superseded(superseded),
         Outcome::Held {
             expected,
             held,
             repeated: false,
-        } => tracing::info!(
-            target: TARGET,
-            event = "held",
-            door,
-            aggregate_id,
-            message_id,
-            sequence,
-            expected,
-            held,
-            "message held until its predecessors apply"
-        ),
+        } => delivery.held(*expected, *held),
         Outcome::HoldFull {
             expected,
             held,
             limit,
-        } => tracing::warn!(
-            target: TARGET,
-            event = "hold_full",
-            door,
-            aggregate_id,
-            message_id,
-            sequence,
-            expected,
-            held,
-            limit,
-            "message ahead of its turn refused: the aggregate holds the most it may"
-        ),
+        } => delivery.hold_full(*expected, *held, *limit),
         Outcome::Held { repeated: true, .. }
         | Outcome::Replay { .. }
         | Outcome::PayloadConflict
         | Outcome::Gap { .. }
         | Outcome::Stale { .. } => {}
+    }
+}
+
+/// The fields every domain event of a delivery carries.
+struct LoggedDelivery<'a> {
+    door: &'static str,
+    aggregate_id: &'a str,
+    message_id: &'a str,
+    sequence: i64,
+}
+
+impl LoggedDelivery<'_> {
+    fn quarantined(&self, expected: i64, reason: &QuarantineReason, observations: Option<i64>) {
+        tracing::info!(
+            target: TARGET,
+            event = "quarantined",
+            door = self.door,
+            aggregate_id = self.aggregate_id,
+            message_id = self.message_id,
+            sequence = self.sequence,
+            expected,
+            reason = %reason,
+            observations,
+            "message quarantined as a dead letter; the aggregate waits"
+        );
+    }
+
+    fn quarantine_full(&self, expected: i64, open: usize, limit: usize) {
+        tracing::warn!(
+            target: TARGET,
+            event = "quarantine_full",
+            door = self.door,
+            aggregate_id = self.aggregate_id,
+            message_id = self.message_id,
+            sequence = self.sequence,
+            expected,
+            open,
+            limit,
+            "poison message refused: the aggregate's quarantine is full"
+        );
+    }
+
+    /// One event per dead letter the applied message replaced.
+    fn superseded(&self, superseded: &[String]) {
+        for dead_letter in superseded {
+            tracing::info!(
+                target: TARGET,
+                event = "superseded",
+                door = self.door,
+                aggregate_id = self.aggregate_id,
+                message_id = %dead_letter,
+                superseded_by = self.message_id,
+                sequence = self.sequence,
+                "dead letter superseded by a message that took its sequence"
+            );
+        }
+    }
+
+    fn held(&self, expected: i64, held: usize) {
+        tracing::info!(
+            target: TARGET,
+            event = "held",
+            door = self.door,
+            aggregate_id = self.aggregate_id,
+            message_id = self.message_id,
+            sequence = self.sequence,
+            expected,
+            held,
+            "message held until its predecessors apply"
+        );
+    }
+
+    fn hold_full(&self, expected: i64, held: usize, limit: usize) {
+        tracing::warn!(
+            target: TARGET,
+            event = "hold_full",
+            door = self.door,
+            aggregate_id = self.aggregate_id,
+            message_id = self.message_id,
+            sequence = self.sequence,
+            expected,
+            held,
+            limit,
+            "message ahead of its turn refused: the aggregate holds the most it may"
+        );
     }
 }
