@@ -27,13 +27,8 @@ use crate::observe::Metrics;
 use crate::store::Store;
 
 /// The start-up line that announces the real address; supervisors, the bench and the tests wait
-/// for it.
+/// for it (lab-testkit's `server::listening_address` reads it).
 const LISTENING_PREFIX: &str = "Now listening on: ";
-
-/// The root URL announced by a start-up line, if `line` is that line.
-pub fn listening_address(line: &str) -> Option<&str> {
-    line.strip_prefix(LISTENING_PREFIX).map(str::trim)
-}
 
 /// How long in-flight requests and background work may run on after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -294,20 +289,8 @@ pub fn postgres_figures_line(stats: ordered_inbox::postgres::PostgresStats) -> S
     )
 }
 
+/// The bench reads it back (lab-testkit's `server::PostgresFigures::parse`).
 const POSTGRES_FIGURES_PREFIX: &str = "Ordered inbox figures: ";
-
-/// (operations, round trips, retries) from a [`postgres_figures_line`].
-pub fn parse_postgres_figures(line: &str) -> Option<(u64, u64, u64)> {
-    let rest = line.strip_prefix(POSTGRES_FIGURES_PREFIX)?;
-    let numbers: Vec<u64> = rest
-        .split(", ")
-        .filter_map(|part| part.split(' ').next()?.parse().ok())
-        .collect();
-    match numbers[..] {
-        [operations, round_trips, retries] => Some((operations, round_trips, retries)),
-        _ => None,
-    }
-}
 
 /// Every route with its OpenAPI entry: each lab registers its handlers through `routes!`, which
 /// takes the path and the methods from the handler's annotation, so the router and the document
@@ -349,32 +332,4 @@ pub fn router(state: AppState) -> Router {
             edge,
             crate::observe::http::edge,
         ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_listening_line_is_the_one_the_issue_names() {
-        assert_eq!(
-            listening_address("Now listening on: http://127.0.0.1:5080"),
-            Some("http://127.0.0.1:5080")
-        );
-        assert_eq!(listening_address("Database: /tmp/x.db"), None);
-    }
-
-    #[test]
-    fn the_postgres_figures_line_parses_back() {
-        let stats = ordered_inbox::postgres::PostgresStats {
-            operations: 10,
-            round_trips: 21,
-            retries: 2,
-        };
-        assert_eq!(
-            parse_postgres_figures(&postgres_figures_line(stats)),
-            Some((10, 21, 2))
-        );
-        assert_eq!(parse_postgres_figures("Database: x"), None);
-    }
 }

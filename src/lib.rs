@@ -35,10 +35,5 @@ pub mod relay;
 pub mod store;
 pub mod telemetry;
 
-// Tooling that moves out of the runtime library (lab-testkit).
-pub mod bench;
-pub mod pg_cluster;
-pub mod progress;
-
 pub use app::{AppParts, AppState, Application};
 pub use config::Config;

@@ -18,9 +18,7 @@
 //! The wire format is in [`wire`]; the HTTP evidence (`GET /broker`, `GET /broker/rejected`) and
 //! the test-only fault switch (`POST /lab/broker/pause-after-commit`) in [`routes`].
 
-pub mod bench;
 mod routes;
-pub mod server;
 pub mod wire;
 
 use std::collections::{BTreeMap, HashMap};

@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::{Args, Subcommand};
-use production_lab::bench;
+use clap::{Args, Subcommand, ValueEnum};
+use lab_testkit::bench;
 use production_lab::config::Synchronous;
 
 #[derive(Subcommand)]
@@ -20,6 +20,15 @@ pub enum BenchCommand {
     /// Events from server A's general outbox through `relay` processes and a private
     /// nats-server to server B's ordered inbox, with 1 and 2 relays.
     Relay(BenchRelayArgs),
+}
+
+/// Which store `bench ordered` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// The SQLite server (group commit) against one transaction per message.
+    Sqlite,
+    /// PostgreSQL through one and through two server processes, next to the SQLite server.
+    Postgres,
 }
 
 #[derive(Args)]
@@ -82,7 +91,7 @@ pub struct BenchOrderedArgs {
     /// sqlite: group commit against one transaction per message; postgres: a private
     /// PostgreSQL through one and two servers, next to the SQLite server.
     #[arg(long, value_enum, default_value = "sqlite")]
-    pub backend: bench::Backend,
+    pub backend: Backend,
     /// Also write the figures as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -99,48 +108,24 @@ pub struct BenchStampedeArgs {
 
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-    let (text, json, path) = runtime.block_on(async {
-        match command {
-            BenchCommand::Ordered(args) => {
-                let options = bench::OrderedOptions {
-                    aggregates: args.aggregates,
-                    messages: args.messages,
-                    concurrency: args.concurrency,
-                    synchronous: args.synchronous,
-                    server: args.server,
-                };
-                if args.backend == bench::Backend::Postgres {
-                    let report = bench::ordered_postgres(&options).await?;
-                    return anyhow::Ok((
-                        report.to_string(),
-                        serde_json::to_string_pretty(&report)?,
-                        args.json,
-                    ));
-                }
-                let report = bench::ordered(&options).await?;
-                anyhow::Ok((
-                    report.to_string(),
-                    serde_json::to_string_pretty(&report)?,
-                    args.json,
-                ))
-            }
+    let (report, path) = runtime.block_on(async {
+        anyhow::Ok(match command {
+            BenchCommand::Ordered(args) => (ordered(&args).await?, args.json),
             BenchCommand::Broker(args) => {
-                let options = production_lab::broker::bench::BrokerBenchOptions {
+                let options = bench::broker::BrokerBenchOptions {
                     aggregates: args.aggregates,
                     messages: args.messages,
                     batch: args.batch,
-                    synchronous: args.synchronous,
+                    synchronous: args.synchronous.into(),
                     concurrency: args.concurrency,
                 };
-                let report = production_lab::broker::bench::run(&options).await?;
-                anyhow::Ok((
-                    report.to_string(),
-                    serde_json::to_string_pretty(&report)?,
+                (
+                    Rendered::of(&bench::broker::run(&options).await?)?,
                     args.json,
-                ))
+                )
             }
             BenchCommand::Relay(args) => {
-                let options = production_lab::relay::bench::RelayBenchOptions {
+                let options = bench::relay::RelayBenchOptions {
                     aggregates: args.aggregates,
                     messages: args.messages,
                     writers: args.writers,
@@ -148,26 +133,51 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
                     lease_pending: args.lease_pending,
                     lease_held: args.lease_held,
                 };
-                let report = production_lab::relay::bench::run(&options).await?;
-                anyhow::Ok((
-                    report.to_string(),
-                    serde_json::to_string_pretty(&report)?,
+                (
+                    Rendered::of(&bench::relay::run(&options).await?)?,
                     args.json,
-                ))
+                )
             }
             BenchCommand::Stampede(args) => {
-                let report = bench::stampede(args.callers).await?;
-                anyhow::Ok((
-                    report.to_string(),
-                    serde_json::to_string_pretty(&report)?,
-                    args.json,
-                ))
+                let report = bench::stampede::stampede(args.callers).await?;
+                (Rendered::of(&report)?, args.json)
             }
-        }
+        })
     })?;
-    println!("{text}");
+    println!("{}", report.text);
     if let Some(path) = path {
-        std::fs::write(&path, json).with_context(|| format!("cannot write {}", path.display()))?;
+        std::fs::write(&path, report.json)
+            .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// `bench ordered` on the backend its arguments name.
+async fn ordered(args: &BenchOrderedArgs) -> anyhow::Result<Rendered> {
+    let options = bench::ordered::OrderedOptions {
+        aggregates: args.aggregates,
+        messages: args.messages,
+        concurrency: args.concurrency,
+        synchronous: args.synchronous.into(),
+        server: args.server.clone(),
+    };
+    match args.backend {
+        Backend::Sqlite => Rendered::of(&bench::ordered::ordered(&options).await?),
+        Backend::Postgres => Rendered::of(&bench::postgres::ordered_postgres(&options).await?),
+    }
+}
+
+/// A bench's report as printed and as its `--json` file.
+struct Rendered {
+    text: String,
+    json: String,
+}
+
+impl Rendered {
+    fn of(report: &(impl std::fmt::Display + serde::Serialize)) -> anyhow::Result<Rendered> {
+        Ok(Rendered {
+            text: report.to_string(),
+            json: serde_json::to_string_pretty(report)?,
+        })
+    }
 }

@@ -11,8 +11,6 @@
 //! acked is leased again once its lease expires and published again; JetStream's duplicate window
 //! drops that copy, and past the window the inbox's identity check does.
 
-pub mod bench;
-
 use std::time::Duration;
 
 use async_nats::jetstream;

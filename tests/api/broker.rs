@@ -7,8 +7,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use lab_testkit::nats::{NatsServer, partition_config};
 use ordered_inbox::OrderedMessage;
-use production_lab::broker::server::{NatsServer, partition_config};
 use production_lab::broker::{BrokerConfig, wire};
 use serde_json::{Value, json};
 
