@@ -297,81 +297,94 @@ async fn record_outbox_event(
 ) -> Result<Response, AppError> {
     let input = input.validate()?;
     let outcome = store
-        .write(move |connection| {
-            let by_key = |key: &str| {
-                connection
-                    .query_row(
-                        &format!("SELECT {EVENT_COLUMNS} FROM general_outbox WHERE event_key = ?1"),
-                        [key],
-                        event_of,
-                    )
-                    .optional()
-            };
-            if let Some(prior) = by_key(&input.event_key)? {
-                let same = prior.aggregate_id == input.aggregate_id
-                    && prior.sequence == input.sequence
-                    && prior.amount == i64::from(input.amount);
-                return Ok::<_, AppError>(if same {
-                    RecordOutcome::Replay(prior)
-                } else {
-                    RecordOutcome::KeyConflict(prior)
-                });
-            }
-            let taken = connection
-                .query_row(
-                    &format!(
-                        "SELECT {EVENT_COLUMNS} FROM general_outbox
-                          WHERE aggregate_id = ?1 AND sequence = ?2"
-                    ),
-                    params![input.aggregate_id, input.sequence],
-                    event_of,
-                )
-                .optional()?;
-            if let Some(taken) = taken {
-                return Ok(RecordOutcome::SequenceTaken(taken));
-            }
-            let event = connection.query_row(
-                &format!(
-                    "INSERT INTO general_outbox(event_key, aggregate_id, sequence, amount, created_at_ms)
-                     VALUES (?1, ?2, ?3, ?4, ?5) RETURNING {EVENT_COLUMNS}"
-                ),
-                params![
-                    input.event_key,
-                    input.aggregate_id,
-                    input.sequence,
-                    input.amount,
-                    now_millis()
-                ],
-                event_of,
-            )?;
-            Ok(RecordOutcome::Created(event))
-        })
+        .write(move |connection| record_event(connection, &input))
         .await?;
-    Ok(match outcome {
-        RecordOutcome::Created(event) => json_response(
-            StatusCode::CREATED,
-            json!({"replay": false, "event": event}),
+    Ok(outcome.answer())
+}
+
+/// Records a new event as pending. An event key already recorded is a replay with the same
+/// content and a conflict with other content; an aggregate's sequence already recorded under
+/// another key is a conflict too. Nothing is written then.
+fn record_event(
+    connection: &rusqlite::Connection,
+    input: &EventInput,
+) -> Result<RecordOutcome, AppError> {
+    let prior = connection
+        .query_row(
+            &format!("SELECT {EVENT_COLUMNS} FROM general_outbox WHERE event_key = ?1"),
+            [&input.event_key],
+            event_of,
+        )
+        .optional()?;
+    if let Some(prior) = prior {
+        let same = prior.aggregate_id == input.aggregate_id
+            && prior.sequence == input.sequence
+            && prior.amount == i64::from(input.amount);
+        return Ok(if same {
+            RecordOutcome::Replay(prior)
+        } else {
+            RecordOutcome::KeyConflict(prior)
+        });
+    }
+    let taken = connection
+        .query_row(
+            &format!(
+                "SELECT {EVENT_COLUMNS} FROM general_outbox
+                  WHERE aggregate_id = ?1 AND sequence = ?2"
+            ),
+            params![input.aggregate_id, input.sequence],
+            event_of,
+        )
+        .optional()?;
+    if let Some(taken) = taken {
+        return Ok(RecordOutcome::SequenceTaken(taken));
+    }
+    let event = connection.query_row(
+        &format!(
+            "INSERT INTO general_outbox(event_key, aggregate_id, sequence, amount, created_at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5) RETURNING {EVENT_COLUMNS}"
         ),
-        RecordOutcome::Replay(event) => {
-            json_response(StatusCode::OK, json!({"replay": true, "event": event}))
+        params![
+            input.event_key,
+            input.aggregate_id,
+            input.sequence,
+            input.amount,
+            now_millis()
+        ],
+        event_of,
+    )?;
+    Ok(RecordOutcome::Created(event))
+}
+
+impl RecordOutcome {
+    /// 201 for a new event, 200 for a replay, 409 problem+json for either conflict.
+    fn answer(self) -> Response {
+        match self {
+            RecordOutcome::Created(event) => json_response(
+                StatusCode::CREATED,
+                json!({"replay": false, "event": event}),
+            ),
+            RecordOutcome::Replay(event) => {
+                json_response(StatusCode::OK, json!({"replay": true, "event": event}))
+            }
+            RecordOutcome::KeyConflict(prior) => crate::http::error::problem_response(
+                StatusCode::CONFLICT,
+                "Event key conflict",
+                Some(&format!(
+                    "eventKey '{}' was recorded with other content (aggregate '{}', sequence {}, amount {}); an event key never changes meaning",
+                    prior.event_key, prior.aggregate_id, prior.sequence, prior.amount
+                )),
+            ),
+            RecordOutcome::SequenceTaken(prior) => crate::http::error::problem_response(
+                StatusCode::CONFLICT,
+                "Sequence already recorded",
+                Some(&format!(
+                    "aggregate '{}' already has sequence {} as eventKey '{}'",
+                    prior.aggregate_id, prior.sequence, prior.event_key
+                )),
+            ),
         }
-        RecordOutcome::KeyConflict(prior) => crate::http::error::problem_response(
-            StatusCode::CONFLICT,
-            "Event key conflict",
-            Some(&format!(
-                "eventKey '{}' was recorded with other content (aggregate '{}', sequence {}, amount {}); an event key never changes meaning",
-                prior.event_key, prior.aggregate_id, prior.sequence, prior.amount
-            )),
-        ),
-        RecordOutcome::SequenceTaken(prior) => crate::http::error::problem_response(
-            StatusCode::CONFLICT,
-            "Sequence already recorded",
-            Some(&format!(
-                "aggregate '{}' already has sequence {} as eventKey '{}'",
-                prior.aggregate_id, prior.sequence, prior.event_key
-            )),
-        ),
-    })
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
