@@ -16,7 +16,9 @@ use tokio_util::task::TaskTracker;
 use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
-use crate::config::{Config, StartupError, load_settings, parse_listen_url, require_development};
+use crate::config::{
+    Config, LiveSettings, StartupError, load_settings, parse_listen_url, require_development,
+};
 use crate::console::ConsoleEvents;
 use crate::inbox::SharedInbox;
 use crate::inbox::changes::InboxChanges;
@@ -131,35 +133,8 @@ impl Application {
         let inbox_target = config.inbox.as_deref().map(Target::parse).transpose()?;
         let settings = load_settings(&config.settings)?;
         let metrics = Metrics::new();
-        let store = Store::open_observed(
-            &config.database,
-            config.synchronous.into(),
-            crate::store::schema::migrate,
-            Some(metrics.writer_observer()),
-        )
-        .map_err(|error| StartupError::Database {
-            path: config.database.display().to_string(),
-            reason: error.to_string(),
-        })?;
-        let postgres = match inbox_target {
-            Some(target) => Some(PostgresInbox::open(target, config.inbox_limits()).await?),
-            None => None,
-        };
-        let inbox: SharedInbox = match &postgres {
-            Some(postgres) => Arc::new(postgres.clone()),
-            None => Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
-        };
-        let listener = TcpListener::bind(requested)
-            .await
-            .map_err(|error| StartupError::Bind {
-                address: requested.to_string(),
-                reason: error.to_string(),
-            })?;
-        let address = listener.local_addr().map_err(|error| StartupError::Bind {
-            address: requested.to_string(),
-            reason: error.to_string(),
-        })?;
-
+        let stores = Stores::open(&config, inbox_target, &metrics).await?;
+        let (listener, address) = bind(requested).await?;
         let broker = crate::broker::BrokerLab::with_metrics(metrics.clone());
         let consumer = match &config.nats {
             Some(nats) => {
@@ -167,38 +142,7 @@ impl Application {
             }
             None => None,
         };
-
-        let shutdown = CancellationToken::new();
-        let tasks = TaskTracker::new();
-        crate::observe::spawn_upkeep(metrics.clone(), &tasks, shutdown.clone());
-        let context = StartupContext {
-            config: &config,
-            store: &store,
-            settings: &settings,
-            shutdown: &shutdown,
-            tasks: &tasks,
-        };
-        let changes = InboxChanges::new();
-        let console = ConsoleEvents::new(changes.clone(), shutdown.clone());
-        let state = AppState::new(AppParts {
-            messaging: labs::messaging::MessagingLab::new(&context)?,
-            http: labs::http::HttpLab::new(&context)?,
-            cache: labs::cache::CacheLab::new(&context)?,
-            security: labs::security::SecurityLab::new(&context)?,
-            privacy: labs::privacy::PrivacyLab::new(&context)?,
-            worker: labs::worker::WorkerLab::new(&context)?,
-            broker,
-            // Every write, whatever door or consumer makes it, is counted, logged and told to
-            // the console here.
-            inbox: Arc::new(ObservedInbox::new(inbox, metrics.clone(), changes)),
-            console,
-            postgres,
-            metrics,
-            store,
-            config: Arc::new(config),
-            shutdown,
-            tasks,
-        });
+        let state = assemble_state(config, &settings, stores, metrics, broker)?;
         let router = router(state.clone());
         Ok(Application {
             listener,
@@ -279,6 +223,100 @@ impl Application {
         }
         served
     }
+}
+
+/// The labs' store and the ordered inbox on the backend the configuration names.
+struct Stores {
+    store: Store,
+    postgres: Option<PostgresInbox>,
+    inbox: SharedInbox,
+}
+
+impl Stores {
+    /// Opens the labs' database (migrated, its writer observed by `metrics`), then PostgreSQL
+    /// when `inbox_target` names it; the inbox is on PostgreSQL then, else in the labs' store.
+    async fn open(
+        config: &Config,
+        inbox_target: Option<Target>,
+        metrics: &Metrics,
+    ) -> Result<Stores, StartupError> {
+        let store = Store::open_observed(
+            &config.database,
+            config.synchronous.into(),
+            crate::store::schema::migrate,
+            Some(metrics.writer_observer()),
+        )
+        .map_err(|error| StartupError::Database {
+            path: config.database.display().to_string(),
+            reason: error.to_string(),
+        })?;
+        let postgres = match inbox_target {
+            Some(target) => Some(PostgresInbox::open(target, config.inbox_limits()).await?),
+            None => None,
+        };
+        let inbox: SharedInbox = match &postgres {
+            Some(postgres) => Arc::new(postgres.clone()),
+            None => Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
+        };
+        Ok(Stores {
+            store,
+            postgres,
+            inbox,
+        })
+    }
+}
+
+/// The listener on `requested`, and the address it really has (a port for `:0`).
+async fn bind(requested: SocketAddr) -> Result<(TcpListener, SocketAddr), StartupError> {
+    let refused = |error: std::io::Error| StartupError::Bind {
+        address: requested.to_string(),
+        reason: error.to_string(),
+    };
+    let listener = TcpListener::bind(requested).await.map_err(refused)?;
+    let address = listener.local_addr().map_err(refused)?;
+    Ok((listener, address))
+}
+
+/// Starts the upkeep task and every lab (each may refuse its settings), and puts them into the
+/// application's state with the stores and the broker's evidence.
+fn assemble_state(
+    config: Config,
+    settings: &LiveSettings,
+    stores: Stores,
+    metrics: Metrics,
+    broker: crate::broker::BrokerLab,
+) -> Result<AppState, StartupError> {
+    let shutdown = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    crate::observe::spawn_upkeep(metrics.clone(), &tasks, shutdown.clone());
+    let context = StartupContext {
+        config: &config,
+        store: &stores.store,
+        settings,
+        shutdown: &shutdown,
+        tasks: &tasks,
+    };
+    let changes = InboxChanges::new();
+    let console = ConsoleEvents::new(changes.clone(), shutdown.clone());
+    Ok(AppState::new(AppParts {
+        messaging: labs::messaging::MessagingLab::new(&context)?,
+        http: labs::http::HttpLab::new(&context)?,
+        cache: labs::cache::CacheLab::new(&context)?,
+        security: labs::security::SecurityLab::new(&context)?,
+        privacy: labs::privacy::PrivacyLab::new(&context)?,
+        worker: labs::worker::WorkerLab::new(&context)?,
+        broker,
+        // Every write, whatever door or consumer makes it, is counted, logged and told to the
+        // console here.
+        inbox: Arc::new(ObservedInbox::new(stores.inbox, metrics.clone(), changes)),
+        console,
+        postgres: stores.postgres,
+        metrics,
+        store: stores.store,
+        config: Arc::new(config),
+        shutdown,
+        tasks,
+    }))
 }
 
 /// The line a server with a PostgreSQL inbox prints when it stops: what its operations cost.
