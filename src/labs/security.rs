@@ -213,7 +213,7 @@ fn request_host(headers: &HeaderMap, request_authority: Option<&str>) -> Option<
 
 /// What the edge does for the security lab before any handler runs, as in the seed: refuses a
 /// request whose Host is not allowed (or that has more than one) with a 400 problem, then records
-/// where the request came from ([`ClientOrigin`], believing forwarded headers only from the
+/// where the request came from (`ClientOrigin`, believing forwarded headers only from the
 /// known proxy).
 #[allow(clippy::result_large_err)] // the refusal is the response itself
 pub fn admit(lab: &SecurityLab, mut request: Request) -> Result<Request, Response> {

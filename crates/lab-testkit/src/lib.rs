@@ -12,7 +12,7 @@
 //! - [`nats`]: a private `nats-server` with JetStream, and the subject and header a publisher
 //!   writes;
 //! - [`progress`]: progress of a long command on stderr;
-//! - [`bench`]: the workloads of `production-lab bench` (ordered, PostgreSQL, stampede, broker,
+//! - [`mod@bench`]: the workloads of `production-lab bench` (ordered, PostgreSQL, stampede, broker,
 //!   relay) and their reports.
 //!
 //! A missing PostgreSQL or nats-server fails with a message naming the Debian package.

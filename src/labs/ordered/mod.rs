@@ -1,11 +1,11 @@
 //! Ordered delivery, two doors onto one inbox ([`ordered_inbox`]):
 //!
-//! - [`classroom`]: the lesson's `POST /ordered/apply` and `GET /ordered/state`, unchanged;
-//! - [`aggregates`]: the general inbox `POST /aggregates/{id}/messages` for any aggregate, with
+//! - `classroom`: the lesson's `POST /ordered/apply` and `GET /ordered/state`, unchanged;
+//! - `aggregates`: the general inbox `POST /aggregates/{id}/messages` for any aggregate, with
 //!   verdicts that say what the caller can do, and the evidence (aggregate state, blocked/waiting
 //!   inventory, timeline, dead letters);
-//! - [`resolution`]: operator-approved poison resolution and its audit trail;
-//! - [`producers`]: producer sessions (epochs, fencing), aggregate ownership and its transfer.
+//! - `resolution`: operator-approved poison resolution and its audit trail;
+//! - `producers`: producer sessions (epochs, fencing), aggregate ownership and its transfer.
 //!
 //! The handlers take only the inbox ([`crate::inbox::SharedInbox`]): the library decides, this module words the
 //! answers.

@@ -11,7 +11,7 @@
 //! A's outbox is all sent.
 //!
 //! Last, on A alone, the latency of `POST /outbox/leases` while many events are pending behind
-//! live leases, and for comparison with only the events it hands out pending ([`lease`]).
+//! live leases, and for comparison with only the events it hands out pending (`lease`).
 
 mod lease;
 
