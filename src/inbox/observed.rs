@@ -42,19 +42,61 @@ impl ObservedInbox {
             changes,
         }
     }
+
+    /// Counts, logs and announces one delivery the inbox decided, or counts and logs one it
+    /// refused before deciding (nothing was written, nothing to announce).
+    fn observe(&self, handoff: &Handoff, decided: Result<&Outcome, &ProducerRefusal>) {
+        match decided {
+            Ok(outcome) => {
+                self.metrics
+                    .delivery::<InboxError>(handoff.door, Ok(outcome));
+                log_delivery(handoff, outcome);
+                self.changes
+                    .delivered(&handoff.aggregate_id, &handoff.message_id, outcome);
+            }
+            Err(refusal) => {
+                self.metrics.producer_refusal(handoff.door, refusal);
+                log_refusal(handoff, refusal);
+            }
+        }
+    }
+
+    /// Counts a delivery the store failed to record.
+    fn count_failure(&self, door: Door, error: &InboxError) {
+        self.metrics.delivery(door, Err::<&Outcome, _>(error));
+    }
+}
+
+/// What the wrapper keeps of a delivery while the inner inbox owns the message: the fields its
+/// count, its log lines and its announced change name.
+struct Handoff {
+    door: Door,
+    aggregate_id: String,
+    message_id: String,
+    sequence: i64,
+    producer: Option<String>,
+}
+
+impl Handoff {
+    fn of(message: &OrderedMessage, door: Door, claim: Option<&ProducerClaim>) -> Handoff {
+        Handoff {
+            door,
+            aggregate_id: message.aggregate_id.clone(),
+            message_id: message.message_id.clone(),
+            sequence: message.sequence,
+            producer: claim.map(|claim| claim.producer.clone()),
+        }
+    }
 }
 
 #[async_trait]
 impl Inbox for ObservedInbox {
     async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError> {
-        let aggregate_id = message.aggregate_id.clone();
-        let message_id = message.message_id.clone();
-        let sequence = message.sequence;
+        let handoff = Handoff::of(&message, door, None);
         let outcome = self.inner.deliver(message, door).await;
-        self.metrics.delivery(door, outcome.as_ref());
-        if let Ok(outcome) = &outcome {
-            log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
-            self.changes.delivered(&aggregate_id, &message_id, outcome);
+        match &outcome {
+            Ok(outcome) => self.observe(&handoff, Ok(outcome)),
+            Err(error) => self.count_failure(door, error),
         }
         outcome
     }
@@ -63,41 +105,21 @@ impl Inbox for ObservedInbox {
         &self,
         deliveries: Vec<BatchDelivery>,
     ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError> {
-        let seen: Vec<(Door, String, String, i64, Option<String>)> = deliveries
+        let handoffs: Vec<Handoff> = deliveries
             .iter()
-            .map(|delivery| {
-                (
-                    delivery.door,
-                    delivery.message.aggregate_id.clone(),
-                    delivery.message.message_id.clone(),
-                    delivery.message.sequence,
-                    delivery.claim.as_ref().map(|claim| claim.producer.clone()),
-                )
-            })
+            .map(|delivery| Handoff::of(&delivery.message, delivery.door, delivery.claim.as_ref()))
             .collect();
         let outcomes = self.inner.deliver_batch(deliveries).await;
         match &outcomes {
             Ok(outcomes) => {
-                for ((door, aggregate_id, message_id, sequence, producer), outcome) in
-                    seen.iter().zip(outcomes)
-                {
-                    match outcome {
-                        Ok(outcome) => {
-                            self.metrics.delivery::<InboxError>(*door, Ok(outcome));
-                            log_delivery(*door, aggregate_id, message_id, *sequence, outcome);
-                            self.changes.delivered(aggregate_id, message_id, outcome);
-                        }
-                        Err(refusal) => {
-                            self.metrics.producer_refusal(*door, refusal);
-                            log_refusal(aggregate_id, message_id, producer.as_deref(), refusal);
-                        }
-                    }
+                for (handoff, decided) in handoffs.iter().zip(outcomes) {
+                    self.observe(handoff, decided.as_ref());
                 }
             }
             // One transaction: none of them was recorded.
             Err(error) => {
-                for (door, ..) in &seen {
-                    self.metrics.delivery(*door, Err::<&Outcome, _>(error));
+                for handoff in &handoffs {
+                    self.count_failure(handoff.door, error);
                 }
             }
         }
@@ -198,22 +220,11 @@ impl Inbox for ObservedInbox {
         door: Door,
         claim: Option<ProducerClaim>,
     ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
-        let aggregate_id = message.aggregate_id.clone();
-        let message_id = message.message_id.clone();
-        let sequence = message.sequence;
-        let producer = claim.as_ref().map(|claim| claim.producer.clone());
+        let handoff = Handoff::of(&message, door, claim.as_ref());
         let decided = self.inner.deliver_as(message, door, claim).await;
         match &decided {
-            Ok(Ok(outcome)) => {
-                self.metrics.delivery::<InboxError>(door, Ok(outcome));
-                log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
-                self.changes.delivered(&aggregate_id, &message_id, outcome);
-            }
-            Ok(Err(refusal)) => {
-                self.metrics.producer_refusal(door, refusal);
-                log_refusal(&aggregate_id, &message_id, producer.as_deref(), refusal);
-            }
-            Err(error) => self.metrics.delivery(door, Err::<&Outcome, _>(error)),
+            Ok(decided) => self.observe(&handoff, decided.as_ref()),
+            Err(error) => self.count_failure(door, error),
         }
         decided
     }
@@ -279,13 +290,10 @@ impl Inbox for ObservedInbox {
 
 /// Logs a producer delivery the inbox refused before deciding it (nothing was written): a fenced
 /// instance at warn (it must stop), every other refusal at info.
-fn log_refusal(
-    aggregate_id: &str,
-    message_id: &str,
-    producer: Option<&str>,
-    refusal: &ProducerRefusal,
-) {
-    let producer = producer.unwrap_or("");
+fn log_refusal(handoff: &Handoff, refusal: &ProducerRefusal) {
+    let aggregate_id = handoff.aggregate_id.as_str();
+    let message_id = handoff.message_id.as_str();
+    let producer = handoff.producer.as_deref().unwrap_or("");
     if let ProducerRefusal::Fenced {
         offered,
         current_epoch,
@@ -317,18 +325,12 @@ fn log_refusal(
 /// The domain events of one delivery: a quarantine (or a refused one), a hold (or a refused
 /// one), and each dead letter an applied message superseded. The other verdicts log no event of
 /// their own.
-fn log_delivery(
-    door: Door,
-    aggregate_id: &str,
-    message_id: &str,
-    sequence: i64,
-    outcome: &Outcome,
-) {
+fn log_delivery(handoff: &Handoff, outcome: &Outcome) {
     let delivery = LoggedDelivery {
-        door: door_label(door),
-        aggregate_id,
-        message_id,
-        sequence,
+        door: door_label(handoff.door),
+        aggregate_id: &handoff.aggregate_id,
+        message_id: &handoff.message_id,
+        sequence: handoff.sequence,
     };
     match outcome {
         Outcome::Quarantined {
