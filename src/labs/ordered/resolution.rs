@@ -10,7 +10,7 @@ use ordered_inbox::views::{CurrentState, ResolutionRecord};
 use ordered_inbox::{Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use utoipa::{IntoParams, ToSchema};
+use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -30,7 +30,7 @@ where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
 {
-    OpenApiRouter::new()
+    OpenApiRouter::with_openapi(ResolutionSchemas::openapi())
         .routes(routes!(resolve_dead_letter))
         .routes(routes!(resolve_dead_letter_named_in_query))
         .routes(routes!(audit_trail))
@@ -223,6 +223,56 @@ struct ResolutionConflict {
     current: CurrentState,
 }
 
+/// What a resolution answers, whichever route names the dead letter. The derive refers to
+/// [`ResolutionAnswer`] and [`ResolutionConflict`] without registering them: [`ResolutionSchemas`]
+/// does.
+#[derive(IntoResponses)]
+// Never built: it only describes the answers to the document.
+#[allow(dead_code, clippy::large_enum_variant)]
+enum ResolutionResponses {
+    #[response(
+        status = 200,
+        description = "Resolved (or, with dryRun, what resolving would do), with the audit record"
+    )]
+    Resolved(ResolutionAnswer),
+    #[response(status = 400)]
+    BadRequest(#[ref_response] crate::http::openapi::BadRequest),
+    #[response(
+        status = 401,
+        description = "No operator's token: none was sent, it is not active, or no operator is registered yet",
+        content_type = "application/problem+json",
+        headers(("www-authenticate" = String, description = "Bearer realm=\"production-lab\""))
+    )]
+    Unauthorized(crate::http::openapi::Problem),
+    #[response(
+        status = 404,
+        description = "No dead letter has this message id",
+        content_type = "application/problem+json"
+    )]
+    NotFound(crate::http::openapi::Problem),
+    #[response(
+        status = 409,
+        description = "A precondition failed; `current` shows the aggregate and the dead letter now",
+        content_type = "application/problem+json"
+    )]
+    Conflict(ResolutionConflict),
+    #[response(
+        status = 422,
+        description = "The replacement would be quarantined too; nothing changed",
+        content_type = "application/problem+json"
+    )]
+    ReplacementQuarantined(crate::http::openapi::Problem),
+    #[response(status = 500)]
+    StoreFailed(#[ref_response] crate::http::openapi::StoreFailed),
+    #[response(status = 503)]
+    StoreUnavailable(#[ref_response] crate::http::openapi::StoreUnavailable),
+}
+
+/// The schemas [`ResolutionResponses`] refers to, for the document's components.
+#[derive(OpenApi)]
+#[openapi(components(schemas(ResolutionAnswer, ResolutionConflict)))]
+struct ResolutionSchemas;
+
 /// `POST /deadletters/{messageId}/resolution[?dryRun=true]`.
 #[utoipa::path(post, path = "/deadletters/{message_id}/resolution", tag = "ordered",
     params(
@@ -231,17 +281,7 @@ struct ResolutionConflict {
     ),
     request_body = ResolutionDecision,
     security(("operator" = [])),
-    responses(
-        (status = 200, description = "Resolved (or, with dryRun, what resolving would do), with the audit record", body = ResolutionAnswer),
-        (status = 400, response = crate::http::openapi::BadRequest),
-        (status = 401, description = "No operator's token: none was sent, it is not active, or no operator is registered yet", body = crate::http::openapi::Problem, content_type = "application/problem+json",
-            headers(("www-authenticate" = String, description = "Bearer realm=\"production-lab\""))),
-        (status = 404, description = "No dead letter has this message id", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
-        (status = 409, description = "A precondition failed; `current` shows the aggregate and the dead letter now", body = ResolutionConflict, content_type = "application/problem+json"),
-        (status = 422, description = "The replacement would be quarantined too; nothing changed", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::http::openapi::StoreFailed),
-        (status = 503, response = crate::http::openapi::StoreUnavailable),
-    ),
+    responses(ResolutionResponses),
 )]
 async fn resolve_dead_letter(
     State(inbox): State<SharedInbox>,
@@ -275,17 +315,7 @@ struct NamedResolutionOptions {
     params(NamedResolutionOptions),
     request_body = ResolutionDecision,
     security(("operator" = [])),
-    responses(
-        (status = 200, description = "Resolved (or, with dryRun, what resolving would do), with the audit record", body = ResolutionAnswer),
-        (status = 400, response = crate::http::openapi::BadRequest),
-        (status = 401, description = "No operator's token: none was sent, it is not active, or no operator is registered yet", body = crate::http::openapi::Problem, content_type = "application/problem+json",
-            headers(("www-authenticate" = String, description = "Bearer realm=\"production-lab\""))),
-        (status = 404, description = "No dead letter has this message id", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
-        (status = 409, description = "A precondition failed; `current` shows the aggregate and the dead letter now", body = ResolutionConflict, content_type = "application/problem+json"),
-        (status = 422, description = "The replacement would be quarantined too; nothing changed", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::http::openapi::StoreFailed),
-        (status = 503, response = crate::http::openapi::StoreUnavailable),
-    ),
+    responses(ResolutionResponses),
 )]
 async fn resolve_dead_letter_named_in_query(
     State(inbox): State<SharedInbox>,
