@@ -16,23 +16,21 @@ use tokio_util::task::TaskTracker;
 use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
 
-use crate::config::{Config, StartupError, load_settings, parse_listen_url, require_development};
+use crate::config::{
+    Config, LiveSettings, StartupError, load_settings, parse_listen_url, require_development,
+};
 use crate::console::ConsoleEvents;
+use crate::inbox::SharedInbox;
+use crate::inbox::changes::InboxChanges;
+use crate::inbox::observed::ObservedInbox;
 use crate::labs;
-use crate::labs::ordered::SharedInbox;
+use crate::labs::context::StartupContext;
 use crate::observe::Metrics;
-use crate::observe::inbox::ObservedInbox;
-use crate::startup::StartupContext;
 use crate::store::Store;
 
 /// The start-up line that announces the real address; supervisors, the bench and the tests wait
-/// for it.
+/// for it (lab-testkit's `server::listening_address` reads it).
 const LISTENING_PREFIX: &str = "Now listening on: ";
-
-/// The root URL announced by a start-up line, if `line` is that line.
-pub fn listening_address(line: &str) -> Option<&str> {
-    line.strip_prefix(LISTENING_PREFIX).map(str::trim)
-}
 
 /// How long in-flight requests and background work may run on after a shutdown signal.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -135,35 +133,8 @@ impl Application {
         let inbox_target = config.inbox.as_deref().map(Target::parse).transpose()?;
         let settings = load_settings(&config.settings)?;
         let metrics = Metrics::new();
-        let store = Store::open_observed(
-            &config.database,
-            config.synchronous.into(),
-            crate::schema::migrate,
-            Some(metrics.writer_observer()),
-        )
-        .map_err(|error| StartupError::Database {
-            path: config.database.display().to_string(),
-            reason: error.to_string(),
-        })?;
-        let postgres = match inbox_target {
-            Some(target) => Some(PostgresInbox::open(target, config.inbox_limits()).await?),
-            None => None,
-        };
-        let inbox: SharedInbox = match &postgres {
-            Some(postgres) => Arc::new(postgres.clone()),
-            None => Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
-        };
-        let listener = TcpListener::bind(requested)
-            .await
-            .map_err(|error| StartupError::Bind {
-                address: requested.to_string(),
-                reason: error.to_string(),
-            })?;
-        let address = listener.local_addr().map_err(|error| StartupError::Bind {
-            address: requested.to_string(),
-            reason: error.to_string(),
-        })?;
-
+        let stores = Stores::open(&config, inbox_target, &metrics).await?;
+        let (listener, address) = bind(requested).await?;
         let broker = crate::broker::BrokerLab::with_metrics(metrics.clone());
         let consumer = match &config.nats {
             Some(nats) => {
@@ -171,37 +142,7 @@ impl Application {
             }
             None => None,
         };
-
-        let shutdown = CancellationToken::new();
-        let tasks = TaskTracker::new();
-        crate::observe::spawn_upkeep(metrics.clone(), &tasks, shutdown.clone());
-        let context = StartupContext {
-            config: &config,
-            store: &store,
-            settings: &settings,
-            shutdown: &shutdown,
-            tasks: &tasks,
-        };
-        let console = ConsoleEvents::new(shutdown.clone());
-        let state = AppState::new(AppParts {
-            messaging: labs::messaging::MessagingLab::new(&context)?,
-            http: labs::http::HttpLab::new(&context)?,
-            cache: labs::cache::CacheLab::new(&context)?,
-            security: labs::security::SecurityLab::new(&context)?,
-            privacy: labs::privacy::PrivacyLab::new(&context)?,
-            worker: labs::worker::WorkerLab::new(&context)?,
-            broker,
-            // Every write, whatever door or consumer makes it, is counted, logged and told to
-            // the console here.
-            inbox: Arc::new(ObservedInbox::new(inbox, metrics.clone(), console.clone())),
-            console,
-            postgres,
-            metrics,
-            store,
-            config: Arc::new(config),
-            shutdown,
-            tasks,
-        });
+        let state = assemble_state(config, &settings, stores, metrics, broker)?;
         let router = router(state.clone());
         Ok(Application {
             listener,
@@ -255,7 +196,7 @@ impl Application {
         }
         println!("Application started. Press Ctrl+C to shut down.");
 
-        let serving = crate::server::serve(
+        let serving = crate::http::server::serve(
             listener,
             router,
             state.config.limits,
@@ -284,6 +225,100 @@ impl Application {
     }
 }
 
+/// The labs' store and the ordered inbox on the backend the configuration names.
+struct Stores {
+    store: Store,
+    postgres: Option<PostgresInbox>,
+    inbox: SharedInbox,
+}
+
+impl Stores {
+    /// Opens the labs' database (migrated, its writer observed by `metrics`), then PostgreSQL
+    /// when `inbox_target` names it; the inbox is on PostgreSQL then, else in the labs' store.
+    async fn open(
+        config: &Config,
+        inbox_target: Option<Target>,
+        metrics: &Metrics,
+    ) -> Result<Stores, StartupError> {
+        let store = Store::open_observed(
+            &config.database,
+            config.synchronous.into(),
+            crate::store::schema::migrate,
+            Some(metrics.writer_observer()),
+        )
+        .map_err(|error| StartupError::Database {
+            path: config.database.display().to_string(),
+            reason: error.to_string(),
+        })?;
+        let postgres = match inbox_target {
+            Some(target) => Some(PostgresInbox::open(target, config.inbox_limits()).await?),
+            None => None,
+        };
+        let inbox: SharedInbox = match &postgres {
+            Some(postgres) => Arc::new(postgres.clone()),
+            None => Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
+        };
+        Ok(Stores {
+            store,
+            postgres,
+            inbox,
+        })
+    }
+}
+
+/// The listener on `requested`, and the address it really has (a port for `:0`).
+async fn bind(requested: SocketAddr) -> Result<(TcpListener, SocketAddr), StartupError> {
+    let refused = |error: std::io::Error| StartupError::Bind {
+        address: requested.to_string(),
+        reason: error.to_string(),
+    };
+    let listener = TcpListener::bind(requested).await.map_err(refused)?;
+    let address = listener.local_addr().map_err(refused)?;
+    Ok((listener, address))
+}
+
+/// Starts the upkeep task and every lab (each may refuse its settings), and puts them into the
+/// application's state with the stores and the broker's evidence.
+fn assemble_state(
+    config: Config,
+    settings: &LiveSettings,
+    stores: Stores,
+    metrics: Metrics,
+    broker: crate::broker::BrokerLab,
+) -> Result<AppState, StartupError> {
+    let shutdown = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    crate::observe::spawn_upkeep(metrics.clone(), &tasks, shutdown.clone());
+    let context = StartupContext {
+        config: &config,
+        store: &stores.store,
+        settings,
+        shutdown: &shutdown,
+        tasks: &tasks,
+    };
+    let changes = InboxChanges::new();
+    let console = ConsoleEvents::new(changes.clone(), shutdown.clone());
+    Ok(AppState::new(AppParts {
+        messaging: labs::messaging::MessagingLab::new(&context)?,
+        http: labs::http::HttpLab::new(&context)?,
+        cache: labs::cache::CacheLab::new(&context)?,
+        security: labs::security::SecurityLab::new(&context)?,
+        privacy: labs::privacy::PrivacyLab::new(&context)?,
+        worker: labs::worker::WorkerLab::new(&context)?,
+        broker,
+        // Every write, whatever door or consumer makes it, is counted, logged and told to the
+        // console here.
+        inbox: Arc::new(ObservedInbox::new(stores.inbox, metrics.clone(), changes)),
+        console,
+        postgres: stores.postgres,
+        metrics,
+        store: stores.store,
+        config: Arc::new(config),
+        shutdown,
+        tasks,
+    }))
+}
+
 /// The line a server with a PostgreSQL inbox prints when it stops: what its operations cost.
 pub fn postgres_figures_line(stats: ordered_inbox::postgres::PostgresStats) -> String {
     format!(
@@ -292,26 +327,14 @@ pub fn postgres_figures_line(stats: ordered_inbox::postgres::PostgresStats) -> S
     )
 }
 
+/// The bench reads it back (lab-testkit's `server::PostgresFigures::parse`).
 const POSTGRES_FIGURES_PREFIX: &str = "Ordered inbox figures: ";
-
-/// (operations, round trips, retries) from a [`postgres_figures_line`].
-pub fn parse_postgres_figures(line: &str) -> Option<(u64, u64, u64)> {
-    let rest = line.strip_prefix(POSTGRES_FIGURES_PREFIX)?;
-    let numbers: Vec<u64> = rest
-        .split(", ")
-        .filter_map(|part| part.split(' ').next()?.parse().ok())
-        .collect();
-    match numbers[..] {
-        [operations, round_trips, retries] => Some((operations, round_trips, retries)),
-        _ => None,
-    }
-}
 
 /// Every route with its OpenAPI entry: each lab registers its handlers through `routes!`, which
 /// takes the path and the methods from the handler's annotation, so the router and the document
 /// are built from one source.
 pub fn api_router() -> OpenApiRouter<AppState> {
-    OpenApiRouter::with_openapi(crate::openapi::ApiDoc::openapi())
+    OpenApiRouter::with_openapi(crate::http::openapi::ApiDoc::openapi())
         .merge(crate::observe::routes::routes())
         .merge(labs::ordered::routes())
         .merge(labs::sql::routes())
@@ -334,7 +357,7 @@ pub fn router(state: AppState) -> Router {
     let security = state.security.clone();
     let metrics = state.metrics.clone();
     let (routes, mut document) = api_router().split_for_parts();
-    crate::openapi::Shared.modify(&mut document);
+    crate::http::openapi::Shared.modify(&mut document);
     crate::observe::routes::publish_document(&document);
     let edge = crate::observe::http::Edge { metrics, security };
     routes
@@ -347,32 +370,4 @@ pub fn router(state: AppState) -> Router {
             edge,
             crate::observe::http::edge,
         ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_listening_line_is_the_one_the_issue_names() {
-        assert_eq!(
-            listening_address("Now listening on: http://127.0.0.1:5080"),
-            Some("http://127.0.0.1:5080")
-        );
-        assert_eq!(listening_address("Database: /tmp/x.db"), None);
-    }
-
-    #[test]
-    fn the_postgres_figures_line_parses_back() {
-        let stats = ordered_inbox::postgres::PostgresStats {
-            operations: 10,
-            round_trips: 21,
-            retries: 2,
-        };
-        assert_eq!(
-            parse_postgres_figures(&postgres_figures_line(stats)),
-            Some((10, 21, 2))
-        );
-        assert_eq!(parse_postgres_figures("Database: x"), None);
-    }
 }

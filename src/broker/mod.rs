@@ -18,13 +18,10 @@
 //! The wire format is in [`wire`]; the HTTP evidence (`GET /broker`, `GET /broker/rejected`) and
 //! the test-only fault switch (`POST /lab/broker/pause-after-commit`) in [`routes`].
 
-pub mod bench;
 mod routes;
-pub mod server;
 pub mod wire;
 
 use std::collections::{BTreeMap, HashMap};
-use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -35,14 +32,19 @@ use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 use ordered_inbox::{
-    BatchDelivery, Door, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal, RejectedDelivery,
+    BatchDelivery, Door, InboxError, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal,
+    RejectedDelivery,
 };
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::StartupError;
-use crate::labs::ordered::SharedInbox;
-use crate::observe::metrics::Metrics;
+pub use crate::config::broker::{
+    BrokerConfig, DEFAULT_ACK_WAIT, DEFAULT_BATCH, DEFAULT_DURABLE, DEFAULT_NAK_DELAY,
+    DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX, parse_nats_urls,
+};
+use crate::inbox::SharedInbox;
+use crate::telemetry::metrics::Metrics;
 
 /// Rejected deliveries `GET /broker/rejected` keeps (the oldest go first): the inbox's bound.
 pub use ordered_inbox::REJECTED_KEPT;
@@ -52,13 +54,6 @@ pub use ordered_inbox::REJECTED_KEPT;
 pub use ordered_inbox::rejected::refusal_outcome;
 pub use routes::routes;
 
-/// Defaults of the `--nats-*` flags.
-pub const DEFAULT_STREAM: &str = "ORDERED";
-pub const DEFAULT_SUBJECT_PREFIX: &str = "ordered";
-pub const DEFAULT_DURABLE: &str = "production-lab";
-pub const DEFAULT_BATCH: usize = 256;
-pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
-pub const DEFAULT_NAK_DELAY: Duration = Duration::from_secs(1);
 /// The longest back-off a nak asks for.
 const MAX_NAK_DELAY: Duration = Duration::from_secs(30);
 /// How long one waiting pull request stays open when nothing is pending; it also bounds how long
@@ -67,113 +62,6 @@ const PULL_WAIT: Duration = Duration::from_millis(500);
 /// A fetch that has not finished after this long (the server went away mid-request) is given up;
 /// what it received is processed.
 const FETCH_DEADLINE: Duration = Duration::from_secs(3);
-
-/// Where and how to consume.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BrokerConfig {
-    /// Loopback `nats://HOST:PORT` URLs of one NATS server or cluster.
-    pub urls: Vec<String>,
-    pub stream: String,
-    pub subject_prefix: String,
-    /// The durable consumer's base name; with partitions, `-pK` is appended.
-    pub durable: String,
-    pub partitions: u32,
-    pub partition: u32,
-    /// The most messages one fetch (and so one commit) carries.
-    pub batch: usize,
-    pub ack_wait: Duration,
-    /// The first back-off of a nak; it grows with each redelivery, up to 30 s.
-    pub nak_delay: Duration,
-}
-
-impl BrokerConfig {
-    /// The defaults for `urls` (a comma-separated list), checked to be loopback.
-    pub fn new(urls: &str) -> Result<BrokerConfig, StartupError> {
-        Ok(BrokerConfig {
-            urls: parse_nats_urls(urls)?,
-            stream: DEFAULT_STREAM.to_owned(),
-            subject_prefix: DEFAULT_SUBJECT_PREFIX.to_owned(),
-            durable: DEFAULT_DURABLE.to_owned(),
-            partitions: 1,
-            partition: 0,
-            batch: DEFAULT_BATCH,
-            ack_wait: DEFAULT_ACK_WAIT,
-            nak_delay: DEFAULT_NAK_DELAY,
-        })
-    }
-
-    /// Checks the names and the partition; each refusal is one line.
-    pub fn validate(&self) -> Result<(), StartupError> {
-        let bad = |reason: String| StartupError::Broker(reason);
-        if self.partitions == 0 || self.partition >= self.partitions {
-            return Err(bad(format!(
-                "--nats-partition must be from 0 to --nats-partitions - 1 (got partition {} of {})",
-                self.partition, self.partitions
-            )));
-        }
-        let name_ok = |name: &str| {
-            !name.is_empty()
-                && name.len() <= 64
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-        };
-        if !name_ok(&self.stream) || !name_ok(&self.durable) {
-            return Err(bad(
-                "--nats-stream and --nats-durable must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'"
-                    .to_owned(),
-            ));
-        }
-        let prefix_ok = self.subject_prefix.split('.').all(|token| {
-            !token.is_empty()
-                && token
-                    .chars()
-                    .all(|c| !c.is_whitespace() && !matches!(c, '*' | '>'))
-        });
-        if !prefix_ok {
-            return Err(bad(format!(
-                "--nats-subject-prefix '{}' must be dot-separated tokens without '*', '>' or whitespace",
-                self.subject_prefix
-            )));
-        }
-        if !(1..=10_000).contains(&self.batch) {
-            return Err(bad("--nats-batch must be from 1 to 10000".to_owned()));
-        }
-        Ok(())
-    }
-
-    /// The durable consumer's name: the base name, or `BASE-pK` for partition K.
-    pub fn durable_name(&self) -> String {
-        if self.partitions > 1 {
-            format!("{}-p{}", self.durable, self.partition)
-        } else {
-            self.durable.clone()
-        }
-    }
-
-    /// The partition token this consumer expects in stored subjects.
-    pub fn partition_token(&self) -> Option<u32> {
-        (self.partitions > 1).then_some(self.partition)
-    }
-
-    /// The stream's subjects: `PREFIX.*`, or `PREFIX.*.*` when the server maps them to partitions.
-    pub fn stream_subjects(&self) -> Vec<String> {
-        if self.partitions > 1 {
-            vec![format!("{}.*.*", self.subject_prefix)]
-        } else {
-            vec![format!("{}.*", self.subject_prefix)]
-        }
-    }
-
-    /// The subjects this consumer takes: its partition's, or all.
-    pub fn filter_subject(&self) -> String {
-        if self.partitions > 1 {
-            format!("{}.{}.*", self.subject_prefix, self.partition)
-        } else {
-            format!("{}.*", self.subject_prefix)
-        }
-    }
-}
 
 /// The server addresses of checked NATS URLs (see [`parse_nats_urls`]).
 pub(crate) fn server_addresses(
@@ -192,38 +80,6 @@ pub(crate) fn reconnecting_client(name: String) -> async_nats::ConnectOptions {
         .reconnect_delay_callback(|attempts| {
             Duration::from_millis((attempts as u64).saturating_mul(100).min(1_000))
         })
-}
-
-/// Splits `--nats` into URLs and refuses anything but `nats://` on a loopback host.
-pub fn parse_nats_urls(urls: &str) -> Result<Vec<String>, StartupError> {
-    let mut parsed = Vec::new();
-    for url in urls.split(',').map(str::trim) {
-        let refuse = || StartupError::NatsNotLoopback(url.to_owned());
-        let authority = url.strip_prefix("nats://").ok_or_else(|| {
-            StartupError::Broker(format!("--nats '{url}' must be nats://HOST:PORT"))
-        })?;
-        let authority = authority.strip_suffix('/').unwrap_or(authority);
-        let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
-            let (host, after) = bracketed.split_once(']').ok_or_else(refuse)?;
-            (host, after.strip_prefix(':').unwrap_or(""))
-        } else {
-            authority.rsplit_once(':').ok_or_else(|| {
-                StartupError::Broker(format!("--nats '{url}' must be nats://HOST:PORT"))
-            })?
-        };
-        if port.parse::<u16>().map_or(true, |port| port == 0) {
-            return Err(StartupError::Broker(format!(
-                "--nats '{url}': the port must be a number from 1 to 65535"
-            )));
-        }
-        let loopback = host.eq_ignore_ascii_case("localhost")
-            || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
-        if !loopback {
-            return Err(refuse());
-        }
-        parsed.push(url.to_owned());
-    }
-    Ok(parsed)
 }
 
 /// What `production-lab publish` reports for one message.
@@ -539,119 +395,157 @@ impl Consumer {
         batch: Vec<jetstream::Message>,
         stop: &CancellationToken,
     ) -> bool {
-        let prefix = &self.config.subject_prefix;
-        let partition = self.config.partition_token();
-        let mut actions: Vec<Option<Action>> = Vec::with_capacity(batch.len());
-        let mut deliveries: Vec<BatchDelivery> = Vec::new();
-        let mut delivered_at: Vec<usize> = Vec::new();
-        let mut rejections = Rejections::default();
+        let mut in_hand = self.read_batch(inbox, &batch).await;
+        self.deliver(inbox, &batch, &mut in_hand).await;
+        self.answer_batch(inbox, &batch, in_hand, stop).await
+    }
+
+    /// Reads every fetched message into a delivery, or decides its answer at once when it cannot
+    /// be delivered (malformed, a token that is no active producer's, a token not checked).
+    async fn read_batch(&self, inbox: &SharedInbox, batch: &[jetstream::Message]) -> BatchInHand {
+        let mut in_hand = BatchInHand {
+            actions: Vec::with_capacity(batch.len()),
+            ..BatchInHand::default()
+        };
         // Token → active producer, looked up once per batch (a read, as the HTTP door's); the
         // delivery's own transaction checks the producer again, so a revocation in between
         // still refuses it.
         let mut holders: HashMap<String, Option<String>> = HashMap::new();
         for (index, message) in batch.iter().enumerate() {
-            let header_id = header_values(message, wire::MESSAGE_ID_HEADER)
-                .first()
-                .map(|value| (*value).to_owned());
-            let subject = message.subject.as_str();
-            let aggregate_of = || wire::aggregate_of_subject(prefix, partition, subject).ok();
-            let credential = wire::read_credential(
-                &header_values(message, wire::AUTHORIZATION_HEADER),
-                &header_values(message, wire::PRODUCER_EPOCH_HEADER),
-            );
-            let claim = match credential {
-                Ok(None) => None,
-                Ok(Some(credential)) => {
-                    let holder = match holders.get(&credential.token) {
-                        Some(holder) => Ok(holder.clone()),
-                        None => inbox.check_producer(credential.token.clone()).await,
-                    };
-                    match holder {
-                        Ok(Some(producer)) => {
-                            holders.insert(credential.token, Some(producer.clone()));
-                            Some(ProducerClaim {
-                                producer,
-                                epoch: credential.epoch,
-                            })
-                        }
-                        Ok(None) => {
-                            holders.insert(credential.token, None);
-                            self.refuse(
-                                &mut rejections,
-                                message,
-                                header_id.clone(),
-                                aggregate_of(),
-                                None,
-                                &ProducerRefusal::Revoked,
-                            );
-                            actions.push(Some(Action::Term));
-                            continue;
-                        }
-                        // Not knowing who sent it is no verdict: the broker offers it again.
-                        Err(error) => {
-                            tracing::error!(%error, "the inbox could not check a broker message's producer token");
-                            self.lab.count(|c| {
-                                c.store_errors += 1;
-                                c.last_error = Some(format!("store: {error}"));
-                            });
-                            actions.push(Some(Action::Nak));
-                            continue;
-                        }
-                    }
-                }
-                Err(reason) => {
-                    if let Some(metrics) = self.lab.inner.metrics.get() {
-                        metrics.producer_headers_malformed();
-                    }
-                    rejections.push(rejected(
-                        message,
-                        "malformed",
-                        header_id.clone(),
-                        aggregate_of(),
-                        None,
-                        reason,
-                    ));
-                    self.lab
-                        .count(|c| *c.outcomes.entry("malformed").or_default() += 1);
-                    actions.push(Some(Action::Term));
-                    continue;
-                }
-            };
-            let read = wire::read_delivery(
-                prefix,
-                partition,
-                subject,
-                header_id.as_deref(),
-                claim.as_ref().map(|claim| claim.producer.as_str()),
-                |aggregate_id| {
-                    crate::labs::ordered::general_message(aggregate_id, &message.payload)
-                },
-            );
-            match read {
-                Ok(ordered) => {
-                    deliveries.push(BatchDelivery {
-                        message: ordered,
-                        door: Door::Broker,
-                        claim,
-                    });
-                    delivered_at.push(index);
-                    actions.push(None);
-                }
-                Err(malformed) => {
-                    rejections.push(rejected(
-                        message,
-                        "malformed",
-                        malformed.message_id,
-                        malformed.aggregate_id,
-                        claim.map(|claim| claim.producer),
-                        malformed.reason,
-                    ));
-                    self.lab
-                        .count(|c| *c.outcomes.entry("malformed").or_default() += 1);
-                    actions.push(Some(Action::Term));
-                }
+            let action = self
+                .read_message(inbox, index, message, &mut holders, &mut in_hand)
+                .await;
+            in_hand.actions.push(action);
+        }
+        in_hand
+    }
+
+    /// Reads one message: a delivery for the inbox (`None`: its answer waits for the verdict), or
+    /// the answer it gets without one.
+    async fn read_message(
+        &self,
+        inbox: &SharedInbox,
+        index: usize,
+        message: &jetstream::Message,
+        holders: &mut HashMap<String, Option<String>>,
+        in_hand: &mut BatchInHand,
+    ) -> Option<Action> {
+        let header_id = header_values(message, wire::MESSAGE_ID_HEADER)
+            .first()
+            .map(|value| (*value).to_owned());
+        let claim = match self
+            .claim_of(inbox, message, &header_id, holders, &mut in_hand.rejections)
+            .await
+        {
+            Ok(claim) => claim,
+            Err(action) => return Some(action),
+        };
+        let read = wire::read_delivery(
+            &self.config.subject_prefix,
+            self.config.partition_token(),
+            message.subject.as_str(),
+            header_id.as_deref(),
+            claim.as_ref().map(|claim| claim.producer.as_str()),
+            |aggregate_id| crate::inbox::input::general_message(aggregate_id, &message.payload),
+        );
+        match read {
+            Ok(ordered) => {
+                in_hand.deliveries.push(BatchDelivery {
+                    message: ordered,
+                    door: Door::Broker,
+                    claim,
+                });
+                in_hand.delivered_at.push(index);
+                None
+            }
+            Err(malformed) => {
+                in_hand.rejections.push(rejected(
+                    message,
+                    "malformed",
+                    malformed.message_id,
+                    malformed.aggregate_id,
+                    claim.map(|claim| claim.producer),
+                    malformed.reason,
+                ));
+                self.count_outcome("malformed");
+                Some(Action::Term)
             }
         }
+    }
+
+    /// The producer claim a message's headers make (`None`: anonymous). A message that cannot be
+    /// delivered as it claims gets its answer instead: malformed headers and a token that is no
+    /// active producer's are listed and terminated; a token the inbox could not check is nak'd.
+    async fn claim_of(
+        &self,
+        inbox: &SharedInbox,
+        message: &jetstream::Message,
+        header_id: &Option<String>,
+        holders: &mut HashMap<String, Option<String>>,
+        rejections: &mut Rejections,
+    ) -> Result<Option<ProducerClaim>, Action> {
+        let aggregate_of = || {
+            let (prefix, partition) = (&self.config.subject_prefix, self.config.partition_token());
+            wire::aggregate_of_subject(prefix, partition, message.subject.as_str()).ok()
+        };
+        let credential = wire::read_credential(
+            &header_values(message, wire::AUTHORIZATION_HEADER),
+            &header_values(message, wire::PRODUCER_EPOCH_HEADER),
+        );
+        let credential = match credential {
+            Ok(None) => return Ok(None),
+            Ok(Some(credential)) => credential,
+            Err(reason) => {
+                if let Some(metrics) = self.lab.inner.metrics.get() {
+                    metrics.producer_headers_malformed();
+                }
+                rejections.push(rejected(
+                    message,
+                    "malformed",
+                    header_id.clone(),
+                    aggregate_of(),
+                    None,
+                    reason,
+                ));
+                self.count_outcome("malformed");
+                return Err(Action::Term);
+            }
+        };
+        match holder_of(inbox, credential.token, holders).await {
+            Ok(Some(producer)) => Ok(Some(ProducerClaim {
+                producer,
+                epoch: credential.epoch,
+            })),
+            Ok(None) => {
+                let refusal = &ProducerRefusal::Revoked;
+                self.refuse(
+                    rejections,
+                    message,
+                    header_id.clone(),
+                    aggregate_of(),
+                    None,
+                    refusal,
+                );
+                Err(Action::Term)
+            }
+            // Not knowing who sent it is no verdict: the broker offers it again.
+            Err(error) => {
+                tracing::error!(%error, "the inbox could not check a broker message's producer token");
+                self.count_store_error(&error);
+                Err(Action::Nak)
+            }
+        }
+    }
+
+    /// Hands the batch's deliveries to the inbox in one call and turns each verdict into its
+    /// answer; when the call fails as a whole, every message still without an answer is nak'd.
+    async fn deliver(
+        &self,
+        inbox: &SharedInbox,
+        batch: &[jetstream::Message],
+        in_hand: &mut BatchInHand,
+    ) {
+        let deliveries = std::mem::take(&mut in_hand.deliveries);
         let sent: Vec<(OrderedMessage, Option<String>)> = deliveries
             .iter()
             .map(|delivery| {
@@ -663,66 +557,93 @@ impl Consumer {
             .collect();
         let decided = inbox.deliver_batch(deliveries).await;
         // From here on the COMMIT has returned (or failed as a whole).
-        match decided {
-            Ok(outcomes) => {
-                for ((index, outcome), (ordered, producer)) in
-                    delivered_at.into_iter().zip(outcomes).zip(sent)
-                {
-                    let Some(message) = batch.get(index) else {
-                        continue;
-                    };
-                    let action = match outcome {
-                        Ok(outcome) => {
-                            let name = outcome_name(&outcome);
-                            self.lab
-                                .count(|c| *c.outcomes.entry(name).or_default() += 1);
-                            let action = action_for(&outcome);
-                            if action == Action::Term {
-                                rejections.push(rejected(
-                                    message,
-                                    name,
-                                    Some(ordered.message_id.clone()),
-                                    Some(ordered.aggregate_id.clone()),
-                                    producer,
-                                    termination_reason(&outcome, &ordered),
-                                ));
-                            }
-                            action
-                        }
-                        // The inbox counted and logged it; the broker lab lists it. Nothing was
-                        // written, and no redelivery can change that: terminated, never held.
-                        Err(refusal) => {
-                            rejections.push(rejected(
-                                message,
-                                refusal_outcome(&refusal),
-                                Some(ordered.message_id.clone()),
-                                Some(ordered.aggregate_id.clone()),
-                                producer,
-                                refusal_reason(&refusal, &ordered),
-                            ));
-                            self.lab.count(|c| {
-                                *c.outcomes.entry(refusal_outcome(&refusal)).or_default() += 1;
-                            });
-                            Action::Term
-                        }
-                    };
-                    if let Some(slot) = actions.get_mut(index) {
-                        *slot = Some(action);
-                    }
-                }
-            }
+        let outcomes = match decided {
+            Ok(outcomes) => outcomes,
             Err(error) => {
                 tracing::error!(%error, "the inbox failed a broker batch; nothing of it committed");
-                self.lab.count(|c| {
-                    c.store_errors += 1;
-                    c.last_error = Some(format!("store: {error}"));
-                });
-                for slot in &mut actions {
+                self.count_store_error(&error);
+                for slot in &mut in_hand.actions {
                     slot.get_or_insert(Action::Nak);
                 }
+                return;
+            }
+        };
+        let delivered_at = std::mem::take(&mut in_hand.delivered_at);
+        for ((index, outcome), (ordered, producer)) in
+            delivered_at.into_iter().zip(outcomes).zip(sent)
+        {
+            let Some(message) = batch.get(index) else {
+                continue;
+            };
+            let action = self.verdict_action(
+                message,
+                outcome,
+                &ordered,
+                producer,
+                &mut in_hand.rejections,
+            );
+            if let Some(slot) = in_hand.actions.get_mut(index) {
+                *slot = Some(action);
             }
         }
-        self.keep_rejections(inbox, rejections, &mut actions).await;
+    }
+
+    /// The answer to one delivered message's verdict, counted, and listed when it is terminated.
+    fn verdict_action(
+        &self,
+        message: &jetstream::Message,
+        verdict: Result<Outcome, ProducerRefusal>,
+        ordered: &OrderedMessage,
+        producer: Option<String>,
+        rejections: &mut Rejections,
+    ) -> Action {
+        match verdict {
+            Ok(outcome) => {
+                let name = outcome_name(&outcome);
+                self.count_outcome(name);
+                let action = action_for(&outcome);
+                if action == Action::Term {
+                    rejections.push(rejected(
+                        message,
+                        name,
+                        Some(ordered.message_id.clone()),
+                        Some(ordered.aggregate_id.clone()),
+                        producer,
+                        termination_reason(&outcome, ordered),
+                    ));
+                }
+                action
+            }
+            // The inbox counted and logged it; the broker lab lists it. Nothing was written, and
+            // no redelivery can change that: terminated, never held.
+            Err(refusal) => {
+                rejections.push(rejected(
+                    message,
+                    refusal_outcome(&refusal),
+                    Some(ordered.message_id.clone()),
+                    Some(ordered.aggregate_id.clone()),
+                    producer,
+                    refusal_reason(&refusal, ordered),
+                ));
+                self.count_outcome(refusal_outcome(&refusal));
+                Action::Term
+            }
+        }
+    }
+
+    /// Lists the batch's rejections, then answers every message (one still without an answer is
+    /// nak'd), unless the fault switch stops the consumer first: between COMMIT and ack, as a
+    /// crash would. Returns false then.
+    async fn answer_batch(
+        &self,
+        inbox: &SharedInbox,
+        batch: &[jetstream::Message],
+        in_hand: BatchInHand,
+        stop: &CancellationToken,
+    ) -> bool {
+        let mut actions = in_hand.actions;
+        self.keep_rejections(inbox, in_hand.rejections, &mut actions)
+            .await;
         self.lab.count(|c| {
             c.batches += 1;
             c.messages += batch.len() as u64;
@@ -744,6 +665,18 @@ impl Consumer {
         true
     }
 
+    fn count_outcome(&self, name: &'static str) {
+        self.lab
+            .count(|c| *c.outcomes.entry(name).or_default() += 1);
+    }
+
+    fn count_store_error(&self, error: &InboxError) {
+        self.lab.count(|c| {
+            c.store_errors += 1;
+            c.last_error = Some(format!("store: {error}"));
+        });
+    }
+
     /// A refusal decided before the inbox was asked (the token is no active producer's):
     /// counted and listed like the inbox's own refusals, then terminated.
     fn refuse(
@@ -758,9 +691,7 @@ impl Consumer {
         if let Some(metrics) = self.lab.inner.metrics.get() {
             metrics.producer_refusal(Door::Broker, refusal);
         }
-        self.lab.count(|c| {
-            *c.outcomes.entry(refusal_outcome(refusal)).or_default() += 1;
-        });
+        self.count_outcome(refusal_outcome(refusal));
         rejections.push(rejected(
             message,
             refusal_outcome(refusal),
@@ -787,10 +718,7 @@ impl Consumer {
         }
         if let Err(error) = inbox.record_rejected(rejections.0).await {
             tracing::error!(%error, "the inbox could not record a batch's rejected deliveries; they are nak'd instead of terminated");
-            self.lab.count(|c| {
-                c.store_errors += 1;
-                c.last_error = Some(format!("store: {error}"));
-            });
+            self.count_store_error(&error);
             for action in actions.iter_mut() {
                 if *action == Some(Action::Term) {
                     *action = Some(Action::Nak);
@@ -818,6 +746,37 @@ impl Consumer {
                 .count(|c| c.last_error = Some(format!("ack: {error}"))),
         }
     }
+}
+
+/// One fetched batch on its way through the consumer.
+#[derive(Default)]
+struct BatchInHand {
+    /// One slot per fetched message, in fetch order: its answer once it is known (`None`: it
+    /// was delivered and waits for its verdict).
+    actions: Vec<Option<Action>>,
+    /// What goes to the inbox in one call.
+    deliveries: Vec<BatchDelivery>,
+    /// The fetched message's index of each delivery.
+    delivered_at: Vec<usize>,
+    /// What goes to the rejected list before anything is terminated.
+    rejections: Rejections,
+}
+
+/// The active producer `token` belongs to (`None`: unknown or revoked), asked of the inbox once
+/// per batch and remembered in `holders`; a failed check is not remembered.
+async fn holder_of(
+    inbox: &SharedInbox,
+    token: String,
+    holders: &mut HashMap<String, Option<String>>,
+) -> Result<Option<String>, InboxError> {
+    let holder = match holders.get(&token) {
+        Some(holder) => Ok(holder.clone()),
+        None => inbox.check_producer(token.clone()).await,
+    };
+    if let Ok(holder) = &holder {
+        holders.insert(token, holder.clone());
+    }
+    holder
 }
 
 /// Reads a batch's messages into `into` until it ends, fails, or runs past [`FETCH_DEADLINE`].

@@ -16,8 +16,9 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{BrokerConfig, BrokerLab, wire};
-use crate::error::{AppError, Query, json_response};
-use crate::labs::ordered::{SharedInbox, page_body, page_request};
+use crate::http::error::{AppError, Query, json_response};
+use crate::inbox::SharedInbox;
+use crate::inbox::pages::{page_body, page_request};
 
 pub fn routes<S>() -> OpenApiRouter<S>
 where
@@ -139,7 +140,7 @@ fn require_consumer(lab: &BrokerLab) -> Result<&super::BrokerConfig, AppError> {
 
 #[utoipa::path(get, path = "/broker", tag = "broker", responses(
     (status = 200, description = "What the consumer did", body = BrokerStatus),
-    (status = 404, description = "This server was started without --nats", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 404, description = "This server was started without --nats", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
 ))]
 async fn status(State(lab): State<BrokerLab>) -> Result<Response, AppError> {
     let config = require_consumer(&lab)?.clone();
@@ -167,10 +168,10 @@ async fn status(State(lab): State<BrokerLab>) -> Result<Response, AppError> {
 /// page, or null at the end.
 #[utoipa::path(get, path = "/broker/rejected", tag = "broker", params(RejectedQuery), responses(
     (status = 200, description = "The terminated deliveries and the held messages the inbox rejected, oldest first", body = RejectedList),
-    (status = 400, response = crate::openapi::BadRequest),
-    (status = 404, description = "This server was started without --nats", body = crate::openapi::Problem, content_type = "application/problem+json"),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 400, response = crate::http::openapi::BadRequest),
+    (status = 404, description = "This server was started without --nats", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn rejected(
     State(lab): State<BrokerLab>,
@@ -197,7 +198,7 @@ async fn rejected(
 /// The fault switch: the next batch stops after its COMMIT, before its acks.
 #[utoipa::path(post, path = "/lab/broker/pause-after-commit", tag = "broker", responses(
     (status = 204, description = "Armed"),
-    (status = 404, description = "This server was started without --nats", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 404, description = "This server was started without --nats", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
 ))]
 async fn pause_after_commit(State(lab): State<BrokerLab>) -> Result<StatusCode, AppError> {
     require_consumer(&lab)?;

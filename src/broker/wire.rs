@@ -14,11 +14,13 @@
 //!   another producer's same id must not fall into JetStream's duplicate window with it.
 //! - **Producer headers** (optional, as on the HTTP general door): `Authorization: Bearer TOKEN`
 //!   and `Producer-Epoch: N`, both or neither, one of each; names in any letter case; `N` as
-//!   [`crate::producer_epoch::parse`] reads it on both doors.
+//!   [`crate::http::producer_epoch::parse`] reads it on both doors.
 //! - **Body**: the HTTP general door's JSON, `{"messageId","sequence","amount"}` with an optional
 //!   `aggregateId` that must name the subject's aggregate.
 
 use ordered_inbox::OrderedMessage;
+
+use crate::http;
 
 /// The header JetStream de-duplicates on.
 pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
@@ -71,24 +73,23 @@ pub fn read_credential(
                     .to_owned(),
             );
         }
-        [value] => {
-            let mut parts = value.trim().splitn(2, ' ');
-            let scheme = parts.next().unwrap_or_default();
-            let token = parts.next().unwrap_or_default().trim();
-            if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() {
+        values => match http::credential::Credential::of_values(values) {
+            Ok(http::credential::Credential::Bearer(token)) => token,
+            Ok(_) => {
                 return Err(
                     "the Authorization header must be Bearer TOKEN with a producer's token"
                         .to_owned(),
                 );
             }
-            token.to_owned()
-        }
-        _ => return Err("two Authorization headers are an ambiguous credential".to_owned()),
+            Err(http::credential::Ambiguous) => {
+                return Err("two Authorization headers are an ambiguous credential".to_owned());
+            }
+        },
     };
     let [value] = epoch else {
         return Err(EPOCH_ADVICE.to_owned());
     };
-    let epoch = crate::producer_epoch::parse(value).ok_or_else(|| EPOCH_ADVICE.to_owned())?;
+    let epoch = http::producer_epoch::parse(value).ok_or_else(|| EPOCH_ADVICE.to_owned())?;
     Ok(Some(Credential { token, epoch }))
 }
 

@@ -13,22 +13,23 @@ use axum::response::Response;
 use ordered_inbox::views::{AppliedMessage, DeadLetterView};
 use serde::Deserialize;
 use serde_json::json;
-use utoipa::{IntoParams, ToSchema};
+use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::error::{AppError, Path, Query, json_response};
-use crate::labs::ordered::{
-    SharedInbox, identity_words, page_body, page_request, producer_namespace,
-    validate_aggregate_id, validate_message_id,
+use crate::http::error::{AppError, Path, Query, json_response};
+use crate::inbox::SharedInbox;
+use crate::inbox::input::{
+    identity_words, producer_namespace, validate_aggregate_id, validate_message_id,
 };
+use crate::inbox::pages::{page_body, page_request};
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
 {
-    OpenApiRouter::new()
+    OpenApiRouter::with_openapi(DeadLetterSchemas::openapi())
         .routes(routes!(applied_messages))
         .routes(routes!(dead_letter))
         .routes(routes!(dead_letter_named_in_query))
@@ -61,9 +62,9 @@ struct AppliedPage {
     params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate"), PageQuery),
     responses(
         (status = 200, description = "The aggregate's applied messages in sequence order", body = AppliedPage),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn applied_messages(
@@ -90,15 +91,39 @@ struct DeadLetterOf {
     producer: Option<String>,
 }
 
+/// What a read of one dead letter answers, whichever route names it. The derive refers to
+/// [`DeadLetterView`] without registering it: [`DeadLetterSchemas`] does.
+#[derive(IntoResponses)]
+// Never built: it only describes the answers to the document.
+#[allow(dead_code, clippy::large_enum_variant)]
+enum DeadLetterResponses {
+    #[response(
+        status = 200,
+        description = "The dead letter with its lifecycle and resolution"
+    )]
+    Found(DeadLetterView),
+    #[response(status = 400)]
+    BadRequest(#[ref_response] crate::http::openapi::BadRequest),
+    #[response(
+        status = 404,
+        description = "No dead letter has this message id",
+        content_type = "application/problem+json"
+    )]
+    NotFound(crate::http::openapi::Problem),
+    #[response(status = 500)]
+    StoreFailed(#[ref_response] crate::http::openapi::StoreFailed),
+    #[response(status = 503)]
+    StoreUnavailable(#[ref_response] crate::http::openapi::StoreUnavailable),
+}
+
+/// The schemas [`DeadLetterResponses`] refers to, for the document's components.
+#[derive(OpenApi)]
+#[openapi(components(schemas(DeadLetterView)))]
+struct DeadLetterSchemas;
+
 #[utoipa::path(get, path = "/console/api/deadletters/{message_id}", tag = "console",
     params(("message_id" = String, Path, min_length = 1, max_length = 100, description = "The dead letter's message id"), DeadLetterOf),
-    responses(
-        (status = 200, description = "The dead letter with its lifecycle and resolution", body = DeadLetterView),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
-    ),
+    responses(DeadLetterResponses),
 )]
 async fn dead_letter(
     State(inbox): State<SharedInbox>,
@@ -121,15 +146,12 @@ struct NamedDeadLetter {
     producer: Option<String>,
 }
 
-#[utoipa::path(get, path = "/console/api/deadletter", tag = "console",
+#[utoipa::path(
+    get,
+    path = "/console/api/deadletter",
+    tag = "console",
     params(NamedDeadLetter),
-    responses(
-        (status = 200, description = "The dead letter with its lifecycle and resolution", body = DeadLetterView),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
-    ),
+    responses(DeadLetterResponses)
 )]
 async fn dead_letter_named_in_query(
     State(inbox): State<SharedInbox>,

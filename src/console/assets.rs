@@ -6,7 +6,7 @@ use axum::extract::Path;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 
-use crate::error::AppError;
+use crate::http::error::AppError;
 
 const LAYOUT: &str = include_str!("assets/layout.html");
 
@@ -154,7 +154,7 @@ const ASSETS: &[(&str, &str, &str)] = &[
         (status = 200, description = "The file", content(
             (String = "text/css"), (String = "text/javascript"), (String = "image/svg+xml"),
         )),
-        (status = 404, description = "The console has no such file", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "The console has no such file", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
     ),
 )]
 pub(super) async fn asset(Path(name): Path<String>) -> Result<Response, AppError> {

@@ -1,8 +1,7 @@
-//! Live updates for open console pages: every committed change to the inbox is published on a
-//! small broadcast channel, and `GET /console/events` streams it to each page as server-sent
-//! events.
+//! Live updates for open console pages: `GET /console/events` streams every committed change to
+//! the inbox (the feed of [`crate::inbox::changes`]) to each page as server-sent events.
 //!
-//! Bounds: the channel keeps the last [`EVENTS_KEPT`] changes for each listener (a page that
+//! Bounds: the feed keeps the last [`EVENTS_KEPT`] changes for each listener (a page that
 //! falls further behind gets one `lagged` event and reloads what it shows), at most
 //! [`MAX_STREAMS`] streams are open at once (the next one answers 503), and every stream ends
 //! when shutdown begins, so an open page never holds the graceful drain.
@@ -16,17 +15,13 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::Stream;
-use ordered_inbox::Outcome;
-use ordered_inbox::producers::TransferRecord;
-use ordered_inbox::views::ResolutionRecord;
-use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, broadcast};
+
 use tokio_util::sync::CancellationToken;
 
-use crate::error::AppError;
+use crate::http::error::AppError;
+pub use crate::inbox::changes::{EVENTS_KEPT, InboxChange, InboxChanges};
 
-/// Changes a listener may fall behind by before it is told to reload instead.
-pub const EVENTS_KEPT: usize = 64;
 /// Event streams open at once, across all clients.
 pub const MAX_STREAMS: usize = 16;
 /// A comment line this often keeps proxies and the browser from timing the stream out, and lets
@@ -35,44 +30,29 @@ const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// How long a browser waits before it reconnects a dropped stream.
 const RECONNECT_AFTER: Duration = Duration::from_secs(2);
 
-/// One committed change to the inbox, as pages receive it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct InboxChange {
-    pub aggregate_id: String,
-    pub message_id: String,
-    /// What happened: a delivery's verdict (`applied`, `gap`, `quarantined` …) or `resolved`.
-    pub change: &'static str,
-}
-
-/// The console's broadcast; cheap to clone.
+/// The console's live streams over the inbox's feed; cheap to clone.
 #[derive(Clone)]
 pub struct ConsoleEvents {
-    sender: broadcast::Sender<InboxChange>,
+    changes: InboxChanges,
     streams: Arc<Semaphore>,
     shutdown: CancellationToken,
 }
 
 impl ConsoleEvents {
-    /// Streams end when `shutdown` is cancelled.
-    pub fn new(shutdown: CancellationToken) -> Self {
+    /// Pages hear what `changes` publishes; streams end when `shutdown` is cancelled.
+    pub fn new(changes: InboxChanges, shutdown: CancellationToken) -> Self {
         ConsoleEvents {
-            sender: broadcast::Sender::new(EVENTS_KEPT),
+            changes,
             streams: Arc::new(Semaphore::new(MAX_STREAMS)),
             shutdown,
         }
-    }
-
-    /// Tells every open page; nobody listening is fine.
-    pub fn publish(&self, change: InboxChange) {
-        let _ = self.sender.send(change);
     }
 
     /// A listener's stream, or `None` when [`MAX_STREAMS`] are already open.
     fn open(&self) -> Option<impl Stream<Item = Result<Event, Infallible>> + use<>> {
         let permit = self.streams.clone().try_acquire_owned().ok()?;
         let listener = Listener {
-            receiver: self.sender.subscribe(),
+            receiver: self.changes.subscribe(),
             shutdown: self.shutdown.clone(),
             _permit: permit,
             greeted: false,
@@ -149,7 +129,7 @@ struct ConsoleEvent {
 
 #[utoipa::path(get, path = "/console/events", tag = "console", responses(
     (status = 200, description = "Server-sent events: `hello`, then `change` and `lagged`; open until the client or the server leaves", body = ConsoleEvent, content_type = "text/event-stream"),
-    (status = 503, description = "Too many open streams; retry after the Retry-After seconds", body = crate::openapi::Problem, content_type = "application/problem+json",
+    (status = 503, description = "Too many open streams; retry after the Retry-After seconds", body = crate::http::openapi::Problem, content_type = "application/problem+json",
         headers(("retry-after" = String))),
 ))]
 pub async fn events(State(console): State<ConsoleEvents>) -> Response {
@@ -168,54 +148,6 @@ pub async fn events(State(console): State<ConsoleEvents>) -> Response {
     Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
         .into_response()
-}
-
-/// The change a delivery's outcome made, if any: a replay writes nothing.
-fn delivery_change(outcome: &Outcome) -> Option<&'static str> {
-    match outcome {
-        Outcome::Applied { .. } => Some("applied"),
-        Outcome::Replay { .. } => None,
-        Outcome::Gap { .. } => Some("gap"),
-        Outcome::Stale { .. } => Some("stale"),
-        Outcome::PayloadConflict => Some("payload conflict"),
-        Outcome::Quarantined { .. } => Some("quarantined"),
-        Outcome::QuarantineFull { .. } => Some("quarantine full"),
-        Outcome::Held { .. } => Some("held"),
-        Outcome::HoldFull { .. } => Some("hold full"),
-    }
-}
-
-/// What the inbox's wrapper ([`crate::observe::inbox::ObservedInbox`]) tells open pages after a
-/// change committed, whatever door, route or consumer made it.
-impl ConsoleEvents {
-    /// A committed delivery, if it changed anything.
-    pub fn delivered(&self, aggregate_id: &str, message_id: &str, outcome: &Outcome) {
-        if let Some(change) = delivery_change(outcome) {
-            self.publish(InboxChange {
-                aggregate_id: aggregate_id.to_owned(),
-                message_id: message_id.to_owned(),
-                change,
-            });
-        }
-    }
-
-    /// An operator's new resolution.
-    pub fn resolved(&self, record: &ResolutionRecord) {
-        self.publish(InboxChange {
-            aggregate_id: record.aggregate_id.clone(),
-            message_id: record.message_id.clone(),
-            change: "resolved",
-        });
-    }
-
-    /// An operator's transfer of an aggregate to another producer.
-    pub fn owner_transferred(&self, record: &TransferRecord) {
-        self.publish(InboxChange {
-            aggregate_id: record.aggregate_id.clone(),
-            message_id: String::new(),
-            change: "owner transferred",
-        });
-    }
 }
 
 #[cfg(test)]
@@ -245,11 +177,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_listener_is_greeted_then_hears_changes_and_a_slow_one_is_told_it_lagged() {
-        let events = ConsoleEvents::new(CancellationToken::new());
+        let changes = InboxChanges::new();
+        let events = ConsoleEvents::new(changes.clone(), CancellationToken::new());
         let mut stream = Box::pin(events.open().expect("a stream"));
         let hello = wire(stream.next().await.unwrap().unwrap());
         assert!(hello.contains("event: hello"), "{hello}");
-        events.publish(change(1));
+        changes.publish(change(1));
         let first = wire(stream.next().await.unwrap().unwrap());
         assert!(first.contains("event: change"), "{first}");
         assert!(
@@ -257,7 +190,7 @@ mod tests {
             "{first}"
         );
         for n in 0..EVENTS_KEPT + 5 {
-            events.publish(change(n));
+            changes.publish(change(n));
         }
         let lagged = wire(stream.next().await.unwrap().unwrap());
         assert!(lagged.contains("event: lagged\ndata: 5"), "{lagged}");
@@ -265,7 +198,7 @@ mod tests {
 
     #[tokio::test]
     async fn streams_are_capped_and_a_closed_one_frees_its_place() {
-        let events = ConsoleEvents::new(CancellationToken::new());
+        let events = ConsoleEvents::new(InboxChanges::new(), CancellationToken::new());
         let mut open: Vec<_> = (0..MAX_STREAMS)
             .map(|_| Box::pin(events.open().expect("under the cap")))
             .collect();
@@ -277,7 +210,7 @@ mod tests {
     #[tokio::test]
     async fn every_stream_ends_when_shutdown_begins() {
         let shutdown = CancellationToken::new();
-        let events = ConsoleEvents::new(shutdown.clone());
+        let events = ConsoleEvents::new(InboxChanges::new(), shutdown.clone());
         let mut stream = Box::pin(events.open().expect("a stream"));
         let _hello = stream.next().await;
         shutdown.cancel();

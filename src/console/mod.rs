@@ -2,10 +2,10 @@
 //! and of the operator's work, on the same server and under the same loopback and environment
 //! rules as every route.
 //!
-//! - Pages are plain HTML, CSS and a little JavaScript compiled into the binary ([`assets`]); no
+//! - Pages are plain HTML, CSS and a little JavaScript compiled into the binary (`assets`); no
 //!   build step and no network. The scripts call the same JSON routes a curl user calls; the
 //!   console adds no write route of its own.
-//! - [`api`]: read-only routes under `/console/api/` for rows no other route lists.
+//! - `api`: read-only routes under `/console/api/` for rows no other route lists.
 //! - [`events`]: live updates as server-sent events.
 //!
 //! Every console response carries a strict Content-Security-Policy (scripts only from this
@@ -23,9 +23,9 @@ use axum::response::Response;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-pub use events::{ConsoleEvents, InboxChange};
+pub use events::ConsoleEvents;
 
-use crate::labs::ordered::SharedInbox;
+use crate::inbox::SharedInbox;
 
 /// The console's Content-Security-Policy: everything from this origin only, so no inline script,
 /// no inline style attribute, no third-party anything; no framing, no `<base>`, forms post here.

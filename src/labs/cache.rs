@@ -24,11 +24,11 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::aspnet::{is_blank_or_longer_than, query_flag};
 use crate::config::StartupError;
-use crate::error::{AppError, Json, Path, Query, RequestBody};
+use crate::http::aspnet::{is_blank_or_longer_than, query_flag};
+use crate::http::error::{AppError, Json, Path, Query, RequestBody};
+use crate::labs::context::StartupContext;
 use crate::labs::gate::LabGate;
-use crate::startup::StartupContext;
 use crate::store::Store;
 
 /// How long a loaded value stays fresh, as the seed's one-minute expiration.
@@ -152,7 +152,7 @@ where
 /// The catalog row, read through the cache.
 #[utoipa::path(get, path = "/cache/catalog", tag = "cache", responses(
     (status = 200, description = "The catalog row, from the cache or freshly read", body = CatalogView),
-    (status = 503, description = "The row could not be loaded, or the server is shutting down", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 503, description = "The row could not be loaded, or the server is shutting down", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
 ))]
 async fn read_catalog(
     State(store): State<Store>,
@@ -209,9 +209,9 @@ impl RequestBody for CatalogInput {
     request_body = CatalogInput,
     responses(
         (status = 204, description = "Written; the cached copy was dropped after the commit"),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 500, description = "The store failed, or the catalog row is missing", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 503, description = "The fault switch (failBeforeCommit=true) rolled the write back, or the store is unavailable", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 500, description = "The store failed, or the catalog row is missing", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The fault switch (failBeforeCommit=true) rolled the write back, or the store is unavailable", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
     ),
 )]
 async fn write_catalog(
@@ -258,7 +258,7 @@ async fn write_catalog(
 /// closed).
 #[utoipa::path(get, path = "/cache/shared", tag = "cache", responses(
     (status = 200, description = "The value and the factory run that made it", body = SharedView),
-    (status = 503, description = "The value could not be made, or the server is shutting down", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 503, description = "The value could not be made, or the server is shutting down", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
 ))]
 async fn read_shared(State(lab): State<CacheLab>) -> Result<Response, AppError> {
     let probe = lab.probe.clone();
@@ -300,7 +300,7 @@ async fn stats(State(lab): State<CacheLab>) -> Response {
     params(("action" = inline(crate::labs::gate::GateAction), Path, description = "`close` holds the work until `open`")),
     responses(
         (status = 204, description = "The gate is in that position"),
-        (status = 400, response = crate::openapi::BadRequest),
+        (status = 400, response = crate::http::openapi::BadRequest),
     ),
 )]
 async fn set_gate(

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use crate::error::AppError;
+use crate::http::error::AppError;
 
 /// What a gate route may do, for the OpenAPI document.
 #[derive(utoipa::ToSchema)]

@@ -19,11 +19,11 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::aspnet::{is_blank_or_longer_than, single_query_value};
 use crate::config::StartupError;
-use crate::error::{AppError, Json, Query, RequestBody, json_response};
-use crate::etag::{self, IfMatchCondition, version_etag, version_etag_value};
-use crate::startup::StartupContext;
+use crate::http::aspnet::{is_blank_or_longer_than, single_query_value};
+use crate::http::error::{AppError, Json, Query, RequestBody, json_response};
+use crate::http::etag::{self, IfMatchCondition, version_etag, version_etag_value};
+use crate::labs::context::StartupContext;
 use crate::store::Store;
 
 /// The http lab's own state: the conditional-write probe, and the shutdown signal that lets its
@@ -225,12 +225,12 @@ impl DocumentView {
         (status = 304, description = "If-None-Match matched the current version",
             headers(("etag" = String))),
         (status = 400, description = "A malformed If-None-Match (the seed's JSON body), or a refused Host (problem)", content(
-            (crate::openapi::SeedError = "application/json"),
-            (crate::openapi::Problem = "application/problem+json"),
+            (crate::http::openapi::SeedError = "application/json"),
+            (crate::http::openapi::Problem = "application/problem+json"),
         )),
-        (status = 404, description = "The document row is missing", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 404, description = "The document row is missing", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn read_document(
@@ -325,11 +325,11 @@ enum WriteOutcome {
     responses(
         (status = 200, description = "Written: the new version", body = DocumentView,
             headers(("etag" = String, description = "The new version's strong tag"))),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 412, description = "If-Match does not name the current version", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 428, description = "If-Match is missing", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, description = "The store is unavailable, or the server shut down while the writer was parked", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 412, description = "If-Match does not name the current version", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 428, description = "If-Match is missing", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, description = "The store is unavailable, or the server shut down while the writer was parked", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
     ),
 )]
 async fn write_document(
@@ -576,7 +576,7 @@ fn stream_steps(ending: StreamEnding) -> Vec<StreamStep> {
     ),
     responses(
         (status = 200, description = "Newline-delimited JSON: `{\"type\":\"item\",…}` lines, then `complete` or `error`", body = String, content_type = "application/x-ndjson"),
-        (status = 400, response = crate::openapi::BadRequest),
+        (status = 400, response = crate::http::openapi::BadRequest),
     ),
 )]
 async fn ndjson_stream(Query(query): Query<Vec<(String, String)>>) -> Result<Response, AppError> {

@@ -25,11 +25,13 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::aspnet::{RouteLong, is_blank_or_longer_than, optional_flag};
 use crate::config::StartupError;
-use crate::dotnet_json::ObjectWriter;
-use crate::error::{AppError, ConstrainedPath, Json, Path, Query, RequestBody, json_response};
-use crate::startup::StartupContext;
+use crate::http::aspnet::{RouteLong, is_blank_or_longer_than, optional_flag};
+use crate::http::dotnet_json::ObjectWriter;
+use crate::http::error::{
+    AppError, ConstrainedPath, Json, Path, Query, RequestBody, json_response,
+};
+use crate::labs::context::StartupContext;
 use crate::store::{Store, StoreError, is_constraint};
 
 /// The messaging lab's own state: how long a claim holds its event.
@@ -166,10 +168,10 @@ impl IntoResponse for CreateOrderError {
     responses(
         (status = 201, description = "The order and its event were committed together", body = CreatedOrder,
             headers(("location" = String, description = "/outbox/orders/demo"))),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 409, description = "The order or its event already exists", body = crate::openapi::SeedError),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, description = "The fault switch (failBeforeCommit=true) rolled the order back, or the store is unavailable", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 409, description = "The order or its event already exists", body = crate::http::openapi::SeedError),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, description = "The fault switch (failBeforeCommit=true) rolled the order back, or the store is unavailable", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
     ),
 )]
 async fn create_order(
@@ -241,9 +243,9 @@ struct Claimed {
     responses(
         (status = 200, description = "The leased event; `attempts` is the lease's fencing token", body = Claimed),
         (status = 204, description = "No event is claimable now"),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn claim(
@@ -307,11 +309,11 @@ struct AckQuery {
     ),
     responses(
         (status = 204, description = "Marked sent"),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 404, description = "`id` is not a 64-bit integer: no route matches, as ASP.NET's `{id:long}` constraint answers", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 409, description = "The lease is not (or no longer) this owner's at this generation", body = crate::openapi::SeedError),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 404, description = "`id` is not a 64-bit integer: no route matches, as ASP.NET's `{id:long}` constraint answers", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "The lease is not (or no longer) this owner's at this generation", body = crate::http::openapi::SeedError),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn ack(
@@ -415,10 +417,10 @@ enum InboxOutcome {
 #[utoipa::path(post, path = "/inbox/apply", tag = "messaging", params(FaultQuery), request_body = InboxInput,
     responses(
         (status = 200, description = "Applied now (`replay: false`) or before (`replay: true`)", body = InboxAnswer),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 409, description = "The message id was applied with another payload", body = crate::openapi::SeedError),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, description = "The fault switch (failBeforeCommit=true) rolled the effect back, or the store is unavailable", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 409, description = "The message id was applied with another payload", body = crate::http::openapi::SeedError),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, description = "The fault switch (failBeforeCommit=true) rolled the effect back, or the store is unavailable", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
     ),
 )]
 async fn apply_inbox(
@@ -486,8 +488,8 @@ struct Counts {
 
 #[utoipa::path(get, path = "/messaging/counts", tag = "messaging", responses(
     (status = 200, description = "The rows behind the outbox and the inbox", body = Counts),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn counts(State(store): State<Store>) -> Result<extract::Json<Counts>, AppError> {
     let counts = store

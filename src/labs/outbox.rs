@@ -30,12 +30,11 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::ordered::{
-    page_body, page_request, validate_aggregate_id, validate_message_id, validate_sequence,
-};
-use crate::error::{AppError, Json, Query, RequestBody, json_response};
-use crate::observe::metrics::Metrics;
+use crate::http::error::{AppError, Json, Query, RequestBody, json_response};
+use crate::inbox::input::{validate_aggregate_id, validate_message_id, validate_sequence};
+use crate::inbox::pages::{page_body, page_request};
 use crate::store::Store;
+use crate::telemetry::metrics::Metrics;
 
 pub fn routes<S>() -> OpenApiRouter<S>
 where
@@ -286,10 +285,10 @@ enum RecordOutcome {
     responses(
         (status = 201, description = "Recorded, pending (`replay: false`)", body = Recorded),
         (status = 200, description = "This key was recorded before with the same content (`replay: true`)", body = Recorded),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 409, description = "The key was recorded with other content, or the aggregate's sequence belongs to another key: nothing changed", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 409, description = "The key was recorded with other content, or the aggregate's sequence belongs to another key: nothing changed", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn record_outbox_event(
@@ -298,81 +297,94 @@ async fn record_outbox_event(
 ) -> Result<Response, AppError> {
     let input = input.validate()?;
     let outcome = store
-        .write(move |connection| {
-            let by_key = |key: &str| {
-                connection
-                    .query_row(
-                        &format!("SELECT {EVENT_COLUMNS} FROM general_outbox WHERE event_key = ?1"),
-                        [key],
-                        event_of,
-                    )
-                    .optional()
-            };
-            if let Some(prior) = by_key(&input.event_key)? {
-                let same = prior.aggregate_id == input.aggregate_id
-                    && prior.sequence == input.sequence
-                    && prior.amount == i64::from(input.amount);
-                return Ok::<_, AppError>(if same {
-                    RecordOutcome::Replay(prior)
-                } else {
-                    RecordOutcome::KeyConflict(prior)
-                });
-            }
-            let taken = connection
-                .query_row(
-                    &format!(
-                        "SELECT {EVENT_COLUMNS} FROM general_outbox
-                          WHERE aggregate_id = ?1 AND sequence = ?2"
-                    ),
-                    params![input.aggregate_id, input.sequence],
-                    event_of,
-                )
-                .optional()?;
-            if let Some(taken) = taken {
-                return Ok(RecordOutcome::SequenceTaken(taken));
-            }
-            let event = connection.query_row(
-                &format!(
-                    "INSERT INTO general_outbox(event_key, aggregate_id, sequence, amount, created_at_ms)
-                     VALUES (?1, ?2, ?3, ?4, ?5) RETURNING {EVENT_COLUMNS}"
-                ),
-                params![
-                    input.event_key,
-                    input.aggregate_id,
-                    input.sequence,
-                    input.amount,
-                    now_millis()
-                ],
-                event_of,
-            )?;
-            Ok(RecordOutcome::Created(event))
-        })
+        .write(move |connection| record_event(connection, &input))
         .await?;
-    Ok(match outcome {
-        RecordOutcome::Created(event) => json_response(
-            StatusCode::CREATED,
-            json!({"replay": false, "event": event}),
+    Ok(outcome.answer())
+}
+
+/// Records a new event as pending. An event key already recorded is a replay with the same
+/// content and a conflict with other content; an aggregate's sequence already recorded under
+/// another key is a conflict too. Nothing is written then.
+fn record_event(
+    connection: &rusqlite::Connection,
+    input: &EventInput,
+) -> Result<RecordOutcome, AppError> {
+    let prior = connection
+        .query_row(
+            &format!("SELECT {EVENT_COLUMNS} FROM general_outbox WHERE event_key = ?1"),
+            [&input.event_key],
+            event_of,
+        )
+        .optional()?;
+    if let Some(prior) = prior {
+        let same = prior.aggregate_id == input.aggregate_id
+            && prior.sequence == input.sequence
+            && prior.amount == i64::from(input.amount);
+        return Ok(if same {
+            RecordOutcome::Replay(prior)
+        } else {
+            RecordOutcome::KeyConflict(prior)
+        });
+    }
+    let taken = connection
+        .query_row(
+            &format!(
+                "SELECT {EVENT_COLUMNS} FROM general_outbox
+                  WHERE aggregate_id = ?1 AND sequence = ?2"
+            ),
+            params![input.aggregate_id, input.sequence],
+            event_of,
+        )
+        .optional()?;
+    if let Some(taken) = taken {
+        return Ok(RecordOutcome::SequenceTaken(taken));
+    }
+    let event = connection.query_row(
+        &format!(
+            "INSERT INTO general_outbox(event_key, aggregate_id, sequence, amount, created_at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5) RETURNING {EVENT_COLUMNS}"
         ),
-        RecordOutcome::Replay(event) => {
-            json_response(StatusCode::OK, json!({"replay": true, "event": event}))
+        params![
+            input.event_key,
+            input.aggregate_id,
+            input.sequence,
+            input.amount,
+            now_millis()
+        ],
+        event_of,
+    )?;
+    Ok(RecordOutcome::Created(event))
+}
+
+impl RecordOutcome {
+    /// 201 for a new event, 200 for a replay, 409 problem+json for either conflict.
+    fn answer(self) -> Response {
+        match self {
+            RecordOutcome::Created(event) => json_response(
+                StatusCode::CREATED,
+                json!({"replay": false, "event": event}),
+            ),
+            RecordOutcome::Replay(event) => {
+                json_response(StatusCode::OK, json!({"replay": true, "event": event}))
+            }
+            RecordOutcome::KeyConflict(prior) => crate::http::error::problem_response(
+                StatusCode::CONFLICT,
+                "Event key conflict",
+                Some(&format!(
+                    "eventKey '{}' was recorded with other content (aggregate '{}', sequence {}, amount {}); an event key never changes meaning",
+                    prior.event_key, prior.aggregate_id, prior.sequence, prior.amount
+                )),
+            ),
+            RecordOutcome::SequenceTaken(prior) => crate::http::error::problem_response(
+                StatusCode::CONFLICT,
+                "Sequence already recorded",
+                Some(&format!(
+                    "aggregate '{}' already has sequence {} as eventKey '{}'",
+                    prior.aggregate_id, prior.sequence, prior.event_key
+                )),
+            ),
         }
-        RecordOutcome::KeyConflict(prior) => crate::error::problem_response(
-            StatusCode::CONFLICT,
-            "Event key conflict",
-            Some(&format!(
-                "eventKey '{}' was recorded with other content (aggregate '{}', sequence {}, amount {}); an event key never changes meaning",
-                prior.event_key, prior.aggregate_id, prior.sequence, prior.amount
-            )),
-        ),
-        RecordOutcome::SequenceTaken(prior) => crate::error::problem_response(
-            StatusCode::CONFLICT,
-            "Sequence already recorded",
-            Some(&format!(
-                "aggregate '{}' already has sequence {} as eventKey '{}'",
-                prior.aggregate_id, prior.sequence, prior.event_key
-            )),
-        ),
-    })
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -412,9 +424,9 @@ struct EventPage {
 
 #[utoipa::path(get, path = "/outbox/events", tag = "outbox", params(ListQuery), responses(
     (status = 200, description = "Events in the order they were recorded, and the counts by status", body = EventPage),
-    (status = 400, response = crate::openapi::BadRequest),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 400, response = crate::http::openapi::BadRequest),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn list_outbox_events(
     State(store): State<Store>,
@@ -575,9 +587,9 @@ fn plan_lease_in(
 #[utoipa::path(post, path = "/outbox/leases", tag = "outbox", request_body = LeaseInput,
     responses(
         (status = 200, description = "The leased events (possibly none), in (aggregateId, sequence) order, each with its generation", body = Lease),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn lease_outbox_events(
@@ -714,9 +726,9 @@ struct AckAnswer {
 #[utoipa::path(post, path = "/outbox/leases/ack", tag = "outbox", request_body = AckInput,
     responses(
         (status = 200, description = "Each event acked (now sent) or fenced (not this lease's: nothing changed), in one transaction", body = AckAnswer),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn ack_outbox_leases(
@@ -861,7 +873,7 @@ mod tests {
     /// A database at the labs' current schema, in memory.
     fn labs_database() -> rusqlite::Connection {
         let mut connection = rusqlite::Connection::open_in_memory().expect("in-memory database");
-        crate::schema::migrate(&mut connection).expect("migrate");
+        crate::store::schema::migrate(&mut connection).expect("migrate");
         connection
     }
 

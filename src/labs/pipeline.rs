@@ -17,10 +17,10 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::aspnet::optional_flag;
-use crate::dotnet_json::ObjectWriter;
-use crate::error::{AppError, Json, Query, RequestBody, json_response};
-use crate::etag::{IfMatchCondition, if_match, version_etag, version_etag_value};
+use crate::http::aspnet::optional_flag;
+use crate::http::dotnet_json::ObjectWriter;
+use crate::http::error::{AppError, Json, Query, RequestBody, json_response};
+use crate::http::etag::{IfMatchCondition, if_match, version_etag, version_etag_value};
 use crate::store::{Store, is_constraint};
 
 pub fn routes<S>() -> OpenApiRouter<S>
@@ -209,15 +209,15 @@ fn decide_and_write(
     responses(
         (status = 200, description = "Applied (`replay: false`, with the new ETag) or answered from the receipt (`replay: true`)", body = PipelineAnswer,
             headers(("etag" = Option<String>, description = "The new version's tag, when applied"))),
-        (status = 400, response = crate::openapi::BadRequest),
+        (status = 400, response = crate::http::openapi::BadRequest),
         (status = 409, description = "The key was used with another request or the receipt is no longer current (the seed's JSON body), or a receipt or event for the version already exists (problem)", content(
-            (crate::openapi::SeedError = "application/json"),
-            (crate::openapi::Problem = "application/problem+json"),
+            (crate::http::openapi::SeedError = "application/json"),
+            (crate::http::openapi::Problem = "application/problem+json"),
         )),
-        (status = 412, description = "If-Match does not name the current version", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 428, description = "If-Match is missing", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, description = "The fault switch (failAfterCommit=true): committed, but answered as lost; or the store is unavailable", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 412, description = "If-Match does not name the current version", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 428, description = "If-Match is missing", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, description = "The fault switch (failAfterCommit=true): committed, but answered as lost; or the store is unavailable", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
     ),
 )]
 async fn run_pipeline(
@@ -279,8 +279,8 @@ struct PipelineState {
 
 #[utoipa::path(get, path = "/pipeline/state", tag = "pipeline", responses(
     (status = 200, description = "The document's version, and the receipts and events recorded", body = PipelineState),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn pipeline_state(
     State(store): State<Store>,

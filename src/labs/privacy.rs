@@ -24,8 +24,8 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::config::StartupError;
-use crate::error::Query;
-use crate::startup::StartupContext;
+use crate::http::error::Query;
+use crate::labs::context::StartupContext;
 
 /// The log category (tracing target) the evidence keeps, named as in the seed.
 pub const PRIVACY_TARGET: &str = "ProductionPrivacy";

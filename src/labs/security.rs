@@ -25,8 +25,8 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::config::StartupError;
-use crate::error::{AppError, Query, json_response, problem_response};
-use crate::startup::StartupContext;
+use crate::http::error::{AppError, Query, json_response, problem_response};
+use crate::labs::context::StartupContext;
 
 use antiforgery::Antiforgery;
 use forwarded::ClientOrigin;
@@ -213,7 +213,7 @@ fn request_host(headers: &HeaderMap, request_authority: Option<&str>) -> Option<
 
 /// What the edge does for the security lab before any handler runs, as in the seed: refuses a
 /// request whose Host is not allowed (or that has more than one) with a 400 problem, then records
-/// where the request came from ([`ClientOrigin`], believing forwarded headers only from the
+/// where the request came from (`ClientOrigin`, believing forwarded headers only from the
 /// known proxy).
 #[allow(clippy::result_large_err)] // the refusal is the response itself
 pub fn admit(lab: &SecurityLab, mut request: Request) -> Result<Request, Response> {
@@ -255,7 +255,7 @@ fn host_refusal(lab: &SecurityLab, request: &Request) -> Option<AppError> {
 
 #[utoipa::path(get, path = "/configuration", tag = "security", responses(
     (status = 200, description = "The settings file is valid: its values", body = ConfigurationView),
-    (status = 503, description = "The settings file on disk is invalid; `detail` names the field", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 503, description = "The settings file on disk is invalid; `detail` names the field", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
 ))]
 async fn configuration(State(lab): State<SecurityLab>) -> Response {
     let status = lab.shared.live.status();
@@ -292,7 +292,7 @@ async fn cors_data() -> Json<serde_json::Value> {
 #[utoipa::path(get, path = "/antiforgery/token", tag = "security", responses(
     (status = 200, description = "The request token (the cookie is set alongside)", body = AntiforgeryToken,
         headers(("set-cookie" = String, description = "ProductionLab.Csrf, when the request had none"))),
-    (status = 500, description = "The cookie could not be written", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 500, description = "The cookie could not be written", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
 ))]
 async fn antiforgery_token(State(lab): State<SecurityLab>, headers: HeaderMap) -> Response {
     let issued = lab.shared.antiforgery.issue(&headers);
@@ -333,7 +333,7 @@ async fn antiforgery_token(State(lab): State<SecurityLab>, headers: HeaderMap) -
         (status = 200, description = "Accepted", body = SubmissionAccepted),
         (status = 400, description = "The token or the cookie is missing or does not match (the seed's JSON body), or a refused Host (problem)", content(
             (SubmissionRefused = "application/json"),
-            (crate::openapi::Problem = "application/problem+json"),
+            (crate::http::openapi::Problem = "application/problem+json"),
         )),
     ),
 )]

@@ -19,7 +19,7 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::error::AppError;
+use crate::http::error::AppError;
 use crate::store::{BUSY_TIMEOUT, Store, StoreError, is_busy, is_constraint};
 
 pub fn routes<S>() -> OpenApiRouter<S>
@@ -94,8 +94,8 @@ struct NullFigures {
 
 #[utoipa::path(get, path = "/sql/nulls", tag = "sql", responses(
     (status = 200, description = "How NULL compares, counts and sums", body = NullFigures),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn nulls(State(store): State<Store>) -> Result<Json<NullFigures>, AppError> {
     let figures = store
@@ -136,8 +136,8 @@ struct NullCheck {
 /// the lab observes the constraints and leaves the rows as they were.
 #[utoipa::path(post, path = "/lab/sql/null-check", tag = "sql", responses(
     (status = 200, description = "What CHECK and NOT NULL did with a NULL (both inserts are undone)", body = NullCheck),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn null_check(State(store): State<Store>) -> Result<Json<NullCheck>, AppError> {
     let outcome = store
@@ -187,8 +187,8 @@ struct Plans {
 
 #[utoipa::path(get, path = "/sql/plans", tag = "sql", responses(
     (status = 200, description = "The books by the composite index, and four query plans as this SQLite words them", body = Plans),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn plans(State(store): State<Store>) -> Result<Json<Plans>, AppError> {
     let plans = store
@@ -247,8 +247,8 @@ struct SnapshotFigures {
 /// commits a new one; a fresh connection sees the new value. Leaves the counter at 20.
 #[utoipa::path(post, path = "/lab/sql/snapshot", tag = "sql", responses(
     (status = 200, description = "A read transaction's snapshot across another connection's commit", body = SnapshotFigures),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn snapshot(
     State(store): State<Store>,
@@ -296,8 +296,8 @@ const LOCK_RETRY_PAUSE: Duration = Duration::from_millis(5);
 /// cannot help. It rolls back and a fresh transaction reads again and increments. Leaves 21.
 #[utoipa::path(post, path = "/lab/sql/retry", tag = "sql", responses(
     (status = 200, description = "A stale writer refused with SQLITE_BUSY_SNAPSHOT, then a fresh transaction", body = RetryOutcome),
-    (status = 500, description = "The store failed, or the fixture did not meet the stale-writer boundary", body = crate::openapi::Problem, content_type = "application/problem+json"),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, description = "The store failed, or the fixture did not meet the stale-writer boundary", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn retry(
     State(store): State<Store>,

@@ -22,9 +22,9 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::config::StartupError;
-use crate::error::{AppError, Json, Path, RequestBody};
+use crate::http::error::{AppError, Json, Path, RequestBody};
+use crate::labs::context::StartupContext;
 use crate::labs::gate::LabGate;
-use crate::startup::StartupContext;
 
 /// How many items may wait for the worker (the one it holds is not counted), as the seed's.
 pub const QUEUE_CAPACITY: usize = 4;
@@ -227,9 +227,9 @@ impl RequestBody for WorkRequest {
 /// Hands the value to the background worker and answers with its result.
 #[utoipa::path(post, path = "/worker", tag = "worker", request_body = WorkRequest, responses(
     (status = 200, description = "The doubled value and the scope that computed it", body = WorkReceipt),
-    (status = 400, response = crate::openapi::BadRequest),
-    (status = 429, description = "Four items already wait for the worker: try again later", body = crate::openapi::Problem, content_type = "application/problem+json"),
-    (status = 503, description = "The worker is shutting down", body = crate::openapi::Problem, content_type = "application/problem+json"),
+    (status = 400, response = crate::http::openapi::BadRequest),
+    (status = 429, description = "Four items already wait for the worker: try again later", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+    (status = 503, description = "The worker is shutting down", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
 ))]
 async fn enqueue(
     State(lab): State<WorkerLab>,
@@ -289,7 +289,7 @@ async fn evidence(State(lab): State<WorkerLab>) -> Response {
     params(("action" = inline(crate::labs::gate::GateAction), Path, description = "`close` holds the work until `open`")),
     responses(
         (status = 204, description = "The gate is in that position"),
-        (status = 400, response = crate::openapi::BadRequest),
+        (status = 400, response = crate::http::openapi::BadRequest),
     ),
 )]
 async fn set_gate(

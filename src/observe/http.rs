@@ -4,7 +4,7 @@
 //!
 //! One layer rather than one per concern: axum clones a route's whole layered service for every
 //! request and drops it afterwards, and with seven layers that cloning, boxing and dropping cost
-//! more CPU than the handler of a delivery (issue 18's profile).
+//! more CPU than the handler of a delivery (see docs/performance.md).
 //!
 //! In order: the request id (a sane `x-request-id` or a new one, echoed in the response header
 //! and in every problem+json body as `requestId`); the `request` span (method, route template,
@@ -17,17 +17,17 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::{HeaderName, HeaderValue, header};
+use axum::http::{HeaderValue, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tracing::Instrument;
 
-use super::metrics::{Metrics, UNMATCHED_ROUTE};
-use crate::error::problem_response_with;
+use crate::http::error::problem_response_with;
 use crate::labs::security::SecurityLab;
+use crate::telemetry::metrics::{Metrics, UNMATCHED_ROUTE};
 
-pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
+pub use crate::http::REQUEST_ID_HEADER;
 /// The problem+json member that carries the request id.
 pub const REQUEST_ID_MEMBER: &str = "requestId";
 /// The longest request id accepted from a client.
@@ -95,7 +95,7 @@ pub async fn edge(State(edge): State<Edge>, mut request: Request, next: Next) ->
             Ok(request) => next.run(request).await,
             Err(refusal) => refusal,
         };
-        let response = crate::error::bare_status_as_problem(response, &method);
+        let response = crate::http::error::bare_status_as_problem(response, &method);
         let took = started.elapsed();
         edge.metrics
             .http_request(&route, &method, response.status(), took);

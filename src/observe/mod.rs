@@ -1,14 +1,13 @@
 //! What an operator can watch: metrics (`GET /metrics`), request and domain-event logs (text or
 //! JSON), and readiness (`GET /ready`).
 //!
-//! - [`metrics`]: the application's own Prometheus recorder and every figure it keeps;
-//! - [`inbox`]: the inbox wrapped so that every verdict is counted and logged where it is decided;
-//! - [`http`]: request ids, the request span and line, the HTTP metrics;
+//! - [`http`]: the edge middleware: request ids, the request span and line, the HTTP metrics;
 //! - [`routes`]: `/live`, `/ready`, `/metrics`.
+//!
+//! The figures themselves are kept in [`crate::telemetry::metrics`], a floor below every door that
+//! counts into them; the inbox's verdicts are counted and logged by [`crate::inbox::observed`].
 
 pub mod http;
-pub mod inbox;
-pub mod metrics;
 pub mod routes;
 
 use std::time::Duration;
@@ -16,7 +15,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use metrics::Metrics;
+pub use crate::telemetry::metrics::Metrics;
 
 /// How the server writes its log lines (stderr).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]

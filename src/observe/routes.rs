@@ -13,11 +13,11 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::metrics::Metrics;
-use crate::error::problem_response_with;
-use crate::labs::ordered::SharedInbox;
+use crate::http::error::problem_response_with;
+use crate::inbox::SharedInbox;
 use crate::labs::security::SecurityLab;
 use crate::store::Store;
+use crate::telemetry::metrics::Metrics;
 
 /// The Prometheus text exposition format, version 0.0.4.
 pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -80,7 +80,7 @@ enum ReadyStatus {
 #[allow(dead_code)]
 struct NotReady {
     #[serde(flatten)]
-    problem: crate::openapi::Problem,
+    problem: crate::http::openapi::Problem,
     checks: Checks,
 }
 

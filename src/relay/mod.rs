@@ -11,8 +11,6 @@
 //! acked is leased again once its lease expires and published again; JetStream's duplicate window
 //! drops that copy, and past the window the inbox's identity check does.
 
-pub mod bench;
-
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -217,7 +215,7 @@ async fn pause(stop: &CancellationToken, duration: Duration) {
 }
 
 async fn connect(options: &RelayOptions) -> Result<Peers, RelayError> {
-    let base = crate::verify::parse_base_url(&options.base)
+    let base = crate::labs::contracts::verify::parse_base_url(&options.base)
         .map_err(|error| RelayError::Refused(format!("--base: {error}")))?;
     let base = base.as_str().trim_end_matches('/').to_owned();
     let urls =
@@ -358,9 +356,54 @@ async fn relay_batch(
     report: &mut RelayReport,
 ) {
     report.batches += 1;
+    let sent = publish_batch(peers, options, &events).await;
+    report.published += sent.published.len() as u64;
+    report.duplicates += sent.duplicates;
+    report.unpublished += sent.unpublished as u64;
+    if sent.unpublished > 0 {
+        eprintln!(
+            "relay {}: {} events got no PubAck from {}; they stay pending for the next lease",
+            options.owner, sent.unpublished, peers.urls
+        );
+    }
+    if sent.published.is_empty() {
+        return;
+    }
+    if let Some(hold) = options.hold_before_ack {
+        eprintln!(
+            "relay {}: holding the ack of {} PubAcked events for {} ms",
+            options.owner,
+            sent.published.len(),
+            hold.as_millis()
+        );
+        tokio::time::sleep(hold).await;
+    }
+    ack_published(peers, options, &sent, report).await;
+}
+
+/// What publishing one leased batch came to.
+struct SentBatch<'a> {
+    /// The events the broker PubAcked, in the order they were published.
+    published: Vec<&'a Leased>,
+    /// How many of them the broker's duplicate window dropped as copies.
+    duplicates: u64,
+    /// How many got no PubAck in [`PUBLISH_ATTEMPTS`] attempts.
+    unpublished: usize,
+}
+
+/// Publishes the events, and again those without a PubAck, up to [`PUBLISH_ATTEMPTS`] times
+/// with a growing pause between attempts.
+async fn publish_batch<'a>(
+    peers: &Peers,
+    options: &RelayOptions,
+    events: &'a [Leased],
+) -> SentBatch<'a> {
+    let mut sent = SentBatch {
+        published: Vec::with_capacity(events.len()),
+        duplicates: 0,
+        unpublished: 0,
+    };
     let mut remaining: Vec<&Leased> = events.iter().collect();
-    let mut published: Vec<&Leased> = Vec::with_capacity(events.len());
-    let mut duplicates = 0u64;
     for attempt in 0..PUBLISH_ATTEMPTS {
         if remaining.is_empty() {
             break;
@@ -368,57 +411,57 @@ async fn relay_batch(
         if attempt > 0 {
             tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
         }
-        let mut failed = Vec::new();
-        // Sent in order on one connection, so each aggregate's events reach the stream in
-        // sequence order; the PubAcks are awaited afterwards, all together.
-        let mut acks = Vec::with_capacity(remaining.len());
-        for event in &remaining {
-            acks.push((*event, publish(peers, options, event).await));
-        }
-        for (event, ack) in acks {
-            let ack = match ack {
-                Ok(future) => future.await.map_err(|error| error.to_string()),
-                Err(error) => Err(error),
-            };
-            match ack {
-                Ok(ack) => {
-                    if ack.duplicate {
-                        duplicates += 1;
-                    }
-                    published.push(event);
+        remaining = publish_attempt(peers, options, remaining, &mut sent).await;
+    }
+    sent.unpublished = remaining.len();
+    sent
+}
+
+/// One attempt at publishing `events`: the PubAcked ones go into `sent`; the others are
+/// returned, for the next attempt.
+async fn publish_attempt<'a>(
+    peers: &Peers,
+    options: &RelayOptions,
+    events: Vec<&'a Leased>,
+    sent: &mut SentBatch<'a>,
+) -> Vec<&'a Leased> {
+    let mut failed = Vec::new();
+    // Sent in order on one connection, so each aggregate's events reach the stream in
+    // sequence order; the PubAcks are awaited afterwards, all together.
+    let mut acks = Vec::with_capacity(events.len());
+    for event in events {
+        acks.push((event, publish(peers, options, event).await));
+    }
+    for (event, ack) in acks {
+        let ack = match ack {
+            Ok(future) => future.await.map_err(|error| error.to_string()),
+            Err(error) => Err(error),
+        };
+        match ack {
+            Ok(ack) => {
+                if ack.duplicate {
+                    sent.duplicates += 1;
                 }
-                Err(reason) => {
-                    tracing::warn!(owner = %options.owner, event = %event.event_key, %reason, "no PubAck");
-                    failed.push(event);
-                }
+                sent.published.push(event);
+            }
+            Err(reason) => {
+                tracing::warn!(owner = %options.owner, event = %event.event_key, %reason, "no PubAck");
+                failed.push(event);
             }
         }
-        remaining = failed;
     }
-    report.published += published.len() as u64;
-    report.duplicates += duplicates;
-    report.unpublished += remaining.len() as u64;
-    if !remaining.is_empty() {
-        eprintln!(
-            "relay {}: {} events got no PubAck from {}; they stay pending for the next lease",
-            options.owner,
-            remaining.len(),
-            peers.urls
-        );
-    }
-    if published.is_empty() {
-        return;
-    }
-    if let Some(hold) = options.hold_before_ack {
-        eprintln!(
-            "relay {}: holding the ack of {} PubAcked events for {} ms",
-            options.owner,
-            published.len(),
-            hold.as_millis()
-        );
-        tokio::time::sleep(hold).await;
-    }
-    let items: Vec<serde_json::Value> = published
+    failed
+}
+
+/// Acks the published events with the generations they were leased under.
+async fn ack_published(
+    peers: &Peers,
+    options: &RelayOptions,
+    sent: &SentBatch<'_>,
+    report: &mut RelayReport,
+) {
+    let items: Vec<serde_json::Value> = sent
+        .published
         .iter()
         .map(|event| json!({"id": event.id, "generation": event.generation}))
         .collect();
@@ -440,8 +483,8 @@ async fn relay_batch(
             eprintln!(
                 "relay {}: batch of {} published ({} broker duplicates), acked {}, fenced {}",
                 options.owner,
-                published.len(),
-                duplicates,
+                sent.published.len(),
+                sent.duplicates,
                 answer.acked,
                 answer.fenced
             );
@@ -451,7 +494,7 @@ async fn relay_batch(
             eprintln!(
                 "relay {}: the ack of {} events failed: {reason}",
                 options.owner,
-                published.len()
+                sent.published.len()
             );
         }
     }

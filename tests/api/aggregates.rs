@@ -930,7 +930,7 @@ pub(crate) async fn spawn_on_fixture(name: &str) -> (tempfile::TempDir, TestApp)
     let app = spawn_app_with(move |config| config.database = path).await;
     assert_eq!(
         app.scalar("PRAGMA user_version"),
-        production_lab::schema::current_version()
+        production_lab::store::schema::current_version()
     );
     assert_eq!(
         app.scalar("SELECT version FROM ordered_inbox_schema"),
@@ -1024,7 +1024,7 @@ async fn a_seed_schema_database_opens_and_upgrades_in_place() {
     let app = app.restart().await;
     assert_eq!(
         app.scalar("PRAGMA user_version"),
-        production_lab::schema::current_version()
+        production_lab::store::schema::current_version()
     );
     let (_, state) = get(&app, "/ordered/state").await;
     assert_eq!(state, json!({"applied": 3, "deadletters": 1, "last": 3}));

@@ -7,8 +7,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use lab_testkit::nats::{NatsServer, partition_config};
 use ordered_inbox::OrderedMessage;
-use production_lab::broker::server::{NatsServer, partition_config};
 use production_lab::broker::{BrokerConfig, wire};
 use serde_json::{Value, json};
 
@@ -624,7 +624,7 @@ async fn past_the_hold_limit_a_message_is_nakd_and_applies_when_redelivered() {
     app.stop().await;
 }
 
-// Producers on the broker door (issue 17): a message may carry `Authorization: Bearer TOKEN` and
+// Producers on the broker door: a message may carry `Authorization: Bearer TOKEN` and
 // `Producer-Epoch: N`; it is then checked as a general-door delivery is (epoch, ownership, its
 // producer's id namespace) in the transaction that writes it, and a refusal is terminated.
 

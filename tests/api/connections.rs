@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use production_lab::config::ConnectionLimits;
-use production_lab::server::MAX_REQUEST_BODY_BYTES;
+use production_lab::config::MAX_REQUEST_BODY_BYTES;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

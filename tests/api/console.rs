@@ -7,7 +7,7 @@ use axum::Router;
 use axum::response::Html;
 use axum::routing::get;
 use futures_util::StreamExt;
-use production_lab::broker::server::NatsServer;
+use lab_testkit::nats::NatsServer;
 use production_lab::broker::{BrokerConfig, wire};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

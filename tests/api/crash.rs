@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use lab_testkit::bench::{AggregateStream, workload};
 use ordered_inbox::OrderedMessage;
-use production_lab::bench::{AggregateStream, workload};
 use serde_json::{Value, json};
 
 use crate::helpers::{Patience, ServerProcess, client, poll_until_with, settings_dir};

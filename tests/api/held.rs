@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream;
-use production_lab::broker::server::NatsServer;
+use lab_testkit::nats::NatsServer;
 use production_lab::broker::{BrokerConfig, wire};
 use serde_json::{Value, json};
 

@@ -476,7 +476,7 @@ impl ServerProcess {
         let address = loop {
             match lines.next() {
                 Some(Ok(line)) => {
-                    if let Some(address) = production_lab::app::listening_address(&line) {
+                    if let Some(address) = lab_testkit::server::listening_address(&line) {
                         break address.to_owned();
                     }
                 }

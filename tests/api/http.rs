@@ -591,7 +591,7 @@ async fn every_json_and_problem_answer_forbids_content_sniffing() {
         ),
         (
             "the body limit's 413",
-            json_body(&" ".repeat(production_lab::server::MAX_REQUEST_BODY_BYTES + 1)),
+            json_body(&" ".repeat(production_lab::config::MAX_REQUEST_BODY_BYTES + 1)),
         ),
         (
             "the OpenAPI document",

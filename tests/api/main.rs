@@ -26,4 +26,5 @@ mod requests;
 mod security;
 mod sql;
 mod startup;
+mod testkit;
 mod worker;

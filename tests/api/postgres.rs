@@ -2,7 +2,7 @@
 //! over real processes and HTTP.
 //!
 //! One private PostgreSQL serves the whole test binary run: started lazily by the first test that
-//! needs it ([`production_lab::pg_cluster`]: `initdb` into a temp dir, `pg_ctl start` on a free
+//! needs it ([`lab_testkit::pg`]: `initdb` into a temp dir, `pg_ctl start` on a free
 //! loopback port, as the `postgres` user when the tests run as root), one fresh database per
 //! test, and stopped by its watchdog when the test process exits. A test that stops PostgreSQL
 //! on purpose starts a cluster of its own. A machine without the server binaries fails these
@@ -11,7 +11,7 @@
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use production_lab::pg_cluster::{ClusterOptions, PrivateCluster};
+use lab_testkit::pg::{ClusterOptions, PrivateCluster};
 use tokio_postgres::{NoTls, SimpleQueryMessage};
 
 static CLUSTER: OnceLock<Result<PrivateCluster, String>> = OnceLock::new();
@@ -101,7 +101,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use production_lab::bench::{AggregateStream, workload};
+use lab_testkit::bench::{AggregateStream, workload};
 use serde_json::{Value, json};
 
 use crate::helpers::{ServerProcess, client, command, poll_until, settings_dir, status_and_json};

@@ -1,4 +1,4 @@
-//! Producers, epochs and ownership on the general door (issue 17): sessions issue epochs, an
+//! Producers, epochs and ownership on the general door: sessions issue epochs, an
 //! older epoch is fenced, an aggregate belongs to the producer that claimed it, an operator may
 //! transfer it; over real HTTP, real files and the real CLI.
 
@@ -1095,7 +1095,8 @@ async fn an_epoch_with_a_sign_or_a_leading_zero_is_refused_on_the_http_door() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_epoch_with_a_sign_or_a_leading_zero_is_a_malformed_message_on_the_broker_door() {
-    use production_lab::broker::{BrokerConfig, server::NatsServer, wire};
+    use lab_testkit::nats::NatsServer;
+    use production_lab::broker::{BrokerConfig, wire};
 
     let nats = NatsServer::start(None).unwrap_or_else(|error| panic!("{error}"));
     let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
-use production_lab::broker::server::{NatsServer, nats_binary};
+use lab_testkit::nats::{NatsServer, nats_binary};
 use production_lab::broker::wire;
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -281,7 +281,7 @@ impl Drop for Relay {
 
 /// The number after `label ` in a relay's report.
 fn figure(report: &str, label: &str) -> u64 {
-    production_lab::relay::bench::report_figure(report, label)
+    lab_testkit::bench::relay::report_figure(report, label)
         .unwrap_or_else(|| panic!("no '{label}' in {report:?}"))
 }
 

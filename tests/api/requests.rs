@@ -6,7 +6,7 @@ use serde_json::json;
 use crate::helpers::{assert_bad_request, spawn_app, status_and_json};
 
 /// One more byte than the server reads of any body.
-const TOO_LARGE: usize = production_lab::server::MAX_REQUEST_BODY_BYTES + 1;
+const TOO_LARGE: usize = production_lab::config::MAX_REQUEST_BODY_BYTES + 1;
 
 #[tokio::test]
 async fn a_body_over_the_limit_answers_413_problem_json() {

@@ -8,7 +8,7 @@ use axum::response::Response;
 use ordered_inbox::views::{
     AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, TimelineEvent,
 };
-use ordered_inbox::{AggregateStatus, DeadLetterStatus, Door, OrderedMessage};
+use ordered_inbox::{AggregateStatus, DeadLetterStatus, Door};
 use serde::Deserialize;
 use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
@@ -17,11 +17,10 @@ use utoipa_axum::routes;
 
 use super::producers::{producer_claim, refused};
 use super::verdicts::{DeliveryAccepted, DeliveryRefused, Quarantined, verdict_response};
-use super::{
-    SharedInbox, page_body, page_request, validate_aggregate_id, validate_limit,
-    validate_message_id, validate_sequence,
-};
-use crate::error::{AppError, Json, Path, Query, RequestBody, json_response};
+use crate::http::error::{AppError, Json, Path, Query, json_response};
+use crate::inbox::SharedInbox;
+use crate::inbox::input::{MessageInput, validate_aggregate_id};
+use crate::inbox::pages::{page_body, page_request, validate_limit};
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -36,54 +35,6 @@ where
         .routes(routes!(dead_letters))
 }
 
-/// A delivery to the general door. The aggregate comes from the path; a body `aggregateId`, if
-/// present, must name the same one. Names bind case-insensitively.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-struct MessageInput {
-    /// 1 to 100 characters, not blank, no control characters; never changes meaning.
-    #[schema(min_length = 1, max_length = 100)]
-    message_id: String,
-    #[schema(minimum = 1, maximum = 9007199254740992_i64)]
-    sequence: i64,
-    /// A negative amount is poison: it is quarantined.
-    amount: i32,
-    #[schema(nullable = false)]
-    aggregate_id: Option<String>,
-}
-
-impl RequestBody for MessageInput {
-    const FIELDS: &'static [&'static str] = &["messageId", "sequence", "amount", "aggregateId"];
-}
-
-impl MessageInput {
-    fn validate(self, aggregate_id: String) -> Result<OrderedMessage, AppError> {
-        validate_message_id("messageId", &self.message_id)?;
-        validate_sequence("sequence", self.sequence, 1)?;
-        if let Some(named) = &self.aggregate_id
-            && *named != aggregate_id
-        {
-            return Err(AppError::bad_request(format!(
-                "the body's aggregateId '{named}' differs from the path's '{aggregate_id}'"
-            )));
-        }
-        Ok(OrderedMessage {
-            message_id: self.message_id,
-            aggregate_id,
-            sequence: self.sequence,
-            amount: i64::from(self.amount),
-        })
-    }
-}
-
-/// A general-door body for `aggregate_id`, checked exactly as the HTTP door checks it (the
-/// aggregate id, then the JSON); the error is the detail a 400 would carry.
-pub(crate) fn general_message(aggregate_id: String, body: &[u8]) -> Result<OrderedMessage, String> {
-    validate_aggregate_id("aggregateId", &aggregate_id).map_err(|e| e.to_string())?;
-    let input: MessageInput = crate::error::parse_body(body).map_err(|e| e.to_string())?;
-    input.validate(aggregate_id).map_err(|e| e.to_string())
-}
-
 /// A delivery, anonymous or by a producer (`Authorization: Bearer TOKEN` and `Producer-Epoch`):
 /// the producer's epoch and the aggregate's owner are checked in the write's own transaction.
 #[utoipa::path(post, path = "/aggregates/{aggregate_id}/messages", tag = "ordered",
@@ -95,18 +46,18 @@ pub(crate) fn general_message(aggregate_id: String, body: &[u8]) -> Result<Order
     security((), ("producer" = [])),
     responses(
         (status = 200, description = "Applied (the next sequence), or a replay of an applied id", body = DeliveryAccepted),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 401, description = "A producer's credential is missing, unknown or revoked, or the aggregate's owner must deliver", body = crate::openapi::Problem, content_type = "application/problem+json",
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "A producer's credential is missing, unknown or revoked, or the aggregate's owner must deliver", body = crate::http::openapi::Problem, content_type = "application/problem+json",
             headers(("www-authenticate" = String))),
-        (status = 403, description = "Not the aggregate's owner, or an unowned aggregate with history that only an operator may give an owner", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 403, description = "Not the aggregate's owner, or an unowned aggregate with history that only an operator may give an owner", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
         (status = 409, description = "A gap (deliver `expected` first), a stale sequence or a payload conflict (JSON); or the producer is fenced or has no session (problem). Nothing is applied and nothing claimed: a producer's refused delivery to an aggregate without history writes nothing there; otherwise a gap, stale sequence or payload conflict is recorded as an observation on the timeline (a gap also marks the aggregate waiting)", content(
             (DeliveryRefused = "application/json"),
-            (crate::openapi::Problem = "application/problem+json"),
+            (crate::http::openapi::Problem = "application/problem+json"),
         )),
         (status = 422, description = "Quarantined as a dead letter: the aggregate waits for an operator or a corrected message", body = Quarantined),
-        (status = 429, description = "The aggregate's quarantine is full: the poison message was not recorded", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 429, description = "The aggregate's quarantine is full: the poison message was not recorded", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn deliver(
@@ -139,10 +90,10 @@ async fn deliver(
     params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate")),
     responses(
         (status = 200, description = "The aggregate's position, status and open dead letters", body = AggregateView),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 404, description = "No message was ever recorded for it", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 404, description = "No message was ever recorded for it", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn aggregate(
@@ -191,9 +142,9 @@ struct Inventory {
 /// `GET /aggregates?status=blocked|waiting|flowing`: the longest-standing first, with ages.
 #[utoipa::path(get, path = "/aggregates", tag = "ordered", params(InventoryQuery), responses(
     (status = 200, description = "The aggregates in that status, the longest-standing first", body = Inventory),
-    (status = 400, response = crate::openapi::BadRequest),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 400, response = crate::http::openapi::BadRequest),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn inventory(
     State(inbox): State<SharedInbox>,
@@ -241,9 +192,9 @@ struct TimelinePage {
     params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate"), PageQuery),
     responses(
         (status = 200, description = "Every change and rejection of the aggregate, oldest first", body = TimelinePage),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn timeline(
@@ -293,9 +244,9 @@ struct DeadLetterPage {
 /// they were first recorded; `next` pages on.
 #[utoipa::path(get, path = "/deadletters", tag = "ordered", params(DeadLetterQuery), responses(
     (status = 200, description = "Dead letters in the order they were first recorded", body = DeadLetterPage),
-    (status = 400, response = crate::openapi::BadRequest),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 400, response = crate::http::openapi::BadRequest),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn dead_letters(
     State(inbox): State<SharedInbox>,

@@ -16,9 +16,10 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::producers::refused;
-use super::{SharedInbox, quarantine_full};
-use crate::aspnet::is_blank_or_longer_than;
-use crate::error::{AppError, Json, RequestBody, json_response};
+use super::quarantine_full;
+use crate::http::aspnet::is_blank_or_longer_than;
+use crate::http::error::{AppError, Json, RequestBody, json_response};
+use crate::inbox::SharedInbox;
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -128,14 +129,14 @@ impl OrderedInput {
 #[utoipa::path(post, path = "/ordered/apply", tag = "ordered", request_body = OrderedInput,
     responses(
         (status = 200, description = "`applied` (the next sequence) or `replay` (a known id, same content)", body = ClassroomAnswer),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 401, description = "A producer owns `demo`: only its owner writes it, through the general door with its token and epoch; nothing changed", body = crate::openapi::Problem, content_type = "application/problem+json",
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "A producer owns `demo`: only its owner writes it, through the general door with its token and epoch; nothing changed", body = crate::http::openapi::Problem, content_type = "application/problem+json",
             headers(("www-authenticate" = String))),
         (status = 409, description = "`gap`, `stale` or `payload conflict`: nothing changed", body = ClassroomAnswer),
         (status = 422, description = "`quarantined`: a dead letter was recorded; the aggregate did not advance", body = ClassroomAnswer),
-        (status = 429, description = "The aggregate's quarantine is full: the poison message was not recorded", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 429, description = "The aggregate's quarantine is full: the poison message was not recorded", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn apply(
@@ -194,8 +195,8 @@ fn classroom_response(message: &OrderedMessage, outcome: &Outcome) -> Response {
 /// door serves any aggregate, all three numbers describe `demo` alone.
 #[utoipa::path(get, path = "/ordered/state", tag = "ordered", responses(
     (status = 200, description = "The classroom aggregate's applied messages, dead letters and last sequence", body = ClassroomState),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn state(
     State(inbox): State<SharedInbox>,

@@ -17,9 +17,11 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::resolution::{Credential, authenticate, credential, unauthorized, unauthorized_titled};
-use super::{SharedInbox, validate_aggregate_id, validate_sequence};
-use crate::error::{AppError, Json, Path, RequestBody, json_response, problem_response_with};
+use super::resolution::{authenticate, unauthorized};
+use crate::http::credential::{Credential, credential};
+use crate::http::error::{AppError, Json, Path, RequestBody, json_response, problem_response_with};
+use crate::inbox::SharedInbox;
+use crate::inbox::input::{validate_aggregate_id, validate_sequence};
 
 /// The header a producer's delivery names its session's epoch in.
 pub const PRODUCER_EPOCH: HeaderName = HeaderName::from_static("producer-epoch");
@@ -67,7 +69,7 @@ struct Transferred {
 #[allow(dead_code)]
 struct TransferRefused {
     #[serde(flatten)]
-    problem: crate::openapi::Problem,
+    problem: crate::http::openapi::Problem,
     current: OwnershipState,
 }
 
@@ -119,10 +121,10 @@ pub(super) async fn producer_claim(
 
 /// 401 for a producer: what its credential lacks; nothing was changed.
 fn producer_unauthorized(detail: String) -> Response {
-    unauthorized_titled("Producer authentication required", detail)
+    crate::http::credential::unauthorized("Producer authentication required", detail)
 }
 
-/// `Producer-Epoch: N`, exactly one, written as [`crate::producer_epoch::parse`] reads it.
+/// `Producer-Epoch: N`, exactly one, written as [`crate::http::producer_epoch::parse`] reads it.
 fn epoch_header(headers: &HeaderMap) -> Result<i64, AppError> {
     const ADVICE: &str = "a producer's delivery needs one Producer-Epoch header: the epoch POST /producers/session answered";
     let mut values = headers.get_all(&PRODUCER_EPOCH).iter();
@@ -132,7 +134,7 @@ fn epoch_header(headers: &HeaderMap) -> Result<i64, AppError> {
     value
         .to_str()
         .ok()
-        .and_then(crate::producer_epoch::parse)
+        .and_then(crate::http::producer_epoch::parse)
         .ok_or_else(|| {
             AppError::bad_request(format!(
                 "{ADVICE}, a whole number from 1 in digits only (no sign, no leading zero)"
@@ -221,11 +223,11 @@ pub(super) fn refused(message: &OrderedMessage, refusal: ProducerRefusal) -> Res
 /// one is fenced from now on.
 #[utoipa::path(post, path = "/producers/session", tag = "ordered", security(("producer" = [])), responses(
     (status = 200, description = "The producer's new epoch; older ones are fenced from now on", body = Session),
-    (status = 400, response = crate::openapi::BadRequest),
-    (status = 401, description = "No active producer's token", body = crate::openapi::Problem, content_type = "application/problem+json",
+    (status = 400, response = crate::http::openapi::BadRequest),
+    (status = 401, description = "No active producer's token", body = crate::http::openapi::Problem, content_type = "application/problem+json",
         headers(("www-authenticate" = String))),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn session(
     State(inbox): State<SharedInbox>,
@@ -255,8 +257,8 @@ async fn session(
 /// `GET /producers`: name, current epoch, owned aggregates, last delivery; never tokens.
 #[utoipa::path(get, path = "/producers", tag = "ordered", responses(
     (status = 200, description = "Every producer, the first registered first (never tokens)", body = ProducerList),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn list(State(inbox): State<SharedInbox>) -> Result<Response, AppError> {
     let producers = inbox.producers().await?;
@@ -293,13 +295,13 @@ impl RequestBody for TransferInput {
     security(("operator" = [])),
     responses(
         (status = 200, description = "Transferred, with the audit record", body = Transferred),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 401, description = "No operator's token", body = crate::openapi::Problem, content_type = "application/problem+json",
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "No operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json",
             headers(("www-authenticate" = String))),
         (status = 409, description = "The owner or the last sequence is not the expected one; `current` shows them", body = TransferRefused, content_type = "application/problem+json"),
         (status = 422, description = "The receiving producer is unknown or revoked", body = TransferRefused, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
     ),
 )]
 async fn transfer(

@@ -4,23 +4,23 @@
 //! the audit trail `GET /resolutions`.
 
 use axum::extract::{FromRef, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::views::{CurrentState, ResolutionRecord};
 use ordered_inbox::{Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use utoipa::{IntoParams, ToSchema};
+use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{
-    SharedInbox, page_body, page_request, validate_aggregate_id, validate_message_id,
-    validate_sequence,
-};
-use crate::error::{
+use crate::http::credential::{Credential, credential};
+use crate::http::error::{
     AppError, Json, Path, Query, RequestBody, json_response, parse_body, problem_response_with,
 };
+use crate::inbox::SharedInbox;
+use crate::inbox::input::{validate_aggregate_id, validate_message_id, validate_sequence};
+use crate::inbox::pages::{page_body, page_request};
 
 /// How to register the first operator, for answers given while there is none.
 const ADD_HINT: &str = "production-lab operator add NAME --database PATH";
@@ -30,7 +30,7 @@ where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
 {
-    OpenApiRouter::new()
+    OpenApiRouter::with_openapi(ResolutionSchemas::openapi())
         .routes(routes!(resolve_dead_letter))
         .routes(routes!(resolve_dead_letter_named_in_query))
         .routes(routes!(audit_trail))
@@ -177,52 +177,9 @@ struct ResolutionOptions {
     producer: Option<String>,
 }
 
-/// What the Authorization header offered.
-pub(super) enum Credential {
-    Missing,
-    /// Present but not `Bearer TOKEN`.
-    Unusable,
-    Bearer(String),
-}
-
-pub(super) fn credential(headers: &HeaderMap) -> Result<Credential, AppError> {
-    let mut values = headers.get_all(header::AUTHORIZATION).iter();
-    let Some(value) = values.next() else {
-        return Ok(Credential::Missing);
-    };
-    if values.next().is_some() {
-        // Which one would count is a guess that a proxy might make differently.
-        return Err(AppError::bad_request(
-            "send one Authorization header: two are an ambiguous credential",
-        ));
-    }
-    let text = value.to_str().map_err(|_| {
-        AppError::bad_request("the Authorization header must be visible ASCII text")
-    })?;
-    let mut parts = text.trim().splitn(2, ' ');
-    let scheme = parts.next().unwrap_or_default();
-    let token = parts.next().unwrap_or_default().trim();
-    if scheme.eq_ignore_ascii_case("bearer") && !token.is_empty() {
-        Ok(Credential::Bearer(token.to_owned()))
-    } else {
-        Ok(Credential::Unusable)
-    }
-}
-
 /// 401 with a `WWW-Authenticate` challenge; nothing was changed.
 pub(super) fn unauthorized(detail: String) -> Response {
-    unauthorized_titled(UNAUTHORIZED_TITLE, detail)
-}
-
-/// 401 with a `WWW-Authenticate` challenge and this title; nothing was changed.
-pub(super) fn unauthorized_titled(title: &str, detail: String) -> Response {
-    let mut response =
-        AppError::problem_with_detail(StatusCode::UNAUTHORIZED, title, detail).into_response();
-    response.headers_mut().insert(
-        header::WWW_AUTHENTICATE,
-        HeaderValue::from_static("Bearer realm=\"production-lab\""),
-    );
-    response
+    crate::http::credential::unauthorized(UNAUTHORIZED_TITLE, detail)
 }
 
 /// The operator a request acts for, or the 401 that explains what is missing.
@@ -231,10 +188,7 @@ pub(super) async fn authenticate(
     headers: &HeaderMap,
 ) -> Result<String, Response> {
     let credential = credential(headers).map_err(IntoResponse::into_response)?;
-    let token = match &credential {
-        Credential::Bearer(token) => Some(token.clone()),
-        Credential::Missing | Credential::Unusable => None,
-    };
+    let token = credential.token().map(str::to_owned);
     let check = inbox
         .check_operator(token)
         .await
@@ -265,9 +219,59 @@ pub(super) async fn authenticate(
 #[allow(dead_code)]
 struct ResolutionConflict {
     #[serde(flatten)]
-    problem: crate::openapi::Problem,
+    problem: crate::http::openapi::Problem,
     current: CurrentState,
 }
+
+/// What a resolution answers, whichever route names the dead letter. The derive refers to
+/// [`ResolutionAnswer`] and [`ResolutionConflict`] without registering them: [`ResolutionSchemas`]
+/// does.
+#[derive(IntoResponses)]
+// Never built: it only describes the answers to the document.
+#[allow(dead_code, clippy::large_enum_variant)]
+enum ResolutionResponses {
+    #[response(
+        status = 200,
+        description = "Resolved (or, with dryRun, what resolving would do), with the audit record"
+    )]
+    Resolved(ResolutionAnswer),
+    #[response(status = 400)]
+    BadRequest(#[ref_response] crate::http::openapi::BadRequest),
+    #[response(
+        status = 401,
+        description = "No operator's token: none was sent, it is not active, or no operator is registered yet",
+        content_type = "application/problem+json",
+        headers(("www-authenticate" = String, description = "Bearer realm=\"production-lab\""))
+    )]
+    Unauthorized(crate::http::openapi::Problem),
+    #[response(
+        status = 404,
+        description = "No dead letter has this message id",
+        content_type = "application/problem+json"
+    )]
+    NotFound(crate::http::openapi::Problem),
+    #[response(
+        status = 409,
+        description = "A precondition failed; `current` shows the aggregate and the dead letter now",
+        content_type = "application/problem+json"
+    )]
+    Conflict(ResolutionConflict),
+    #[response(
+        status = 422,
+        description = "The replacement would be quarantined too; nothing changed",
+        content_type = "application/problem+json"
+    )]
+    ReplacementQuarantined(crate::http::openapi::Problem),
+    #[response(status = 500)]
+    StoreFailed(#[ref_response] crate::http::openapi::StoreFailed),
+    #[response(status = 503)]
+    StoreUnavailable(#[ref_response] crate::http::openapi::StoreUnavailable),
+}
+
+/// The schemas [`ResolutionResponses`] refers to, for the document's components.
+#[derive(OpenApi)]
+#[openapi(components(schemas(ResolutionAnswer, ResolutionConflict)))]
+struct ResolutionSchemas;
 
 /// `POST /deadletters/{messageId}/resolution[?dryRun=true]`.
 #[utoipa::path(post, path = "/deadletters/{message_id}/resolution", tag = "ordered",
@@ -277,17 +281,7 @@ struct ResolutionConflict {
     ),
     request_body = ResolutionDecision,
     security(("operator" = [])),
-    responses(
-        (status = 200, description = "Resolved (or, with dryRun, what resolving would do), with the audit record", body = ResolutionAnswer),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 401, description = "No operator's token: none was sent, it is not active, or no operator is registered yet", body = crate::openapi::Problem, content_type = "application/problem+json",
-            headers(("www-authenticate" = String, description = "Bearer realm=\"production-lab\""))),
-        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 409, description = "A precondition failed; `current` shows the aggregate and the dead letter now", body = ResolutionConflict, content_type = "application/problem+json"),
-        (status = 422, description = "The replacement would be quarantined too; nothing changed", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
-    ),
+    responses(ResolutionResponses),
 )]
 async fn resolve_dead_letter(
     State(inbox): State<SharedInbox>,
@@ -321,17 +315,7 @@ struct NamedResolutionOptions {
     params(NamedResolutionOptions),
     request_body = ResolutionDecision,
     security(("operator" = [])),
-    responses(
-        (status = 200, description = "Resolved (or, with dryRun, what resolving would do), with the audit record", body = ResolutionAnswer),
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 401, description = "No operator's token: none was sent, it is not active, or no operator is registered yet", body = crate::openapi::Problem, content_type = "application/problem+json",
-            headers(("www-authenticate" = String, description = "Bearer realm=\"production-lab\""))),
-        (status = 404, description = "No dead letter has this message id", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 409, description = "A precondition failed; `current` shows the aggregate and the dead letter now", body = ResolutionConflict, content_type = "application/problem+json"),
-        (status = 422, description = "The replacement would be quarantined too; nothing changed", body = crate::openapi::Problem, content_type = "application/problem+json"),
-        (status = 500, response = crate::openapi::StoreFailed),
-        (status = 503, response = crate::openapi::StoreUnavailable),
-    ),
+    responses(ResolutionResponses),
 )]
 async fn resolve_dead_letter_named_in_query(
     State(inbox): State<SharedInbox>,
@@ -359,7 +343,7 @@ async fn resolve(
         Ok(operator) => operator,
         Err(response) => return Ok(response),
     };
-    let producer = super::producer_namespace(options.producer)?;
+    let producer = crate::inbox::input::producer_namespace(options.producer)?;
     let Json(input) = body?;
     let request = input.into_request(producer.clone(), dead_letter_id, operator)?;
     let mode = if options.dry_run.unwrap_or(false) {
@@ -402,7 +386,7 @@ fn refusal(producer: Option<&str>, error: ResolutionError) -> Response {
             "No such dead letter",
             format!(
                 "no dead letter has {}",
-                super::identity_words(producer, &message_id)
+                crate::inbox::input::identity_words(producer, &message_id)
             ),
         )
         .into_response(),
@@ -497,9 +481,9 @@ struct AuditPage {
 /// aggregate's last before and after, oldest first.
 #[utoipa::path(get, path = "/resolutions", tag = "ordered", params(AuditQuery), responses(
     (status = 200, description = "The audit trail, oldest first", body = AuditPage),
-    (status = 400, response = crate::openapi::BadRequest),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 400, response = crate::http::openapi::BadRequest),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn audit_trail(
     State(inbox): State<SharedInbox>,

@@ -2,7 +2,9 @@
 //! adds an optional member, `GET /contracts/breaking` changes a member's type), and a counted effect
 //! behind two controlled failures (`POST /contracts/change/{before|after}`) whose difference a
 //! consumer can only learn by reading state (`GET /contracts/effect`), not from the 503 alone.
-//! `production-lab verify-base` (see [`crate::verify`]) drives all of it over HTTP.
+//! `production-lab verify-base` (see [`crate::labs::contracts::verify`]) drives all of it over HTTP.
+
+pub mod verify;
 
 use axum::extract;
 use axum::extract::{FromRef, State};
@@ -13,7 +15,7 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::error::{AppError, Path};
+use crate::http::error::{AppError, Path};
 use crate::store::Store;
 
 pub fn routes<S>() -> OpenApiRouter<S>
@@ -68,8 +70,8 @@ async fn breaking() -> extract::Json<Value> {
 
 #[utoipa::path(get, path = "/contracts/effect", tag = "contracts", responses(
     (status = 200, description = "The counted effect", body = Effect),
-    (status = 500, response = crate::openapi::StoreFailed),
-    (status = 503, response = crate::openapi::StoreUnavailable),
+    (status = 500, response = crate::http::openapi::StoreFailed),
+    (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn effect(State(store): State<Store>) -> Result<extract::Json<Value>, AppError> {
     let value: i64 = store
@@ -100,8 +102,8 @@ enum Phase {
 #[utoipa::path(post, path = "/contracts/change/{phase}", tag = "contracts",
     params(("phase" = inline(Phase), Path, description = "Where the controlled failure happens")),
     responses(
-        (status = 400, response = crate::openapi::BadRequest),
-        (status = 503, description = "Always, by design: a controlled failure before or after the commit", body = crate::openapi::Problem, content_type = "application/problem+json"),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 503, description = "Always, by design: a controlled failure before or after the commit", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
     ),
 )]
 async fn change(

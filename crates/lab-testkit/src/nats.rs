@@ -1,6 +1,9 @@
 //! A private `nats-server` with JetStream for the bench and the tests: loopback only, a free port
 //! (`-p -1`, read back from the ports file), its own store directory, optionally a configuration
 //! file (subject mappings). Stopped, and waited for, when dropped.
+//!
+//! Also the broker door's wire format as a publisher writes it (docs/broker.md): the subject of
+//! an aggregate and the header that carries the message id.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -22,6 +25,7 @@ pub enum NatsServerError {
     Io(#[from] std::io::Error),
 }
 
+/// A running private nats-server.
 pub struct NatsServer {
     child: Option<Child>,
     pub port: u16,
@@ -29,6 +33,16 @@ pub struct NatsServer {
     pub url: String,
     dir: TempDir,
     config: Option<PathBuf>,
+}
+
+/// The header that carries an anonymous message's id (JetStream de-duplicates on it).
+pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
+
+/// The subject a producer publishes one aggregate's messages to: `PREFIX.TOKEN`, the aggregate
+/// id as one subject token (`%` written `%25`, `.` written `%2E`).
+pub fn subject_for(prefix: &str, aggregate_id: &str) -> String {
+    let token = aggregate_id.replace('%', "%25").replace('.', "%2E");
+    format!("{prefix}.{token}")
 }
 
 /// The `nats-server` binary: on PATH, or where Debian puts it.
@@ -161,5 +175,17 @@ impl NatsServer {
 impl Drop for NatsServer {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_aggregate_id_is_one_subject_token() {
+        assert_eq!(subject_for("ordered", "acct-7"), "ordered.acct-7");
+        assert_eq!(subject_for("ordered", "a.b%c"), "ordered.a%2Eb%25c");
+        assert_eq!(subject_for("ordered", "%2E"), "ordered.%252E");
     }
 }

@@ -49,6 +49,151 @@ const SECONDS_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
+/// What `GET /metrics` says of each series (`# HELP`, and `# UNIT` where there is one).
+const DESCRIPTIONS: &[Description] = &[
+    Description::counter(
+        DELIVERIES,
+        "Deliveries decided by the ordered inbox, by door and verdict",
+    ),
+    Description::counter(
+        RESOLUTIONS,
+        "Operator resolutions of dead letters, by action and outcome",
+    ),
+    Description::counter(
+        PRODUCER_REFUSALS,
+        "Producer deliveries refused before any decision, by reason (fenced: an older epoch)",
+    ),
+    Description::gauge(AGGREGATES, "Aggregates in each status, read at scrape time"),
+    Description::gauge(OPEN_DEAD_LETTERS, "Open dead letters, read at scrape time"),
+    Description::gauge(
+        HELD_MESSAGES,
+        "Messages held ahead of their turn (broker door), read at scrape time",
+    ),
+    Description::gauge(
+        LONGEST_BLOCKED,
+        "How long the longest-blocked aggregate has been blocked (0 when none is)",
+    )
+    .in_seconds(),
+    Description::gauge(
+        STORE_READABLE,
+        "1 when the scrape could read the inbox's figures from the store, else 0",
+    ),
+    Description::histogram(
+        BATCH_SIZE,
+        "Units of work committed together by the store's writer (group commit)",
+    ),
+    Description::histogram(
+        COMMIT_SECONDS,
+        "Duration of the writer's COMMIT statement (with synchronous=full, the fsync)",
+    )
+    .in_seconds(),
+    Description::histogram(
+        TRANSACTION_SECONDS,
+        "Duration of a group transaction, from BEGIN IMMEDIATE to the end of COMMIT",
+    )
+    .in_seconds(),
+    Description::counter(
+        REPLAYED_BATCHES,
+        "Group transactions run a second time, each unit in its own savepoint, because a unit failed",
+    ),
+    Description::gauge(
+        QUEUE_DEPTH,
+        "Units of work waiting for the store's writer, read at scrape time",
+    ),
+    Description::counter(
+        HTTP_REQUESTS,
+        "HTTP requests answered, by route template, method and status class",
+    ),
+    Description::histogram(
+        HTTP_DURATION,
+        "Time from a request's arrival to its response head, by route template and method",
+    )
+    .in_seconds(),
+    Description::counter(
+        OUTBOX_LEASED,
+        "General outbox events handed to relays under a lease (each lease of an event counts)",
+    ),
+    Description::counter(
+        OUTBOX_ACKS,
+        "General outbox acknowledgements per event, by verdict (acked, fenced, unknown)",
+    ),
+];
+
+/// One series' description for the recorder.
+struct Description {
+    kind: SeriesKind,
+    name: &'static str,
+    unit: Option<Unit>,
+    text: &'static str,
+}
+
+#[derive(Clone, Copy)]
+enum SeriesKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Description {
+    const fn counter(name: &'static str, text: &'static str) -> Description {
+        Description::of(SeriesKind::Counter, name, text)
+    }
+
+    const fn gauge(name: &'static str, text: &'static str) -> Description {
+        Description::of(SeriesKind::Gauge, name, text)
+    }
+
+    const fn histogram(name: &'static str, text: &'static str) -> Description {
+        Description::of(SeriesKind::Histogram, name, text)
+    }
+
+    const fn of(kind: SeriesKind, name: &'static str, text: &'static str) -> Description {
+        Description {
+            kind,
+            name,
+            unit: None,
+            text,
+        }
+    }
+
+    const fn in_seconds(self) -> Description {
+        Description {
+            unit: Some(Unit::Seconds),
+            ..self
+        }
+    }
+
+    /// Hands the description to the current recorder (see [`Metrics::with`]).
+    fn describe(&self) {
+        metrics::with_recorder(|recorder| {
+            let (name, text) = (self.name.into(), self.text.into());
+            match self.kind {
+                SeriesKind::Counter => recorder.describe_counter(name, self.unit, text),
+                SeriesKind::Gauge => recorder.describe_gauge(name, self.unit, text),
+                SeriesKind::Histogram => recorder.describe_histogram(name, self.unit, text),
+            }
+        });
+    }
+}
+
+/// A zero for every labelled counter series that can exist (the deliveries' series are
+/// registered with the handles [`Metrics`] keeps), in the current recorder.
+fn register_zero_counters() {
+    metrics::counter!(OUTBOX_LEASED).increment(0);
+    for verdict in ["acked", "fenced", "unknown"] {
+        metrics::counter!(OUTBOX_ACKS, "verdict" => verdict).increment(0);
+    }
+    for reason in REFUSAL_REASONS.into_iter().chain([MALFORMED_HEADERS]) {
+        metrics::counter!(PRODUCER_REFUSALS, "reason" => reason).increment(0);
+    }
+    for action in ActionKind::ALL {
+        for outcome in ResolutionOutcome::ALL {
+            metrics::counter!(RESOLUTIONS, "action" => action.as_str(), "outcome" => outcome.label())
+                .increment(0);
+        }
+    }
+}
+
 /// This application's recorder and the handles it renders. Cheap to clone.
 #[derive(Clone)]
 pub struct Metrics {
@@ -141,85 +286,10 @@ impl Metrics {
     /// verdict that has not happened yet is 0 rather than absent.
     fn describe_and_register(&self) {
         self.with(|| {
-            metrics::describe_counter!(
-                DELIVERIES,
-                "Deliveries decided by the ordered inbox, by door and verdict"
-            );
-            metrics::describe_counter!(
-                RESOLUTIONS,
-                "Operator resolutions of dead letters, by action and outcome"
-            );
-            metrics::describe_counter!(
-                PRODUCER_REFUSALS,
-                "Producer deliveries refused before any decision, by reason (fenced: an older epoch)"
-            );
-            metrics::describe_gauge!(AGGREGATES, "Aggregates in each status, read at scrape time");
-            metrics::describe_gauge!(OPEN_DEAD_LETTERS, "Open dead letters, read at scrape time");
-            metrics::describe_gauge!(
-                HELD_MESSAGES,
-                "Messages held ahead of their turn (broker door), read at scrape time"
-            );
-            metrics::describe_gauge!(
-                LONGEST_BLOCKED,
-                Unit::Seconds,
-                "How long the longest-blocked aggregate has been blocked (0 when none is)"
-            );
-            metrics::describe_gauge!(
-                STORE_READABLE,
-                "1 when the scrape could read the inbox's figures from the store, else 0"
-            );
-            metrics::describe_histogram!(
-                BATCH_SIZE,
-                "Units of work committed together by the store's writer (group commit)"
-            );
-            metrics::describe_histogram!(
-                COMMIT_SECONDS,
-                Unit::Seconds,
-                "Duration of the writer's COMMIT statement (with synchronous=full, the fsync)"
-            );
-            metrics::describe_histogram!(
-                TRANSACTION_SECONDS,
-                Unit::Seconds,
-                "Duration of a group transaction, from BEGIN IMMEDIATE to the end of COMMIT"
-            );
-            metrics::describe_counter!(
-                REPLAYED_BATCHES,
-                "Group transactions run a second time, each unit in its own savepoint, because a unit failed"
-            );
-            metrics::describe_gauge!(
-                QUEUE_DEPTH,
-                "Units of work waiting for the store's writer, read at scrape time"
-            );
-            metrics::describe_counter!(
-                HTTP_REQUESTS,
-                "HTTP requests answered, by route template, method and status class"
-            );
-            metrics::describe_histogram!(
-                HTTP_DURATION,
-                Unit::Seconds,
-                "Time from a request's arrival to its response head, by route template and method"
-            );
-            metrics::describe_counter!(
-                OUTBOX_LEASED,
-                "General outbox events handed to relays under a lease (each lease of an event counts)"
-            );
-            metrics::describe_counter!(
-                OUTBOX_ACKS,
-                "General outbox acknowledgements per event, by verdict (acked, fenced, unknown)"
-            );
-            metrics::counter!(OUTBOX_LEASED).increment(0);
-            for verdict in ["acked", "fenced", "unknown"] {
-                metrics::counter!(OUTBOX_ACKS, "verdict" => verdict).increment(0);
+            for description in DESCRIPTIONS {
+                description.describe();
             }
-            for reason in REFUSAL_REASONS.into_iter().chain([MALFORMED_HEADERS]) {
-                metrics::counter!(PRODUCER_REFUSALS, "reason" => reason).increment(0);
-            }
-            for action in ActionKind::ALL {
-                for outcome in ResolutionOutcome::ALL {
-                    metrics::counter!(RESOLUTIONS, "action" => action.as_str(), "outcome" => outcome.label())
-                        .increment(0);
-                }
-            }
+            register_zero_counters();
         });
     }
 

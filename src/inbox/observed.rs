@@ -16,12 +16,12 @@ use ordered_inbox::views::{
 };
 use ordered_inbox::{
     AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
-    RejectedDelivery, ResolutionError, ResolutionRequest, Resolved,
+    QuarantineReason, RejectedDelivery, ResolutionError, ResolutionRequest, Resolved,
 };
 
-use super::metrics::{Metrics, door_label, refusal_reason};
-use crate::console::ConsoleEvents;
-use crate::labs::ordered::SharedInbox;
+use super::changes::InboxChanges;
+use crate::inbox::SharedInbox;
+use crate::telemetry::metrics::{Metrics, door_label, refusal_reason};
 
 /// The log target of the inbox's domain events.
 pub const TARGET: &str = "production_lab::inbox";
@@ -31,15 +31,60 @@ pub const TARGET: &str = "production_lab::inbox";
 pub struct ObservedInbox {
     inner: SharedInbox,
     metrics: Metrics,
-    console: ConsoleEvents,
+    changes: InboxChanges,
 }
 
 impl ObservedInbox {
-    pub fn new(inner: SharedInbox, metrics: Metrics, console: ConsoleEvents) -> ObservedInbox {
+    pub fn new(inner: SharedInbox, metrics: Metrics, changes: InboxChanges) -> ObservedInbox {
         ObservedInbox {
             inner,
             metrics,
-            console,
+            changes,
+        }
+    }
+
+    /// Counts, logs and announces one delivery the inbox decided, or counts and logs one it
+    /// refused before deciding (nothing was written, nothing to announce).
+    fn observe(&self, handoff: &Handoff, decided: Result<&Outcome, &ProducerRefusal>) {
+        match decided {
+            Ok(outcome) => {
+                self.metrics
+                    .delivery::<InboxError>(handoff.door, Ok(outcome));
+                log_delivery(handoff, outcome);
+                self.changes
+                    .delivered(&handoff.aggregate_id, &handoff.message_id, outcome);
+            }
+            Err(refusal) => {
+                self.metrics.producer_refusal(handoff.door, refusal);
+                log_refusal(handoff, refusal);
+            }
+        }
+    }
+
+    /// Counts a delivery the store failed to record.
+    fn count_failure(&self, door: Door, error: &InboxError) {
+        self.metrics.delivery(door, Err::<&Outcome, _>(error));
+    }
+}
+
+/// What the wrapper keeps of a delivery while the inner inbox owns the message: the fields its
+/// count, its log lines and its announced change name.
+struct Handoff {
+    door: Door,
+    aggregate_id: String,
+    message_id: String,
+    sequence: i64,
+    producer: Option<String>,
+}
+
+impl Handoff {
+    fn of(message: &OrderedMessage, door: Door, claim: Option<&ProducerClaim>) -> Handoff {
+        Handoff {
+            door,
+            aggregate_id: message.aggregate_id.clone(),
+            message_id: message.message_id.clone(),
+            sequence: message.sequence,
+            producer: claim.map(|claim| claim.producer.clone()),
         }
     }
 }
@@ -47,14 +92,11 @@ impl ObservedInbox {
 #[async_trait]
 impl Inbox for ObservedInbox {
     async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError> {
-        let aggregate_id = message.aggregate_id.clone();
-        let message_id = message.message_id.clone();
-        let sequence = message.sequence;
+        let handoff = Handoff::of(&message, door, None);
         let outcome = self.inner.deliver(message, door).await;
-        self.metrics.delivery(door, outcome.as_ref());
-        if let Ok(outcome) = &outcome {
-            log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
-            self.console.delivered(&aggregate_id, &message_id, outcome);
+        match &outcome {
+            Ok(outcome) => self.observe(&handoff, Ok(outcome)),
+            Err(error) => self.count_failure(door, error),
         }
         outcome
     }
@@ -63,41 +105,21 @@ impl Inbox for ObservedInbox {
         &self,
         deliveries: Vec<BatchDelivery>,
     ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError> {
-        let seen: Vec<(Door, String, String, i64, Option<String>)> = deliveries
+        let handoffs: Vec<Handoff> = deliveries
             .iter()
-            .map(|delivery| {
-                (
-                    delivery.door,
-                    delivery.message.aggregate_id.clone(),
-                    delivery.message.message_id.clone(),
-                    delivery.message.sequence,
-                    delivery.claim.as_ref().map(|claim| claim.producer.clone()),
-                )
-            })
+            .map(|delivery| Handoff::of(&delivery.message, delivery.door, delivery.claim.as_ref()))
             .collect();
         let outcomes = self.inner.deliver_batch(deliveries).await;
         match &outcomes {
             Ok(outcomes) => {
-                for ((door, aggregate_id, message_id, sequence, producer), outcome) in
-                    seen.iter().zip(outcomes)
-                {
-                    match outcome {
-                        Ok(outcome) => {
-                            self.metrics.delivery::<InboxError>(*door, Ok(outcome));
-                            log_delivery(*door, aggregate_id, message_id, *sequence, outcome);
-                            self.console.delivered(aggregate_id, message_id, outcome);
-                        }
-                        Err(refusal) => {
-                            self.metrics.producer_refusal(*door, refusal);
-                            log_refusal(aggregate_id, message_id, producer.as_deref(), refusal);
-                        }
-                    }
+                for (handoff, decided) in handoffs.iter().zip(outcomes) {
+                    self.observe(handoff, decided.as_ref());
                 }
             }
             // One transaction: none of them was recorded.
             Err(error) => {
-                for (door, ..) in &seen {
-                    self.metrics.delivery(*door, Err::<&Outcome, _>(error));
+                for handoff in &handoffs {
+                    self.count_failure(handoff.door, error);
                 }
             }
         }
@@ -123,7 +145,7 @@ impl Inbox for ObservedInbox {
                 sequence = record.sequence,
                 "dead letter resolved by an operator"
             );
-            self.console.resolved(record);
+            self.changes.resolved(record);
         }
         resolved
     }
@@ -198,22 +220,11 @@ impl Inbox for ObservedInbox {
         door: Door,
         claim: Option<ProducerClaim>,
     ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
-        let aggregate_id = message.aggregate_id.clone();
-        let message_id = message.message_id.clone();
-        let sequence = message.sequence;
-        let producer = claim.as_ref().map(|claim| claim.producer.clone());
+        let handoff = Handoff::of(&message, door, claim.as_ref());
         let decided = self.inner.deliver_as(message, door, claim).await;
         match &decided {
-            Ok(Ok(outcome)) => {
-                self.metrics.delivery::<InboxError>(door, Ok(outcome));
-                log_delivery(door, &aggregate_id, &message_id, sequence, outcome);
-                self.console.delivered(&aggregate_id, &message_id, outcome);
-            }
-            Ok(Err(refusal)) => {
-                self.metrics.producer_refusal(door, refusal);
-                log_refusal(&aggregate_id, &message_id, producer.as_deref(), refusal);
-            }
-            Err(error) => self.metrics.delivery(door, Err::<&Outcome, _>(error)),
+            Ok(decided) => self.observe(&handoff, decided.as_ref()),
+            Err(error) => self.count_failure(door, error),
         }
         decided
     }
@@ -255,7 +266,7 @@ impl Inbox for ObservedInbox {
                 held_rejected = record.held_rejected,
                 "aggregate transferred by an operator"
             );
-            self.console.owner_transferred(record);
+            self.changes.owner_transferred(record);
         }
         transferred
     }
@@ -277,17 +288,12 @@ impl Inbox for ObservedInbox {
     }
 }
 
-/// The domain events of one delivery: a quarantine (or a refused one), and each dead letter an
-/// applied message superseded.
 /// Logs a producer delivery the inbox refused before deciding it (nothing was written): a fenced
 /// instance at warn (it must stop), every other refusal at info.
-fn log_refusal(
-    aggregate_id: &str,
-    message_id: &str,
-    producer: Option<&str>,
-    refusal: &ProducerRefusal,
-) {
-    let producer = producer.unwrap_or("");
+fn log_refusal(handoff: &Handoff, refusal: &ProducerRefusal) {
+    let aggregate_id = handoff.aggregate_id.as_str();
+    let message_id = handoff.message_id.as_str();
+    let producer = handoff.producer.as_deref().unwrap_or("");
     if let ProducerRefusal::Fenced {
         offered,
         current_epoch,
@@ -316,96 +322,127 @@ fn log_refusal(
     }
 }
 
-fn log_delivery(
-    door: Door,
-    aggregate_id: &str,
-    message_id: &str,
-    sequence: i64,
-    outcome: &Outcome,
-) {
-    let door = door_label(door);
+/// The domain events of one delivery: a quarantine (or a refused one), a hold (or a refused
+/// one), and each dead letter an applied message superseded. The other verdicts log no event of
+/// their own.
+fn log_delivery(handoff: &Handoff, outcome: &Outcome) {
+    let delivery = LoggedDelivery {
+        door: door_label(handoff.door),
+        aggregate_id: &handoff.aggregate_id,
+        message_id: &handoff.message_id,
+        sequence: handoff.sequence,
+    };
     match outcome {
         Outcome::Quarantined {
             expected,
             reason,
             dead_letter,
-        } => tracing::info!(
-            target: TARGET,
-            event = "quarantined",
-            door,
-            aggregate_id,
-            message_id,
-            sequence,
-            expected,
-            reason = %reason,
-            observations = dead_letter.map(|note| note.observations),
-            "message quarantined as a dead letter; the aggregate waits"
-        ),
+        } => delivery.quarantined(*expected, reason, dead_letter.map(|note| note.observations)),
         Outcome::QuarantineFull {
             expected,
             open,
             limit,
-        } => tracing::warn!(
-            target: TARGET,
-            event = "quarantine_full",
-            door,
-            aggregate_id,
-            message_id,
-            sequence,
-            expected,
-            open,
-            limit,
-            "poison message refused: the aggregate's quarantine is full"
-        ),
-        Outcome::Applied { superseded, .. } => {
-            for dead_letter in superseded {
-                tracing::info!(
-                    target: TARGET,
-                    event = "superseded",
-                    door,
-                    aggregate_id,
-                    message_id = %dead_letter,
-                    superseded_by = message_id,
-                    sequence,
-                    "dead letter superseded by a message that took its sequence"
-                );
-            }
-        }
+        } => delivery.quarantine_full(*expected, *open, *limit),
+        Outcome::Applied { superseded, .. } => delivery.superseded(superseded),
         Outcome::Held {
             expected,
             held,
             repeated: false,
-        } => tracing::info!(
-            target: TARGET,
-            event = "held",
-            door,
-            aggregate_id,
-            message_id,
-            sequence,
-            expected,
-            held,
-            "message held until its predecessors apply"
-        ),
+        } => delivery.held(*expected, *held),
         Outcome::HoldFull {
             expected,
             held,
             limit,
-        } => tracing::warn!(
-            target: TARGET,
-            event = "hold_full",
-            door,
-            aggregate_id,
-            message_id,
-            sequence,
-            expected,
-            held,
-            limit,
-            "message ahead of its turn refused: the aggregate holds the most it may"
-        ),
+        } => delivery.hold_full(*expected, *held, *limit),
         Outcome::Held { repeated: true, .. }
         | Outcome::Replay { .. }
         | Outcome::PayloadConflict
         | Outcome::Gap { .. }
         | Outcome::Stale { .. } => {}
+    }
+}
+
+/// The fields every domain event of a delivery carries.
+struct LoggedDelivery<'a> {
+    door: &'static str,
+    aggregate_id: &'a str,
+    message_id: &'a str,
+    sequence: i64,
+}
+
+impl LoggedDelivery<'_> {
+    fn quarantined(&self, expected: i64, reason: &QuarantineReason, observations: Option<i64>) {
+        tracing::info!(
+            target: TARGET,
+            event = "quarantined",
+            door = self.door,
+            aggregate_id = self.aggregate_id,
+            message_id = self.message_id,
+            sequence = self.sequence,
+            expected,
+            reason = %reason,
+            observations,
+            "message quarantined as a dead letter; the aggregate waits"
+        );
+    }
+
+    fn quarantine_full(&self, expected: i64, open: usize, limit: usize) {
+        tracing::warn!(
+            target: TARGET,
+            event = "quarantine_full",
+            door = self.door,
+            aggregate_id = self.aggregate_id,
+            message_id = self.message_id,
+            sequence = self.sequence,
+            expected,
+            open,
+            limit,
+            "poison message refused: the aggregate's quarantine is full"
+        );
+    }
+
+    /// One event per dead letter the applied message replaced.
+    fn superseded(&self, superseded: &[String]) {
+        for dead_letter in superseded {
+            tracing::info!(
+                target: TARGET,
+                event = "superseded",
+                door = self.door,
+                aggregate_id = self.aggregate_id,
+                message_id = %dead_letter,
+                superseded_by = self.message_id,
+                sequence = self.sequence,
+                "dead letter superseded by a message that took its sequence"
+            );
+        }
+    }
+
+    fn held(&self, expected: i64, held: usize) {
+        tracing::info!(
+            target: TARGET,
+            event = "held",
+            door = self.door,
+            aggregate_id = self.aggregate_id,
+            message_id = self.message_id,
+            sequence = self.sequence,
+            expected,
+            held,
+            "message held until its predecessors apply"
+        );
+    }
+
+    fn hold_full(&self, expected: i64, held: usize, limit: usize) {
+        tracing::warn!(
+            target: TARGET,
+            event = "hold_full",
+            door = self.door,
+            aggregate_id = self.aggregate_id,
+            message_id = self.message_id,
+            sequence = self.sequence,
+            expected,
+            held,
+            limit,
+            "message ahead of its turn refused: the aggregate holds the most it may"
+        );
     }
 }

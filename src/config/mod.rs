@@ -1,5 +1,9 @@
 //! Start-up configuration: where to listen, which database file, which settings file, and the
-//! guards that keep this fault-injecting fixture on a developer's own loopback interface.
+//! guards that keep this fault-injecting fixture on a developer's own loopback interface; every
+//! component's settings (the broker door's in [`broker`]) and the start-up refusals
+//! ([`StartupError`]). The lowest floor of the server: it imports none of the others.
+
+pub mod broker;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -28,7 +32,7 @@ pub struct Config {
     /// is nak'd back to the broker with a delay.
     pub max_held_per_aggregate: usize,
     /// The NATS JetStream consumer, when `--nats` is given.
-    pub nats: Option<crate::broker::BrokerConfig>,
+    pub nats: Option<broker::BrokerConfig>,
     /// How long an outbox claim holds its event; the seed's 500 ms unless a test shortens it.
     pub outbox_lease: Duration,
     /// Connection timeouts and the connection cap.
@@ -59,6 +63,8 @@ pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// The largest request body any route reads; a larger one answers 413.
+pub const MAX_REQUEST_BODY_BYTES: usize = 2 * MIB;
 /// 64 MiB: 32 bodies of the largest size at once.
 pub const DEFAULT_REQUEST_BODY_BUDGET: usize = 64 * MIB;
 /// The largest body budget `serve` accepts.
@@ -119,7 +125,7 @@ pub fn parse_request_body_budget(text: &str) -> Result<usize, String> {
         .into_iter()
         .find_map(|(suffix, unit)| trimmed.strip_suffix(suffix).map(|number| (number, unit)))
         .unwrap_or((trimmed, 1));
-    let lowest = crate::server::MAX_REQUEST_BODY_BYTES;
+    let lowest = MAX_REQUEST_BODY_BYTES;
     match number
         .trim()
         .parse::<usize>()

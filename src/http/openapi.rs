@@ -198,7 +198,7 @@ fn share(operation: &mut Operation) {
     for response in operation.responses.responses.values_mut() {
         if let RefOr::T(response) = response {
             response.headers.insert(
-                crate::observe::http::REQUEST_ID_HEADER.as_str().to_owned(),
+                crate::http::REQUEST_ID_HEADER.as_str().to_owned(),
                 RefOr::T(
                     Header::builder()
                         .schema(Some(utoipa::openapi::schema::Object::with_type(
@@ -216,7 +216,7 @@ fn share(operation: &mut Operation) {
 
 fn request_id_header() -> Parameter {
     ParameterBuilder::new()
-        .name(crate::observe::http::REQUEST_ID_HEADER.as_str())
+        .name(crate::http::REQUEST_ID_HEADER.as_str())
         .parameter_in(ParameterIn::Header)
         .required(Required::False)
         .description(Some(

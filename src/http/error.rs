@@ -160,7 +160,9 @@ impl IntoResponse for AppError {
                 );
                 let headers = response.headers_mut();
                 // By then, bodies that waited as long as this one have had their answer.
-                let retry_after = crate::server::BODY_BUDGET_PATIENCE.as_secs().max(1);
+                let retry_after = crate::http::body_budget::BODY_BUDGET_PATIENCE
+                    .as_secs()
+                    .max(1);
                 headers.insert(header::RETRY_AFTER, header::HeaderValue::from(retry_after));
                 headers.insert(
                     header::CONNECTION,
@@ -291,7 +293,7 @@ fn body_rejection(rejection: BytesRejection) -> AppError {
             title: "Content Too Large".to_owned(),
             detail: Some(format!(
                 "the request body is larger than the limit of {} bytes",
-                crate::server::MAX_REQUEST_BODY_BYTES
+                crate::http::body_budget::MAX_REQUEST_BODY_BYTES
             )),
         };
     }
@@ -302,7 +304,9 @@ fn body_rejection(rejection: BytesRejection) -> AppError {
                 "the request body did not arrive within the body-read timeout".to_owned(),
             );
         }
-        if let Some(exhausted) = error.downcast_ref::<crate::server::BodyBudgetExhausted>() {
+        if let Some(exhausted) =
+            error.downcast_ref::<crate::http::body_budget::BodyBudgetExhausted>()
+        {
             return AppError::BodyBudgetExhausted(exhausted.to_string());
         }
         cause = error.source();

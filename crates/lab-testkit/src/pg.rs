@@ -17,6 +17,8 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
 
+use crate::process::{parent_pid, process_cpu_ticks};
+
 /// The database superuser of a private cluster (trust authentication, loopback only).
 pub const SUPERUSER: &str = "postgres";
 
@@ -386,36 +388,6 @@ impl PrivateCluster {
     pub fn start_again(&self) -> Result<(), ClusterError> {
         self.start_server()
     }
-}
-
-/// The fields of `/proc/PID/stat` after the command name (which may contain spaces): index 0 is
-/// the state, 1 the parent pid, 11 and 12 user and system time in clock ticks.
-fn stat_fields(pid: u32) -> Option<Vec<String>> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    Some(rest.split_whitespace().map(str::to_owned).collect())
-}
-
-fn parent_pid(pid: u32) -> Option<u32> {
-    stat_fields(pid)?.get(1)?.parse().ok()
-}
-
-/// User + system CPU time of one process, in clock ticks.
-pub fn process_cpu_ticks(pid: u32) -> Option<u64> {
-    let fields = stat_fields(pid)?;
-    let user: u64 = fields.get(11)?.parse().ok()?;
-    let system: u64 = fields.get(12)?.parse().ok()?;
-    Some(user + system)
-}
-
-/// Clock ticks per second (`getconf CLK_TCK`, 100 on Linux).
-pub fn ticks_per_second() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|output| String::from_utf8_lossy(&output.stdout).trim().parse().ok())
-        .unwrap_or(100.0)
 }
 
 impl Drop for PrivateCluster {

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Deserializer};
 
-use crate::error::AppError;
+use crate::http::error::AppError;
 
 /// The seed's text check: `string.IsNullOrWhiteSpace(text) || text.Length > max`, where .NET's
 /// `Length` counts UTF-16 code units.
@@ -57,7 +57,7 @@ pub fn optional_flag<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Optio
 /// A `{name:long}` route value, bound as ASP.NET's `long` route constraint does:
 /// `long.TryParse(value, NumberStyles.Integer, CultureInfo.InvariantCulture)`, that is optional
 /// white space, an optional `+` or `-`, decimal digits, optional white space, within `i64`. Use
-/// it inside [`crate::error::ConstrainedPath`] so that anything else does not match the route.
+/// it inside [`crate::http::error::ConstrainedPath`] so that anything else does not match the route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouteLong(pub i64);
 

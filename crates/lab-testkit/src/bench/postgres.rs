@@ -1,0 +1,268 @@
+//! `bench ordered --backend postgres`: a private PostgreSQL ([`crate::pg`], durable: `fsync`
+//! on), the same load through one server and through two server processes on one database, the
+//! end state verified through the PostgreSQL inbox, and the figures printed next to the SQLite
+//! server's, measured in the same run on the same load.
+
+use std::time::Duration;
+
+use ordered_inbox::Limits;
+use serde::Serialize;
+
+use super::database::{expect_stream_state, verify_end_state};
+use super::ordered::{OrderedOptions, http_load};
+use super::{AggregateStream, BenchError, max_ms, percentile, require_positive, workload};
+use crate::pg::{ClusterOptions, PrivateCluster, find_bindir};
+use crate::process::cpu_us_per_message;
+use crate::server::{PostgresFigures, ServerUnderTest, synchronous_flag};
+
+/// The figures of one HTTP load.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LoadFigures {
+    /// Where the ordered inbox was: `sqlite` or `postgres`.
+    pub store: &'static str,
+    pub servers: usize,
+    pub messages_per_second: f64,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    /// Each server's peak resident set.
+    pub server_peak_rss_mib: Vec<f64>,
+    /// PostgreSQL only: database round trips per inbox operation, as the servers counted them.
+    pub round_trips_per_message: Option<f64>,
+    /// PostgreSQL only: attempts retried after a serialization failure, deadlock or unique
+    /// violation.
+    pub retries: Option<u64>,
+    /// CPU time the server processes spent per message, in microseconds (user + system).
+    pub server_cpu_us_per_message: Option<f64>,
+    /// PostgreSQL only: CPU time the database's processes spent per message, in microseconds.
+    pub postgres_cpu_us_per_message: Option<f64>,
+}
+
+impl std::fmt::Display for LoadFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let rss: Vec<String> = self
+            .server_peak_rss_mib
+            .iter()
+            .map(|mib| format!("{mib:.1}"))
+            .collect();
+        write!(
+            f,
+            "  {:<8} {} server{}: {:>8.0} msg/s   p50 {:.2}  p95 {:.2}  p99 {:.2}  max {:.2} ms   peak RSS {} MiB",
+            self.store,
+            self.servers,
+            if self.servers == 1 { " " } else { "s" },
+            self.messages_per_second,
+            self.p50_ms,
+            self.p95_ms,
+            self.p99_ms,
+            self.max_ms,
+            rss.join(" + "),
+        )?;
+        if let (Some(trips), Some(retries)) = (self.round_trips_per_message, self.retries) {
+            write!(f, "   {trips:.2} round trips/msg, {retries} retries")?;
+        }
+        if let Some(server) = self.server_cpu_us_per_message {
+            write!(f, "\n           CPU per message: server {server:.0} µs")?;
+            if let Some(postgres) = self.postgres_cpu_us_per_message {
+                write!(f, ", PostgreSQL {postgres:.0} µs")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `bench ordered --backend postgres`: the same load on SQLite, on PostgreSQL through one
+/// server, and on PostgreSQL through two server processes.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PostgresReport {
+    pub aggregates: usize,
+    pub messages: usize,
+    pub concurrency: usize,
+    /// The SQLite server's `synchronous`; PostgreSQL runs with `fsync` on.
+    pub synchronous: &'static str,
+    pub postgres_bindir: String,
+    pub runs: Vec<LoadFigures>,
+}
+
+impl std::fmt::Display for PostgresReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "bench ordered --backend postgres: {} messages over {} aggregates, {} concurrent clients (SQLite synchronous={}, PostgreSQL fsync=on, {})",
+            self.messages,
+            self.aggregates,
+            self.concurrency,
+            self.synchronous,
+            self.postgres_bindir
+        )?;
+        let lines: Vec<String> = self.runs.iter().map(ToString::to_string).collect();
+        write!(f, "{}", lines.join("\n"))
+    }
+}
+
+/// Runs the load on SQLite, then on PostgreSQL through one and through two servers, verifying
+/// each end state.
+pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport, BenchError> {
+    require_positive(
+        &[options.aggregates, options.messages, options.concurrency],
+        "aggregates, messages and concurrency",
+    )?;
+    let streams = workload(options.aggregates, options.messages);
+    let mut runs = vec![sqlite_run(options, &streams).await?];
+    let cluster = PrivateCluster::start(ClusterOptions::durable())
+        .map_err(|error| BenchError::Startup(format!("a private PostgreSQL: {error}")))?;
+    for (run, servers) in [(1usize, 1usize), (2, 2)] {
+        let url = cluster
+            .create_database(&format!("bench_{run}"))
+            .map_err(|error| BenchError::Startup(format!("a database: {error}")))?;
+        runs.push(postgres_run(&cluster, &url, servers, options, &streams).await?);
+        verify_postgres_end_state(&url, &streams).await?;
+    }
+    drop(cluster);
+    Ok(PostgresReport {
+        aggregates: options.aggregates,
+        messages: options.messages,
+        concurrency: options.concurrency,
+        synchronous: synchronous_flag(options.synchronous),
+        postgres_bindir: find_bindir()
+            .map(|dir| dir.display().to_string())
+            .unwrap_or_default(),
+        runs,
+    })
+}
+
+/// The load through one SQLite server, its end state verified.
+async fn sqlite_run(
+    options: &OrderedOptions,
+    streams: &[AggregateStream],
+) -> Result<LoadFigures, BenchError> {
+    let server = ServerUnderTest::start(options.synchronous, options.concurrency)?;
+    let cpu_before = server.cpu_ticks();
+    let addresses = std::slice::from_ref(&server.address);
+    let (elapsed, latencies) = http_load(
+        "bench ordered: HTTP to 1 server(s)",
+        addresses,
+        streams,
+        options.concurrency,
+    )
+    .await?;
+    let server_ticks = ticks_since(server.cpu_ticks(), cpu_before);
+    let rss = vec![server.peak_rss_kib()];
+    let stopped = server.stop()?;
+    verify_end_state(&stopped.database, streams)?;
+    let mut sqlite = figures("sqlite", options.messages, elapsed, &latencies, rss);
+    sqlite.server_cpu_us_per_message = cpu_us_per_message(server_ticks, options.messages);
+    Ok(sqlite)
+}
+
+/// The load through `servers` servers on the PostgreSQL database `url`, with their CPU and the
+/// cluster's, and the round trips and retries the servers counted.
+async fn postgres_run(
+    cluster: &PrivateCluster,
+    url: &str,
+    servers: usize,
+    options: &OrderedOptions,
+    streams: &[AggregateStream],
+) -> Result<LoadFigures, BenchError> {
+    let extra = ["--inbox".to_owned(), url.to_owned()];
+    let started: Vec<ServerUnderTest> = (0..servers)
+        .map(|_| ServerUnderTest::start_with(options.synchronous, options.concurrency, &extra))
+        .collect::<Result<_, _>>()?;
+    let addresses: Vec<String> = started.iter().map(|s| s.address.clone()).collect();
+    let servers_before = servers_cpu_ticks(&started);
+    let postgres_before = cluster.cpu_ticks();
+    let label = format!("bench ordered: HTTP to {servers} server(s)");
+    let (elapsed, latencies) = http_load(&label, &addresses, streams, options.concurrency).await?;
+    // Read before the servers stop: their connections' backends are still alive.
+    let postgres_ticks = ticks_since(cluster.cpu_ticks(), postgres_before);
+    let server_ticks = ticks_since(servers_cpu_ticks(&started), servers_before);
+    let rss = started.iter().map(ServerUnderTest::peak_rss_kib).collect();
+    let mut run = figures("postgres", options.messages, elapsed, &latencies, rss);
+    run.server_cpu_us_per_message = cpu_us_per_message(server_ticks, options.messages);
+    run.postgres_cpu_us_per_message = cpu_us_per_message(postgres_ticks, options.messages);
+    let counted = stop_and_count(started)?;
+    if counted.operations > 0 {
+        run.round_trips_per_message = Some(counted.round_trips as f64 / counted.operations as f64);
+        run.retries = Some(counted.retries);
+    }
+    Ok(run)
+}
+
+/// Stops the servers and adds up the figures each printed for its PostgreSQL inbox.
+fn stop_and_count(servers: Vec<ServerUnderTest>) -> Result<PostgresFigures, BenchError> {
+    let mut sum = PostgresFigures::default();
+    for server in servers {
+        if let Some(figures) = server.stop()?.postgres_figures() {
+            sum.operations += figures.operations;
+            sum.round_trips += figures.round_trips;
+            sum.retries += figures.retries;
+        }
+    }
+    Ok(sum)
+}
+
+/// The sum of the servers' CPU ticks, or `None` when any is unknown.
+fn servers_cpu_ticks(servers: &[ServerUnderTest]) -> Option<u64> {
+    servers.iter().map(ServerUnderTest::cpu_ticks).sum()
+}
+
+fn ticks_since(after: Option<u64>, before: Option<u64>) -> Option<u64> {
+    after
+        .zip(before)
+        .map(|(after, before)| after.saturating_sub(before))
+}
+
+fn figures(
+    store: &'static str,
+    messages: usize,
+    elapsed: Duration,
+    latencies: &[Duration],
+    rss_kib: Vec<Option<u64>>,
+) -> LoadFigures {
+    LoadFigures {
+        store,
+        servers: rss_kib.len(),
+        messages_per_second: messages as f64 / elapsed.as_secs_f64(),
+        p50_ms: percentile(latencies, 0.50),
+        p95_ms: percentile(latencies, 0.95),
+        p99_ms: percentile(latencies, 0.99),
+        max_ms: max_ms(latencies),
+        server_peak_rss_mib: rss_kib
+            .into_iter()
+            .map(|kib| kib.unwrap_or(0) as f64 / 1024.0)
+            .collect(),
+        round_trips_per_message: None,
+        retries: None,
+        server_cpu_us_per_message: None,
+        postgres_cpu_us_per_message: None,
+    }
+}
+
+/// Every aggregate's last, total and applied rows in PostgreSQL are exactly what was sent.
+async fn verify_postgres_end_state(
+    url: &str,
+    streams: &[AggregateStream],
+) -> Result<(), BenchError> {
+    let inbox = ordered_inbox::postgres::PostgresInbox::connect(url, Limits::default())
+        .await
+        .map_err(|error| BenchError::Verification(error.to_string()))?;
+    let failed = |error: ordered_inbox::InboxError| BenchError::Verification(error.to_string());
+    for stream in streams {
+        let view = ordered_inbox::Inbox::aggregate(&inbox, stream.aggregate_id.clone())
+            .await
+            .map_err(failed)?
+            .ok_or_else(|| {
+                BenchError::Verification(format!("{}: no state row", stream.aggregate_id))
+            })?;
+        let (rows, sum) = inbox
+            .applied_totals(stream.aggregate_id.clone())
+            .await
+            .map_err(failed)?;
+        expect_stream_state(stream, view.summary.last, view.summary.total, rows, sum)?;
+    }
+    inbox.close();
+    Ok(())
+}

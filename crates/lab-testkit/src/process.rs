@@ -1,0 +1,146 @@
+//! What `/proc` tells about a process: CPU time, storage writes, peak resident set, parent.
+//! Every reading is `None` where `/proc` does not tell it (another kernel, a process gone).
+
+use serde::Serialize;
+
+/// Linux reports CPU time in `USER_HZ` ticks, which is 100 per second on every architecture the
+/// kernel exposes to user space.
+pub const TICKS_PER_SECOND: f64 = 100.0;
+
+/// The fields of `/proc/PID/stat` after the command name (which may hold spaces and
+/// parentheses, so fields are counted after its last `)`): index 0 is the state, 1 the parent
+/// pid, 11 and 12 user and system time in clock ticks.
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+fn tick_field(fields: &[String], index: usize) -> Option<u64> {
+    fields.get(index)?.parse().ok()
+}
+
+/// The parent of a process.
+pub fn parent_pid(pid: u32) -> Option<u32> {
+    stat_fields(pid)?.get(1)?.parse().ok()
+}
+
+/// User + system CPU time of one process, in clock ticks.
+pub fn process_cpu_ticks(pid: u32) -> Option<u64> {
+    let fields = stat_fields(pid)?;
+    Some(tick_field(&fields, 11)? + tick_field(&fields, 12)?)
+}
+
+/// A process's peak resident set (`VmHWM`) in KiB.
+pub fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Microseconds of CPU per message from clock ticks spent during a load.
+pub fn cpu_us_per_message(ticks: Option<u64>, messages: usize) -> Option<f64> {
+    let seconds = ticks? as f64 / TICKS_PER_SECOND;
+    Some(seconds * 1e6 / messages.max(1) as f64)
+}
+
+/// A process's CPU time (user and system) and storage writes, from `/proc/PID/stat` and
+/// `/proc/PID/io`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessUsage {
+    pub user_ticks: u64,
+    pub system_ticks: u64,
+    pub write_bytes: Option<u64>,
+}
+
+impl ProcessUsage {
+    pub fn read(pid: u32) -> Option<ProcessUsage> {
+        let fields = stat_fields(pid)?;
+        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok();
+        let write_bytes = io.as_deref().and_then(|io| {
+            io.lines()
+                .find_map(|line| line.strip_prefix("write_bytes:"))
+                .and_then(|value| value.trim().parse().ok())
+        });
+        Some(ProcessUsage {
+            // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
+            user_ticks: tick_field(&fields, 11)?,
+            system_ticks: tick_field(&fields, 12)?,
+            write_bytes,
+        })
+    }
+
+    /// What was spent between `earlier` and `self`, per message, in µs of CPU and bytes.
+    pub fn per_message(&self, earlier: &ProcessUsage, messages: usize) -> CostPerMessage {
+        let per = |ticks: u64| ticks as f64 / TICKS_PER_SECOND * 1e6 / messages.max(1) as f64;
+        CostPerMessage {
+            user_us: per(self.user_ticks.saturating_sub(earlier.user_ticks)),
+            system_us: per(self.system_ticks.saturating_sub(earlier.system_ticks)),
+            storage_bytes: self
+                .write_bytes
+                .zip(earlier.write_bytes)
+                .map(|(now, then)| now.saturating_sub(then) as f64 / messages.max(1) as f64),
+        }
+    }
+}
+
+/// A process's cost of one message during a load.
+#[derive(Debug, Clone, Copy, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CostPerMessage {
+    pub user_us: f64,
+    pub system_us: f64,
+    /// Bytes written to storage (WAL, checkpoints), from `/proc/PID/io`; unknown where the
+    /// kernel does not account it.
+    pub storage_bytes: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn this_process_usage_is_readable_and_grows_with_work() {
+        let before = ProcessUsage::read(std::process::id()).expect("/proc/self/stat");
+        let started = Instant::now();
+        let mut spin = 0u64;
+        while started.elapsed() < Duration::from_millis(60) {
+            spin = spin.wrapping_add(std::hint::black_box(1));
+        }
+        let after = ProcessUsage::read(std::process::id()).expect("/proc/self/stat");
+        assert!(spin > 0);
+        assert!(after.user_ticks + after.system_ticks > before.user_ticks + before.system_ticks);
+        assert_eq!(
+            process_cpu_ticks(std::process::id()).map(|ticks| ticks >= before.user_ticks),
+            Some(true)
+        );
+        assert!(peak_rss_kib(std::process::id()).is_some_and(|kib| kib > 0));
+        assert_eq!(
+            parent_pid(std::process::id()),
+            Some(std::os::unix::process::parent_id())
+        );
+    }
+
+    #[test]
+    fn costs_are_divided_per_message_in_microseconds() {
+        let before = ProcessUsage {
+            user_ticks: 100,
+            system_ticks: 50,
+            write_bytes: Some(1000),
+        };
+        let after = ProcessUsage {
+            user_ticks: 102,
+            system_ticks: 53,
+            write_bytes: Some(5000),
+        };
+        let cost = after.per_message(&before, 1000);
+        assert_eq!((cost.user_us, cost.system_us), (20.0, 30.0));
+        assert_eq!(cost.storage_bytes, Some(4.0));
+        assert_eq!(cpu_us_per_message(Some(5), 1000), Some(50.0));
+        assert_eq!(cpu_us_per_message(None, 1000), None);
+    }
+}

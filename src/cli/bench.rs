@@ -1,0 +1,183 @@
+//! `production-lab bench …`: the measured figures (release build recommended): each bench prints
+//! its figures, writes them as JSON with `--json`, and fails on a wrong end state.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Subcommand, ValueEnum};
+use lab_testkit::bench;
+use production_lab::config::Synchronous;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Durable ordered applies over HTTP (group commit) against one transaction per message.
+    Ordered(BenchOrderedArgs),
+    /// Concurrent callers of the cache's shared key behind the lab gate: one factory run.
+    Stampede(BenchStampedeArgs),
+    /// NATS JetStream through the inbox (a private nats-server) against a raw consume-and-ack
+    /// baseline and the HTTP door.
+    Broker(BenchBrokerArgs),
+    /// Events from server A's general outbox through `relay` processes and a private
+    /// nats-server to server B's ordered inbox, with 1 and 2 relays.
+    Relay(BenchRelayArgs),
+}
+
+/// Which store `bench ordered` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// The SQLite server (group commit) against one transaction per message.
+    Sqlite,
+    /// PostgreSQL through one and through two server processes, next to the SQLite server.
+    Postgres,
+}
+
+#[derive(Args)]
+pub struct BenchRelayArgs {
+    #[arg(long, default_value_t = 64)]
+    pub aggregates: usize,
+    #[arg(long, default_value_t = 20_000)]
+    pub messages: usize,
+    /// Concurrent writers of A's outbox.
+    #[arg(long, default_value_t = 32)]
+    pub writers: usize,
+    /// Events per lease.
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// The lease-latency phase: events pending in A's outbox.
+    #[arg(long, default_value_t = 20_000)]
+    pub lease_pending: usize,
+    /// The lease-latency phase: how many of the pending events are under live leases (each the
+    /// first pending event of its aggregate, with a share of the rest waiting behind it).
+    #[arg(long, default_value_t = 1_000)]
+    pub lease_held: usize,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct BenchBrokerArgs {
+    #[arg(long, default_value_t = 64)]
+    pub aggregates: usize,
+    #[arg(long, default_value_t = 20_000)]
+    pub messages: usize,
+    /// The consumer's --nats-batch.
+    #[arg(long, default_value_t = production_lab::broker::DEFAULT_BATCH)]
+    pub batch: usize,
+    /// The HTTP comparison's concurrent clients.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    #[arg(long, value_enum, default_value = "full")]
+    pub synchronous: Synchronous,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct BenchOrderedArgs {
+    #[arg(long, default_value_t = 64)]
+    pub aggregates: usize,
+    #[arg(long, default_value_t = 20_000)]
+    pub messages: usize,
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    #[arg(long, value_enum, default_value = "full")]
+    pub synchronous: Synchronous,
+    /// Run this build of production-lab as the server (e.g. the previous commit's release build)
+    /// under the same load and measurements; default: this binary.
+    #[arg(long)]
+    pub server: Option<PathBuf>,
+    /// sqlite: group commit against one transaction per message; postgres: a private
+    /// PostgreSQL through one and two servers, next to the SQLite server.
+    #[arg(long, value_enum, default_value = "sqlite")]
+    pub backend: Backend,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct BenchStampedeArgs {
+    #[arg(long, default_value_t = 1_000)]
+    pub callers: usize,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run(command: BenchCommand) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    let (report, path) = runtime.block_on(async {
+        anyhow::Ok(match command {
+            BenchCommand::Ordered(args) => (ordered(&args).await?, args.json),
+            BenchCommand::Broker(args) => {
+                let options = bench::broker::BrokerBenchOptions {
+                    aggregates: args.aggregates,
+                    messages: args.messages,
+                    batch: args.batch,
+                    synchronous: args.synchronous.into(),
+                    concurrency: args.concurrency,
+                };
+                (
+                    Rendered::of(&bench::broker::run(&options).await?)?,
+                    args.json,
+                )
+            }
+            BenchCommand::Relay(args) => {
+                let options = bench::relay::RelayBenchOptions {
+                    aggregates: args.aggregates,
+                    messages: args.messages,
+                    writers: args.writers,
+                    batch: args.batch,
+                    lease_pending: args.lease_pending,
+                    lease_held: args.lease_held,
+                };
+                (
+                    Rendered::of(&bench::relay::run(&options).await?)?,
+                    args.json,
+                )
+            }
+            BenchCommand::Stampede(args) => {
+                let report = bench::stampede::stampede(args.callers).await?;
+                (Rendered::of(&report)?, args.json)
+            }
+        })
+    })?;
+    println!("{}", report.text);
+    if let Some(path) = path {
+        std::fs::write(&path, report.json)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `bench ordered` on the backend its arguments name.
+async fn ordered(args: &BenchOrderedArgs) -> anyhow::Result<Rendered> {
+    let options = bench::ordered::OrderedOptions {
+        aggregates: args.aggregates,
+        messages: args.messages,
+        concurrency: args.concurrency,
+        synchronous: args.synchronous.into(),
+        server: args.server.clone(),
+    };
+    match args.backend {
+        Backend::Sqlite => Rendered::of(&bench::ordered::ordered(&options).await?),
+        Backend::Postgres => Rendered::of(&bench::postgres::ordered_postgres(&options).await?),
+    }
+}
+
+/// A bench's report as printed and as its `--json` file.
+struct Rendered {
+    text: String,
+    json: String,
+}
+
+impl Rendered {
+    fn of(report: &(impl std::fmt::Display + serde::Serialize)) -> anyhow::Result<Rendered> {
+        Ok(Rendered {
+            text: report.to_string(),
+            json: serde_json::to_string_pretty(report)?,
+        })
+    }
+}

@@ -1,0 +1,100 @@
+//! The command line: one file per subcommand, each with its arguments and its `run`. The
+//! binary's own floor, above the library: `main.rs` only parses and dispatches here.
+
+pub mod bench;
+pub mod practice;
+pub mod publish;
+pub mod registry;
+pub mod relay;
+pub mod serve;
+pub mod verify_base;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "production-lab",
+    version,
+    about = "A Development-only loopback lab of production contracts"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Run the lab server on a loopback address.
+    Serve(Box<serve::ServeArgs>),
+    /// Run the ordering policy over a progression of SEQUENCE:AMOUNT deliveries.
+    Practice(practice::PracticeArgs),
+    /// Verify the consumer contracts of a fresh fixture over real HTTP.
+    VerifyBase(verify_base::VerifyBaseArgs),
+    /// Manage the operators allowed to resolve dead letters.
+    Operator {
+        #[command(subcommand)]
+        command: registry::OperatorCommand,
+    },
+    /// Manage the producers allowed to write (and own) aggregates on the general door.
+    Producer {
+        #[command(subcommand)]
+        command: registry::ProducerCommand,
+    },
+    /// Measure the server (release build recommended): prints figures, fails on a wrong result.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+    /// Publish one ordered message to NATS JetStream on the broker door's wire format and wait
+    /// for its PubAck.
+    Publish(publish::PublishArgs),
+    /// Move events from a service's general outbox (HTTP) to NATS JetStream: lease, publish with
+    /// the event key as Nats-Msg-Id, await the PubAcks, ack with the generations.
+    Relay(relay::RelayArgs),
+}
+
+/// Runs the parsed command.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(args) => serve::run(*args),
+        Command::Bench(command) => bench::run(command),
+        Command::Practice(args) => practice::run(args),
+        Command::VerifyBase(args) => verify_base::run(args),
+        Command::Operator { command } => registry::operator(command),
+        Command::Producer { command } => registry::producer(command),
+        Command::Relay(args) => relay::run(args),
+        Command::Publish(args) => publish::run(args),
+    }
+}
+
+/// Runs one future on a small runtime of its own (the operator commands against PostgreSQL).
+pub fn block_on<T>(future: impl std::future::Future<Output = T>) -> anyhow::Result<T> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    Ok(runtime.block_on(future))
+}
+
+/// Registers the SIGINT and SIGTERM handlers at once, so a signal that arrives right after the
+/// listening line (a supervisor or a test reacting to it) is not lost to the default action, and
+/// returns a future that resolves on either.
+pub fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+        let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+        Ok(async move {
+            tokio::select! {
+                _ = interrupt.recv() => {},
+                _ = terminate.recv() => {},
+            }
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        Ok(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+    }
+}

@@ -1,0 +1,19 @@
+//! The inbox's wiring in the server, below every door that delivers to it: the shared handle
+//! ([`SharedInbox`], whatever store is underneath), its observing wrapper ([`observed`]: every
+//! verdict counted, logged and told to open consoles where it is decided), the feed of committed
+//! changes ([`changes`]), and the message input both doors parse ([`input`], [`pages`]).
+//!
+//! The doors (the labs' HTTP routes, the broker's consumer), the console and the operator routes
+//! stand on this floor; it knows none of them.
+
+pub mod changes;
+pub mod input;
+pub mod observed;
+pub mod pages;
+
+use std::sync::Arc;
+
+use ordered_inbox::Inbox;
+
+/// The inbox the doors and views use, whatever store is underneath.
+pub type SharedInbox = Arc<dyn Inbox>;
