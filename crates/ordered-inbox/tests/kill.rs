@@ -385,3 +385,43 @@ async fn a_sigkill_under_load_loses_no_acknowledged_line_and_doubles_none_on_sql
     let args = ["--database".to_owned(), path.display().to_string()];
     crash_under_load("orders_sqlite", &args, || async { sqlite_rows(&path) }).await;
 }
+
+/// The database's rows, read with a connection of the test's own.
+#[cfg(feature = "postgres")]
+async fn postgres_rows(url: &str) -> Rows {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the private cluster");
+    tokio::spawn(connection);
+    let rows = async |sql: &str| client.query(sql, &[]).await.expect(sql);
+    let triples = |rows: Vec<tokio_postgres::Row>| {
+        rows.iter()
+            .map(|row| (row.get(0), row.get(1), row.get(2)))
+            .collect()
+    };
+    let inbox = rows("SELECT aggregate_id, sequence, message_id FROM ordered_inbox").await;
+    let orders = rows("SELECT order_id, sequence, message_id FROM orders").await;
+    let last = rows("SELECT aggregate_id, last_sequence FROM aggregate_state").await;
+    Rows {
+        inbox: triples(inbox),
+        orders: triples(orders),
+        last: last.iter().map(|row| (row.get(0), row.get(1))).collect(),
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkill_under_load_loses_no_acknowledged_line_and_doubles_none_on_postgres() {
+    use lab_testkit::pg::{ClusterOptions, PrivateCluster};
+    let start = || PrivateCluster::start(ClusterOptions::for_tests());
+    let cluster = tokio::task::spawn_blocking(start)
+        .await
+        .expect("the cluster's start")
+        .unwrap_or_else(|error| panic!("a private PostgreSQL cluster: {error}"));
+    let url = cluster
+        .create_database("orders")
+        .unwrap_or_else(|error| panic!("createdb: {error}"));
+    let args = ["--database-url".to_owned(), url.clone()];
+    let url = url.as_str();
+    crash_under_load("orders_postgres", &args, move || postgres_rows(url)).await;
+}
