@@ -112,6 +112,27 @@
 //! client inside the open transaction. Handlers may also define what "the same content" means
 //! ([`Check::canonical`], see [`content`]); the default is the payload's canonical JSON.
 //!
+//! ## Examples
+//!
+//! `examples/` holds three programs that `cargo test` builds and runs: run without arguments,
+//! each checks itself against real services and exits non-zero on a mismatch.
+//!
+//! - `orders_sqlite`: an axum service, `POST /orders/{order}/events`, whose handler writes each
+//!   order line into the application's `orders` table in the inbox's SQLite transaction; a
+//!   poison from `check`, and one from `apply` after it wrote its row (the row goes with the
+//!   savepoint). `cargo run -p ordered-inbox --example orders_sqlite`; with
+//!   `-- --listen ADDR --database PATH` it serves.
+//! - `orders_postgres`: the same door and check on PostgreSQL, `apply` writing through the
+//!   client of the inbox's open transaction. `--database-url URL`, or a private cluster.
+//! - `jetstream_orders`: a JetStream pull consumer that hands each fetched batch to
+//!   [`Inbox::deliver_batch`] through the broker's door and acks each message after the COMMIT
+//!   (a nak for a handler failure, a termination for a rejection), on a private nats-server or
+//!   `--nats URL`.
+//!
+//! The crash tests (`tests/kill.rs`) SIGKILL the two order services under concurrent load and
+//! restart them on the same database: every acknowledged event has its inbox row and its
+//! `orders` row, none has one without the other, and none is doubled.
+//!
 //! ## Layout
 //!
 //! The crate is a functional core with storage behind one seam. Its modules import one way,
