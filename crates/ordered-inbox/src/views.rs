@@ -21,6 +21,52 @@ pub struct AggregateSummary {
     pub status: AggregateStatus,
     /// When the aggregate entered its status.
     pub since: Option<String>,
+    /// What the application's handler reports of the aggregate (its `state`), read in the same
+    /// snapshot as the position; absent when it reports nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<Value>,
+}
+
+/// A view that holds aggregate summaries: a backend gives each the handler's `state` of its
+/// aggregate in the snapshot it read the view in.
+pub trait Summaries {
+    fn summaries(&mut self) -> Vec<&mut AggregateSummary>;
+}
+
+impl Summaries for AggregateSummary {
+    fn summaries(&mut self) -> Vec<&mut AggregateSummary> {
+        vec![self]
+    }
+}
+
+impl<T: Summaries> Summaries for Option<T> {
+    fn summaries(&mut self) -> Vec<&mut AggregateSummary> {
+        self.as_mut().map_or_else(Vec::new, Summaries::summaries)
+    }
+}
+
+impl<T: Summaries> Summaries for Vec<T> {
+    fn summaries(&mut self) -> Vec<&mut AggregateSummary> {
+        self.iter_mut().flat_map(Summaries::summaries).collect()
+    }
+}
+
+impl Summaries for AggregateView {
+    fn summaries(&mut self) -> Vec<&mut AggregateSummary> {
+        vec![&mut self.summary]
+    }
+}
+
+impl Summaries for InventoryEntry {
+    fn summaries(&mut self) -> Vec<&mut AggregateSummary> {
+        vec![&mut self.summary]
+    }
+}
+
+impl Summaries for CurrentState {
+    fn summaries(&mut self) -> Vec<&mut AggregateSummary> {
+        self.aggregate.summaries()
+    }
 }
 
 /// An aggregate with the dead letters that hold it up.
@@ -104,7 +150,7 @@ pub struct DeadLetterView {
     pub message_id: String,
     pub aggregate_id: Option<String>,
     pub sequence: Option<i64>,
-    /// The canonical content as stored: opaque JSON.
+    /// The canonical payload as stored: opaque JSON.
     pub payload: Option<Value>,
     pub reason: QuarantineReason,
     pub first_seen: Option<String>,
@@ -217,6 +263,14 @@ pub struct Page<T> {
 }
 
 impl<T> Page<T> {
+    /// The same page with each item turned into another value (an application's view of it).
+    pub fn map<U>(self, item: impl FnMut(T) -> U) -> Page<U> {
+        Page {
+            items: self.items.into_iter().map(item).collect(),
+            next: self.next,
+        }
+    }
+
     /// Builds a page from up to `limit + 1` rows read with their cursor keys: the extra row, if
     /// any, only proves that another page exists.
     pub fn from_rows(mut rows: Vec<(i64, T)>, limit: i64) -> Page<T> {

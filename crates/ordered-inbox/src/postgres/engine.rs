@@ -181,10 +181,12 @@ async fn current_state(
         Some(aggregate_id) => views::aggregate_summary(client, counters, aggregate_id).await?,
         None => None,
     };
-    Ok(CurrentState {
+    let mut current = CurrentState {
         aggregate,
         dead_letter,
-    })
+    };
+    views::add_states(client, unit.handler, &mut current).await?;
+    Ok(current)
 }
 
 /// Starts a session of `producer`: its row locked, the next epoch decided, written, committed.

@@ -289,9 +289,12 @@ impl Inbox for PostgresInbox {
     }
 
     async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError> {
+        let handler = self.handler.clone();
         self.run(move |client, counters| {
-            let aggregate_id = aggregate_id.clone();
-            Box::pin(async move { views::aggregate_view(client, counters, &aggregate_id).await })
+            let (aggregate_id, handler) = (aggregate_id.clone(), handler.clone());
+            Box::pin(async move {
+                views::aggregate_view(client, counters, handler.as_ref(), &aggregate_id).await
+            })
         })
         .await
     }
@@ -301,8 +304,12 @@ impl Inbox for PostgresInbox {
         status: AggregateStatus,
         limit: i64,
     ) -> Result<Vec<InventoryEntry>, InboxError> {
+        let handler = self.handler.clone();
         self.run(move |client, counters| {
-            Box::pin(async move { views::inventory(client, counters, status, limit).await })
+            let handler = handler.clone();
+            Box::pin(async move {
+                views::inventory(client, counters, handler.as_ref(), status, limit).await
+            })
         })
         .await
     }

@@ -2,12 +2,14 @@
 //! each seeking an index; lists bounded by the caller's limit and paged by a cursor. A view made
 //! of several statements reads them in one REPEATABLE READ snapshot, pipelined.
 
+use futures_util::future::try_join_all;
 use futures_util::join;
 use serde_json::Value;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::connection::{Client, Counters, Failure};
+use super::handler::PostgresHandler;
 use super::rows::{json, namespace, optional_json, parsed};
 use crate::clock;
 use crate::model::{AggregateStatus, DeadLetterStatus, Position, QuarantineReason};
@@ -15,7 +17,7 @@ use crate::records::{Replacement, ResolutionRecord};
 use crate::views::{
     AggregateCounts, AggregateSummary, AggregateView, AppliedMessage, DeadLetterFilter,
     DeadLetterView, HELD_SHOWN, InboxHealth, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page,
-    PageRequest, ProducerView, ResolutionSummary, TimelineEvent,
+    PageRequest, ProducerView, ResolutionSummary, Summaries, TimelineEvent,
 };
 
 const AGGREGATE_SUMMARY: &str = "SELECT aggregate_id, last_sequence, status, status_since
@@ -102,13 +104,38 @@ fn summary_from_row(row: &Row) -> Result<AggregateSummary, Failure> {
         expected: last.saturating_add(1),
         status: parsed(row, 2)?,
         since: row.try_get(3)?,
+        state: None,
     })
 }
 
-/// The aggregate with its first open dead letters and their count, in one snapshot.
+/// Gives each of `view`'s summaries the handler's `state` of its aggregate, read through
+/// `client` inside the caller's transaction (one snapshot with the summaries), pipelined. The
+/// handler's statements are its own: they are not counted as the inbox's round trips.
+pub(super) async fn add_states(
+    client: &Client,
+    handler: &dyn PostgresHandler,
+    view: &mut impl Summaries,
+) -> Result<(), Failure> {
+    let summaries = view.summaries();
+    if summaries.is_empty() {
+        return Ok(());
+    }
+    let reads = summaries.into_iter().map(|summary| async move {
+        summary.state = handler.state(client, &summary.aggregate_id).await?;
+        Ok::<_, crate::error::HandlerError>(())
+    });
+    try_join_all(reads)
+        .await
+        .map(|_| ())
+        .map_err(Failure::Handler)
+}
+
+/// The aggregate with its first open dead letters and their count, and the handler's state of
+/// it, in one snapshot.
 pub(super) async fn aggregate_view(
     client: &Client,
     counters: &Counters,
+    handler: &dyn PostgresHandler,
     aggregate_id: &str,
 ) -> Result<Option<AggregateView>, Failure> {
     let summary = client.prepare_cached(AGGREGATE_SUMMARY).await?;
@@ -130,51 +157,74 @@ pub(super) async fn aggregate_view(
     let held = client.prepare_cached(HELD_SEQUENCES).await?;
     let held_count = client.prepare_cached(HELD_COUNT).await?;
     let held_params: [&(dyn ToSql + Sync); 2] = [&aggregate_id, &HELD_SHOWN];
-    let (begin, summary, open, count, held, held_count, commit) = join!(
+    let (begin, summary, open, count, held, held_count) = join!(
         client.batch_execute(SNAPSHOT),
         client.query_opt(&summary, &by_aggregate),
         client.query(&list, &list_params),
         client.query_one(&count, &by_aggregate),
         client.query(&held, &held_params),
         client.query_one(&held_count, &by_aggregate),
-        client.batch_execute("COMMIT"),
     );
     counters.trip();
     begin?;
-    commit?;
     let held_sequences = held?
         .iter()
         .map(|row| row.try_get(0))
         .collect::<Result<Vec<i64>, _>>()?;
     let held_count: i64 = held_count?.try_get(0)?;
-    let Some(summary) = summary? else {
-        return Ok(None);
+    let mut view = match summary? {
+        Some(summary) => {
+            let open = dead_letter_page(&open?, page.limit)?;
+            Some(AggregateView {
+                summary: summary_from_row(&summary)?,
+                open_dead_letters_truncated: open.next.is_some(),
+                open_dead_letters: open.items,
+                open_dead_letter_count: count?.try_get(0)?,
+                held_sequences,
+                held_count,
+            })
+        }
+        None => None,
     };
-    let open = dead_letter_page(&open?, page.limit)?;
-    Ok(Some(AggregateView {
-        summary: summary_from_row(&summary)?,
-        open_dead_letters_truncated: open.next.is_some(),
-        open_dead_letters: open.items,
-        open_dead_letter_count: count?.try_get(0)?,
-        held_sequences,
-        held_count,
-    }))
+    add_states(client, handler, &mut view).await?;
+    commit(client, counters).await?;
+    Ok(view)
+}
+
+/// Ends a read snapshot.
+async fn commit(client: &Client, counters: &Counters) -> Result<(), Failure> {
+    let committed = client.batch_execute("COMMIT").await;
+    counters.trip();
+    Ok(committed?)
 }
 
 /// Aggregates in `status`, the longest-standing first, with their age computed here from the
-/// stored text (as the SQLite backend's `julianday` difference, rounded to whole seconds).
+/// stored text (as the SQLite backend's `julianday` difference, rounded to whole seconds), and
+/// the handler's state of each in the same snapshot.
 pub(super) async fn inventory(
     client: &Client,
     counters: &Counters,
+    handler: &dyn PostgresHandler,
     status: AggregateStatus,
     limit: i64,
 ) -> Result<Vec<InventoryEntry>, Failure> {
     let statement = client.prepare_cached(INVENTORY).await?;
-    let rows = client.query(&statement, &[&status.as_str(), &limit]).await;
+    let parameters: [&(dyn ToSql + Sync); 2] = [&status.as_str(), &limit];
+    let (begin, rows) = join!(
+        client.batch_execute(SNAPSHOT),
+        client.query(&statement, &parameters)
+    );
     counters.trip();
+    begin?;
+    let mut entries = inventory_entries(&rows?)?;
+    add_states(client, handler, &mut entries).await?;
+    commit(client, counters).await?;
+    Ok(entries)
+}
+
+fn inventory_entries(rows: &[Row]) -> Result<Vec<InventoryEntry>, Failure> {
     let now = clock::now();
-    rows?
-        .iter()
+    rows.iter()
         .map(|row| {
             let summary = summary_from_row(row)?;
             let age_seconds = summary

@@ -118,7 +118,7 @@ pub fn resolve_in(
     })?;
     match run {
         Run::Written(plan, report) => Ok(recorded(plan.resolved, &states, &report, replaces)),
-        Run::Refused(refusal) => Err(refusal_error(connection, request, refusal)),
+        Run::Refused(refusal) => Err(refusal_error(unit, request, refusal)),
         Run::Failed(error) => Err(handler_failure(error)),
     }
 }
@@ -127,30 +127,34 @@ fn handler_failure(error: HandlerError) -> ResolutionError {
     ResolutionError::Store(InboxError::Handler(error))
 }
 
-fn refusal_error(
-    connection: &Connection,
-    request: &ResolutionRequest,
-    refusal: Refusal,
-) -> ResolutionError {
+fn refusal_error(unit: Unit<'_>, request: &ResolutionRequest, refusal: Refusal) -> ResolutionError {
     match refusal {
         Refusal::NotFound => ResolutionError::NotFound(request.dead_letter_id.clone()),
         Refusal::ReplacementQuarantined(reason) => ResolutionError::ReplacementQuarantined(reason),
         Refusal::Unauthorized => ResolutionError::Unauthorized,
-        Refusal::Conflict(kind) => match current_state(
-            connection,
-            request.producer.as_deref(),
-            &request.dead_letter_id,
-        ) {
-            Ok(current) => ResolutionError::Conflict {
+        Refusal::Conflict(kind) => {
+            let mut current = match current_state(
+                unit.connection,
+                request.producer.as_deref(),
+                &request.dead_letter_id,
+            ) {
+                Ok(current) => current,
+                Err(error) => return ResolutionError::Store(StoreError::from(error).into()),
+            };
+            // The handler's state in the same unit as the rows the refusal shows.
+            if let Err(error) = views::add_states(unit.connection, unit.handler, &mut current) {
+                return handler_failure(error);
+            }
+            ResolutionError::Conflict {
                 kind,
                 current: Box::new(current),
-            },
-            Err(error) => ResolutionError::Store(StoreError::from(error).into()),
-        },
+            }
+        }
     }
 }
 
-/// The aggregate and the dead letter as they are now, for a refusal's body.
+/// The aggregate and the dead letter as they are now, for a refusal's body (without the
+/// handler's state: see [`views::add_states`]).
 pub fn current_state(
     connection: &Connection,
     producer: Option<&str>,

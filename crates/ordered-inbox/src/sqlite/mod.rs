@@ -51,7 +51,7 @@ use crate::records::{
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
-    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, TimelineEvent,
+    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, Summaries, TimelineEvent,
     TransferConflict,
 };
 use engine::Unit;
@@ -141,6 +141,28 @@ impl SqliteInbox {
             .await
             .map_err(InboxError::from)
     }
+
+    /// Reads the summaries `work` finds, each with the handler's `state` of its aggregate, in
+    /// one read transaction: the inbox's rows and the handler's tables as of one snapshot.
+    async fn read_stated<T, F>(&self, work: F) -> Result<T, InboxError>
+    where
+        F: FnOnce(&rusqlite::Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Summaries + Send + 'static,
+    {
+        let handler = self.handler.clone();
+        self.store
+            .read(move |connection| {
+                let snapshot = connection
+                    .unchecked_transaction()
+                    .map_err(StoreError::from)?;
+                let mut found = work(&snapshot).map_err(StoreError::from)?;
+                views::add_states(&snapshot, handler.as_ref(), &mut found)
+                    .map_err(InboxError::Handler)?;
+                snapshot.commit().map_err(StoreError::from)?;
+                Ok(found)
+            })
+            .await
+    }
 }
 
 #[async_trait]
@@ -195,7 +217,7 @@ impl Inbox for SqliteInbox {
     }
 
     async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError> {
-        self.read(move |connection| views::aggregate_view(connection, &aggregate_id))
+        self.read_stated(move |connection| views::aggregate_view(connection, &aggregate_id))
             .await
     }
 
@@ -204,8 +226,10 @@ impl Inbox for SqliteInbox {
         status: AggregateStatus,
         limit: i64,
     ) -> Result<Vec<InventoryEntry>, InboxError> {
-        self.read(move |connection| views::inventory(connection, status, &clock::now(), limit))
-            .await
+        self.read_stated(move |connection| {
+            views::inventory(connection, status, &clock::now(), limit)
+        })
+        .await
     }
 
     async fn dead_letters(

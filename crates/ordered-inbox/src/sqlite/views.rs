@@ -4,14 +4,16 @@
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde_json::Value;
 
+use super::handler::SqliteHandler;
 use super::rows::{json, namespace, optional_json, parsed};
+use crate::error::HandlerError;
 use crate::model::{AggregateStatus, Position, QuarantineReason};
 use crate::records::{Replacement, ResolutionRecord};
 use crate::timeline::TimelineKind;
 use crate::views::{
     AggregateCounts, AggregateSummary, AggregateView, AppliedMessage, DeadLetterFilter,
     DeadLetterView, HELD_SHOWN, InboxHealth, InventoryEntry, OPEN_DEAD_LETTERS_SHOWN, Page,
-    PageRequest, ProducerView, ResolutionSummary, TimelineEvent,
+    PageRequest, ProducerView, ResolutionSummary, Summaries, TimelineEvent,
 };
 
 pub fn aggregate_summary(
@@ -35,7 +37,21 @@ fn summary_from_row(row: &Row<'_>) -> rusqlite::Result<AggregateSummary> {
         expected: last.saturating_add(1),
         status: parsed(row, 2)?,
         since: row.get(3)?,
+        state: None,
     })
+}
+
+/// Gives each of `view`'s summaries the handler's `state` of its aggregate, read on the same
+/// connection: inside the caller's transaction, one snapshot with the summaries.
+pub fn add_states(
+    connection: &Connection,
+    handler: &dyn SqliteHandler,
+    view: &mut impl Summaries,
+) -> Result<(), HandlerError> {
+    for summary in view.summaries() {
+        summary.state = handler.state(connection, &summary.aggregate_id)?;
+    }
+    Ok(())
 }
 
 pub fn aggregate_view(
