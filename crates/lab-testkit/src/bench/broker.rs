@@ -23,7 +23,7 @@ use serde_json::Value;
 use super::database::{
     applied_at_ms, latencies_between, open_reader, verify_end_state, wait_until_applied,
 };
-use super::ordered::{OrderedOptions, ordered};
+use super::ordered::{OrderedOptions, RawApplication, ordered};
 use super::{
     BenchError, http_client, interleaved, max_ms, message_body, mib, percentile, require_positive,
     workload,
@@ -40,6 +40,8 @@ pub struct BrokerBenchOptions {
     pub synchronous: Synchronous,
     /// The HTTP comparison's concurrent clients.
     pub concurrency: usize,
+    /// What the HTTP comparison's raw baseline applies.
+    pub baseline: RawApplication,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -311,6 +313,7 @@ pub async fn run(options: &BrokerBenchOptions) -> Result<BrokerReport, BenchErro
         concurrency: options.concurrency,
         synchronous: options.synchronous,
         server: None,
+        baseline: options.baseline.clone(),
     })
     .await?;
     Ok(BrokerReport::new(

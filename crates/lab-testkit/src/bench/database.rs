@@ -42,7 +42,7 @@ pub(super) fn expect_stream_state(
     sum: i64,
 ) -> Result<(), BenchError> {
     let expected_last = stream.messages.len() as i64;
-    let expected_total: i64 = stream.messages.iter().map(|m| m.amount).sum();
+    let expected_total: i64 = stream.messages.iter().map(super::amount).sum();
     if (last, total, rows, sum) == (expected_last, expected_total, expected_last, expected_total) {
         return Ok(());
     }

@@ -84,12 +84,7 @@ pub fn workload(aggregates: usize, messages: usize) -> Vec<AggregateStream> {
             let aggregate_id = format!("bench-{index}");
             let count = messages / aggregates + usize::from(index < messages % aggregates);
             let messages = (1..=count as i64)
-                .map(|sequence| OrderedMessage {
-                    message_id: format!("{aggregate_id}-{sequence}"),
-                    aggregate_id: aggregate_id.clone(),
-                    sequence,
-                    amount: sequence % 7 + 1,
-                })
+                .map(|sequence| ledger_message(&aggregate_id, sequence, sequence % 7 + 1))
                 .collect();
             AggregateStream {
                 aggregate_id,
@@ -97,6 +92,22 @@ pub fn workload(aggregates: usize, messages: usize) -> Vec<AggregateStream> {
             }
         })
         .collect()
+}
+
+/// Message `AGGREGATE-SEQUENCE` of `aggregate_id` worth `amount`: the payload the lesson's ledger
+/// reads, `{"Amount": amount}`.
+pub fn ledger_message(aggregate_id: &str, sequence: i64, amount: i64) -> OrderedMessage {
+    OrderedMessage {
+        message_id: format!("{aggregate_id}-{sequence}"),
+        aggregate_id: aggregate_id.to_owned(),
+        sequence,
+        payload: serde_json::json!({ "Amount": amount }),
+    }
+}
+
+/// The amount a workload message carries (see [`ledger_message`]).
+pub fn amount(message: &OrderedMessage) -> i64 {
+    message.payload["Amount"].as_i64().unwrap_or_default()
 }
 
 /// The messages position by position across the aggregates, so that every aggregate's messages
@@ -122,7 +133,7 @@ fn message_body(message: &OrderedMessage) -> serde_json::Value {
     serde_json::json!({
         "messageId": message.message_id,
         "sequence": message.sequence,
-        "amount": message.amount,
+        "amount": amount(message),
     })
 }
 

@@ -4,9 +4,12 @@
 //! straight through rusqlite.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ordered_inbox::{Door, Limits, Outcome};
+use ordered_inbox::sqlite::SqliteHandler;
+use ordered_inbox::sqlite::engine::Unit;
+use ordered_inbox::{AcceptAll, Door, Limits, Outcome};
 use rusqlite::Connection;
 use serde::Serialize;
 use serde_json::Value;
@@ -28,6 +31,32 @@ pub struct OrderedOptions {
     pub synchronous: Synchronous,
     /// The server binary to bench; `None` for the running one.
     pub server: Option<PathBuf>,
+    /// What the raw baseline applies: the server's own handler.
+    pub baseline: RawApplication,
+}
+
+/// The application the raw baseline runs in each transaction, as the server does: its handler,
+/// and the migration of the tables (or triggers) it keeps beside the inbox's.
+#[derive(Clone)]
+pub struct RawApplication {
+    pub handler: Arc<dyn SqliteHandler>,
+    pub migrate: fn(&Connection) -> rusqlite::Result<()>,
+}
+
+impl RawApplication {
+    /// The inbox alone: every message applies and nothing else is written.
+    pub fn inbox_only() -> RawApplication {
+        RawApplication {
+            handler: Arc::new(AcceptAll),
+            migrate: |_| Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for RawApplication {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawApplication").finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -133,7 +162,8 @@ pub async fn ordered(options: &OrderedOptions) -> Result<OrderedReport, BenchErr
     let stopped = server.stop()?;
     verify_end_state(&stopped.database, &streams)?;
     let database_bytes = database_size(&stopped.database)?;
-    let raw_per_second = timed_raw_baseline(&streams, options.synchronous).await?;
+    let raw_per_second =
+        timed_raw_baseline(&streams, options.synchronous, &options.baseline).await?;
     Ok(OrderedReport::new(
         options,
         &load,
@@ -324,13 +354,15 @@ async fn drive_client(
 async fn timed_raw_baseline(
     streams: &[AggregateStream],
     synchronous: Synchronous,
+    application: &RawApplication,
 ) -> Result<f64, BenchError> {
     let total: usize = streams.iter().map(|stream| stream.messages.len()).sum();
     let progress = Progress::start("bench ordered: raw baseline", total as u64, "messages");
     let per_second = tokio::task::spawn_blocking({
         let streams = streams.to_vec();
         let counter = progress.counter();
-        move || raw_baseline(&streams, synchronous, Some(&counter))
+        let application = application.clone();
+        move || raw_baseline(&streams, synchronous, &application, Some(&counter))
     })
     .await
     .map_err(|e| BenchError::task("the raw baseline", e))??;
@@ -338,28 +370,32 @@ async fn timed_raw_baseline(
     Ok(per_second)
 }
 
-/// The baseline: the general route's apply, one `BEGIN IMMEDIATE … COMMIT` per message, in the
-/// HTTP run's interleaving, on a fresh file with the inbox's tables and the same synchronous
-/// setting. Returns messages per second.
+/// The baseline: the general route's apply with the application's handler, one
+/// `BEGIN IMMEDIATE … COMMIT` per message, in the HTTP run's interleaving, on a fresh file with
+/// the inbox's and the application's tables and the same synchronous setting. Returns messages
+/// per second.
 pub fn raw_baseline(
     streams: &[AggregateStream],
     synchronous: Synchronous,
+    application: &RawApplication,
     progress: Option<&ProgressCounter>,
 ) -> Result<f64, BenchError> {
     let dir = tempfile::tempdir()?;
-    let connection = raw_connection(&dir.path().join("raw.db"), synchronous)?;
+    let connection = raw_connection(&dir.path().join("raw.db"), synchronous, application)?;
+    let limits = Limits::default();
     let mut count = 0usize;
     let started = Instant::now();
     for message in interleaved(streams) {
         connection.execute_batch("BEGIN IMMEDIATE")?;
         // Exactly what the general route's write closure runs.
-        let outcome = ordered_inbox::sqlite::engine::deliver_in(
-            &connection,
-            message,
-            Door::General,
-            &Limits::default(),
-            &ordered_inbox::clock::now(),
-        )?;
+        let unit = Unit {
+            connection: &connection,
+            handler: application.handler.as_ref(),
+            limits: &limits,
+            now: &ordered_inbox::clock::now(),
+        };
+        let outcome = ordered_inbox::sqlite::engine::deliver_in(unit, message, Door::General)?
+            .map_err(|error| BenchError::Verification(format!("raw baseline: {error}")))?;
         connection.execute_batch("COMMIT")?;
         if !matches!(outcome, Outcome::Applied { .. }) {
             return Err(BenchError::Verification(format!(
@@ -380,6 +416,7 @@ pub fn raw_baseline(
 fn raw_connection(
     path: &std::path::Path,
     synchronous: Synchronous,
+    application: &RawApplication,
 ) -> Result<Connection, BenchError> {
     let mut connection = Connection::open(path)?;
     connection.busy_timeout(ordered_inbox::sqlite::BUSY_TIMEOUT)?;
@@ -389,6 +426,7 @@ fn raw_connection(
         synchronous.pragma_value()
     ))?;
     ordered_inbox::sqlite::schema::migrate(&mut connection)?;
+    (application.migrate)(&connection)?;
     Ok(connection)
 }
 
@@ -417,8 +455,13 @@ mod tests {
     #[test]
     fn the_raw_baseline_applies_every_message_of_the_workload() {
         let streams = workload(3, 30);
-        let per_second =
-            raw_baseline(&streams, Synchronous::Normal, None).expect("the raw baseline");
+        let per_second = raw_baseline(
+            &streams,
+            Synchronous::Normal,
+            &RawApplication::inbox_only(),
+            None,
+        )
+        .expect("the raw baseline");
         assert!(per_second > 0.0);
     }
 }

@@ -4,12 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use ordered_inbox::OrderedMessage;
 use serde::Serialize;
 use serde_json::json;
 
 use super::write_events;
-use crate::bench::{AggregateStream, BenchError, percentile};
+use crate::bench::{AggregateStream, BenchError, ledger_message, percentile};
 use crate::progress::Progress;
 use crate::server::{ServerUnderTest, Synchronous};
 
@@ -61,12 +60,7 @@ pub(super) struct LeaseLayout {
 /// An aggregate's events at `sequences`, each worth 1, keyed `AGGREGATE-SEQUENCE`.
 fn stream(aggregate_id: String, sequences: std::ops::RangeInclusive<i64>) -> AggregateStream {
     let messages = sequences
-        .map(|sequence| OrderedMessage {
-            message_id: format!("{aggregate_id}-{sequence}"),
-            aggregate_id: aggregate_id.clone(),
-            sequence,
-            amount: 1,
-        })
+        .map(|sequence| ledger_message(&aggregate_id, sequence, 1))
         .collect();
     AggregateStream {
         aggregate_id,

@@ -172,7 +172,7 @@ async fn write_events(
                     "eventKey": message.message_id,
                     "aggregateId": message.aggregate_id,
                     "sequence": message.sequence,
-                    "amount": message.amount,
+                    "amount": crate::bench::amount(message),
                 });
                 let status = http.post(&url).json(&body).send().await?.status();
                 if status.as_u16() != 201 {
