@@ -22,6 +22,7 @@ use crate::config::{
 use crate::console::ConsoleEvents;
 use crate::inbox::SharedInbox;
 use crate::inbox::changes::InboxChanges;
+use crate::inbox::ledger::Ledger;
 use crate::inbox::observed::ObservedInbox;
 use crate::labs;
 use crate::labs::context::StartupContext;
@@ -225,7 +226,8 @@ impl Application {
     }
 }
 
-/// The labs' store and the ordered inbox on the backend the configuration names.
+/// The labs' store and the ordered inbox on the backend the configuration names, the lesson's
+/// ledger its handler on either.
 struct Stores {
     store: Store,
     postgres: Option<PostgresInbox>,
@@ -235,6 +237,7 @@ struct Stores {
 impl Stores {
     /// Opens the labs' database (migrated, its writer observed by `metrics`), then PostgreSQL
     /// when `inbox_target` names it; the inbox is on PostgreSQL then, else in the labs' store.
+    /// Either way the ledger ([`Ledger`]) applies every message in the inbox's transaction.
     async fn open(
         config: &Config,
         inbox_target: Option<Target>,
@@ -243,7 +246,7 @@ impl Stores {
         let store = Store::open_observed(
             &config.database,
             config.synchronous.into(),
-            crate::store::schema::migrate,
+            migrate_with_ledger,
             Some(metrics.writer_observer()),
         )
         .map_err(|error| StartupError::Database {
@@ -251,12 +254,16 @@ impl Stores {
             reason: error.to_string(),
         })?;
         let postgres = match inbox_target {
-            Some(target) => Some(PostgresInbox::open(target, config.inbox_limits()).await?),
+            Some(target) => Some(open_postgres(target, config).await?),
             None => None,
         };
         let inbox: SharedInbox = match &postgres {
             Some(postgres) => Arc::new(postgres.clone()),
-            None => Arc::new(SqliteInbox::new(store.clone(), config.inbox_limits())),
+            None => Arc::new(SqliteInbox::with_handler(
+                store.clone(),
+                config.inbox_limits(),
+                Arc::new(Ledger),
+            )),
         };
         Ok(Stores {
             store,
@@ -264,6 +271,23 @@ impl Stores {
             inbox,
         })
     }
+}
+
+/// The labs' tables, then the inbox's, then the ledger's trigger beside them.
+fn migrate_with_ledger(connection: &mut rusqlite::Connection) -> rusqlite::Result<()> {
+    crate::store::schema::migrate(connection)?;
+    crate::inbox::ledger::migrate_sqlite(connection)
+}
+
+/// The inbox in PostgreSQL with the lesson's ledger as its handler, and the ledger's schema
+/// beside the inbox's.
+async fn open_postgres(target: Target, config: &Config) -> Result<PostgresInbox, StartupError> {
+    let postgres =
+        PostgresInbox::open_with_handler(target, config.inbox_limits(), Arc::new(Ledger)).await?;
+    crate::inbox::ledger::install_postgres(&postgres)
+        .await
+        .map_err(StartupError::Inbox)?;
+    Ok(postgres)
 }
 
 /// The listener on `requested`, and the address it really has (a port for `:0`).
@@ -358,6 +382,7 @@ pub fn router(state: AppState) -> Router {
     let metrics = state.metrics.clone();
     let (routes, mut document) = api_router().split_for_parts();
     crate::http::openapi::Shared.modify(&mut document);
+    crate::inbox::ledger::describe_reasons(&mut document);
     crate::observe::routes::publish_document(&document);
     let edge = crate::observe::http::Edge { metrics, security };
     routes

@@ -33,7 +33,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 use ordered_inbox::{
     BatchDelivery, Door, InboxError, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal,
-    RejectedDelivery,
+    RejectedDelivery, Undelivered,
 };
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -51,8 +51,11 @@ pub use ordered_inbox::REJECTED_KEPT;
 /// A producer refusal's name in the counters and the rejected list: the `outcome` the HTTP
 /// general door answers it with (`unauthorized` and `owner required` are its 401s). The inbox
 /// names it, because it also names the refusals of the held messages it rejects.
-pub use ordered_inbox::rejected::refusal_outcome;
+pub use ordered_inbox::records::refusal_outcome;
 pub use routes::routes;
+
+/// The counters' name of a delivery the inbox's handler failed (nak'd, to be delivered again).
+pub const HANDLER_FAILED: &str = "handler failed";
 
 /// The longest back-off a nak asks for.
 const MAX_NAK_DELAY: Duration = Duration::from_secs(30);
@@ -137,11 +140,7 @@ pub async fn publish_one(
             producer.epoch.to_string().as_str(),
         );
     }
-    let body = serde_json::json!({
-        "messageId": message.message_id,
-        "sequence": message.sequence,
-        "amount": message.amount,
-    });
+    let body = wire::general_body(message);
     let ack = context
         .publish_with_headers(subject.clone(), headers, body.to_string().into())
         .await
@@ -592,7 +591,7 @@ impl Consumer {
     fn verdict_action(
         &self,
         message: &jetstream::Message,
-        verdict: Result<Outcome, ProducerRefusal>,
+        verdict: Result<Outcome, Undelivered>,
         ordered: &OrderedMessage,
         producer: Option<String>,
         rejections: &mut Rejections,
@@ -614,9 +613,16 @@ impl Consumer {
                 }
                 action
             }
+            // The ledger failed applying it: nothing of it was written, and the rest of the batch
+            // stands. A redelivery applies it once the ledger can.
+            Err(Undelivered::Handler(error)) => {
+                tracing::warn!(%error, message_id = %ordered.message_id, "the ledger failed a broker delivery; nak'd for redelivery");
+                self.count_outcome(HANDLER_FAILED);
+                Action::Nak
+            }
             // The inbox counted and logged it; the broker lab lists it. Nothing was written, and
             // no redelivery can change that: terminated, never held.
-            Err(refusal) => {
+            Err(Undelivered::Refused(refusal)) => {
                 rejections.push(rejected(
                     message,
                     refusal_outcome(&refusal),

@@ -21,6 +21,7 @@
 use ordered_inbox::OrderedMessage;
 
 use crate::http;
+use crate::inbox::ledger;
 
 /// The header JetStream de-duplicates on.
 pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
@@ -178,6 +179,16 @@ pub struct Malformed {
     pub reason: String,
 }
 
+/// A message's body on the wire, the general door's JSON: `{"messageId","sequence","amount"}`
+/// (the amount is the ledger's, from the payload).
+pub fn general_body(message: &OrderedMessage) -> serde_json::Value {
+    serde_json::json!({
+        "messageId": message.message_id,
+        "sequence": message.sequence,
+        "amount": ledger::amount(message),
+    })
+}
+
 /// Reads one delivery: its subject, its `Nats-Msg-Id` header (if any) and its body. `body`
 /// checks the JSON as the HTTP general door does (the server passes its own validation).
 /// `producer` is the producer whose token the message carries (`None`: anonymous): its
@@ -283,14 +294,7 @@ mod tests {
     #[test]
     fn the_header_must_name_the_body_message() {
         let body = |id: &'static str| {
-            move |aggregate_id: String| {
-                Ok(OrderedMessage {
-                    message_id: id.to_owned(),
-                    aggregate_id,
-                    sequence: 1,
-                    amount: 1,
-                })
-            }
+            move |aggregate_id: String| Ok(ledger::message(id.to_owned(), aggregate_id, 1, 1))
         };
         let good = read_delivery("ordered", None, "ordered.a", Some("m-1"), None, body("m-1"));
         assert_eq!(good.map(|m| m.aggregate_id).as_deref(), Ok("a"));
@@ -309,14 +313,7 @@ mod tests {
 
     #[test]
     fn a_producers_message_id_header_names_its_producer() {
-        let body = |aggregate_id: String| {
-            Ok(OrderedMessage {
-                message_id: "m-1".to_owned(),
-                aggregate_id,
-                sequence: 1,
-                amount: 1,
-            })
-        };
+        let body = |aggregate_id: String| Ok(ledger::message("m-1".to_owned(), aggregate_id, 1, 1));
         let mine = read_delivery(
             "ordered",
             None,

@@ -2,11 +2,13 @@
 //! its figures, writes them as JSON with `--json`, and fails on a wrong end state.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 use lab_testkit::bench;
 use production_lab::config::Synchronous;
+use production_lab::inbox::ledger::{self, Ledger};
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
@@ -118,6 +120,7 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
                     batch: args.batch,
                     synchronous: args.synchronous.into(),
                     concurrency: args.concurrency,
+                    baseline: ledger_baseline(),
                 };
                 (
                     Rendered::of(&bench::broker::run(&options).await?)?,
@@ -160,10 +163,20 @@ async fn ordered(args: &BenchOrderedArgs) -> anyhow::Result<Rendered> {
         concurrency: args.concurrency,
         synchronous: args.synchronous.into(),
         server: args.server.clone(),
+        baseline: ledger_baseline(),
     };
     match args.backend {
         Backend::Sqlite => Rendered::of(&bench::ordered::ordered(&options).await?),
         Backend::Postgres => Rendered::of(&bench::postgres::ordered_postgres(&options).await?),
+    }
+}
+
+/// What the raw baseline applies: the server's own handler, the lesson's ledger, with its
+/// trigger beside the inbox's tables.
+fn ledger_baseline() -> bench::ordered::RawApplication {
+    bench::ordered::RawApplication {
+        handler: Arc::new(Ledger),
+        migrate: ledger::migrate_sqlite,
     }
 }
 

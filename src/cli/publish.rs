@@ -36,12 +36,12 @@ pub struct PublishArgs {
 }
 
 pub fn run(args: PublishArgs) -> anyhow::Result<()> {
-    let message = ordered_inbox::OrderedMessage {
-        message_id: args.message_id,
-        aggregate_id: args.aggregate_id,
-        sequence: args.sequence,
-        amount: args.amount,
-    };
+    let message = production_lab::inbox::ledger::message(
+        args.message_id,
+        args.aggregate_id,
+        args.sequence,
+        args.amount,
+    );
     let producer = match (args.producer, args.epoch) {
         (Some(producer), Some(epoch)) => Some(production_lab::broker::ProducerHeaders {
             producer,

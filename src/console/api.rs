@@ -1,5 +1,6 @@
 //! Read-only routes for rows the console shows and no other route lists. Each answers a library
-//! view as JSON, exactly as serialized by `ordered-inbox`.
+//! view as JSON, exactly as serialized by `ordered-inbox` (an applied message with the ledger's
+//! amount, [`crate::inbox::ledger::views`]).
 //!
 //! - `GET /console/api/aggregates/{aggregateId}/messages?after=&limit=`: the aggregate's applied
 //!   messages (`ordered_inbox` rows) in sequence order; `next` is the following page's `after`.
@@ -10,7 +11,7 @@
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use ordered_inbox::views::{AppliedMessage, DeadLetterView};
+use ordered_inbox::views::DeadLetterView;
 use serde::Deserialize;
 use serde_json::json;
 use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
@@ -22,6 +23,7 @@ use crate::inbox::SharedInbox;
 use crate::inbox::input::{
     identity_words, producer_namespace, validate_aggregate_id, validate_message_id,
 };
+use crate::inbox::ledger::views::AppliedMessage;
 use crate::inbox::pages::{page_body, page_request};
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
@@ -74,7 +76,10 @@ async fn applied_messages(
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
     let page = page_request(query.after, query.limit)?;
-    let messages = inbox.applied_messages(aggregate_id.clone(), page).await?;
+    let messages = inbox
+        .applied_messages(aggregate_id.clone(), page)
+        .await?
+        .map(AppliedMessage::from);
     Ok(json_response(
         StatusCode::OK,
         page_body(json!({"aggregateId": aggregate_id}), "messages", messages),

@@ -171,6 +171,7 @@ impl IntoResponse for AppError {
                 response
             }
             AppError::Store(error) => store_failure(error.is_retryable(), &error),
+            AppError::Inbox(InboxError::Handler(error)) => handler_failure(&error),
             AppError::Inbox(error) => {
                 let retryable = matches!(error, InboxError::Unavailable(_));
                 store_failure(retryable, &error)
@@ -200,6 +201,23 @@ fn store_failure(retryable: bool, error: &dyn std::fmt::Display) -> Response {
     } else {
         problem_response(StatusCode::INTERNAL_SERVER_ERROR, "The store failed", None)
     }
+}
+
+/// 503 with `Retry-After`: the inbox's handler (the ledger) failed applying the delivery, so
+/// nothing of it was recorded, and delivering it again retries. Never a 4xx: the message itself
+/// was acceptable (a poison would have been quarantined). The cause goes to the server log only.
+fn handler_failure(error: &ordered_inbox::HandlerError) -> Response {
+    tracing::error!(target: "production_lab::store", %error, "the inbox's handler failed");
+    let mut response = problem_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "The message could not be applied",
+        Some("the ledger failed applying it and nothing of it was recorded; deliver it again"),
+    );
+    response.headers_mut().insert(
+        header::RETRY_AFTER,
+        header::HeaderValue::from(STORE_RETRY_AFTER_SECONDS),
+    );
+    response
 }
 
 /// The router's own bare 404 (no route) and 405 (method not allowed, with its `Allow` header)

@@ -2,9 +2,7 @@
 //! publishes one bounded event per committed change, whatever door, route or consumer made it,
 //! and whoever listens (the console's live pages) subscribes. Nobody listening is fine.
 
-use ordered_inbox::Outcome;
-use ordered_inbox::producers::TransferRecord;
-use ordered_inbox::views::ResolutionRecord;
+use ordered_inbox::{Outcome, ResolutionRecord, TransferRecord};
 use serde::Serialize;
 use tokio::sync::broadcast;
 

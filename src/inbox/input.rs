@@ -118,12 +118,12 @@ impl MessageInput {
                 "the body's aggregateId '{named}' differs from the path's '{aggregate_id}'"
             )));
         }
-        Ok(OrderedMessage {
-            message_id: self.message_id,
+        Ok(super::ledger::message(
+            self.message_id,
             aggregate_id,
-            sequence: self.sequence,
-            amount: i64::from(self.amount),
-        })
+            self.sequence,
+            i64::from(self.amount),
+        ))
     }
 }
 

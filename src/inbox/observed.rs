@@ -8,15 +8,16 @@
 
 use async_trait::async_trait;
 use ordered_inbox::operators::OperatorCheck;
-use ordered_inbox::producers::{ProducerClaim, ProducerRefusal, TransferRecord, TransferRequest};
+use ordered_inbox::producers::TransferRequest;
 use ordered_inbox::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
-    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, ResolutionRecord,
-    TimelineEvent, TransferConflict,
+    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, TimelineEvent,
+    TransferConflict,
 };
 use ordered_inbox::{
     AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
-    QuarantineReason, RejectedDelivery, ResolutionError, ResolutionRequest, Resolved,
+    ProducerClaim, ProducerRefusal, QuarantineReason, RejectedDelivery, ResolutionError,
+    ResolutionRecord, ResolutionRequest, Resolved, TransferRecord, Undelivered,
 };
 
 use super::changes::InboxChanges;
@@ -57,6 +58,18 @@ impl ObservedInbox {
             Err(refusal) => {
                 self.metrics.producer_refusal(handoff.door, refusal);
                 log_refusal(handoff, refusal);
+            }
+        }
+    }
+
+    /// [`ObservedInbox::observe`] for one delivery of a batch: a handler failure is counted as
+    /// a failed delivery (nothing of it was written).
+    fn observe_in_batch(&self, handoff: &Handoff, decided: &Result<Outcome, Undelivered>) {
+        match decided {
+            Ok(outcome) => self.observe(handoff, Ok(outcome)),
+            Err(Undelivered::Refused(refusal)) => self.observe(handoff, Err(refusal)),
+            Err(Undelivered::Handler(error)) => {
+                self.count_failure(handoff.door, &InboxError::Handler(error.clone()));
             }
         }
     }
@@ -104,7 +117,7 @@ impl Inbox for ObservedInbox {
     async fn deliver_batch(
         &self,
         deliveries: Vec<BatchDelivery>,
-    ) -> Result<Vec<Result<Outcome, ProducerRefusal>>, InboxError> {
+    ) -> Result<Vec<Result<Outcome, Undelivered>>, InboxError> {
         let handoffs: Vec<Handoff> = deliveries
             .iter()
             .map(|delivery| Handoff::of(&delivery.message, delivery.door, delivery.claim.as_ref()))
@@ -113,7 +126,7 @@ impl Inbox for ObservedInbox {
         match &outcomes {
             Ok(outcomes) => {
                 for (handoff, decided) in handoffs.iter().zip(outcomes) {
-                    self.observe(handoff, decided.as_ref());
+                    self.observe_in_batch(handoff, decided);
                 }
             }
             // One transaction: none of them was recorded.
@@ -342,6 +355,7 @@ fn log_delivery(handoff: &Handoff, outcome: &Outcome) {
             expected,
             open,
             limit,
+            ..
         } => delivery.quarantine_full(*expected, *open, *limit),
         Outcome::Applied { superseded, .. } => delivery.superseded(superseded),
         Outcome::Held {

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use lab_testkit::bench::amount;
 use lab_testkit::nats::{NatsServer, partition_config};
 use ordered_inbox::OrderedMessage;
 use production_lab::broker::{BrokerConfig, wire};
@@ -28,12 +29,7 @@ async fn jetstream_of(nats: &NatsServer) -> jetstream::Context {
 }
 
 fn message(aggregate: &str, sequence: i64, amount: i64) -> OrderedMessage {
-    OrderedMessage {
-        message_id: format!("{aggregate}-{sequence}"),
-        aggregate_id: aggregate.to_owned(),
-        sequence,
-        amount,
-    }
+    lab_testkit::bench::ledger_message(aggregate, sequence, amount)
 }
 
 /// Publishes one message on the wire format and waits for its PubAck.
@@ -45,7 +41,7 @@ async fn publish(
         js,
         &wire::subject_for("ordered", &message.aggregate_id),
         Some(&message.message_id),
-        json!({"messageId": message.message_id, "sequence": message.sequence, "amount": message.amount})
+        json!({"messageId": message.message_id, "sequence": message.sequence, "amount": amount(message)})
             .to_string(),
     )
     .await
@@ -76,7 +72,7 @@ async fn publish_all(js: &jetstream::Context, messages: &[OrderedMessage]) -> us
         for message in window {
             let mut headers = async_nats::HeaderMap::new();
             headers.insert(wire::MESSAGE_ID_HEADER, message.message_id.as_str());
-            let body = json!({"messageId": message.message_id, "sequence": message.sequence, "amount": message.amount});
+            let body = json!({"messageId": message.message_id, "sequence": message.sequence, "amount": amount(message)});
             acks.push(
                 js.publish_with_headers(
                     wire::subject_for("ordered", &message.aggregate_id),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lab_testkit::bench::{AggregateStream, workload};
+use lab_testkit::bench::{AggregateStream, amount, workload};
 use ordered_inbox::OrderedMessage;
 use serde_json::{Value, json};
 
@@ -35,7 +35,7 @@ async fn send(
         .json(&json!({
             "messageId": message.message_id,
             "sequence": message.sequence,
-            "amount": message.amount,
+            "amount": amount(message),
         }))
         .send()
         .await?;
@@ -252,7 +252,7 @@ async fn a_request_its_client_abandoned_is_applied_whole_or_not_at_all() {
         }
         assert_eq!(status, 200, "{body}");
     }
-    let expected_total: i64 = stream.messages.iter().map(|m| m.amount).sum();
+    let expected_total: i64 = stream.messages.iter().map(amount).sum();
     assert_eq!(app.scalar("SELECT COUNT(*) FROM ordered_inbox"), 60);
     assert_eq!(app.scalar("SELECT last_sequence FROM aggregate_state"), 60);
     assert_eq!(

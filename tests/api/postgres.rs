@@ -101,7 +101,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use lab_testkit::bench::{AggregateStream, workload};
+use lab_testkit::bench::{AggregateStream, amount, workload};
 use serde_json::{Value, json};
 
 use crate::helpers::{ServerProcess, client, command, poll_until, settings_dir, status_and_json};
@@ -151,7 +151,7 @@ async fn drive(
             let body = json!({
                 "messageId": message.message_id,
                 "sequence": message.sequence,
-                "amount": message.amount,
+                "amount": amount(message),
             });
             let deadline = Instant::now() + Duration::from_secs(120);
             loop {
@@ -287,7 +287,7 @@ fn assert_invariants(url: &str, streams: &[AggregateStream], acknowledged: &[Str
         .collect();
     for stream in streams {
         let sent = stream.messages.len() as i64;
-        let sum: i64 = stream.messages.iter().map(|m| m.amount).sum();
+        let sum: i64 = stream.messages.iter().map(amount).sum();
         let figures = by_aggregate
             .get(&stream.aggregate_id)
             .unwrap_or_else(|| panic!("{} has no state row", stream.aggregate_id));
@@ -476,7 +476,7 @@ async fn one_server_killed_mid_load_the_other_serves_on_and_nothing_acknowledged
         for message in &stream.messages {
             let (status, body) = status_and_json(
                 http.post(b.url(&format!("/aggregates/{}/messages", message.aggregate_id)))
-                    .json(&json!({"messageId": message.message_id, "sequence": message.sequence, "amount": message.amount}))
+                    .json(&json!({"messageId": message.message_id, "sequence": message.sequence, "amount": amount(message)}))
                     .send()
                     .await
                     .unwrap(),
@@ -607,20 +607,19 @@ async fn a_server_reaches_postgresql_through_a_unix_socket_directory() {
 #[tokio::test]
 async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
     use ordered_inbox::postgres::{PostgresInbox, Target};
-    use ordered_inbox::{
-        Action, BatchDelivery, Door, Inbox, Limits, Mode, OrderedMessage, ResolutionRequest,
-    };
+    use ordered_inbox::{Action, BatchDelivery, Door, Inbox, Limits, Mode, ResolutionRequest};
+    use production_lab::inbox::ledger::{self, Ledger, views::AggregateView};
 
     let url = fresh_database();
-    let inbox = PostgresInbox::open(Target::parse(&url).unwrap(), Limits::default())
-        .await
-        .unwrap();
-    let message = |id: &str, sequence, amount| OrderedMessage {
-        message_id: id.into(),
-        aggregate_id: "held".into(),
-        sequence,
-        amount,
-    };
+    let inbox = PostgresInbox::open_with_handler(
+        Target::parse(&url).unwrap(),
+        Limits::default(),
+        std::sync::Arc::new(Ledger),
+    )
+    .await
+    .unwrap();
+    let message =
+        |id: &str, sequence, amount| ledger::message(id.into(), "held".into(), sequence, amount);
     let ahead = inbox
         .deliver_batch(vec![
             BatchDelivery::anonymous(message("m-3", 3, 3), Door::Broker),
@@ -661,7 +660,7 @@ async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
         reason: "cancelled upstream".into(),
     };
     inbox.resolve(skip, Mode::Commit).await.unwrap();
-    let view = inbox.aggregate("held".into()).await.unwrap().unwrap();
+    let view = AggregateView::from(inbox.aggregate("held".into()).await.unwrap().unwrap());
     assert_eq!((view.summary.last, view.summary.total), (4, 8));
     assert_eq!(view.held_count, 0);
     inbox.close();
@@ -675,8 +674,9 @@ async fn a_batch_with_producer_claims_is_checked_message_by_message_in_postgresq
     use ordered_inbox::operators::Registry;
     use ordered_inbox::postgres::{PostgresInbox, Target};
     use ordered_inbox::{
-        BatchDelivery, Door, Inbox, Limits, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal,
+        BatchDelivery, Door, Inbox, Limits, Outcome, ProducerClaim, ProducerRefusal, Undelivered,
     };
+    use production_lab::inbox::ledger;
 
     let url = fresh_database();
     let inbox = PostgresInbox::open(Target::parse(&url).unwrap(), Limits::default())
@@ -689,12 +689,7 @@ async fn a_batch_with_producer_claims_is_checked_message_by_message_in_postgresq
         assert_eq!(inbox.start_session(name.into()).await.unwrap(), Ok(1));
     }
     let by = |id: &str, aggregate: &str, sequence, who: Option<(&str, i64)>| BatchDelivery {
-        message: OrderedMessage {
-            message_id: id.into(),
-            aggregate_id: aggregate.into(),
-            sequence,
-            amount: 1,
-        },
+        message: ledger::message(id.into(), aggregate.into(), sequence, 1),
         door: Door::Broker,
         claim: who.map(|(producer, epoch)| ProducerClaim {
             producer: producer.into(),
@@ -718,11 +713,14 @@ async fn a_batch_with_producer_claims_is_checked_message_by_message_in_postgresq
     ));
     assert_eq!(
         verdicts[1],
-        Err(ProducerRefusal::NotOwner {
+        Err(Undelivered::Refused(ProducerRefusal::NotOwner {
             owner: "billing".into()
-        })
+        }))
     );
-    assert_eq!(verdicts[2], Err(ProducerRefusal::OwnerRequired));
+    assert_eq!(
+        verdicts[2],
+        Err(Undelivered::Refused(ProducerRefusal::OwnerRequired))
+    );
     assert!(matches!(
         verdicts[3],
         Ok(Outcome::Applied { sequence: 2, .. })
@@ -739,10 +737,10 @@ async fn a_batch_with_producer_claims_is_checked_message_by_message_in_postgresq
         .unwrap();
     assert_eq!(
         fenced[0],
-        Err(ProducerRefusal::Fenced {
+        Err(Undelivered::Refused(ProducerRefusal::Fenced {
             offered: 1,
             current_epoch: 2
-        })
+        }))
     );
     assert_eq!(
         query_text(

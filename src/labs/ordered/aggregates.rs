@@ -5,9 +5,7 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use ordered_inbox::views::{
-    AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, TimelineEvent,
-};
+use ordered_inbox::views::{DeadLetterFilter, DeadLetterView, TimelineEvent};
 use ordered_inbox::{AggregateStatus, DeadLetterStatus, Door};
 use serde::Deserialize;
 use serde_json::json;
@@ -20,6 +18,7 @@ use super::verdicts::{DeliveryAccepted, DeliveryRefused, Quarantined, verdict_re
 use crate::http::error::{AppError, Json, Path, Query, json_response};
 use crate::inbox::SharedInbox;
 use crate::inbox::input::{MessageInput, validate_aggregate_id};
+use crate::inbox::ledger::views::{AggregateView, InventoryEntry};
 use crate::inbox::pages::{page_body, page_request, validate_limit};
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
@@ -104,7 +103,7 @@ async fn aggregate(
     match inbox.aggregate(aggregate_id.clone()).await? {
         Some(view) => {
             let ownership = inbox.ownership(aggregate_id).await?;
-            let mut body = json!(view);
+            let mut body = json!(AggregateView::from(view));
             if let Some(object) = body.as_object_mut() {
                 object.insert("owner".to_owned(), json!(ownership.owner));
             }
@@ -156,7 +155,12 @@ async fn inventory(
         .and_then(|status| status.parse().ok())
         .ok_or_else(|| AppError::bad_request("status must be blocked, waiting or flowing"))?;
     let limit = validate_limit(query.limit)?;
-    let aggregates = inbox.inventory(status, limit).await?;
+    let aggregates: Vec<InventoryEntry> = inbox
+        .inventory(status, limit)
+        .await?
+        .into_iter()
+        .map(InventoryEntry::from)
+        .collect();
     Ok(json_response(
         StatusCode::OK,
         json!({"status": status, "aggregates": aggregates}),

@@ -116,12 +116,12 @@ impl OrderedInput {
                 "sequence must be from 1 to {MAX_SEQUENCE}"
             )));
         }
-        Ok(OrderedMessage {
+        Ok(crate::inbox::ledger::message(
             message_id,
-            aggregate_id: CLASSROOM_AGGREGATE.to_owned(),
-            sequence: i64::from(self.sequence),
-            amount: i64::from(self.amount),
-        })
+            CLASSROOM_AGGREGATE.to_owned(),
+            i64::from(self.sequence),
+            i64::from(self.amount),
+        ))
     }
 }
 
@@ -186,6 +186,7 @@ fn classroom_response(message: &OrderedMessage, outcome: &Outcome) -> Response {
             expected,
             open,
             limit,
+            ..
         } => quarantine_full(message, *expected, *open, *limit),
     }
 }

@@ -3,6 +3,8 @@
 
 use ordered_inbox::policy::{Decision, decide};
 
+use crate::inbox::ledger::{self, Ledger};
+
 /// The lesson's progression: 2, 1, poison 2, 3, corrected 2.
 pub const LESSON_PROGRESSION: &[(i64, i64)] = &[(2, 1), (1, 1), (2, -1), (3, 1), (2, 1)];
 
@@ -27,14 +29,17 @@ pub fn parse_step(text: &str) -> Result<(i64, i64), PracticeError> {
 pub fn run(mut last: i64, steps: &[(i64, i64)]) -> Vec<String> {
     steps
         .iter()
-        .map(|&(sequence, amount)| match decide(last, sequence, amount) {
-            Decision::Apply { sequence } => {
-                last = sequence;
-                format!("applied:{last}")
+        .map(|&(sequence, amount)| {
+            let message = ledger::message(String::new(), String::new(), sequence, amount);
+            match decide(last, &message, &Ledger) {
+                Decision::Apply { sequence } => {
+                    last = sequence;
+                    format!("applied:{last}")
+                }
+                Decision::Quarantine { .. } => "quarantined".to_owned(),
+                Decision::Gap { expected } => format!("gap:{expected}"),
+                Decision::Stale { expected } => format!("stale:{expected}"),
             }
-            Decision::Quarantine { .. } => "quarantined".to_owned(),
-            Decision::Gap { expected } => format!("gap:{expected}"),
-            Decision::Stale { expected } => format!("stale:{expected}"),
         })
         .collect()
 }

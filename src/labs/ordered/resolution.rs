@@ -6,7 +6,6 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use ordered_inbox::views::{CurrentState, ResolutionRecord};
 use ordered_inbox::{Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -20,6 +19,7 @@ use crate::http::error::{
 };
 use crate::inbox::SharedInbox;
 use crate::inbox::input::{validate_aggregate_id, validate_message_id, validate_sequence};
+use crate::inbox::ledger::{self, views::CurrentState, views::ResolutionRecord};
 use crate::inbox::pages::{page_body, page_request};
 
 /// How to register the first operator, for answers given while there is none.
@@ -144,7 +144,13 @@ impl ResolutionInput {
                 validate_message_id("replacement.messageId", &replacement.message_id)?;
                 Action::Replace {
                     message_id: replacement.message_id,
-                    amount: i64::from(replacement.amount),
+                    payload: ledger::message(
+                        String::new(),
+                        String::new(),
+                        0,
+                        i64::from(replacement.amount),
+                    )
+                    .payload,
                 }
             }
             ("replace", _) => {
@@ -353,9 +359,9 @@ async fn resolve(
     };
     Ok(match inbox.resolve(request, mode).await {
         Ok(Resolved::New(record) | Resolved::Repeated(record)) => {
-            resolution_answer("resolved", false, record)
+            resolution_answer("resolved", false, record.into())
         }
-        Ok(Resolved::DryRun(record)) => resolution_answer("dry run", true, record),
+        Ok(Resolved::DryRun(record)) => resolution_answer("dry run", true, record.into()),
         Err(error) => refusal(producer.as_deref(), error),
     })
 }
@@ -396,7 +402,7 @@ fn refusal(producer: Option<&str>, error: ResolutionError) -> Response {
                 StatusCode::CONFLICT,
                 title,
                 Some(&detail),
-                json!({"current": current}),
+                json!({"current": CurrentState::from(*current)}),
             )
         }
         ResolutionError::ReplacementQuarantined(reason) => AppError::problem_with_detail(
@@ -493,7 +499,10 @@ async fn audit_trail(
         validate_aggregate_id("aggregateId", aggregate_id)?;
     }
     let page = page_request(query.after, query.limit)?;
-    let records = inbox.resolutions(query.aggregate_id, page).await?;
+    let records = inbox
+        .resolutions(query.aggregate_id, page)
+        .await?
+        .map(ResolutionRecord::from);
     Ok(json_response(
         StatusCode::OK,
         page_body(json!({}), "resolutions", records),

@@ -4,7 +4,9 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::delivery::AppliedRecord;
-use ordered_inbox::{DeadLetterNote, DeadLetterStatus, OrderedMessage, Outcome, QuarantineReason};
+use ordered_inbox::{
+    DeadLetterNote, DeadLetterStatus, Detail, OrderedMessage, Outcome, QuarantineReason,
+};
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -19,9 +21,12 @@ pub(super) fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Re
     match outcome {
         Outcome::Applied {
             sequence,
-            total,
             superseded,
-        } => answer(StatusCode::OK, applied(about, sequence, total, superseded)),
+            detail,
+        } => {
+            let total = applied_total(&detail);
+            answer(StatusCode::OK, applied(about, sequence, total, superseded))
+        }
         Outcome::Replay { original } => answer(StatusCode::OK, replay(about, original)),
         // Only the broker's door holds; over HTTP an early message stays a 409 gap.
         Outcome::Gap { expected }
@@ -45,8 +50,17 @@ pub(super) fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Re
             expected,
             open,
             limit,
+            ..
         } => quarantine_full(message, expected, open, limit),
     }
+}
+
+/// The aggregate's total after an applied message: the ledger's detail of its `applied` event.
+fn applied_total(detail: &Detail) -> i64 {
+    detail
+        .get("total")
+        .and_then(serde_json::Value::as_i64)
+        .unwrap_or_default()
 }
 
 /// The 200 answers of a delivery, for the OpenAPI document.
