@@ -4,11 +4,11 @@
 //!
 //! ```sh
 //! # Checks itself on a private cluster (Debian package `postgresql`), or on the database given.
-//! cargo run -p ordered-inbox --features postgres --example orders_postgres
-//! cargo run -p ordered-inbox --features postgres --example orders_postgres -- \
+//! cargo run -p ordered-inbox --example orders_postgres
+//! cargo run -p ordered-inbox --example orders_postgres -- \
 //!     --database-url postgres://postgres@127.0.0.1:5432/orders
 //! # Serves until Ctrl+C, printing `listening on http://ADDR` once it accepts connections.
-//! cargo run -p ordered-inbox --features postgres --example orders_postgres -- \
+//! cargo run -p ordered-inbox --example orders_postgres -- \
 //!     --listen 127.0.0.1:8080 --database-url postgres://postgres@127.0.0.1:5432/orders
 //! ```
 
