@@ -897,11 +897,56 @@ async fn the_same_message_id_from_two_producers_via_the_broker_applies_both(back
     app.stop().await;
 }
 
+/// The ledger fails one message of a batch (a trigger of the test's refuses its write of `h`'s
+/// total; `other`'s first message only inserts one): that message is nak'd with nothing of it
+/// written, the rest of the batch applies, and the redelivery applies it once the ledger can.
+async fn a_ledger_failure_is_nakd_and_applies_once_when_redelivered(backend: Backend) {
+    let nats = start_nats(None);
+    let app = spawn_consumer_on(&nats, backend).await;
+    let js = jetstream_of(&nats).await;
+    publish(&js, &message("h", 1, 4)).await;
+    aggregate_at(&app, "h", 1).await;
+    crate::ledger::close_the_ledger(&app);
+
+    publish(&js, &message("h", 2, 3)).await;
+    publish(&js, &message("other", 1, 5)).await;
+    let status = poll_until(
+        "the ledger's failure counted",
+        || broker_status(&app.address),
+        |status| {
+            status["counters"]["outcomes"][production_lab::broker::HANDLER_FAILED]
+                .as_i64()
+                .unwrap_or(0)
+                >= 1
+        },
+    )
+    .await;
+    assert!(
+        status["counters"]["nakd"].as_i64().unwrap_or(0) >= 1,
+        "{status}"
+    );
+    assert_eq!(aggregate_at(&app, "other", 1).await["total"], 5);
+    let (_, held_up) = status_and_json(app.get("/aggregates/h").await).await;
+    assert_eq!(
+        (held_up["last"].clone(), held_up["total"].clone()),
+        (json!(1), json!(4))
+    );
+    assert_eq!(applied_by(&app, "h"), ["h-1|"]);
+
+    crate::ledger::reopen_the_ledger(&app);
+    let view = aggregate_at(&app, "h", 2).await;
+    assert_eq!(view["total"], 7, "{view}");
+    drained_consumer(&app.address, Duration::from_secs(10)).await;
+    assert_eq!(applied_by(&app, "h"), ["h-1|", "h-2|"]);
+    app.stop().await;
+}
+
 crate::on_both_backends!(
     a_producers_broker_messages_claim_its_aggregate_and_apply_in_its_namespace,
     another_producers_and_anonymous_broker_messages_to_an_owned_aggregate_are_terminated,
     an_old_epoch_broker_message_after_a_new_session_is_fenced_and_never_applied,
     the_same_message_id_from_two_producers_via_the_broker_applies_both,
+    a_ledger_failure_is_nakd_and_applies_once_when_redelivered,
 );
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

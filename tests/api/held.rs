@@ -304,9 +304,11 @@ async fn a_held_message_whose_sequence_another_message_took_is_rejected_as_stale
     )
     .await;
     app.inbox_execute(
-        "INSERT INTO held_messages(message_id, aggregate_id, sequence, amount, payload, held_at)
-         VALUES ('late-2', 'acct', 2, 5,
-                 '{\"AggregateId\":\"acct\",\"Sequence\":2,\"Amount\":5}', '2020-01-01T00:00:00.000Z')",
+        "INSERT INTO held_messages(message_id, aggregate_id, sequence, payload, message_payload,
+                                   held_at)
+         VALUES ('late-2', 'acct', 2,
+                 '{\"AggregateId\":\"acct\",\"Sequence\":2,\"Amount\":5}', '{\"Amount\":5}',
+                 '2020-01-01T00:00:00.000Z')",
     );
     holding(&app, "acct", json!([2])).await;
     publish(&js, "acct", "m-3", 3, 1).await;

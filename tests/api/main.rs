@@ -14,6 +14,7 @@ mod contracts;
 mod crash;
 mod held;
 mod http;
+mod ledger;
 mod messaging;
 mod openapi;
 mod operating;
