@@ -5,7 +5,7 @@
 //! `pg_advisory_xact_lock(hashtextextended(aggregate_id, 0))` (which exists before the aggregate's
 //! row does) and locks the aggregate's row `FOR UPDATE` where it exists; then one advisory lock
 //! per message identity it reads or writes (`hashtextextended(key, 1)`, the key being the message
-//! id in the anonymous namespace and `producer:message_id` in a producer's, see [`message_key`]),
+//! id in the anonymous namespace and `producer:message_id` in a producer's, see `message_key`),
 //! because an identity spans aggregates: the same id sent to two aggregates at once must not get
 //! two meanings. A producer's delivery then locks its producer's row `FOR SHARE`: a new session
 //! (which updates that row) commits either before the delivery reads the epoch or after the

@@ -250,7 +250,7 @@ CREATE INDEX ix_resolutions_aggregate ON resolutions(aggregate_id, id);
 
 /// The `applied` event lives on the inbox row (version 7). Every applied message wrote the same
 /// facts twice: its `ordered_inbox` row and an `applied` timeline row, whose index entry cost a
-/// random B-tree leaf and about 12% of a delivery's instructions (issue 18). The inbox row now
+/// random B-tree leaf and about 12% of a delivery's instructions. The inbox row now
 /// carries the event's number (`event_id`) and the aggregate's total after it (`total_after`),
 /// and the timeline view reads applied events from there. Event numbers stay one sequence for
 /// both tables, taken from `timeline_ids`, which starts past every number already used.

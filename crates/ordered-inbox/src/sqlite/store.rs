@@ -11,8 +11,8 @@
 //! How a failure stays private without a savepoint per request: a batch first runs every unit in
 //! the bare transaction. Nearly always all succeed, and the batch commits. When one fails, the
 //! whole attempt is rolled back and the batch runs again with each unit in its own SAVEPOINT
-//! ([`run_batch`]). A savepoint around every unit cost about 7% of a delivery's instructions
-//! (issue 18): SQLite copies each page the unit first touches into the statement journal.
+//! (`run_batch`). A savepoint around every unit cost about 7% of a delivery's instructions:
+//! SQLite copies each page the unit first touches into the statement journal.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
