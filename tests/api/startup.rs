@@ -76,6 +76,38 @@ fn bad_arguments_are_one_line_with_a_hint() {
 }
 
 #[test]
+fn the_operator_and_producer_commands_each_describe_themselves_in_their_own_words() {
+    let help = |args: &[&str]| {
+        let output = command().args(args).arg("--help").output().unwrap();
+        assert!(output.status.success(), "{args:?}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let operator = help(&["operator"]);
+    for line in [
+        "add     Register an operator and print their new token once (only its hash is stored)",
+        "list    List operators with their created and revoked times (never tokens)",
+        "revoke  Revoke an operator: their token stops working at once",
+    ] {
+        assert!(operator.contains(line), "{line}: {operator}");
+    }
+    let producer = help(&["producer"]);
+    for line in [
+        "add     Register a producer and print its new token once (only its hash is stored)",
+        "list    List producers with their created and revoked times (never tokens)",
+        "revoke  Revoke a producer: its token stops working at once, its deliveries get 401",
+    ] {
+        assert!(producer.contains(line), "{line}: {producer}");
+    }
+    assert!(
+        help(&["operator", "add"])
+            .contains("<NAME>  1..64 letters, digits, '.', '_', '-' or '@'\n")
+    );
+    assert!(help(&["producer", "add"]).contains(
+        "<NAME>  1..64 letters, digits, '.', '_', '-' or '@'; never reused after revocation\n"
+    ));
+}
+
+#[test]
 fn serve_refuses_to_bind_anything_but_loopback() {
     for url in ["http://0.0.0.0:0", "http://192.168.1.10:0", "http://[::]:0"] {
         let message = refused(&["--urls", url], Some("Development"));
