@@ -45,6 +45,16 @@ async fn holding(app: &TestApp, aggregate: &str, sequences: Value) -> Value {
     .1
 }
 
+/// Quarantines the poison `bad-1` at sequence 1 of `acct`, then publishes an anonymous `x-N` at
+/// each sequence of `held`; waits until `acct` holds them and answers its view.
+async fn blocked_holding(app: &TestApp, js: &jetstream::Context, held: &[i64]) -> Value {
+    publish(js, "acct", "bad-1", 1, -1).await;
+    for sequence in held {
+        publish(js, "acct", &format!("x-{sequence}"), *sequence, 100).await;
+    }
+    holding(app, "acct", json!(held)).await
+}
+
 /// `POST /aggregates/{aggregate}/owner` by the operator, from unowned at last `expected_last`.
 async fn transfer_to(
     app: &TestApp,
@@ -200,10 +210,7 @@ async fn a_skip_after_a_transfer_drains_no_held_anonymous_message_into_the_owned
     backend: Backend,
 ) {
     let (_nats, app, js) = consumer_on(backend).await;
-    publish(&js, "acct", "bad-1", 1, -1).await;
-    publish(&js, "acct", "x-2", 2, 100).await;
-    publish(&js, "acct", "x-3", 3, 100).await;
-    let view = holding(&app, "acct", json!([2, 3])).await;
+    let view = blocked_holding(&app, &js, &[2, 3]).await;
     assert_eq!(view["status"], "blocked", "{view}");
 
     let (operator, billing, billing_epoch) = alice_and_billing(&app).await;
@@ -238,9 +245,7 @@ async fn a_held_anonymous_message_left_on_an_owned_aggregate_is_rejected_by_the_
     backend: Backend,
 ) {
     let (_nats, app, js) = consumer_on(backend).await;
-    publish(&js, "acct", "bad-1", 1, -1).await;
-    publish(&js, "acct", "x-2", 2, 100).await;
-    holding(&app, "acct", json!([2])).await;
+    blocked_holding(&app, &js, &[2]).await;
     let (operator, ..) = alice_and_billing(&app).await;
     // The owner columns set as a transfer sets them, the held row left in place.
     app.inbox_execute(
