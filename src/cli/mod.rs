@@ -11,6 +11,7 @@ pub mod verify_base;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use ordered_inbox::operators::Registry;
 
 #[derive(Parser)]
 #[command(
@@ -32,14 +33,16 @@ pub enum Command {
     /// Verify the consumer contracts of a fresh fixture over real HTTP.
     VerifyBase(verify_base::VerifyBaseArgs),
     /// Manage the operators allowed to resolve dead letters.
+    #[command(mut_subcommands = registry::operator_help)]
     Operator {
         #[command(subcommand)]
-        command: registry::OperatorCommand,
+        command: registry::RegistryCommand,
     },
     /// Manage the producers allowed to write (and own) aggregates on the general door.
+    #[command(mut_subcommands = registry::producer_help)]
     Producer {
         #[command(subcommand)]
-        command: registry::ProducerCommand,
+        command: registry::RegistryCommand,
     },
     /// Measure the server (release build recommended): prints figures, fails on a wrong result.
     #[command(subcommand)]
@@ -59,8 +62,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(command) => bench::run(command),
         Command::Practice(args) => practice::run(args),
         Command::VerifyBase(args) => verify_base::run(args),
-        Command::Operator { command } => registry::operator(command),
-        Command::Producer { command } => registry::producer(command),
+        Command::Operator { command } => registry::run(Registry::Operators, command),
+        Command::Producer { command } => registry::run(Registry::Producers, command),
         Command::Relay(args) => relay::run(args),
         Command::Publish(args) => publish::run(args),
     }

@@ -9,21 +9,19 @@ use ordered_inbox::operators::Registry;
 
 use super::block_on;
 
+/// `add NAME`, `list` and `revoke NAME` on one registry's store. The help of each is the
+/// registry's own ([`operator_help`], [`producer_help`]).
 #[derive(Subcommand)]
-pub enum OperatorCommand {
-    /// Register an operator and print their new token once (only its hash is stored).
+pub enum RegistryCommand {
     Add {
-        /// 1..64 letters, digits, '.', '_', '-' or '@'.
         name: String,
         #[command(flatten)]
         database: OperatorDatabase,
     },
-    /// List operators with their created and revoked times (never tokens).
     List {
         #[command(flatten)]
         database: OperatorDatabase,
     },
-    /// Revoke an operator: their token stops working at once.
     Revoke {
         name: String,
         #[command(flatten)]
@@ -31,26 +29,50 @@ pub enum OperatorCommand {
     },
 }
 
-#[derive(Subcommand)]
-pub enum ProducerCommand {
-    /// Register a producer and print its new token once (only its hash is stored).
-    Add {
-        /// 1..64 letters, digits, '.', '_', '-' or '@'; never reused after revocation.
-        name: String,
-        #[command(flatten)]
-        database: OperatorDatabase,
-    },
-    /// List producers with their created and revoked times (never tokens).
-    List {
-        #[command(flatten)]
-        database: OperatorDatabase,
-    },
-    /// Revoke a producer: its token stops working at once, its deliveries get 401.
-    Revoke {
-        name: String,
-        #[command(flatten)]
-        database: OperatorDatabase,
-    },
+/// What `--help` says of one registry's commands.
+struct RegistryHelp {
+    add: &'static str,
+    add_name: &'static str,
+    list: &'static str,
+    revoke: &'static str,
+}
+
+const OPERATOR_HELP: RegistryHelp = RegistryHelp {
+    add: "Register an operator and print their new token once (only its hash is stored)",
+    add_name: "1..64 letters, digits, '.', '_', '-' or '@'",
+    list: "List operators with their created and revoked times (never tokens)",
+    revoke: "Revoke an operator: their token stops working at once",
+};
+
+const PRODUCER_HELP: RegistryHelp = RegistryHelp {
+    add: "Register a producer and print its new token once (only its hash is stored)",
+    add_name: "1..64 letters, digits, '.', '_', '-' or '@'; never reused after revocation",
+    list: "List producers with their created and revoked times (never tokens)",
+    revoke: "Revoke a producer: its token stops working at once, its deliveries get 401",
+};
+
+impl RegistryHelp {
+    /// Gives one of the [`RegistryCommand`]s its words.
+    fn describe(&self, command: clap::Command) -> clap::Command {
+        match command.get_name() {
+            "add" => command
+                .about(self.add)
+                .mut_arg("name", |name| name.help(self.add_name)),
+            "list" => command.about(self.list),
+            "revoke" => command.about(self.revoke),
+            _ => command,
+        }
+    }
+}
+
+/// The operator registry's words for each of its commands (`mut_subcommands`).
+pub fn operator_help(command: clap::Command) -> clap::Command {
+    OPERATOR_HELP.describe(command)
+}
+
+/// The producer registry's words for each of its commands (`mut_subcommands`).
+pub fn producer_help(command: clap::Command) -> clap::Command {
+    PRODUCER_HELP.describe(command)
 }
 
 #[derive(Args)]
@@ -81,35 +103,11 @@ pub enum OperatorStore {
     Postgres(String),
 }
 
-pub fn operator(command: OperatorCommand) -> anyhow::Result<()> {
-    let command = match command {
-        OperatorCommand::Add { name, database } => RegistryCommand::Add(name, database),
-        OperatorCommand::List { database } => RegistryCommand::List(database),
-        OperatorCommand::Revoke { name, database } => RegistryCommand::Revoke(name, database),
-    };
-    registry(Registry::Operators, command)
-}
-
-pub fn producer(command: ProducerCommand) -> anyhow::Result<()> {
-    let command = match command {
-        ProducerCommand::Add { name, database } => RegistryCommand::Add(name, database),
-        ProducerCommand::List { database } => RegistryCommand::List(database),
-        ProducerCommand::Revoke { name, database } => RegistryCommand::Revoke(name, database),
-    };
-    registry(Registry::Producers, command)
-}
-
-/// One `add|list|revoke` command of either registry.
-enum RegistryCommand {
-    Add(String, OperatorDatabase),
-    List(OperatorDatabase),
-    Revoke(String, OperatorDatabase),
-}
-
-fn registry(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> {
+/// Runs one command on `registry`.
+pub fn run(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> {
     use ordered_inbox::sqlite::operators::{add_to, list_of, revoke_in};
     match command {
-        RegistryCommand::Add(name, database) => {
+        RegistryCommand::Add { name, database } => {
             let token = match database.store() {
                 OperatorStore::Sqlite(path) => add_to(registry, &path, &name)?,
                 OperatorStore::Postgres(url) => block_on(
@@ -122,7 +120,7 @@ fn registry(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> 
                 "{registry} '{name}' added; this token is shown only once: send it as Authorization: Bearer TOKEN"
             );
         }
-        RegistryCommand::List(database) => {
+        RegistryCommand::List { database } => {
             let records = match database.store() {
                 OperatorStore::Sqlite(path) => list_of(registry, &path)?,
                 OperatorStore::Postgres(url) => {
@@ -137,7 +135,7 @@ fn registry(registry: Registry, command: RegistryCommand) -> anyhow::Result<()> 
                 println!("{}\tcreated {}\t{state}", record.name, record.created_at);
             }
         }
-        RegistryCommand::Revoke(name, database) => {
+        RegistryCommand::Revoke { name, database } => {
             let revocation = match database.store() {
                 OperatorStore::Sqlite(path) => revoke_in(registry, &path, &name)?,
                 OperatorStore::Postgres(url) => block_on(

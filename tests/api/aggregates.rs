@@ -29,7 +29,7 @@ async fn get(app: &TestApp, path: &str) -> (u16, Value) {
     status_and_json(app.get(path).await).await
 }
 
-async fn resolve(
+pub(crate) async fn resolve(
     app: &TestApp,
     token: Option<&str>,
     dead_letter: &str,
@@ -57,7 +57,7 @@ pub(crate) async fn resolve_at(
     status_and_json(request.send().await.expect("POST reaches the server")).await
 }
 
-fn skip(expected_last: i64, reason: &str) -> Value {
+pub(crate) fn skip(expected_last: i64, reason: &str) -> Value {
     json!({"action": "skip", "expectedLast": expected_last, "reason": reason})
 }
 
@@ -105,7 +105,7 @@ async fn blocked_aggregate(app: &TestApp) {
     assert_eq!(deliver(app, "a", "poison-2", 2, -1).await.0, 422);
 }
 
-fn dead_letter_status(app: &TestApp, message_id: &str) -> String {
+pub(crate) fn dead_letter_status(app: &TestApp, message_id: &str) -> String {
     // Test ids are plain words; the quote check keeps this literal honest.
     assert!(!message_id.contains('\''));
     let rows = app.inbox_rows(&format!(

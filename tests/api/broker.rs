@@ -20,29 +20,88 @@ use crate::helpers::{
 use crate::producers::{add_producer, epoch, producer_command};
 
 /// A private nats-server; a missing binary fails the test with the Debian package's name.
-fn start_nats(config: Option<&str>) -> NatsServer {
+pub(crate) fn start_nats(config: Option<&str>) -> NatsServer {
     NatsServer::start(config).unwrap_or_else(|error| panic!("{error}"))
 }
 
-async fn jetstream_of(nats: &NatsServer) -> jetstream::Context {
+pub(crate) async fn jetstream_of(nats: &NatsServer) -> jetstream::Context {
     jetstream::new(nats.connect().await.expect("connect to nats-server"))
+}
+
+/// Publishes `body` on `subject` with `headers` and waits for its PubAck.
+pub(crate) async fn publish_acked(
+    js: &jetstream::Context,
+    subject: String,
+    headers: async_nats::HeaderMap,
+    body: String,
+) -> jetstream::publish::PublishAck {
+    js.publish_with_headers(subject, headers, body.into())
+        .await
+        .expect("publish")
+        .await
+        .expect("PubAck")
+}
+
+/// One ordered message on the broker door's wire format, sent as `producer` (`None`:
+/// anonymous): its subject, its headers (`Nats-Msg-Id`, and a producer's token and epoch) and
+/// its JSON body.
+fn on_wire(
+    producer: As<'_>,
+    aggregate: &str,
+    message_id: &str,
+    sequence: i64,
+    amount: i64,
+) -> (String, async_nats::HeaderMap, String) {
+    let mut headers = async_nats::HeaderMap::new();
+    let name = producer.map(|(name, _, _)| name);
+    headers.insert(
+        wire::MESSAGE_ID_HEADER,
+        wire::nats_message_id(name, message_id).as_str(),
+    );
+    if let Some((_, token, epoch)) = producer {
+        headers.insert(
+            wire::AUTHORIZATION_HEADER,
+            format!("Bearer {token}").as_str(),
+        );
+        headers.insert(wire::PRODUCER_EPOCH_HEADER, epoch.to_string().as_str());
+    }
+    let body = json!({"messageId": message_id, "sequence": sequence, "amount": amount});
+    (
+        wire::subject_for("ordered", aggregate),
+        headers,
+        body.to_string(),
+    )
+}
+
+/// Publishes one ordered message as `producer` (`None`: anonymous) and waits for its PubAck.
+pub(crate) async fn publish_ordered(
+    js: &jetstream::Context,
+    producer: As<'_>,
+    aggregate: &str,
+    message_id: &str,
+    sequence: i64,
+    amount: i64,
+) -> jetstream::publish::PublishAck {
+    let (subject, headers, body) = on_wire(producer, aggregate, message_id, sequence, amount);
+    publish_acked(js, subject, headers, body).await
 }
 
 fn message(aggregate: &str, sequence: i64, amount: i64) -> OrderedMessage {
     lab_testkit::bench::ledger_message(aggregate, sequence, amount)
 }
 
-/// Publishes one message on the wire format and waits for its PubAck.
+/// Publishes one anonymous message on the wire format and waits for its PubAck.
 async fn publish(
     js: &jetstream::Context,
     message: &OrderedMessage,
 ) -> jetstream::publish::PublishAck {
-    publish_raw(
+    publish_ordered(
         js,
-        &wire::subject_for("ordered", &message.aggregate_id),
-        Some(&message.message_id),
-        json!({"messageId": message.message_id, "sequence": message.sequence, "amount": amount(message)})
-            .to_string(),
+        None,
+        &message.aggregate_id,
+        &message.message_id,
+        message.sequence,
+        amount(message),
     )
     .await
 }
@@ -57,11 +116,7 @@ async fn publish_raw(
     if let Some(id) = header_id {
         headers.insert(wire::MESSAGE_ID_HEADER, id);
     }
-    js.publish_with_headers(subject.to_owned(), headers, body.into())
-        .await
-        .expect("publish")
-        .await
-        .expect("PubAck")
+    publish_acked(js, subject.to_owned(), headers, body).await
 }
 
 /// Publishes all, each awaited for its PubAck concurrently (in windows of 512).
@@ -70,17 +125,17 @@ async fn publish_all(js: &jetstream::Context, messages: &[OrderedMessage]) -> us
     for window in messages.chunks(512) {
         let mut acks = Vec::with_capacity(window.len());
         for message in window {
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert(wire::MESSAGE_ID_HEADER, message.message_id.as_str());
-            let body = json!({"messageId": message.message_id, "sequence": message.sequence, "amount": amount(message)});
+            let (subject, headers, body) = on_wire(
+                None,
+                &message.aggregate_id,
+                &message.message_id,
+                message.sequence,
+                amount(message),
+            );
             acks.push(
-                js.publish_with_headers(
-                    wire::subject_for("ordered", &message.aggregate_id),
-                    headers,
-                    body.to_string().into(),
-                )
-                .await
-                .expect("publish"),
+                js.publish_with_headers(subject, headers, body.into())
+                    .await
+                    .expect("publish"),
             );
         }
         for ack in acks {
@@ -115,7 +170,11 @@ fn expected_total(per: i64) -> i64 {
     (1..=per).map(|s| s % 5 + 1).sum()
 }
 
-async fn spawn_consumer(nats: &NatsServer, adjust: impl FnOnce(&mut BrokerConfig)) -> TestApp {
+/// A consumer on SQLite whose un-acked messages come again after 5 s, with `adjust` applied.
+pub(crate) async fn spawn_consumer(
+    nats: &NatsServer,
+    adjust: impl FnOnce(&mut BrokerConfig),
+) -> TestApp {
     let mut broker = BrokerConfig::new(&nats.url).unwrap();
     broker.ack_wait = Duration::from_secs(5);
     adjust(&mut broker);
@@ -625,7 +684,7 @@ async fn past_the_hold_limit_a_message_is_nakd_and_applies_when_redelivered() {
 // producer's id namespace) in the transaction that writes it, and a refusal is terminated.
 
 /// Who publishes: a producer's name (for its `Nats-Msg-Id`), token and epoch.
-type As<'a> = Option<(&'a str, &'a str, i64)>;
+pub(crate) type As<'a> = Option<(&'a str, &'a str, i64)>;
 
 /// A producer registered with the inbox and holding a session: what its broker messages carry.
 struct ProducerSession {
@@ -646,7 +705,8 @@ impl ProducerSession {
     }
 }
 
-/// Publishes one message as `producer` (`None`: anonymous) and waits for its PubAck.
+/// Publishes one message of amount 1 as `producer` (`None`: anonymous) and waits for its
+/// PubAck.
 async fn publish_as(
     js: &jetstream::Context,
     producer: As<'_>,
@@ -654,36 +714,21 @@ async fn publish_as(
     message_id: &str,
     sequence: i64,
 ) -> jetstream::publish::PublishAck {
-    let mut headers = async_nats::HeaderMap::new();
-    let name = producer.map(|(name, _, _)| name);
-    headers.insert(
-        wire::MESSAGE_ID_HEADER,
-        wire::nats_message_id(name, message_id).as_str(),
-    );
-    if let Some((_, token, epoch)) = producer {
-        headers.insert(
-            wire::AUTHORIZATION_HEADER,
-            format!("Bearer {token}").as_str(),
-        );
-        headers.insert(wire::PRODUCER_EPOCH_HEADER, epoch.to_string().as_str());
-    }
-    let body = json!({"messageId": message_id, "sequence": sequence, "amount": 1});
-    js.publish_with_headers(
-        wire::subject_for("ordered", aggregate),
-        headers,
-        body.to_string().into(),
-    )
-    .await
-    .expect("publish")
-    .await
-    .expect("PubAck")
+    publish_ordered(js, producer, aggregate, message_id, sequence, 1).await
 }
 
-/// A consumer whose nak'd messages come back quickly (a producer's early message is nak'd).
-async fn spawn_consumer_on(nats: &NatsServer, backend: Backend) -> TestApp {
-    let mut broker = BrokerConfig::new(&nats.url).unwrap();
+/// Settings whose messages come back quickly: an un-acked one after 5 s, a nak'd one (a
+/// producer's early message is nak'd) after 50 ms.
+pub(crate) fn quick_redelivery(nats: &NatsServer) -> BrokerConfig {
+    let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
     broker.ack_wait = Duration::from_secs(5);
     broker.nak_delay = Duration::from_millis(50);
+    broker
+}
+
+/// A consumer on `backend` with [`quick_redelivery`].
+pub(crate) async fn spawn_consumer_on(nats: &NatsServer, backend: Backend) -> TestApp {
+    let broker = quick_redelivery(nats);
     spawn_app_on_with(backend, move |config| config.nats = Some(broker)).await
 }
 
@@ -996,11 +1041,7 @@ async fn unknown_tokens_and_malformed_producer_headers_are_terminated_with_their
         ),
     ];
     for (headers, body) in cases {
-        js.publish_with_headers("ordered.h".to_owned(), headers, body.into())
-            .await
-            .expect("publish")
-            .await
-            .expect("PubAck");
+        publish_acked(&js, "ordered.h".to_owned(), headers, body).await;
     }
     let rejected = poll_until(
         "five refusals listed",

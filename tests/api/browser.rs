@@ -348,12 +348,18 @@ impl Browser {
 
     /// The cells' text of each body row of the table with id `table`.
     pub async fn table(&self, table: &str) -> Vec<Vec<String>> {
-        self.js(
-            "const t = document.getElementById(arguments[0]);
-             return t ? Array.from(t.tBodies[0].rows, r => Array.from(r.cells, c => c.textContent)) : [];",
-            vec![Value::from(table)],
-        )
-        .await
+        self.js(&table_script(table), vec![]).await
+    }
+
+    /// Waits until the body rows of the table with id `table` satisfy `done` (ten seconds at
+    /// most); returns their cells' text.
+    pub async fn wait_table(
+        &self,
+        what: &str,
+        table: &str,
+        done: impl Fn(&Vec<Vec<String>>) -> bool,
+    ) -> Vec<Vec<String>> {
+        self.wait_js(what, &table_script(table), done).await
     }
 
     /// Sets the viewport (the page's `innerWidth`×`innerHeight`) to exactly `width`×`height`.
@@ -522,4 +528,13 @@ impl Drop for TlsOrigin {
     fn drop(&mut self) {
         kill_group(&mut self.server);
     }
+}
+
+/// A script answering the cells' text of each body row of the table with id `table`.
+fn table_script(table: &str) -> String {
+    format!(
+        "const t = document.getElementById({});
+         return t ? Array.from(t.tBodies[0].rows, r => Array.from(r.cells, c => c.textContent)) : [];",
+        Value::from(table)
+    )
 }

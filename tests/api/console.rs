@@ -7,14 +7,15 @@ use axum::Router;
 use axum::response::Html;
 use axum::routing::get;
 use futures_util::StreamExt;
-use lab_testkit::nats::NatsServer;
-use production_lab::broker::{BrokerConfig, wire};
+use production_lab::broker::BrokerConfig;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::aggregates::{add_operator, dead_letter_status, resolve_at};
+use crate::broker::{jetstream_of, publish_ordered, start_nats};
 use crate::browser::{Browser, TlsOrigin};
 use crate::helpers::{
-    TestApp, assert_bad_request, command, poll_until, spawn_app, spawn_app_with, status_and_json,
+    TestApp, assert_bad_request, poll_until, spawn_app, spawn_app_with, status_and_json,
 };
 
 /// A message id and a reason that would run script if the page parsed them as markup.
@@ -28,25 +29,6 @@ async fn deliver(app: &TestApp, aggregate: &str, id: &str, sequence: i64, amount
         .as_u16()
 }
 
-/// Registers an operator with the CLI, as a person on the server's machine does; returns the
-/// token it printed.
-fn add_operator(app: &TestApp, name: &str) -> String {
-    let output = command()
-        .args(["operator", "add", name, "--database"])
-        .arg(&app.database)
-        .output()
-        .expect("run the operator command");
-    assert!(
-        output.status.success(),
-        "operator add: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout)
-        .expect("utf-8 token")
-        .trim()
-        .to_owned()
-}
-
 /// `(last, total, status)` of an aggregate's row.
 fn aggregate_row(app: &TestApp, aggregate: &str) -> Option<(i64, i64, String)> {
     app.rows(
@@ -56,16 +38,6 @@ fn aggregate_row(app: &TestApp, aggregate: &str) -> Option<(i64, i64, String)> {
         |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)),
     )
     .pop()
-}
-
-fn dead_letter_status(app: &TestApp, message_id: &str) -> String {
-    app.db()
-        .query_row(
-            "SELECT status FROM deadletters WHERE message_id = ?1",
-            [message_id],
-            |row| row.get(0),
-        )
-        .expect("the dead letter's row")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -239,6 +211,11 @@ async fn send_as_written(
     (status, body)
 }
 
+/// The skip the dot-id probes send.
+fn probe_skip() -> Value {
+    json!({"action": "skip", "expectedLast": 0, "reason": "probe"})
+}
+
 #[tokio::test]
 async fn percent_encoded_dots_decode_to_the_id_and_the_query_forms_reach_dot_ids() {
     let app = spawn_app().await;
@@ -260,13 +237,12 @@ async fn percent_encoded_dots_decode_to_the_id_and_the_query_forms_reach_dot_ids
             "{target}: {letter}"
         );
     }
-    let skip = json!({"action": "skip", "expectedLast": 0, "reason": "probe"}).to_string();
     let (status, preview) = send_as_written(
         &app,
         "POST",
         "/deadletters/%2E%2E/resolution?dryRun=true",
         Some(&operator),
-        &skip,
+        &probe_skip().to_string(),
     )
     .await;
     assert_eq!(status, 200, "{preview}");
@@ -286,14 +262,11 @@ async fn percent_encoded_dots_decode_to_the_id_and_the_query_forms_reach_dot_ids
             "{letter}"
         );
     }
-    let (status, preview) = status_and_json(
-        app.client
-            .post(app.url("/deadletters/resolution?messageId=.&dryRun=true"))
-            .bearer_auth(&operator)
-            .json(&json!({"action": "skip", "expectedLast": 0, "reason": "probe"}))
-            .send()
-            .await
-            .expect("POST"),
+    let (status, preview) = resolve_at(
+        &app,
+        Some(&operator),
+        "/deadletters/resolution?messageId=.&dryRun=true",
+        &probe_skip(),
     )
     .await;
     assert_eq!(
@@ -316,7 +289,7 @@ async fn percent_encoded_dots_decode_to_the_id_and_the_query_forms_reach_dot_ids
         app.client
             .post(app.url("/deadletters/resolution"))
             .bearer_auth(&operator)
-            .json(&json!({"action": "skip", "expectedLast": 0, "reason": "probe"}))
+            .json(&probe_skip())
             .send()
             .await
             .expect("POST"),
@@ -638,26 +611,14 @@ async fn an_operator_previews_then_resolves_and_a_second_operators_stale_expecte
             browser.fill("#replacement-amount", "2").await;
             browser.fill("#reason", "customer confirmed 2").await;
             browser.click("#resolve").await;
-            let refused = browser
-                .wait_js::<String, _>(
-                    "the 401 is shown",
-                    "const r = document.getElementById('resolve-result'); return r.dataset.state === '401' ? r.textContent : '';",
-                    |text| !text.is_empty(),
-                )
-                .await;
+            let refused = resolution_result(&browser, "401").await;
             assert!(refused.contains("401 — not authorized, nothing was changed"), "{refused}");
             assert!(refused.contains("send Authorization: Bearer TOKEN"), "{refused}");
 
             // Preview: before → after, and not one row written.
             browser.fill("#token", &alice).await;
             browser.click("#preview").await;
-            let preview = browser
-                .wait_js::<String, _>(
-                    "the preview is shown",
-                    "const r = document.getElementById('resolve-result'); return r.dataset.state === 'preview' ? r.textContent : '';",
-                    |text| !text.is_empty(),
-                )
-                .await;
+            let preview = resolution_result(&browser, "preview").await;
             assert!(preview.contains("nothing was written"), "{preview}");
             assert!(preview.contains("replace poison-2 with fix-2 (amount 2)"), "{preview}");
             assert!(preview.contains("last 1 → 2, total 5 → 7"), "{preview}");
@@ -668,13 +629,7 @@ async fn an_operator_previews_then_resolves_and_a_second_operators_stale_expecte
 
             // Resolve: the aggregate moves, the audit row appears on the page.
             browser.click("#resolve").await;
-            let resolved = browser
-                .wait_js::<String, _>(
-                    "the resolution is shown",
-                    "const r = document.getElementById('resolve-result'); return r.dataset.state === 'resolved' ? r.textContent : '';",
-                    |text| !text.is_empty(),
-                )
-                .await;
+            let resolved = resolution_result(&browser, "resolved").await;
             assert!(resolved.contains("Resolved: resolution #1"), "{resolved}");
             assert_eq!(aggregate_row(&app, "acct-7"), Some((2, 7, "flowing".to_owned())));
             assert_eq!(dead_letter_status(&app, "poison-2"), "resolved");
@@ -684,11 +639,7 @@ async fn an_operator_previews_then_resolves_and_a_second_operators_stale_expecte
             );
             assert_eq!(audit, [(1, "alice".to_owned(), "customer confirmed 2".to_owned())]);
             let rows = browser
-                .wait_js::<Vec<Vec<String>>, _>(
-                    "the audit trail shows the new row",
-                    "return Array.from(document.querySelectorAll('#audit tbody tr'), r => Array.from(r.cells, c => c.textContent));",
-                    |rows| rows.len() == 1,
-                )
+                .wait_table("the audit trail shows the new row", "audit", |rows| rows.len() == 1)
                 .await;
             assert_eq!(rows[0][0], "1");
             assert_eq!(rows[0][2], "replace with fix-2 (amount 2)");
@@ -712,13 +663,7 @@ async fn an_operator_previews_then_resolves_and_a_second_operators_stale_expecte
             browser.fill("#reason", "duplicate, skip it").await;
             browser.fill("#token", &bob).await;
             browser.click("#resolve").await;
-            let conflict = browser
-                .wait_js::<String, _>(
-                    "the 409 is shown",
-                    "const r = document.getElementById('resolve-result'); return r.dataset.state === '409' ? r.textContent : '';",
-                    |text| !text.is_empty(),
-                )
-                .await;
+            let conflict = resolution_result(&browser, "409").await;
             assert!(conflict.contains("409 — refused, nothing was changed: The dead letter is already resolved"), "{conflict}");
             assert!(
                 conflict.contains("the aggregate's last sequence is 2 (you sent expectedLast 1: someone moved it since you looked)"),
@@ -737,15 +682,11 @@ async fn a_script_injection_payload_renders_as_text_and_runs_nothing() {
     let app = spawn_app().await;
     let operator = add_operator(&app, "alice");
     assert_eq!(deliver(&app, "inject", INJECTION, 1, -1).await, 422);
-    let skip = json!({"action": "skip", "expectedLast": 0, "reason": INJECTION});
-    let (status, body) = status_and_json(
-        app.client
-            .post(app.url("/deadletters/%3Cimg%20src=x%20onerror=alert(1)%3E/resolution"))
-            .bearer_auth(&operator)
-            .json(&skip)
-            .send()
-            .await
-            .expect("POST"),
+    let (status, body) = resolve_at(
+        &app,
+        Some(&operator),
+        "/deadletters/%3Cimg%20src=x%20onerror=alert(1)%3E/resolution",
+        &json!({"action": "skip", "expectedLast": 0, "reason": INJECTION}),
     )
     .await;
     assert_eq!(status, 200, "{body}");
@@ -788,11 +729,7 @@ async fn a_script_injection_payload_renders_as_text_and_runs_nothing() {
                 .goto(&console(&app, "/console/aggregate?id=inject"))
                 .await;
             let audit = browser
-                .wait_js::<Vec<Vec<String>>, _>(
-                    "the audit trail is read",
-                    "return Array.from(document.querySelectorAll('#audit tbody tr'), r => Array.from(r.cells, c => c.textContent));",
-                    |rows| rows.len() == 1,
-                )
+                .wait_table("the audit trail is read", "audit", |rows| rows.len() == 1)
                 .await;
             assert_eq!(audit[0][1], INJECTION);
             assert_eq!(audit[0][4], INJECTION);
@@ -812,22 +749,14 @@ async fn a_change_made_over_http_by_another_client_appears_on_an_open_page_witho
             browser.goto(&console(&app, "/console/aggregates")).await;
             wait_live(&browser).await;
             browser
-                .wait_js::<u32, _>(
-                    "the inventory is read",
-                    "return document.querySelectorAll('#inventory tbody tr').length;",
-                    |rows| *rows == 1,
-                )
+                .wait_table("the inventory is read", "inventory", |rows| rows.len() == 1)
                 .await;
             let _: Value = browser.js("window.stayed = 'the same page'; return null;", vec![]).await;
 
             // Another client blocks a new aggregate over HTTP.
             assert_eq!(deliver(&app, "other-client", "p-1", 1, -1).await, 422);
             let rows = browser
-                .wait_js::<Vec<Vec<String>>, _>(
-                    "the new blocked aggregate appears",
-                    "return Array.from(document.querySelectorAll('#inventory tbody tr'), r => Array.from(r.cells, c => c.textContent));",
-                    |rows| rows.len() == 2,
-                )
+                .wait_table("the new blocked aggregate appears", "inventory", |rows| rows.len() == 2)
                 .await;
             assert_eq!(rows[0][0], "other-client", "blocked comes first: {rows:?}");
             assert_eq!(rows[0][1], "blocked");
@@ -844,19 +773,11 @@ async fn a_change_made_over_http_by_another_client_appears_on_an_open_page_witho
             browser.client.find(fantoccini::Locator::Css("#status-filter")).await.expect("filter")
                 .select_by_value("waiting").await.expect("choose waiting");
             browser
-                .wait_js::<u32, _>(
-                    "only waiting aggregates are listed",
-                    "return document.querySelectorAll('#inventory tbody tr').length;",
-                    |rows| *rows == 0,
-                )
+                .wait_table("only waiting aggregates are listed", "inventory", |rows| rows.is_empty())
                 .await;
             assert_eq!(deliver(&app, "late", "l-3", 3, 1).await, 409);
             let waiting = browser
-                .wait_js::<Vec<Vec<String>>, _>(
-                    "the waiting aggregate appears",
-                    "return Array.from(document.querySelectorAll('#inventory tbody tr'), r => Array.from(r.cells, c => c.textContent));",
-                    |rows| rows.len() == 1,
-                )
+                .wait_table("the waiting aggregate appears", "inventory", |rows| rows.len() == 1)
                 .await;
             assert_eq!(waiting[0][0], "late");
             assert_eq!(waiting[0][1], "waiting");
@@ -898,10 +819,17 @@ async fn dead_letters_whose_ids_are_dot_and_dot_dot_open_preview_and_resolve_in_
                 wait_live(&browser).await;
                 // The record read is this dead letter's, not a neighbouring route's answer.
                 let shown = browser
-                    .wait_text("#dl-details dd[data-term=\"message id\"]", |text| !text.is_empty())
+                    .wait_text("#dl-details dd[data-term=\"message id\"]", |text| {
+                        !text.is_empty()
+                    })
                     .await;
                 assert_eq!(shown, id);
-                assert_eq!(browser.text("#dl-details dd[data-term=\"aggregate\"]").await, aggregate);
+                assert_eq!(
+                    browser
+                        .text("#dl-details dd[data-term=\"aggregate\"]")
+                        .await,
+                    aggregate
+                );
                 browser
                     .wait_js::<String, _>(
                         "expectedLast is pre-filled with the aggregate's last",
@@ -909,15 +837,25 @@ async fn dead_letters_whose_ids_are_dot_and_dot_dot_open_preview_and_resolve_in_
                         |value| value == "0",
                     )
                     .await;
-                assert!(browser.js::<bool>("return document.getElementById('dl-error').hidden;", vec![]).await);
+                assert!(
+                    browser
+                        .js::<bool>("return document.getElementById('dl-error').hidden;", vec![])
+                        .await
+                );
 
-                browser.click("input[name=\"action\"][value=\"skip\"]").await;
-                browser.fill("#reason", &format!("skip the dead letter {id}")).await;
+                browser
+                    .click("input[name=\"action\"][value=\"skip\"]")
+                    .await;
+                browser
+                    .fill("#reason", &format!("skip the dead letter {id}"))
+                    .await;
                 browser.fill("#token", &operator).await;
                 browser.click("#preview").await;
                 let preview = resolution_result(&browser, "preview").await;
                 assert!(
-                    preview.contains(&format!("skip {id} (sequence 1 taken with no effect) on {aggregate}")),
+                    preview.contains(&format!(
+                        "skip {id} (sequence 1 taken with no effect) on {aggregate}"
+                    )),
                     "{preview}"
                 );
                 assert_eq!(dead_letter_status(&app, id), "open");
@@ -927,11 +865,9 @@ async fn dead_letters_whose_ids_are_dot_and_dot_dot_open_preview_and_resolve_in_
                 assert!(resolved.contains("Resolved: resolution #"), "{resolved}");
                 assert_eq!(dead_letter_status(&app, id), "resolved");
                 let audit = browser
-                    .wait_js::<Vec<Vec<String>>, _>(
-                        "the audit trail shows the resolution",
-                        "return Array.from(document.querySelectorAll('#audit tbody tr'), r => Array.from(r.cells, c => c.textContent));",
-                        |rows| rows.len() == 1,
-                    )
+                    .wait_table("the audit trail shows the resolution", "audit", |rows| {
+                        rows.len() == 1
+                    })
                     .await;
                 assert_eq!(audit[0][1], id);
                 assert_eq!(audit[0][2], "skip");
@@ -963,18 +899,7 @@ async fn dead_letters_whose_ids_are_dot_and_dot_dot_open_preview_and_resolve_in_
 /// Publishes one anonymous message on the broker door's wire format and waits for its PubAck.
 async fn publish_on_broker(js: &async_nats::jetstream::Context, aggregate: &str, sequence: i64) {
     let message_id = format!("{aggregate}-{sequence}");
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(wire::MESSAGE_ID_HEADER, message_id.as_str());
-    let body = json!({"messageId": message_id, "sequence": sequence, "amount": 1});
-    js.publish_with_headers(
-        wire::subject_for("ordered", aggregate),
-        headers,
-        body.to_string().into(),
-    )
-    .await
-    .expect("publish")
-    .await
-    .expect("PubAck");
+    publish_ordered(js, None, aggregate, &message_id, sequence, 1).await;
 }
 
 /// Waits until the inventory lists `aggregate` with cells that satisfy `done`; returns them.
@@ -984,23 +909,26 @@ async fn inventory_row(
     what: &str,
     done: impl Fn(&[String]) -> bool,
 ) -> Vec<String> {
-    let script = format!(
-        "return Array.from(document.querySelectorAll('#inventory tbody tr'), r => Array.from(r.cells, c => c.textContent)).find(cells => cells[0] === {}) || null;",
-        Value::from(aggregate)
-    );
-    browser
-        .wait_js::<Option<Vec<String>>, _>(what, &script, |row| row.as_deref().is_some_and(&done))
-        .await
-        .unwrap_or_default()
+    let row_of = |rows: &[Vec<String>]| {
+        rows.iter()
+            .find(|cells| cells.first().map(String::as_str) == Some(aggregate))
+            .cloned()
+    };
+    let rows = browser
+        .wait_table(what, "inventory", |rows| {
+            row_of(rows).is_some_and(|row| done(&row))
+        })
+        .await;
+    row_of(&rows).unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_messages_ahead_of_their_turn_show_held_in_the_console_until_their_predecessor_applies()
  {
-    let nats = NatsServer::start(None).unwrap_or_else(|error| panic!("{error}"));
+    let nats = start_nats(None);
     let broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
     let app = spawn_app_with(move |config| config.nats = Some(broker)).await;
-    let js = async_nats::jetstream::new(nats.connect().await.expect("connect to nats-server"));
+    let js = jetstream_of(&nats).await;
     let aggregate = "held-acct";
     let browser = Browser::start("held").await;
     browser

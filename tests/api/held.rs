@@ -4,49 +4,29 @@
 //! message took is rejected as stale, and the rejected list that shows them is kept in the
 //! inbox's store: paged, and still there after a restart.
 
-use std::time::Duration;
-
 use async_nats::jetstream;
 use lab_testkit::nats::NatsServer;
-use production_lab::broker::{BrokerConfig, wire};
+use production_lab::broker::wire;
 use serde_json::{Value, json};
 
-use crate::aggregates::add_operator;
-use crate::helpers::{
-    Backend, TestApp, assert_bad_request, poll_until, spawn_app_on_with, status_and_json,
+use crate::aggregates::{add_operator, resolve, skip};
+use crate::broker::{
+    jetstream_of, publish_acked, publish_ordered, quick_redelivery, spawn_consumer_on, start_nats,
 };
+use crate::helpers::{Backend, TestApp, assert_bad_request, poll_until, status_and_json};
 use crate::producers::{add_producer, epoch};
-
-fn broker_config(nats: &NatsServer) -> BrokerConfig {
-    let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
-    broker.ack_wait = Duration::from_secs(5);
-    broker.nak_delay = Duration::from_millis(50);
-    broker
-}
 
 /// A private nats-server and a server consuming it, with its inbox on `backend`.
 async fn consumer_on(backend: Backend) -> (NatsServer, TestApp, jetstream::Context) {
-    let nats = NatsServer::start(None).unwrap_or_else(|error| panic!("{error}"));
-    let broker = broker_config(&nats);
-    let app = spawn_app_on_with(backend, move |config| config.nats = Some(broker)).await;
-    let js = jetstream::new(nats.connect().await.expect("connect to nats-server"));
+    let nats = start_nats(None);
+    let app = spawn_consumer_on(&nats, backend).await;
+    let js = jetstream_of(&nats).await;
     (nats, app, js)
 }
 
 /// Publishes one anonymous message (`Nats-Msg-Id` its id) and waits for its PubAck.
 async fn publish(js: &jetstream::Context, aggregate: &str, id: &str, sequence: i64, amount: i64) {
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(wire::MESSAGE_ID_HEADER, id);
-    let body = json!({"messageId": id, "sequence": sequence, "amount": amount});
-    js.publish_with_headers(
-        wire::subject_for("ordered", aggregate),
-        headers,
-        body.to_string().into(),
-    )
-    .await
-    .expect("publish")
-    .await
-    .expect("PubAck");
+    publish_ordered(js, None, aggregate, id, sequence, amount).await;
 }
 
 async fn get(app: &TestApp, path: &str) -> (u16, Value) {
@@ -63,6 +43,16 @@ async fn holding(app: &TestApp, aggregate: &str, sequences: Value) -> Value {
     )
     .await
     .1
+}
+
+/// Quarantines the poison `bad-1` at sequence 1 of `acct`, then publishes an anonymous `x-N` at
+/// each sequence of `held`; waits until `acct` holds them and answers its view.
+async fn blocked_holding(app: &TestApp, js: &jetstream::Context, held: &[i64]) -> Value {
+    publish(js, "acct", "bad-1", 1, -1).await;
+    for sequence in held {
+        publish(js, "acct", &format!("x-{sequence}"), *sequence, 100).await;
+    }
+    holding(app, "acct", json!(held)).await
 }
 
 /// `POST /aggregates/{aggregate}/owner` by the operator, from unowned at last `expected_last`.
@@ -133,6 +123,29 @@ async fn rejected_list(app: &TestApp) -> Vec<Value> {
     }
 }
 
+/// Registers the operator alice and the producer billing and starts billing's session: alice's
+/// token, and billing's token and epoch.
+async fn alice_and_billing(app: &TestApp) -> (String, String, i64) {
+    let operator = add_operator(app, "alice");
+    let billing = add_producer(app, "billing");
+    let billing_epoch = epoch(app, &billing).await;
+    (operator, billing, billing_epoch)
+}
+
+/// Skips the dead letter `id` as `operator` from last 0; the skip must be answered 200.
+async fn skip_from_zero(app: &TestApp, operator: &str, id: &str) {
+    let (status, body) = resolve(app, Some(operator), id, &skip(0, "cancelled upstream")).await;
+    assert_eq!(status, 200, "{body}");
+}
+
+/// The rejected list's (message id, outcome) of messages refused because their aggregate has
+/// an owner now.
+fn owner_required(ids: &[&str]) -> Vec<(String, String)> {
+    ids.iter()
+        .map(|id| ((*id).to_owned(), "owner required".to_owned()))
+        .collect()
+}
+
 /// The (message id, outcome) of every entry of the rejected list.
 fn outcomes(entries: &[Value]) -> Vec<(String, String)> {
     entries
@@ -167,9 +180,8 @@ async fn a_transfer_rejects_held_anonymous_messages_so_the_owners_own_sequence_a
     publish(&js, "acct", "x-3", 3, 100).await;
     holding(&app, "acct", json!([2, 3])).await;
 
-    let operator = add_operator(&app, "alice");
-    let billing = add_producer(&app, "billing");
-    let billing = (billing.as_str(), epoch(&app, &billing).await);
+    let (operator, billing, billing_epoch) = alice_and_billing(&app).await;
+    let billing = (billing.as_str(), billing_epoch);
     let answer = transfer_to(&app, &operator, "acct", "billing", 0).await;
     assert_eq!(answer["outcome"], "owner transferred", "{answer}");
     assert_eq!(answer["transfer"]["heldRejected"], 2, "{answer}");
@@ -188,13 +200,7 @@ async fn a_transfer_rejects_held_anonymous_messages_so_the_owners_own_sequence_a
     assert_eq!(held_rejected_events(&app, "acct").await, ["x-2", "x-3"]);
 
     let rejected = rejected_list(&app).await;
-    assert_eq!(
-        outcomes(&rejected),
-        [
-            ("x-2".to_owned(), "owner required".to_owned()),
-            ("x-3".to_owned(), "owner required".to_owned())
-        ]
-    );
+    assert_eq!(outcomes(&rejected), owner_required(&["x-2", "x-3"]));
     assert_eq!(rejected[0]["subject"], "ordered.acct", "{rejected:?}");
     assert_eq!(rejected[0]["aggregateId"], "acct", "{rejected:?}");
     app.stop().await;
@@ -204,28 +210,15 @@ async fn a_skip_after_a_transfer_drains_no_held_anonymous_message_into_the_owned
     backend: Backend,
 ) {
     let (_nats, app, js) = consumer_on(backend).await;
-    publish(&js, "acct", "bad-1", 1, -1).await;
-    publish(&js, "acct", "x-2", 2, 100).await;
-    publish(&js, "acct", "x-3", 3, 100).await;
-    let view = holding(&app, "acct", json!([2, 3])).await;
+    let view = blocked_holding(&app, &js, &[2, 3]).await;
     assert_eq!(view["status"], "blocked", "{view}");
 
-    let operator = add_operator(&app, "alice");
-    let billing = add_producer(&app, "billing");
-    let billing = (billing.as_str(), epoch(&app, &billing).await);
+    let (operator, billing, billing_epoch) = alice_and_billing(&app).await;
+    let billing = (billing.as_str(), billing_epoch);
     let answer = transfer_to(&app, &operator, "acct", "billing", 0).await;
     assert_eq!(answer["transfer"]["heldRejected"], 2, "{answer}");
 
-    let skip = app
-        .client
-        .post(app.url("/deadletters/bad-1/resolution"))
-        .bearer_auth(&operator)
-        .json(&json!({"action": "skip", "expectedLast": 0, "reason": "cancelled upstream"}))
-        .send()
-        .await
-        .expect("POST reaches the server");
-    let (status, body) = status_and_json(skip).await;
-    assert_eq!(status, 200, "{body}");
+    skip_from_zero(&app, &operator, "bad-1").await;
     let (_, view) = get(&app, "/aggregates/acct").await;
     assert_eq!(
         (
@@ -241,10 +234,7 @@ async fn a_skip_after_a_transfer_drains_no_held_anonymous_message_into_the_owned
     assert_eq!(applied_by(&app, "acct"), ["m-2|billing"]);
     assert_eq!(
         outcomes(&rejected_list(&app).await),
-        [
-            ("x-2".to_owned(), "owner required".to_owned()),
-            ("x-3".to_owned(), "owner required".to_owned())
-        ]
+        owner_required(&["x-2", "x-3"])
     );
     app.stop().await;
 }
@@ -255,26 +245,14 @@ async fn a_held_anonymous_message_left_on_an_owned_aggregate_is_rejected_by_the_
     backend: Backend,
 ) {
     let (_nats, app, js) = consumer_on(backend).await;
-    publish(&js, "acct", "bad-1", 1, -1).await;
-    publish(&js, "acct", "x-2", 2, 100).await;
-    holding(&app, "acct", json!([2])).await;
-    let operator = add_operator(&app, "alice");
-    let billing = add_producer(&app, "billing");
-    epoch(&app, &billing).await;
+    blocked_holding(&app, &js, &[2]).await;
+    let (operator, ..) = alice_and_billing(&app).await;
     // The owner columns set as a transfer sets them, the held row left in place.
     app.inbox_execute(
         "UPDATE aggregate_state SET owner = 'billing', owner_epoch = 1, owner_since = 'then'
           WHERE aggregate_id = 'acct'",
     );
-    let skip = app
-        .client
-        .post(app.url("/deadletters/bad-1/resolution"))
-        .bearer_auth(&operator)
-        .json(&json!({"action": "skip", "expectedLast": 0, "reason": "cancelled upstream"}))
-        .send()
-        .await
-        .expect("POST reaches the server");
-    assert_eq!(skip.status(), 200);
+    skip_from_zero(&app, &operator, "bad-1").await;
     let view = holding(&app, "acct", json!([])).await;
     assert_eq!(
         (view["last"].clone(), view["total"].clone()),
@@ -284,7 +262,7 @@ async fn a_held_anonymous_message_left_on_an_owned_aggregate_is_rejected_by_the_
     assert_eq!(held_rejected_events(&app, "acct").await, ["x-2"]);
     assert_eq!(
         outcomes(&rejected_list(&app).await),
-        [("x-2".to_owned(), "owner required".to_owned())]
+        owner_required(&["x-2"])
     );
     app.stop().await;
 }
@@ -338,11 +316,7 @@ async fn the_rejected_list_is_paged_and_survives_a_restart(backend: Backend) {
         let id = format!("broken-{n}");
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(wire::MESSAGE_ID_HEADER, id.as_str());
-        js.publish_with_headers("ordered.acct".to_owned(), headers, "{".into())
-            .await
-            .expect("publish")
-            .await
-            .expect("PubAck");
+        publish_acked(&js, "ordered.acct".to_owned(), headers, "{".to_owned()).await;
     }
     poll_until(
         "three malformed deliveries listed",
@@ -367,7 +341,7 @@ async fn the_rejected_list_is_paged_and_survives_a_restart(backend: Backend) {
     }
 
     let (dir, mut config) = app.stop().await;
-    config.nats = Some(broker_config(&nats));
+    config.nats = Some(quick_redelivery(&nats));
     let again = crate::helpers::start(dir, config).await;
     let listed = rejected_list(&again).await;
     assert_eq!(

@@ -381,6 +381,16 @@ where
     last
 }
 
+/// The response's `Content-Type`, empty when it has none (or one that is not text).
+pub fn content_type(response: &reqwest::Response) -> String {
+    response
+        .headers()
+        .get("content-type")
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or("")
+        .to_owned()
+}
+
 /// Asserts a 400 problem+json response and returns its body.
 pub async fn assert_bad_request(response: reqwest::Response) -> Value {
     assert_eq!(
@@ -388,12 +398,7 @@ pub async fn assert_bad_request(response: reqwest::Response) -> Value {
         400,
         "expected 400 for a request-shape error"
     );
-    let content_type = response
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
+    let content_type = content_type(&response);
     assert!(
         content_type.starts_with("application/problem+json"),
         "content type was {content_type}"

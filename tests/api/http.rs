@@ -6,7 +6,9 @@ use production_lab::labs::http::HttpLab;
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
-use crate::helpers::{TestApp, assert_bad_request, client, poll_until, spawn_app, status_and_json};
+use crate::helpers::{
+    TestApp, assert_bad_request, client, content_type, poll_until, spawn_app, status_and_json,
+};
 
 /// The document row as stored: (body, version).
 fn document_row(app: &TestApp) -> (String, i64) {
@@ -611,12 +613,7 @@ async fn every_json_and_problem_answer_forbids_content_sniffing() {
             .await
             .expect("the request reaches the server");
         statuses.push(response.status().as_u16());
-        let content_type = response
-            .headers()
-            .get("content-type")
-            .and_then(|value| value.to_str().ok())
-            .unwrap_or("")
-            .to_owned();
+        let content_type = content_type(&response);
         assert!(
             content_type.starts_with("application/json")
                 || content_type.starts_with("application/problem+json"),

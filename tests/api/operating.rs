@@ -7,8 +7,8 @@ use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 use crate::helpers::{
-    Backend, ServerProcess, TestApp, client, command, poll_until, settings_dir, spawn_app,
-    spawn_app_on, status_and_json,
+    Backend, ServerProcess, TestApp, client, command, content_type, poll_until, settings_dir,
+    spawn_app, spawn_app_on, status_and_json,
 };
 
 // The inbox's figures come from `Inbox::health`, which each backend implements.
@@ -32,12 +32,7 @@ pub(crate) fn series(text: &str) -> BTreeMap<String, f64> {
 async fn scrape(app: &TestApp) -> (String, BTreeMap<String, f64>) {
     let response = app.get("/metrics").await;
     assert_eq!(response.status(), 200);
-    let content_type = response
-        .headers()
-        .get("content-type")
-        .and_then(|value| value.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
+    let content_type = content_type(&response);
     assert!(
         content_type.starts_with("text/plain; version=0.0.4"),
         "{content_type}"

@@ -87,6 +87,25 @@ async fn send_amount(
     status_and_json(request.send().await.expect("POST reaches the server")).await
 }
 
+/// A delivery of amount 1 to `acct` with the producer's token and a `Producer-Epoch` header
+/// spelled exactly `epoch`.
+async fn send_epoch_spelled(
+    app: &TestApp,
+    token: &str,
+    epoch: &str,
+    message_id: &str,
+    sequence: i64,
+) -> reqwest::Response {
+    app.client
+        .post(app.url("/aggregates/acct/messages"))
+        .bearer_auth(token)
+        .header("producer-epoch", epoch)
+        .json(&json!({"messageId": message_id, "sequence": sequence, "amount": 1}))
+        .send()
+        .await
+        .expect("POST reaches the server")
+}
+
 async fn get(app: &TestApp, path: &str) -> (u16, Value) {
     status_and_json(app.get(path).await).await
 }
@@ -184,15 +203,7 @@ async fn each_ownership_and_epoch_rule_answers_its_own_status_and_writes_nothing
         .unwrap();
     assert_eq!(bare.status(), 400);
     for malformed in ["two", "0", "-1", "1.5", ""] {
-        let response = app
-            .client
-            .post(app.url("/aggregates/acct/messages"))
-            .bearer_auth(&billing)
-            .header("producer-epoch", malformed)
-            .json(&json!({"messageId": "m-2", "sequence": 2, "amount": 1}))
-            .send()
-            .await
-            .unwrap();
+        let response = send_epoch_spelled(&app, &billing, malformed, "m-2", 2).await;
         assert_eq!(response.status(), 400, "{malformed:?}");
     }
     // Two Authorization headers are an ambiguous credential: 400, as for operators.
@@ -1071,15 +1082,7 @@ async fn an_epoch_with_a_sign_or_a_leading_zero_is_refused_on_the_http_door() {
     let (token, current) = producer_at_epoch(&app, "billing", 4).await;
     assert_eq!(current, 4);
     for spelling in NOT_HOW_A_SESSION_WRITES_4 {
-        let response = app
-            .client
-            .post(app.url("/aggregates/acct/messages"))
-            .bearer_auth(&token)
-            .header("producer-epoch", spelling)
-            .json(&json!({"messageId": "m-1", "sequence": 1, "amount": 1}))
-            .send()
-            .await
-            .expect("POST reaches the server");
+        let response = send_epoch_spelled(&app, &token, spelling, "m-1", 1).await;
         let problem = crate::helpers::assert_bad_request(response).await;
         assert!(
             problem["detail"]
@@ -1095,14 +1098,12 @@ async fn an_epoch_with_a_sign_or_a_leading_zero_is_refused_on_the_http_door() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_epoch_with_a_sign_or_a_leading_zero_is_a_malformed_message_on_the_broker_door() {
-    use lab_testkit::nats::NatsServer;
-    use production_lab::broker::{BrokerConfig, wire};
+    use crate::broker::{jetstream_of, publish_acked, spawn_consumer, start_nats};
+    use production_lab::broker::wire;
 
-    let nats = NatsServer::start(None).unwrap_or_else(|error| panic!("{error}"));
-    let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
-    broker.ack_wait = std::time::Duration::from_secs(5);
-    let app = crate::helpers::spawn_app_with(move |config| config.nats = Some(broker)).await;
-    let js = async_nats::jetstream::new(nats.connect().await.expect("connect to nats-server"));
+    let nats = start_nats(None);
+    let app = spawn_consumer(&nats, |_| {}).await;
+    let js = jetstream_of(&nats).await;
     let (token, current) = producer_at_epoch(&app, "billing", 4).await;
     let bearer = format!("Bearer {token}");
     let publish = |message_id: &str, epoch: &str| {
@@ -1111,18 +1112,11 @@ async fn an_epoch_with_a_sign_or_a_leading_zero_is_a_malformed_message_on_the_br
         headers.insert(wire::MESSAGE_ID_HEADER, nats_id.as_str());
         headers.insert(wire::AUTHORIZATION_HEADER, bearer.as_str());
         headers.insert(wire::PRODUCER_EPOCH_HEADER, epoch);
-        let body = json!({"messageId": message_id, "sequence": 1, "amount": 1});
+        let body = json!({"messageId": message_id, "sequence": 1, "amount": 1}).to_string();
+        let subject = wire::subject_for("ordered", "acct");
         let js = js.clone();
         async move {
-            js.publish_with_headers(
-                wire::subject_for("ordered", "acct"),
-                headers,
-                body.to_string().into(),
-            )
-            .await
-            .expect("publish")
-            .await
-            .expect("PubAck");
+            publish_acked(&js, subject, headers, body).await;
         }
     };
     for (index, spelling) in NOT_HOW_A_SESSION_WRITES_4.iter().enumerate() {

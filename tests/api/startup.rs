@@ -76,6 +76,43 @@ fn bad_arguments_are_one_line_with_a_hint() {
 }
 
 #[test]
+fn the_operator_and_producer_commands_each_describe_themselves_in_their_own_words() {
+    let help = |args: &[&str]| {
+        let output = command().args(args).arg("--help").output().unwrap();
+        assert!(output.status.success(), "{args:?}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let expected = [
+        (
+            "operator",
+            [
+                "add     Register an operator and print their new token once (only its hash is stored)",
+                "list    List operators with their created and revoked times (never tokens)",
+                "revoke  Revoke an operator: their token stops working at once",
+            ],
+            "<NAME>  1..64 letters, digits, '.', '_', '-' or '@'\n",
+        ),
+        (
+            "producer",
+            [
+                "add     Register a producer and print its new token once (only its hash is stored)",
+                "list    List producers with their created and revoked times (never tokens)",
+                "revoke  Revoke a producer: its token stops working at once, its deliveries get 401",
+            ],
+            "<NAME>  1..64 letters, digits, '.', '_', '-' or '@'; never reused after revocation\n",
+        ),
+    ];
+    for (registry, commands, add_name) in expected {
+        let listed = help(&[registry]);
+        for line in commands {
+            assert!(listed.contains(line), "{line}: {listed}");
+        }
+        let add = help(&[registry, "add"]);
+        assert!(add.contains(add_name), "{add}");
+    }
+}
+
+#[test]
 fn serve_refuses_to_bind_anything_but_loopback() {
     for url in ["http://0.0.0.0:0", "http://192.168.1.10:0", "http://[::]:0"] {
         let message = refused(&["--urls", url], Some("Development"));
