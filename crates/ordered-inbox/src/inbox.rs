@@ -176,7 +176,7 @@ pub trait Inbox: Send + Sync {
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError>;
 
     /// Appends entries to the rejected list (a broker consumer's own terminations), in one
-    /// transaction; the list keeps the newest [`crate::rejected::REJECTED_KEPT`].
+    /// transaction; the list keeps the newest [`crate::records::REJECTED_KEPT`].
     async fn record_rejected(&self, rejected: Vec<RejectedDelivery>) -> Result<(), InboxError>;
 
     /// The rejected list, oldest first: the consumer's terminations and the held messages the

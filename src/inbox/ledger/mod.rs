@@ -30,6 +30,11 @@ pub const NO_AMOUNT: &str = "no amount";
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Ledger;
 
+/// The payload the ledger reads: `{"Amount": amount}`.
+pub fn payload(amount: i64) -> Value {
+    json!({ "Amount": amount })
+}
+
 /// A message of `amount` for the ledger, as both doors and the broker's wire format build it.
 pub fn message(
     message_id: String,
@@ -41,7 +46,7 @@ pub fn message(
         message_id,
         aggregate_id,
         sequence,
-        payload: json!({ "Amount": amount }),
+        payload: payload(amount),
     }
 }
 

@@ -21,11 +21,11 @@ RETURNING total";
 const TOTAL: &str = "SELECT total FROM aggregate_state WHERE aggregate_id = ?1";
 
 /// `ordered_inbox.amount`, which the seed's readers (and the console) show, from the stored
-/// content the inbox writes: the inbox keeps the column but no longer fills it.
+/// content the inbox writes: the inbox keeps the column but no longer fills it. The content is
+/// the ledger's canonical JSON, whose `Amount` is a whole number.
 const AMOUNT_TRIGGER: &str = "
 CREATE TRIGGER IF NOT EXISTS ledger_amount AFTER INSERT ON ordered_inbox
-WHEN NEW.amount IS NULL AND json_valid(NEW.payload)
-     AND json_type(NEW.payload, '$.Amount') = 'integer'
+WHEN NEW.amount IS NULL
 BEGIN
     UPDATE ordered_inbox SET amount = json_extract(NEW.payload, '$.Amount')
      WHERE rowid = NEW.rowid;

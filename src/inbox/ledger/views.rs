@@ -10,6 +10,9 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use super::{amount_in, total_in};
+// The view's member descriptions name the inbox's bounds.
+#[cfg(doc)]
+use ordered_inbox::views::{HELD_SHOWN, OPEN_DEAD_LETTERS_SHOWN};
 
 /// An aggregate's current position.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]

@@ -144,13 +144,7 @@ impl ResolutionInput {
                 validate_message_id("replacement.messageId", &replacement.message_id)?;
                 Action::Replace {
                     message_id: replacement.message_id,
-                    payload: ledger::message(
-                        String::new(),
-                        String::new(),
-                        0,
-                        i64::from(replacement.amount),
-                    )
-                    .payload,
+                    payload: ledger::payload(i64::from(replacement.amount)),
                 }
             }
             ("replace", _) => {

@@ -1,6 +1,6 @@
 //! The PostgreSQL side of every write operation: lock, read the facts, let the core decide, run
 //! the application's handler at each applied message, write the decided changes, all in one
-//! transaction (see [`super::facts`] for the locks).
+//! transaction (see the `facts` module for the locks).
 //!
 //! Round trips: the statements of one phase are pipelined on the connection: BEGIN, the locks
 //! and the fact reads go out in one flight; the writes and COMMIT in the next. A delivery whose
