@@ -273,7 +273,7 @@ impl Stores {
     }
 }
 
-/// The labs' tables, then the inbox's, then the ledger's trigger beside them.
+/// The labs' tables, then the inbox's, then the ledger's column beside them.
 fn migrate_with_ledger(connection: &mut rusqlite::Connection) -> rusqlite::Result<()> {
     crate::store::schema::migrate(connection)?;
     crate::inbox::ledger::migrate_sqlite(connection)

@@ -3,9 +3,11 @@
 //! caller's unit of the writer (the single writer serializes every aggregate, and the facts and
 //! the writes see one snapshot).
 //!
-//! The handler seam: a plan that applies messages is written inside a savepoint. Before each
-//! applied message is recorded, the handler's `apply` runs on the same connection. A poison
-//! from `apply` rolls the plan back to the savepoint (the handler's partial writes with it) and
+//! The handler seam: before each applied message is recorded, the handler's `apply` runs on the
+//! same connection. A plan that applies messages is undone to its start when `apply` declares
+//! poison or fails (in the writer's bare attempt by sending the batch to its replay, where the
+//! plan runs in a savepoint of its own: see [`Guard`]). A poison
+//! from `apply` rolls the plan back (the handler's partial writes with it) and
 //! the core decides again with that message marked poison, so the quarantine is recorded exactly
 //! as a poison from `check` would be; a handler error rolls it back and fails this delivery
 //! alone (the rest of its unit, and of its group commit, stands). A plan that applies nothing
@@ -266,11 +268,11 @@ fn decided<P: Plan, R>(
                 return Ok(Run::Written(plan, report));
             }
             Ran::Poisoned(sequence, poison) => {
-                guard.undo()?;
+                guard.undo(REPLAY_FOR_POISON)?;
                 poisoned.push((sequence, poison));
             }
             Ran::Failed(error) => {
-                guard.undo()?;
+                guard.undo(REPLAY_FOR_FAILURE)?;
                 return Ok(Run::Failed(error));
             }
         }
@@ -342,41 +344,54 @@ fn apply(
     Ok(detail)
 }
 
-/// The savepoint a plan that applies messages is written in (`open` false: none was needed).
+/// Why a unit's bare attempt gives way to the writer's replay, where it runs in savepoints.
+const REPLAY_FOR_POISON: &str = "apply declared poison: the batch runs again with savepoints";
+const REPLAY_FOR_FAILURE: &str = "apply failed: the batch runs again with savepoints";
+
+/// The savepoint a plan that applies messages is written in (`open` false: none was taken).
+///
+/// Not in the writer's first, bare attempt of a batch ([`super::store::in_bare_attempt`]): there
+/// a plan is written without one, since nearly every `apply` succeeds and a savepoint
+/// per delivery costs SQLite a statement journal of every page the delivery first touches; a
+/// poison or a failure from `apply` there fails the unit, the writer rolls the attempt back and
+/// runs the batch again, and this time the plan's own savepoint undoes exactly its writes.
 struct Guard<'c> {
     connection: &'c Connection,
     open: bool,
 }
 
 impl<'c> Guard<'c> {
-    fn open(connection: &'c Connection, needed: bool) -> rusqlite::Result<Guard<'c>> {
-        if needed {
-            connection.execute_batch("SAVEPOINT handler")?;
+    fn open(connection: &'c Connection, applies: bool) -> rusqlite::Result<Guard<'c>> {
+        let open = applies && !super::store::in_bare_attempt();
+        if open {
+            connection
+                .prepare_cached("SAVEPOINT handler")?
+                .execute([])?;
         }
-        Ok(Guard {
-            connection,
-            open: needed,
-        })
+        Ok(Guard { connection, open })
     }
 
     fn keep(self) -> rusqlite::Result<()> {
         if self.open {
-            self.connection.execute_batch("RELEASE handler")?;
+            self.connection
+                .prepare_cached("RELEASE handler")?
+                .execute([])?;
         }
         Ok(())
     }
 
-    /// Rolls the plan's writes back. Without a savepoint the handler never ran, so there is
-    /// nothing it could have refused; were it to happen, the unit fails and the writer rolls it
-    /// back whole.
-    fn undo(self) -> Result<(), StoreError> {
+    /// Rolls the plan's writes back to its savepoint; without one (the bare attempt), fails the
+    /// unit with `replay`, so that the writer rolls the attempt back and runs it in savepoints.
+    fn undo(self, replay: &str) -> Result<(), StoreError> {
         if !self.open {
-            return Err(StoreError::Unavailable(
-                "a plan without a savepoint cannot be undone".to_owned(),
-            ));
+            return Err(StoreError::Unavailable(replay.to_owned()));
         }
         self.connection
-            .execute_batch("ROLLBACK TO handler; RELEASE handler")?;
+            .prepare_cached("ROLLBACK TO handler")?
+            .execute([])?;
+        self.connection
+            .prepare_cached("RELEASE handler")?
+            .execute([])?;
         Ok(())
     }
 }

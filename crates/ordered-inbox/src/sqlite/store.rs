@@ -14,6 +14,7 @@
 //! (`run_batch`). A savepoint around every unit cost about 7% of a delivery's instructions:
 //! SQLite copies each page the unit first touches into the statement journal.
 
+use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -502,7 +503,9 @@ fn run_batch(
         });
     }
     // `all` stops at the first failure: the units after it have not run yet.
+    let bare = BareAttempt::start();
     let replayed = !batch.iter_mut().all(|job| job.run(connection));
+    drop(bare);
     if replayed {
         stats.replayed.fetch_add(1, Ordering::Relaxed);
         if let Err(reason) = run_in_savepoints(connection, control, &mut batch) {
@@ -532,6 +535,36 @@ fn run_batch(
                 StoreError::Unavailable(format!("commit failed: {reason}"))
             });
         }
+    }
+}
+
+thread_local! {
+    /// Whether this writer thread is running a batch's first, bare attempt ([`run_batch`]).
+    static BARE_ATTEMPT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// True while the writer runs a batch's first attempt, every unit in the bare transaction. A unit
+/// that would take a savepoint of its own to undo part of its work (the handler seam does, around
+/// a plan whose `apply` may declare poison) need not then: any failure sends the whole batch to
+/// the replay ([`run_in_savepoints`]), where it may. Outside the writer's first attempt (its
+/// replay, or a caller running a unit on a connection of its own) this is false.
+pub(crate) fn in_bare_attempt() -> bool {
+    BARE_ATTEMPT.with(Cell::get)
+}
+
+/// Marks the writer thread as in a batch's bare attempt until dropped.
+struct BareAttempt;
+
+impl BareAttempt {
+    fn start() -> BareAttempt {
+        BARE_ATTEMPT.with(|bare| bare.set(true));
+        BareAttempt
+    }
+}
+
+impl Drop for BareAttempt {
+    fn drop(&mut self) {
+        BARE_ATTEMPT.with(|bare| bare.set(false));
     }
 }
 
