@@ -379,6 +379,15 @@ mod tests {
         SqliteInbox::with_handler(store, Limits::default(), Arc::new(Orders))
     }
 
+    /// Runs one statement on the order book's file through the writer (an outage begins or ends).
+    async fn execute(inbox: &SqliteInbox, sql: &'static str) {
+        inbox
+            .store()
+            .write(move |connection| connection.execute(sql, []).map_err(StoreError::from))
+            .await
+            .unwrap();
+    }
+
     async fn scalar(inbox: &SqliteInbox, sql: &'static str) -> i64 {
         inbox
             .store()
@@ -702,15 +711,7 @@ mod tests {
      {
         let dir = tempfile::tempdir().unwrap();
         let inbox = order_book(&dir.path().join("o.db"));
-        inbox
-            .store()
-            .write(|connection| {
-                connection
-                    .execute("INSERT INTO outage(aggregate_id) VALUES ('b')", [])
-                    .map_err(StoreError::from)
-            })
-            .await
-            .unwrap();
+        execute(&inbox, "INSERT INTO outage(aggregate_id) VALUES ('b')").await;
         let batch = |ids: [(&str, &str); 3]| {
             ids.map(|(id, aggregate)| {
                 BatchDelivery::anonymous(order(id, aggregate, 1, 2), Door::Broker)
@@ -750,15 +751,7 @@ mod tests {
         assert_eq!(inbox.counts("b".into()).await.unwrap().applied, 0);
         assert_eq!(scalar(&inbox, "SELECT COUNT(*) FROM orders").await, 2);
 
-        inbox
-            .store()
-            .write(|connection| {
-                connection
-                    .execute("DELETE FROM outage", [])
-                    .map_err(StoreError::from)
-            })
-            .await
-            .unwrap();
+        execute(&inbox, "DELETE FROM outage").await;
         let retried = inbox
             .deliver_batch(batch([("a-1", "a"), ("b-1", "b"), ("c-1", "c")]))
             .await
@@ -785,15 +778,7 @@ mod tests {
     async fn a_handler_error_fails_a_single_delivery_without_failing_its_group_commit() {
         let dir = tempfile::tempdir().unwrap();
         let inbox = order_book(&dir.path().join("g.db"));
-        inbox
-            .store()
-            .write(|connection| {
-                connection
-                    .execute("INSERT INTO outage(aggregate_id) VALUES ('b')", [])
-                    .map_err(StoreError::from)
-            })
-            .await
-            .unwrap();
+        execute(&inbox, "INSERT INTO outage(aggregate_id) VALUES ('b')").await;
         let (failed, applied) = tokio::join!(
             inbox.deliver(order("b-1", "b", 1, 1), Door::General),
             inbox.deliver(order("a-1", "a", 1, 1), Door::General),
