@@ -13,7 +13,9 @@
 //!   writes;
 //! - [`progress`]: progress of a long command on stderr;
 //! - [`mod@bench`]: the workloads of `production-lab bench` (ordered, PostgreSQL, stampede, broker,
-//!   relay) and their reports.
+//!   relay) and their reports;
+//! - [`simulate`]: the inbox run against a reference model under faults (`production-lab
+//!   simulate`), with crashes of a child process hosting it.
 //!
 //! A missing PostgreSQL or nats-server fails with a message naming the Debian package.
 
@@ -23,5 +25,6 @@ pub mod pg;
 pub mod process;
 pub mod progress;
 pub mod server;
+pub mod simulate;
 
 pub use server::Synchronous;

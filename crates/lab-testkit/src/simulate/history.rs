@@ -1,0 +1,138 @@
+//! Histories: what the simulator does to the inbox, a pure function of a seed. Small domains
+//! (a few aggregates, sequences 1..=8, three ids per sequence) so that ids, sequences, dead
+//! letters and held messages meet often.
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// Which door a delivery comes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DoorKind {
+    General,
+    Broker,
+}
+
+/// One delivery: a message of the simulator's handler (`{"v": value}`, poison when negative).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delivery {
+    pub door: DoorKind,
+    pub message_id: String,
+    pub aggregate_id: String,
+    pub sequence: i64,
+    pub value: i64,
+}
+
+/// Where a crash falls around one step's COMMIT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CrashPoint {
+    /// The process dies before the step is sent: nothing of it may be stored.
+    Before,
+    /// The step is sent and the process dies `after_micros` later, without waiting for the
+    /// answer: all of it or none of it may be stored (or a prefix of a batch, where the backend
+    /// commits each delivery of a batch alone).
+    During { after_micros: u16 },
+    /// The process dies right after the answer: all of it must be stored.
+    After,
+}
+
+/// One step of a history.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Step {
+    Deliver(Delivery),
+    /// Deliveries handed over together (a broker consumer's fetch): one commit.
+    Batch(Vec<Delivery>),
+    /// An operator resolves the aggregate's first open dead letter: a skip, or a replacement
+    /// with a new id; `stale`: with an `expectedLast` that is not the position.
+    Resolve {
+        aggregate_id: String,
+        replace: bool,
+        stale: bool,
+    },
+    /// The next step runs with the inbox's process killed at `point`, and the inbox reopened.
+    Crash(CrashPoint),
+}
+
+/// The shape of the histories a campaign draws.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub aggregates: usize,
+    pub steps: usize,
+    /// Whether the history may kill the inbox's process (the runner must host it in a child).
+    pub crashes: bool,
+}
+
+impl Default for Shape {
+    fn default() -> Self {
+        Shape {
+            aggregates: 2,
+            steps: 40,
+            crashes: false,
+        }
+    }
+}
+
+/// The aggregate ids of a history (the runner puts a namespace in front of every id, so that
+/// several histories can share one database).
+pub fn aggregate_ids(shape: &Shape) -> Vec<String> {
+    (0..shape.aggregates)
+        .map(|index| char::from(b'a' + (index % 26) as u8).to_string())
+        .collect()
+}
+
+/// The history of `seed`.
+pub fn generate(seed: u64, shape: &Shape) -> Vec<Step> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let aggregates = aggregate_ids(shape);
+    let door = if rng.random_bool(0.5) {
+        DoorKind::General
+    } else {
+        DoorKind::Broker
+    };
+    let mut steps = Vec::with_capacity(shape.steps);
+    while steps.len() < shape.steps {
+        let roll = rng.random_range(0..100);
+        let step = match roll {
+            0..=64 => Step::Deliver(delivery(&mut rng, &aggregates, door)),
+            65..=79 => Step::Batch(
+                (0..rng.random_range(2..6))
+                    .map(|_| delivery(&mut rng, &aggregates, door))
+                    .collect(),
+            ),
+            80..=94 => Step::Resolve {
+                aggregate_id: aggregates[rng.random_range(0..aggregates.len())].clone(),
+                replace: rng.random_bool(0.5),
+                stale: rng.random_bool(0.25),
+            },
+            _ if shape.crashes => Step::Crash(match rng.random_range(0..3) {
+                0 => CrashPoint::Before,
+                1 => CrashPoint::During {
+                    after_micros: rng.random_range(0..3000),
+                },
+                _ => CrashPoint::After,
+            }),
+            _ => continue,
+        };
+        steps.push(step);
+    }
+    steps
+}
+
+fn delivery(rng: &mut StdRng, aggregates: &[String], door: DoorKind) -> Delivery {
+    let aggregate_id = aggregates[rng.random_range(0..aggregates.len())].clone();
+    let sequence = rng.random_range(1..=8i64);
+    let variant = rng.random_range(0..3u8);
+    // Variant 2 of every sequence is poison; a tampered delivery reuses an id with other content.
+    let value = match (variant, rng.random_bool(0.08)) {
+        (_, true) => 7,
+        (2, false) => -1,
+        (variant, false) => i64::from(variant) + 1,
+    };
+    Delivery {
+        door,
+        message_id: format!("{aggregate_id}-{sequence}-{variant}"),
+        aggregate_id,
+        sequence,
+        value,
+    }
+}

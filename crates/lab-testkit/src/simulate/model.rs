@@ -1,0 +1,272 @@
+//! The reference model: the inbox's observable rules written out once, plainly, sharing no code
+//! with the library's decisions. Per message id: what it was recorded as, with its aggregate,
+//! sequence and value (identity is global and never changes meaning). Per aggregate: the last
+//! applied sequence, what applied in order, the open dead letters and the held messages.
+//!
+//! The rules, in the order they are asked:
+//! 1. A known id with the same aggregate, sequence and value: an applied one is a replay, a
+//!    dead letter is quarantined again, a held one is held again. With other content: a payload
+//!    conflict.
+//! 2. A new id behind the position is stale. Ahead of it: a gap on the general door; on the
+//!    broker door it is held, unless another id is held at that sequence (stale: the first
+//!    held wins).
+//! 3. At the expected sequence: a negative value is quarantined (a new open dead letter, the
+//!    position stays); any other applies, supersedes the open dead letters there, and then the
+//!    held messages that are next apply (or the first poison among them is quarantined).
+//! 4. An operator resolves an open dead letter at the expected sequence only, and only when
+//!    `expectedLast` is the position: a skip takes the sequence with no effect, a replacement
+//!    applies a new id there; either supersedes the others there and drains the held ones.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::history::{Delivery, DoorKind};
+
+/// A verdict, as the model and the inbox both give it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Verdict {
+    Applied(i64),
+    Replay,
+    Conflict,
+    Gap(i64),
+    Stale(i64),
+    Quarantined(i64),
+    Held {
+        repeated: bool,
+    },
+    Full,
+    /// (a resolution) resolved, or refused.
+    Resolved,
+    Refused,
+}
+
+/// What is stored of one aggregate, as the model and the inbox both show it: the position, the
+/// held sequences, the open dead letters (ids, sorted) and the applied messages in order (with
+/// the handler's own row of each).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stored {
+    pub last: i64,
+    pub held: Vec<i64>,
+    pub open: Vec<String>,
+    pub applied: Vec<(i64, String)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Applied,
+    DeadLetter,
+    Held,
+}
+
+#[derive(Debug, Clone)]
+struct Known {
+    kind: Kind,
+    aggregate: String,
+    sequence: i64,
+    value: i64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Aggregate {
+    last: i64,
+    applied: Vec<(i64, String)>,
+    /// Open dead letters: id and sequence.
+    open: BTreeMap<String, i64>,
+    /// Held messages by sequence: id and value.
+    held: BTreeMap<i64, (String, i64)>,
+}
+
+/// The model's state. Cloned to keep the states a crash may leave.
+#[derive(Debug, Clone, Default)]
+pub struct Model {
+    known: BTreeMap<String, Known>,
+    aggregates: BTreeMap<String, Aggregate>,
+}
+
+/// The operator's resolution of an aggregate's first open dead letter, as the model chose it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resolution {
+    pub aggregate_id: String,
+    pub dead_letter_id: String,
+    /// The replacement's id and value; `None`: a skip.
+    pub replacement: Option<(String, i64)>,
+    pub expected_last: i64,
+}
+
+impl Model {
+    pub fn deliver(&mut self, delivery: &Delivery) -> Verdict {
+        let id = &delivery.message_id;
+        let expected = self.expected(&delivery.aggregate_id);
+        if let Some(known) = self.known.get(id) {
+            let same = known.aggregate == delivery.aggregate_id
+                && known.sequence == delivery.sequence
+                && known.value == delivery.value;
+            return match (same, known.kind) {
+                (false, _) => Verdict::Conflict,
+                (true, Kind::Applied) => Verdict::Replay,
+                (true, Kind::DeadLetter) => Verdict::Quarantined(expected),
+                (true, Kind::Held) => Verdict::Held { repeated: true },
+            };
+        }
+        if delivery.sequence < expected {
+            return Verdict::Stale(expected);
+        }
+        if delivery.sequence > expected {
+            return match delivery.door {
+                DoorKind::General => Verdict::Gap(expected),
+                DoorKind::Broker => self.hold(delivery, expected),
+            };
+        }
+        if delivery.value < 0 {
+            self.quarantine(
+                &delivery.aggregate_id,
+                id,
+                delivery.sequence,
+                delivery.value,
+            );
+            return Verdict::Quarantined(expected);
+        }
+        self.apply(
+            &delivery.aggregate_id,
+            id,
+            delivery.sequence,
+            delivery.value,
+        );
+        self.drain(&delivery.aggregate_id);
+        Verdict::Applied(delivery.sequence)
+    }
+
+    /// The resolution an operator asks for: the aggregate's first open dead letter (or one that
+    /// does not exist when none is open), with the position as `expectedLast` or, `stale`, not.
+    pub fn resolution(
+        &self,
+        aggregate_id: &str,
+        replacement: Option<(String, i64)>,
+        stale: bool,
+        missing_id: String,
+    ) -> Resolution {
+        let state = self.aggregates.get(aggregate_id);
+        let last = state.map_or(0, |a| a.last);
+        let target = state.and_then(|a| a.open.keys().next().cloned());
+        Resolution {
+            aggregate_id: aggregate_id.to_owned(),
+            dead_letter_id: target.unwrap_or(missing_id),
+            replacement,
+            expected_last: if stale { last + 1 } else { last },
+        }
+    }
+
+    /// Resolves as the inbox must: only an open dead letter at the expected sequence, only when
+    /// `expectedLast` is the position, and a replacement only under a new id and with a value
+    /// that is not poison.
+    pub fn resolve(&mut self, resolution: &Resolution) -> Verdict {
+        let Some(state) = self.aggregates.get(&resolution.aggregate_id) else {
+            return Verdict::Refused;
+        };
+        let Some(&sequence) = state.open.get(&resolution.dead_letter_id) else {
+            return Verdict::Refused;
+        };
+        if resolution.expected_last != state.last || sequence != state.last + 1 {
+            return Verdict::Refused;
+        }
+        let aggregate_id = resolution.aggregate_id.clone();
+        match &resolution.replacement {
+            Some((id, _)) if self.known.contains_key(id) => return Verdict::Refused,
+            Some((_, value)) if *value < 0 => return Verdict::Refused,
+            Some((id, value)) => self.apply(&aggregate_id, id, sequence, *value),
+            None => self.take(&aggregate_id, sequence),
+        }
+        self.drain(&aggregate_id);
+        Verdict::Resolved
+    }
+
+    /// What is stored of the aggregate.
+    pub fn stored(&self, aggregate_id: &str) -> Stored {
+        match self.aggregates.get(aggregate_id) {
+            Some(a) => Stored {
+                last: a.last,
+                held: a.held.keys().copied().collect(),
+                open: a.open.keys().cloned().collect(),
+                applied: a.applied.clone(),
+            },
+            None => Stored::default(),
+        }
+    }
+
+    fn expected(&self, aggregate_id: &str) -> i64 {
+        self.aggregates.get(aggregate_id).map_or(0, |a| a.last) + 1
+    }
+
+    fn hold(&mut self, delivery: &Delivery, expected: i64) -> Verdict {
+        let state = self
+            .aggregates
+            .entry(delivery.aggregate_id.clone())
+            .or_default();
+        if state.held.contains_key(&delivery.sequence) {
+            return Verdict::Stale(expected);
+        }
+        state.held.insert(
+            delivery.sequence,
+            (delivery.message_id.clone(), delivery.value),
+        );
+        self.record(
+            Kind::Held,
+            &delivery.aggregate_id,
+            &delivery.message_id,
+            delivery.sequence,
+            delivery.value,
+        );
+        Verdict::Held { repeated: false }
+    }
+
+    fn record(&mut self, kind: Kind, aggregate_id: &str, id: &str, sequence: i64, value: i64) {
+        self.known.insert(
+            id.to_owned(),
+            Known {
+                kind,
+                aggregate: aggregate_id.to_owned(),
+                sequence,
+                value,
+            },
+        );
+    }
+
+    fn quarantine(&mut self, aggregate_id: &str, id: &str, sequence: i64, value: i64) {
+        let state = self.aggregates.entry(aggregate_id.to_owned()).or_default();
+        state.open.insert(id.to_owned(), sequence);
+        self.record(Kind::DeadLetter, aggregate_id, id, sequence, value);
+    }
+
+    /// Applies `id` at `sequence` (the expected one).
+    fn apply(&mut self, aggregate_id: &str, id: &str, sequence: i64, value: i64) {
+        self.take(aggregate_id, sequence);
+        let state = self.aggregates.entry(aggregate_id.to_owned()).or_default();
+        state.applied.push((sequence, id.to_owned()));
+        self.record(Kind::Applied, aggregate_id, id, sequence, value);
+    }
+
+    /// Moves the position to `sequence`; the open dead letters there are superseded.
+    fn take(&mut self, aggregate_id: &str, sequence: i64) {
+        let state = self.aggregates.entry(aggregate_id.to_owned()).or_default();
+        state.last = sequence;
+        state.open.retain(|_, at| *at != sequence);
+    }
+
+    /// Applies the held messages that are next, in order; a poison among them is quarantined
+    /// and stops the drain.
+    fn drain(&mut self, aggregate_id: &str) {
+        loop {
+            let state = self.aggregates.entry(aggregate_id.to_owned()).or_default();
+            let next = state.last + 1;
+            let Some((id, value)) = state.held.remove(&next) else {
+                return;
+            };
+            if value < 0 {
+                self.quarantine(aggregate_id, &id, next, value);
+                return;
+            }
+            self.apply(aggregate_id, &id, next, value);
+        }
+    }
+}

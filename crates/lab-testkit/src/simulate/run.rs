@@ -1,0 +1,250 @@
+//! One history against the real inbox and the model, step by step: the same command to both,
+//! the verdicts compared, then what the inbox stores of the aggregates the step touched; after a
+//! crash, everything it stores, against the states the model allows (what was acknowledged, and
+//! the step in flight committed or not).
+
+use std::fmt;
+
+use super::history::{CrashPoint, Delivery, Step};
+use super::host::Hosted;
+use super::model::{Model, Stored, Verdict};
+use super::system::{Command, Direct};
+
+/// The inbox a history runs against.
+pub enum System {
+    /// In this process: no crash can be injected.
+    Direct(Direct),
+    /// In a child process, killed and restarted at each crash step.
+    Hosted(Box<Hosted>),
+}
+
+impl System {
+    async fn run(&mut self, command: &Command) -> Result<Vec<Verdict>, String> {
+        match self {
+            System::Direct(direct) => direct.run(command).await,
+            System::Hosted(hosted) => hosted.run(command).await,
+        }
+    }
+
+    async fn stored(&mut self, aggregate_id: &str) -> Result<Stored, String> {
+        match self {
+            System::Direct(direct) => direct.stored(aggregate_id).await,
+            System::Hosted(hosted) => hosted.stored(aggregate_id).await,
+        }
+    }
+
+    pub async fn close(self) -> Result<(), String> {
+        match self {
+            System::Direct(direct) => {
+                direct.close().await;
+                Ok(())
+            }
+            System::Hosted(hosted) => (*hosted).stop().await,
+        }
+    }
+}
+
+/// Where and how the inbox and the model parted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Divergence {
+    pub step: usize,
+    pub what: String,
+}
+
+impl fmt::Display for Divergence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "step {}: {}", self.step, self.what)
+    }
+}
+
+/// What a history did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ran {
+    pub steps: u64,
+    pub crashes: u64,
+}
+
+/// How a history runs: the namespace in front of its ids, and whether a batch commits as one
+/// (SQLite) or delivery by delivery (PostgreSQL), which decides what a crash may leave.
+#[derive(Debug, Clone)]
+pub struct Runner {
+    pub namespace: String,
+    pub atomic_batches: bool,
+    pub aggregates: Vec<String>,
+}
+
+impl Runner {
+    pub async fn run(&self, system: &mut System, history: &[Step]) -> Result<Ran, Divergence> {
+        let mut model = Model::default();
+        let mut crash = None;
+        let mut ran = Ran::default();
+        for (index, step) in history.iter().enumerate() {
+            if let Step::Crash(point) = step {
+                crash = Some(*point);
+                continue;
+            }
+            let command = self.command(&model, step, index);
+            let failed = |what: String| Divergence { step: index, what };
+            ran.steps += 1;
+            match crash.take() {
+                None => self
+                    .step(system, &mut model, &command)
+                    .await
+                    .map_err(failed)?,
+                Some(point) => {
+                    ran.crashes += 1;
+                    self.crash(system, &mut model, &command, point)
+                        .await
+                        .map_err(failed)?;
+                }
+            }
+        }
+        Ok(ran)
+    }
+
+    /// The command of `step`, with the namespace in front of every id; a resolution names the
+    /// dead letter the model's operator would pick.
+    fn command(&self, model: &Model, step: &Step, index: usize) -> Command {
+        match step {
+            Step::Deliver(delivery) => Command::Deliver(self.named(delivery)),
+            Step::Batch(deliveries) => {
+                Command::Batch(deliveries.iter().map(|d| self.named(d)).collect())
+            }
+            Step::Resolve {
+                aggregate_id,
+                replace,
+                stale,
+            } => {
+                let replacement = replace.then(|| (self.id(&format!("r-{index}")), 5));
+                Command::Resolve(model.resolution(
+                    &self.id(aggregate_id),
+                    replacement,
+                    *stale,
+                    self.id(&format!("none-{index}")),
+                ))
+            }
+            Step::Crash(_) => unreachable!("a crash is not a command"),
+        }
+    }
+
+    fn id(&self, id: &str) -> String {
+        format!("{}{id}", self.namespace)
+    }
+
+    fn named(&self, delivery: &Delivery) -> Delivery {
+        Delivery {
+            message_id: self.id(&delivery.message_id),
+            aggregate_id: self.id(&delivery.aggregate_id),
+            ..delivery.clone()
+        }
+    }
+
+    async fn step(
+        &self,
+        system: &mut System,
+        model: &mut Model,
+        command: &Command,
+    ) -> Result<(), String> {
+        let real = system.run(command).await?;
+        let expected = decide(model, command);
+        if real != expected {
+            return Err(format!(
+                "{command:?}: the inbox answered {real:?}, the model {expected:?}"
+            ));
+        }
+        for aggregate_id in touched(command) {
+            let stored = system.stored(&aggregate_id).await?;
+            let modelled = model.stored(&aggregate_id);
+            if stored != modelled {
+                return Err(format!(
+                    "after {command:?}, {aggregate_id} stores {stored:?}, the model {modelled:?}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    async fn crash(
+        &self,
+        system: &mut System,
+        model: &mut Model,
+        command: &Command,
+        point: CrashPoint,
+    ) -> Result<(), String> {
+        let System::Hosted(hosted) = system else {
+            return Err("a crash needs the inbox in a child process".to_owned());
+        };
+        let candidates = self.candidates(model, command, point);
+        let answered = hosted.crash(command, point).await?;
+        if let Some(real) = answered {
+            let expected = decide(&mut model.clone(), command);
+            if real != expected {
+                return Err(format!(
+                    "{command:?} before a crash: the inbox answered {real:?}, the model {expected:?}"
+                ));
+            }
+        }
+        let mut stored = Vec::new();
+        for aggregate_id in self.aggregates.iter().map(|a| self.id(a)) {
+            stored.push(system.stored(&aggregate_id).await?);
+        }
+        let matches = |candidate: &Model| {
+            self.aggregates
+                .iter()
+                .zip(&stored)
+                .all(|(a, stored)| candidate.stored(&self.id(a)) == *stored)
+        };
+        match candidates.into_iter().find(matches) {
+            Some(candidate) => {
+                *model = candidate;
+                Ok(())
+            }
+            None => Err(format!(
+                "after a crash {point:?} around {command:?}, the inbox stores {stored:?}, which is \
+                 not a state of what was acknowledged (with the step in flight or without it)"
+            )),
+        }
+    }
+
+    /// The model states a crash at `point` around `command` may leave.
+    fn candidates(&self, model: &Model, command: &Command, point: CrashPoint) -> Vec<Model> {
+        let mut done = model.clone();
+        decide(&mut done, command);
+        match point {
+            CrashPoint::Before => vec![model.clone()],
+            CrashPoint::After => vec![done],
+            CrashPoint::During { .. } => match command {
+                Command::Batch(deliveries) if !self.atomic_batches => (0..=deliveries.len())
+                    .map(|prefix| {
+                        let mut partial = model.clone();
+                        for delivery in &deliveries[..prefix] {
+                            partial.deliver(delivery);
+                        }
+                        partial
+                    })
+                    .collect(),
+                _ => vec![model.clone(), done],
+            },
+        }
+    }
+}
+
+/// The model's verdicts on `command`, which it applies to itself.
+fn decide(model: &mut Model, command: &Command) -> Vec<Verdict> {
+    match command {
+        Command::Deliver(delivery) => vec![model.deliver(delivery)],
+        Command::Batch(deliveries) => deliveries.iter().map(|d| model.deliver(d)).collect(),
+        Command::Resolve(resolution) => vec![model.resolve(resolution)],
+    }
+}
+
+fn touched(command: &Command) -> Vec<String> {
+    let mut aggregates: Vec<String> = match command {
+        Command::Deliver(delivery) => vec![delivery.aggregate_id.clone()],
+        Command::Batch(deliveries) => deliveries.iter().map(|d| d.aggregate_id.clone()).collect(),
+        Command::Resolve(resolution) => vec![resolution.aggregate_id.clone()],
+    };
+    aggregates.sort();
+    aggregates.dedup();
+    aggregates
+}

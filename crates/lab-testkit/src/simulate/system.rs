@@ -1,0 +1,347 @@
+//! The inbox under test: the real library on a real store (a SQLite file, or a PostgreSQL
+//! database), with the simulator's handler, which writes a row of its own for every message it
+//! applies (`sim_effects`), so that a lost, doubled or uncommitted apply shows.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ordered_inbox::postgres::{PostgresHandler, PostgresInbox, Target};
+use ordered_inbox::resolution::{Action, Mode, ResolutionError, ResolutionRequest};
+use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, Store, Synchronous, schema};
+use ordered_inbox::views::PageRequest;
+use ordered_inbox::{
+    ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, Limits, OrderedMessage, Outcome,
+    Poison,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::history::{Delivery, DoorKind};
+use super::model::{Resolution, Stored, Verdict};
+
+/// The operator every simulated resolution is made by.
+pub const OPERATOR: &str = "simulator";
+
+/// What one step sends to the inbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    Deliver(Delivery),
+    Batch(Vec<Delivery>),
+    Resolve(Resolution),
+}
+
+/// Where the inbox keeps its state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Backend {
+    Sqlite(PathBuf),
+    Postgres(String),
+}
+
+/// The simulator's handler: a negative `v` is poison; applying writes one row of its own.
+pub struct Effects;
+
+const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sim_effects(
+    message_id TEXT NOT NULL, aggregate_id TEXT NOT NULL, sequence BIGINT NOT NULL)";
+const EFFECTS_INDEX: &str =
+    "CREATE INDEX IF NOT EXISTS ix_sim_effects ON sim_effects(aggregate_id, sequence)";
+
+impl Check for Effects {
+    fn check(&self, message: &OrderedMessage) -> Result<(), Poison> {
+        match message.payload["v"].as_i64() {
+            Some(value) if value >= 0 => Ok(()),
+            _ => Err(Poison::new("negative value")),
+        }
+    }
+}
+
+impl SqliteHandler for Effects {
+    fn apply(
+        &self,
+        connection: &rusqlite::Connection,
+        message: &OrderedMessage,
+    ) -> Result<ApplyOutcome, HandlerError> {
+        connection
+            .prepare_cached(
+                "INSERT INTO sim_effects(message_id, aggregate_id, sequence) VALUES (?1, ?2, ?3)",
+            )?
+            .execute((&message.message_id, &message.aggregate_id, message.sequence))?;
+        Ok(ApplyOutcome::applied())
+    }
+}
+
+#[async_trait]
+impl PostgresHandler for Effects {
+    async fn apply(
+        &self,
+        client: &tokio_postgres::Client,
+        message: &OrderedMessage,
+    ) -> Result<ApplyOutcome, HandlerError> {
+        client
+            .execute(
+                "INSERT INTO sim_effects(message_id, aggregate_id, sequence) VALUES ($1, $2, $3)",
+                &[
+                    &message.message_id,
+                    &message.aggregate_id,
+                    &message.sequence,
+                ],
+            )
+            .await?;
+        Ok(ApplyOutcome::applied())
+    }
+}
+
+/// The real inbox, opened on `backend`, and a way to read the handler's rows.
+pub struct Direct {
+    inbox: Arc<dyn Inbox>,
+    effects: EffectsReader,
+    shutdown: Shutdown,
+}
+
+enum EffectsReader {
+    /// Behind a mutex so that the inbox can be shared by a task that awaits.
+    Sqlite(std::sync::Mutex<rusqlite::Connection>),
+    Postgres(Box<PostgresInbox>),
+}
+
+enum Shutdown {
+    Sqlite(SqliteInbox),
+    Postgres,
+}
+
+impl Direct {
+    /// Opens the inbox on `backend`, creating its schema, the handler's table and the operator
+    /// when they do not exist yet.
+    pub async fn open(backend: &Backend) -> Result<Direct, String> {
+        match backend {
+            Backend::Sqlite(path) => open_sqlite(path),
+            Backend::Postgres(url) => open_postgres(url).await,
+        }
+    }
+
+    pub async fn run(&mut self, command: &Command) -> Result<Vec<Verdict>, String> {
+        match command {
+            Command::Deliver(delivery) => {
+                let (message, door) = message_of(delivery);
+                let outcome = self
+                    .inbox
+                    .deliver(message, door)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(vec![verdict_of(&outcome)])
+            }
+            Command::Batch(deliveries) => self.batch(deliveries).await,
+            Command::Resolve(resolution) => self.resolve(resolution).await.map(|v| vec![v]),
+        }
+    }
+
+    async fn batch(&mut self, deliveries: &[Delivery]) -> Result<Vec<Verdict>, String> {
+        let batch = deliveries
+            .iter()
+            .map(|delivery| {
+                let (message, door) = message_of(delivery);
+                BatchDelivery::anonymous(message, door)
+            })
+            .collect();
+        let answers = self
+            .inbox
+            .deliver_batch(batch)
+            .await
+            .map_err(|e| e.to_string())?;
+        answers
+            .into_iter()
+            .map(|answer| match answer {
+                Ok(outcome) => Ok(verdict_of(&outcome)),
+                Err(undelivered) => Err(format!("undelivered: {undelivered:?}")),
+            })
+            .collect()
+    }
+
+    async fn resolve(&mut self, resolution: &Resolution) -> Result<Verdict, String> {
+        let action = match &resolution.replacement {
+            Some((message_id, value)) => Action::Replace {
+                message_id: message_id.clone(),
+                payload: json!({ "v": value }),
+            },
+            None => Action::Skip,
+        };
+        let request = ResolutionRequest {
+            producer: None,
+            dead_letter_id: resolution.dead_letter_id.clone(),
+            operator: OPERATOR.to_owned(),
+            action,
+            expected_last: resolution.expected_last,
+            reason: "simulated operator".to_owned(),
+        };
+        match self.inbox.resolve(request, Mode::Commit).await {
+            Ok(_) => Ok(Verdict::Resolved),
+            Err(ResolutionError::Store(error)) => Err(error.to_string()),
+            Err(_) => Ok(Verdict::Refused),
+        }
+    }
+
+    /// What the inbox stores of the aggregate: its view, its applied messages and the
+    /// handler's rows, which must be the same messages.
+    pub async fn stored(&mut self, aggregate_id: &str) -> Result<Stored, String> {
+        let view = self
+            .inbox
+            .aggregate(aggregate_id.to_owned())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut stored = match view {
+            Some(view) => {
+                let mut open: Vec<String> = view
+                    .open_dead_letters
+                    .iter()
+                    .map(|d| d.message_id.clone())
+                    .collect();
+                open.sort();
+                Stored {
+                    last: view.summary.last,
+                    held: view.held_sequences,
+                    open,
+                    applied: Vec::new(),
+                }
+            }
+            None => Stored::default(),
+        };
+        stored.applied = self.applied(aggregate_id).await?;
+        let effects = self.effects(aggregate_id).await?;
+        if effects != stored.applied {
+            return Err(format!(
+                "the handler's rows {effects:?} are not the inbox's applied messages {:?}",
+                stored.applied
+            ));
+        }
+        Ok(stored)
+    }
+
+    async fn applied(&self, aggregate_id: &str) -> Result<Vec<(i64, String)>, String> {
+        let mut applied = Vec::new();
+        let mut after = 0;
+        loop {
+            let page = self
+                .inbox
+                .applied_messages(aggregate_id.to_owned(), PageRequest { after, limit: 1000 })
+                .await
+                .map_err(|e| e.to_string())?;
+            applied.extend(
+                page.items
+                    .into_iter()
+                    .map(|m| (m.sequence.unwrap_or_default(), m.message_id)),
+            );
+            match page.next {
+                Some(next) => after = next,
+                None => return Ok(applied),
+            }
+        }
+    }
+
+    async fn effects(&self, aggregate_id: &str) -> Result<Vec<(i64, String)>, String> {
+        const ROWS: &str = "SELECT sequence, message_id FROM sim_effects WHERE aggregate_id = ";
+        match &self.effects {
+            EffectsReader::Sqlite(connection) => {
+                let connection = connection
+                    .lock()
+                    .map_err(|_| "the effects reader was poisoned".to_owned())?;
+                let mut statement = connection
+                    .prepare_cached(&format!("{ROWS}?1 ORDER BY sequence, rowid"))
+                    .map_err(|e| e.to_string())?;
+                let rows = statement
+                    .query_map([aggregate_id], |row| Ok((row.get(0)?, row.get(1)?)))
+                    .map_err(|e| e.to_string())?;
+                rows.collect::<Result<_, _>>().map_err(|e| e.to_string())
+            }
+            EffectsReader::Postgres(inbox) => {
+                let client = inbox.pool().get().await.map_err(|e| e.to_string())?;
+                let rows = client
+                    .query(
+                        &format!("{ROWS}$1 ORDER BY sequence, ctid"),
+                        &[&aggregate_id],
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
+            }
+        }
+    }
+
+    /// Stops the inbox's writer (a clean close; a crash is a killed process instead).
+    pub async fn close(self) {
+        if let Shutdown::Sqlite(inbox) = self.shutdown {
+            inbox.shutdown().await;
+        }
+    }
+}
+
+fn open_sqlite(path: &Path) -> Result<Direct, String> {
+    let fresh = !path.exists();
+    let store = Store::open(path, Synchronous::Normal, |connection| {
+        schema::migrate(connection)?;
+        connection.execute_batch(&format!("{EFFECTS_TABLE}; {EFFECTS_INDEX};"))
+    })
+    .map_err(|e| e.to_string())?;
+    if fresh {
+        ordered_inbox::sqlite::operators::add(path, OPERATOR).map_err(|e| e.to_string())?;
+    }
+    let inbox = SqliteInbox::with_handler(store, Limits::default(), Arc::new(Effects));
+    let reader = rusqlite::Connection::open(path).map_err(|e| e.to_string())?;
+    Ok(Direct {
+        inbox: Arc::new(inbox.clone()),
+        effects: EffectsReader::Sqlite(std::sync::Mutex::new(reader)),
+        shutdown: Shutdown::Sqlite(inbox),
+    })
+}
+
+async fn open_postgres(url: &str) -> Result<Direct, String> {
+    let target = Target::parse(url).map_err(|e| e.to_string())?;
+    let inbox = PostgresInbox::open_with_handler(target, Limits::default(), Arc::new(Effects))
+        .await
+        .map_err(|e| e.to_string())?;
+    let client = inbox.pool().get().await.map_err(|e| e.to_string())?;
+    client
+        .batch_execute(&format!(
+            "SELECT pg_advisory_xact_lock(hashtext('simulator'));
+             {EFFECTS_TABLE}; {EFFECTS_INDEX};"
+        ))
+        .await
+        .map_err(|e| e.to_string())?;
+    drop(client);
+    // An operator added by an earlier run (or another worker) stays: adding it again is refused.
+    let _ = ordered_inbox::postgres::operators::add(url, OPERATOR).await;
+    Ok(Direct {
+        inbox: Arc::new(inbox.clone()),
+        effects: EffectsReader::Postgres(Box::new(inbox)),
+        shutdown: Shutdown::Postgres,
+    })
+}
+
+fn message_of(delivery: &Delivery) -> (OrderedMessage, Door) {
+    let message = OrderedMessage {
+        message_id: delivery.message_id.clone(),
+        aggregate_id: delivery.aggregate_id.clone(),
+        sequence: delivery.sequence,
+        payload: json!({ "v": delivery.value }),
+    };
+    let door = match delivery.door {
+        DoorKind::General => Door::General,
+        DoorKind::Broker => Door::Broker,
+    };
+    (message, door)
+}
+
+/// What the real inbox answered, in the model's words.
+pub fn verdict_of(outcome: &Outcome) -> Verdict {
+    match outcome {
+        Outcome::Applied { sequence, .. } => Verdict::Applied(*sequence),
+        Outcome::Replay { .. } => Verdict::Replay,
+        Outcome::PayloadConflict => Verdict::Conflict,
+        Outcome::Gap { expected } => Verdict::Gap(*expected),
+        Outcome::Stale { expected } => Verdict::Stale(*expected),
+        Outcome::Quarantined { expected, .. } => Verdict::Quarantined(*expected),
+        Outcome::Held { repeated, .. } => Verdict::Held {
+            repeated: *repeated,
+        },
+        Outcome::QuarantineFull { .. } | Outcome::HoldFull { .. } => Verdict::Full,
+    }
+}
