@@ -46,7 +46,7 @@ async fn a_thousand_seeded_histories_on_sqlite_agree_with_the_model_through_cras
     .await
     .expect("the campaign ran");
     clean(&report);
-    assert_eq!(report.seeds, 1000);
+    assert_eq!(report.seeds_run, 1000);
     assert!(report.crashes >= 50, "crashes were injected: {report:?}");
     assert!(
         report.faults.poison > 1000 && report.faults.stale_resolutions > 100,

@@ -511,6 +511,16 @@ impl Delivery<'_> {
         if self.status() != Some(AggregateStatus::Blocked) {
             changes.push(self.put_status(AggregateStatus::Blocked));
         }
+        if crate::planted::active(crate::planted::Bug::AdvanceOnQuarantine) {
+            changes.push(Change::PutAggregate {
+                aggregate_id: self.message.aggregate_id.clone(),
+                row: AggregateRow {
+                    last: expected,
+                    status: AggregateStatus::Flowing,
+                    since: Some(self.now.to_owned()),
+                },
+            });
+        }
         // The classroom door may deliver a quarantined id again (its identity rule only knows
         // applied messages); like the seed it keeps one row, counting the repeat if the content
         // matches.
@@ -765,6 +775,9 @@ fn still_held<'a>(
     let refusal = admit(None, &ownership).err();
     let mut ordered: Vec<&HeldMessage> = held.iter().collect();
     ordered.sort_by_key(|held| held.message.sequence);
+    if crate::planted::active(crate::planted::Bug::DrainOutOfOrder) {
+        ordered.reverse();
+    }
     let mut admissible = Vec::with_capacity(ordered.len());
     for next in ordered {
         let why = if next.message.sequence <= last {

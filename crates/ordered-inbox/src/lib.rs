@@ -177,6 +177,7 @@ mod handling;
 pub mod inbox;
 pub mod model;
 pub mod operators;
+pub mod planted;
 pub mod policy;
 #[cfg(feature = "postgres")]
 pub mod postgres;

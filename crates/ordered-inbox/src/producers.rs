@@ -53,7 +53,9 @@ pub fn admit(
             current_epoch: producer.current_epoch,
         });
     }
-    if claim.epoch < producer.current_epoch {
+    if claim.epoch < producer.current_epoch
+        && !crate::planted::active(crate::planted::Bug::AcceptFencedEpoch)
+    {
         return Err(ProducerRefusal::Fenced {
             offered: claim.epoch,
             current_epoch: producer.current_epoch,

@@ -1,5 +1,6 @@
-//! Many seeds: each seed's history runs against the real inbox and the model; a divergence is
-//! shrunk to a short history that still diverges and reported with its seed. The report is a
+//! Many seeds: each seed's history runs against the real inbox and the model; a divergence
+//! stops the campaign (the seeds in flight finish), and is shrunk to a short history that still
+//! diverges and reported with its seed. The report is a
 //! pure function of the seeds (timings aside): the histories are, and so are their faults.
 
 use std::path::PathBuf;
@@ -55,6 +56,8 @@ pub struct Faults {
     pub batches: u64,
     pub resolutions: u64,
     pub stale_resolutions: u64,
+    pub sessions: u64,
+    pub fenced: u64,
     pub crashes: u64,
 }
 
@@ -73,7 +76,9 @@ pub struct Failure {
 pub struct Report {
     pub backend: String,
     pub first_seed: u64,
+    /// Seeds asked for, and seeds run (fewer when a divergence stopped the campaign).
     pub seeds: u64,
+    pub seeds_run: u64,
     pub steps: u64,
     pub crashes: u64,
     pub faults: Faults,
@@ -84,7 +89,7 @@ pub struct Report {
 impl Report {
     pub fn seeds_per_second(&self) -> f64 {
         if self.seconds > 0.0 {
-            self.seeds as f64 / self.seconds
+            self.seeds_run as f64 / self.seconds
         } else {
             0.0
         }
@@ -99,6 +104,8 @@ pub async fn run(campaign: Campaign) -> Result<Report, String> {
         .then(|| Progress::start("simulate", campaign.seeds, "seeds"));
     let counter = progress.as_ref().map(Progress::counter);
     let next = Arc::new(AtomicU64::new(0));
+    // A divergence stops the campaign: no worker starts another seed.
+    let stopped = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let report = Arc::new(Mutex::new(Report {
         backend: backend_name(&campaign.store).to_owned(),
         first_seed: campaign.first_seed,
@@ -108,17 +115,24 @@ pub async fn run(campaign: Campaign) -> Result<Report, String> {
     let mut workers = tokio::task::JoinSet::new();
     for worker in 0..campaign.workers.max(1) {
         let (campaign, next, report) = (campaign.clone(), next.clone(), report.clone());
+        let stopped = stopped.clone();
         let counter = counter.clone();
         workers.spawn(async move {
             let mut state = Worker::new(worker);
             loop {
                 let index = next.fetch_add(1, Ordering::Relaxed);
-                if index >= campaign.seeds {
+                if index >= campaign.seeds || stopped.load(Ordering::Relaxed) {
                     return state.close().await;
                 }
                 let seed = campaign.first_seed.wrapping_add(index);
                 let outcome = state.seed(&campaign, seed).await?;
-                report.lock().await.add(outcome);
+                if outcome.failure.is_some() {
+                    stopped.store(true, Ordering::Relaxed);
+                }
+                let mut report = report.lock().await;
+                report.add(outcome);
+                report.seeds_run += 1;
+                drop(report);
                 if let Some(counter) = &counter {
                     counter.add(1);
                 }
@@ -166,6 +180,8 @@ impl Report {
         f.batches += o.batches;
         f.resolutions += o.resolutions;
         f.stale_resolutions += o.stale_resolutions;
+        f.sessions += o.sessions;
+        f.fenced += o.fenced;
         f.crashes += o.crashes;
         self.failures.extend(outcome.failure);
     }
@@ -210,10 +226,10 @@ impl Worker {
             result
         } else {
             let (direct, file) = self.direct(campaign, seed).await?;
-            let mut system = System::Direct(direct);
+            let mut system = System::Direct(Box::new(direct));
             let result = runner.run(&mut system, &history).await;
             if let System::Direct(direct) = system {
-                self.direct = Some((direct, file));
+                self.direct = Some((*direct, file));
             }
             result
         };
@@ -285,7 +301,8 @@ async fn hosted_system(campaign: &Campaign, seed: u64, attempt: &str) -> Result<
         }
         Store::Postgres(url) => Backend::Postgres(url.clone()),
     };
-    Ok(System::Hosted(Box::new(Hosted::start(host, &backend).await?)))
+    let hosted = Hosted::start(host, &backend).await?;
+    Ok(System::Hosted(Box::new(hosted)))
 }
 
 /// A fresh inbox for one attempt of a shrink.
@@ -306,7 +323,7 @@ async fn fresh_system(
         }
         Store::Postgres(url) => Backend::Postgres(url.clone()),
     };
-    Ok(System::Direct(Direct::open(&backend).await?))
+    Ok(System::Direct(Box::new(Direct::open(&backend).await?)))
 }
 
 fn remove_database(path: &std::path::Path) {
@@ -393,7 +410,8 @@ fn faults_of(history: &[Step]) -> Faults {
     let mut highest: std::collections::BTreeMap<String, i64> = Default::default();
     let mut count = |delivery: &history::Delivery, faults: &mut Faults| {
         faults.deliveries += 1;
-        faults.poison += u64::from(delivery.value < 0);
+        faults.poison += u64::from(super::model::is_poison(delivery.value));
+        faults.fenced += u64::from(delivery.stale_epoch);
         faults.duplicates += u64::from(!seen.insert(delivery.message_id.clone()));
         let top = highest.entry(delivery.aggregate_id.clone()).or_default();
         faults.out_of_order += u64::from(delivery.sequence < *top);
@@ -412,6 +430,7 @@ fn faults_of(history: &[Step]) -> Faults {
                 faults.resolutions += 1;
                 faults.stale_resolutions += u64::from(*stale);
             }
+            Step::StartSession(_) => faults.sessions += 1,
             Step::Crash(_) => faults.crashes += 1,
         }
     }

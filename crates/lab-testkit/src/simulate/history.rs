@@ -13,10 +13,17 @@ pub enum DoorKind {
     Broker,
 }
 
-/// One delivery: a message of the simulator's handler (`{"v": value}`, poison when negative).
+/// One delivery: a message of the simulator's handler (`{"v": value}`; see
+/// [`super::model`] for the values the handler refuses), anonymous or a producer's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Delivery {
     pub door: DoorKind,
+    /// The producer that delivers it (`None`: anonymous).
+    pub producer: Option<String>,
+    /// In a history: whether the producer offers the epoch before its current one (fenced).
+    pub stale_epoch: bool,
+    /// The epoch offered: set by the runner from the producer's sessions.
+    pub epoch: i64,
     pub message_id: String,
     pub aggregate_id: String,
     pub sequence: i64,
@@ -49,9 +56,15 @@ pub enum Step {
         replace: bool,
         stale: bool,
     },
+    /// A producer's new instance starts a session: the producer's next epoch, which fences the
+    /// ones before.
+    StartSession(String),
     /// The next step runs with the inbox's process killed at `point`, and the inbox reopened.
     Crash(CrashPoint),
 }
+
+/// The producers of a history whose deliveries are producers'.
+pub const PRODUCERS: [&str; 2] = ["p", "q"];
 
 /// The shape of the histories a campaign draws.
 #[derive(Debug, Clone, Copy)]
@@ -89,14 +102,22 @@ pub fn generate(seed: u64, shape: &Shape) -> Vec<Step> {
     } else {
         DoorKind::Broker
     };
+    // Two in five histories are producers': sessions, epochs, ownership.
+    let producers = rng.random_bool(0.4);
     let mut steps = Vec::with_capacity(shape.steps);
+    if producers {
+        steps.push(Step::StartSession(PRODUCERS[0].to_owned()));
+    }
     while steps.len() < shape.steps {
         let roll = rng.random_range(0..100);
         let step = match roll {
-            0..=64 => Step::Deliver(delivery(&mut rng, &aggregates, door)),
+            0..=4 if producers => {
+                Step::StartSession(PRODUCERS[rng.random_range(0..PRODUCERS.len())].to_owned())
+            }
+            0..=64 => Step::Deliver(delivery(&mut rng, &aggregates, door, producers)),
             65..=79 => Step::Batch(
                 (0..rng.random_range(2..6))
-                    .map(|_| delivery(&mut rng, &aggregates, door))
+                    .map(|_| delivery(&mut rng, &aggregates, door, producers))
                     .collect(),
             ),
             80..=94 => Step::Resolve {
@@ -118,21 +139,36 @@ pub fn generate(seed: u64, shape: &Shape) -> Vec<Step> {
     steps
 }
 
-fn delivery(rng: &mut StdRng, aggregates: &[String], door: DoorKind) -> Delivery {
+fn delivery(rng: &mut StdRng, aggregates: &[String], door: DoorKind, producers: bool) -> Delivery {
     let aggregate_id = aggregates[rng.random_range(0..aggregates.len())].clone();
     let sequence = rng.random_range(1..=8i64);
     let variant = rng.random_range(0..3u8);
-    // Variant 2 of every sequence is poison; a tampered delivery reuses an id with other content.
-    let value = match (variant, rng.random_bool(0.08)) {
-        (_, true) => 7,
-        (2, false) => -1,
-        (variant, false) => i64::from(variant) + 1,
-    };
+    let value = value_of(door, sequence, variant, rng.random_bool(0.08));
+    let producer = producers.then(|| PRODUCERS[usize::from(rng.random_bool(0.3))].to_owned());
     Delivery {
         door,
+        producer,
+        stale_epoch: producers && rng.random_bool(0.1),
+        epoch: 0,
         message_id: format!("{aggregate_id}-{sequence}-{variant}"),
         aggregate_id,
         sequence,
         value,
+    }
+}
+
+/// The value of an id (the same id always has the same value, but for a `tampered` delivery,
+/// which reuses the id with other content): variant 0 applies, variant 2 is poison by the
+/// handler's check, variant 1 applies but on some sequences is poison found by `apply` (3) or,
+/// on the general door only, makes `apply` fail (4; a held message that fails would hold up
+/// its predecessor's delivery for ever).
+pub fn value_of(door: DoorKind, sequence: i64, variant: u8, tampered: bool) -> i64 {
+    match (variant, tampered) {
+        (_, true) => 7,
+        (0, false) => 1,
+        (2, false) => -1,
+        _ if sequence % 5 == 0 => 3,
+        _ if sequence % 5 == 3 && door == DoorKind::General => 4,
+        _ => 2,
     }
 }

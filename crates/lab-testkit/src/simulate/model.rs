@@ -7,15 +7,23 @@
 //! 1. A known id with the same aggregate, sequence and value: an applied one is a replay, a
 //!    dead letter is quarantined again, a held one is held again. With other content: a payload
 //!    conflict.
-//! 2. A new id behind the position is stale. Ahead of it: a gap on the general door; on the
-//!    broker door it is held, unless another id is held at that sequence (stale: the first
-//!    held wins).
+//! 2. A new id behind the position is stale. Ahead of it: a gap on the general door, and for a
+//!    producer's message on either door; an anonymous one on the broker door is held, unless
+//!    another id is held at that sequence (stale: the first held wins).
 //! 3. At the expected sequence: a negative value is quarantined (a new open dead letter, the
 //!    position stays); any other applies, supersedes the open dead letters there, and then the
 //!    held messages that are next apply (or the first poison among them is quarantined).
 //! 4. An operator resolves an open dead letter at the expected sequence only, and only when
 //!    `expectedLast` is the position: a skip takes the sequence with no effect, a replacement
 //!    applies a new id there; either supersedes the others there and drains the held ones.
+//! 5. Producers: a delivery under a producer's name is admitted before it is decided (nothing
+//!    written otherwise): the producer must have a session, its epoch must be the current one
+//!    (an older one is fenced), and the aggregate must be its own, or have no owner, when the
+//!    delivery claims it if the delivery is recorded. An anonymous delivery to an owned
+//!    aggregate is refused. Each producer's message ids are a namespace of their own.
+//! 6. The handler: a negative value is poison by its check, a value of 3 is poison found by
+//!    `apply` (after it wrote its row, which must leave no trace), a value of 4 makes `apply`
+//!    fail: the delivery records nothing.
 
 use std::collections::BTreeMap;
 
@@ -36,20 +44,43 @@ pub enum Verdict {
         repeated: bool,
     },
     Full,
+    /// The handler's `apply` failed: nothing was recorded.
+    Failed,
+    /// A producer's delivery refused before it was decided (the refusal's name).
+    NotAdmitted(String),
+    /// (a session) the epoch issued.
+    Session(i64),
     /// (a resolution) resolved, or refused.
     Resolved,
     Refused,
 }
 
 /// What is stored of one aggregate, as the model and the inbox both show it: the position, the
-/// held sequences, the open dead letters (ids, sorted) and the applied messages in order (with
-/// the handler's own row of each).
+/// held sequences, the open dead letters (ids, sorted), the applied messages in order (with
+/// the handler's own row of each), and the owner. An id is written `producer:id` (`:id` for an
+/// anonymous one).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stored {
     pub last: i64,
     pub held: Vec<i64>,
     pub open: Vec<String>,
     pub applied: Vec<(i64, String)>,
+    pub owner: Option<String>,
+}
+
+/// A message id in its producer's namespace, as [`Stored`] writes it.
+pub fn named(producer: Option<&str>, message_id: &str) -> String {
+    format!("{}:{message_id}", producer.unwrap_or_default())
+}
+
+/// Whether the handler finds `value` poison (by its check, or in `apply`).
+pub fn is_poison(value: i64) -> bool {
+    value < 0 || value == 3
+}
+
+/// Whether the handler's `apply` fails on `value`.
+pub fn fails(value: i64) -> bool {
+    value == 4
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,19 +106,25 @@ struct Aggregate {
     open: BTreeMap<String, i64>,
     /// Held messages by sequence: id and value.
     held: BTreeMap<i64, (String, i64)>,
+    owner: Option<String>,
 }
 
 /// The model's state. Cloned to keep the states a crash may leave.
 #[derive(Debug, Clone, Default)]
 pub struct Model {
+    /// By named id ([`named`]).
     known: BTreeMap<String, Known>,
     aggregates: BTreeMap<String, Aggregate>,
+    /// Each producer's current epoch (0: no session yet).
+    epochs: BTreeMap<String, i64>,
 }
 
 /// The operator's resolution of an aggregate's first open dead letter, as the model chose it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Resolution {
     pub aggregate_id: String,
+    /// The dead letter's producer (`None`: anonymous) and id.
+    pub producer: Option<String>,
     pub dead_letter_id: String,
     /// The replacement's id and value; `None`: a skip.
     pub replacement: Option<(String, i64)>,
@@ -95,10 +132,71 @@ pub struct Resolution {
 }
 
 impl Model {
+    /// A producer's new session: its next epoch.
+    pub fn start_session(&mut self, producer: &str) -> i64 {
+        let epoch = self.epochs.entry(producer.to_owned()).or_default();
+        *epoch += 1;
+        *epoch
+    }
+
+    /// The producer's current epoch (0: none yet).
+    pub fn epoch(&self, producer: &str) -> i64 {
+        self.epochs.get(producer).copied().unwrap_or_default()
+    }
+
     pub fn deliver(&mut self, delivery: &Delivery) -> Verdict {
-        let id = &delivery.message_id;
+        let claims = match self.admit(delivery) {
+            Ok(claims) => claims,
+            Err(refusal) => return Verdict::NotAdmitted(refusal.to_owned()),
+        };
+        let verdict = self.decide(delivery);
+        let recorded = matches!(
+            verdict,
+            Verdict::Applied(_) | Verdict::Quarantined(_) | Verdict::Held { repeated: false }
+        );
+        if claims && recorded {
+            let state = self
+                .aggregates
+                .entry(delivery.aggregate_id.clone())
+                .or_default();
+            state.owner = delivery.producer.clone();
+        }
+        verdict
+    }
+
+    /// Whether the delivery may be decided, and whether it claims the aggregate.
+    fn admit(&self, delivery: &Delivery) -> Result<bool, &'static str> {
+        let owner = self
+            .aggregates
+            .get(&delivery.aggregate_id)
+            .and_then(|a| a.owner.as_deref());
+        let Some(producer) = delivery.producer.as_deref() else {
+            return match owner {
+                Some(_) => Err("owner required"),
+                None => Ok(false),
+            };
+        };
+        let current = self.epoch(producer);
+        if current < 1 {
+            return Err("no session");
+        }
+        if delivery.epoch < 1 || delivery.epoch > current {
+            return Err("epoch not issued");
+        }
+        if delivery.epoch < current {
+            return Err("fenced");
+        }
+        match owner {
+            Some(owner) if owner == producer => Ok(false),
+            Some(_) => Err("not the owner"),
+            None => Ok(true),
+        }
+    }
+
+    fn decide(&mut self, delivery: &Delivery) -> Verdict {
+        let id = named(delivery.producer.as_deref(), &delivery.message_id);
         let expected = self.expected(&delivery.aggregate_id);
-        if let Some(known) = self.known.get(id) {
+        if let Some(known) = self.known.get(&id) {
             let same = known.aggregate == delivery.aggregate_id
                 && known.sequence == delivery.sequence
                 && known.value == delivery.value;
@@ -113,23 +211,27 @@ impl Model {
             return Verdict::Stale(expected);
         }
         if delivery.sequence > expected {
-            return match delivery.door {
-                DoorKind::General => Verdict::Gap(expected),
-                DoorKind::Broker => self.hold(delivery, expected),
+            // Held messages are anonymous: a producer's early one is a gap on either door.
+            return match (delivery.door, &delivery.producer) {
+                (DoorKind::Broker, None) => self.hold(delivery, &id, expected),
+                _ => Verdict::Gap(expected),
             };
         }
-        if delivery.value < 0 {
+        if is_poison(delivery.value) {
             self.quarantine(
                 &delivery.aggregate_id,
-                id,
+                &id,
                 delivery.sequence,
                 delivery.value,
             );
             return Verdict::Quarantined(expected);
         }
+        if fails(delivery.value) {
+            return Verdict::Failed;
+        }
         self.apply(
             &delivery.aggregate_id,
-            id,
+            &id,
             delivery.sequence,
             delivery.value,
         );
@@ -149,9 +251,17 @@ impl Model {
         let state = self.aggregates.get(aggregate_id);
         let last = state.map_or(0, |a| a.last);
         let target = state.and_then(|a| a.open.keys().next().cloned());
+        let (producer, dead_letter_id) = match target.as_deref().and_then(|t| t.split_once(':')) {
+            Some((producer, id)) => (
+                (!producer.is_empty()).then(|| producer.to_owned()),
+                id.to_owned(),
+            ),
+            None => (None, missing_id),
+        };
         Resolution {
             aggregate_id: aggregate_id.to_owned(),
-            dead_letter_id: target.unwrap_or(missing_id),
+            producer,
+            dead_letter_id,
             replacement,
             expected_last: if stale { last + 1 } else { last },
         }
@@ -164,7 +274,8 @@ impl Model {
         let Some(state) = self.aggregates.get(&resolution.aggregate_id) else {
             return Verdict::Refused;
         };
-        let Some(&sequence) = state.open.get(&resolution.dead_letter_id) else {
+        let target = named(resolution.producer.as_deref(), &resolution.dead_letter_id);
+        let Some(&sequence) = state.open.get(&target) else {
             return Verdict::Refused;
         };
         if resolution.expected_last != state.last || sequence != state.last + 1 {
@@ -172,9 +283,13 @@ impl Model {
         }
         let aggregate_id = resolution.aggregate_id.clone();
         match &resolution.replacement {
-            Some((id, _)) if self.known.contains_key(id) => return Verdict::Refused,
-            Some((_, value)) if *value < 0 => return Verdict::Refused,
-            Some((id, value)) => self.apply(&aggregate_id, id, sequence, *value),
+            Some((id, value)) => {
+                let id = named(resolution.producer.as_deref(), id);
+                if self.known.contains_key(&id) || is_poison(*value) || fails(*value) {
+                    return Verdict::Refused;
+                }
+                self.apply(&aggregate_id, &id, sequence, *value);
+            }
             None => self.take(&aggregate_id, sequence),
         }
         self.drain(&aggregate_id);
@@ -189,6 +304,7 @@ impl Model {
                 held: a.held.keys().copied().collect(),
                 open: a.open.keys().cloned().collect(),
                 applied: a.applied.clone(),
+                owner: a.owner.clone(),
             },
             None => Stored::default(),
         }
@@ -198,7 +314,7 @@ impl Model {
         self.aggregates.get(aggregate_id).map_or(0, |a| a.last) + 1
     }
 
-    fn hold(&mut self, delivery: &Delivery, expected: i64) -> Verdict {
+    fn hold(&mut self, delivery: &Delivery, id: &str, expected: i64) -> Verdict {
         let state = self
             .aggregates
             .entry(delivery.aggregate_id.clone())
@@ -206,14 +322,13 @@ impl Model {
         if state.held.contains_key(&delivery.sequence) {
             return Verdict::Stale(expected);
         }
-        state.held.insert(
-            delivery.sequence,
-            (delivery.message_id.clone(), delivery.value),
-        );
+        state
+            .held
+            .insert(delivery.sequence, (id.to_owned(), delivery.value));
         self.record(
             Kind::Held,
             &delivery.aggregate_id,
-            &delivery.message_id,
+            id,
             delivery.sequence,
             delivery.value,
         );
@@ -262,7 +377,7 @@ impl Model {
             let Some((id, value)) = state.held.remove(&next) else {
                 return;
             };
-            if value < 0 {
+            if is_poison(value) {
                 self.quarantine(aggregate_id, &id, next, value);
                 return;
             }

@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use super::history::{CrashPoint, Delivery, Step};
+use super::history::{CrashPoint, Delivery, PRODUCERS, Step};
 use super::host::Hosted;
 use super::model::{Model, Stored, Verdict};
 use super::system::{Command, Direct};
@@ -13,7 +13,7 @@ use super::system::{Command, Direct};
 /// The inbox a history runs against.
 pub enum System {
     /// In this process: no crash can be injected.
-    Direct(Direct),
+    Direct(Box<Direct>),
     /// In a child process, killed and restarted at each crash step.
     Hosted(Box<Hosted>),
 }
@@ -78,6 +78,13 @@ impl Runner {
         let mut model = Model::default();
         let mut crash = None;
         let mut ran = Ran::default();
+        if history.iter().any(has_producers) {
+            let producers = PRODUCERS.iter().map(|p| self.id(p)).collect();
+            system
+                .run(&Command::Register(producers))
+                .await
+                .map_err(|what| Divergence { step: 0, what })?;
+        }
         for (index, step) in history.iter().enumerate() {
             if let Step::Crash(point) = step {
                 crash = Some(*point);
@@ -106,9 +113,9 @@ impl Runner {
     /// dead letter the model's operator would pick.
     fn command(&self, model: &Model, step: &Step, index: usize) -> Command {
         match step {
-            Step::Deliver(delivery) => Command::Deliver(self.named(delivery)),
+            Step::Deliver(delivery) => Command::Deliver(self.named(model, delivery)),
             Step::Batch(deliveries) => {
-                Command::Batch(deliveries.iter().map(|d| self.named(d)).collect())
+                Command::Batch(deliveries.iter().map(|d| self.named(model, d)).collect())
             }
             Step::Resolve {
                 aggregate_id,
@@ -123,6 +130,7 @@ impl Runner {
                     self.id(&format!("none-{index}")),
                 ))
             }
+            Step::StartSession(producer) => Command::StartSession(self.id(producer)),
             Step::Crash(_) => unreachable!("a crash is not a command"),
         }
     }
@@ -131,10 +139,26 @@ impl Runner {
         format!("{}{id}", self.namespace)
     }
 
-    fn named(&self, delivery: &Delivery) -> Delivery {
+    /// The delivery with the namespace in front of its ids and, for a producer's, the epoch
+    /// it offers: the producer's current one, or (`stale_epoch`) the one before.
+    fn named(&self, model: &Model, delivery: &Delivery) -> Delivery {
+        let producer = delivery.producer.as_deref().map(|p| self.id(p));
+        let epoch = match &producer {
+            Some(producer) => {
+                let current = model.epoch(producer);
+                if delivery.stale_epoch && current > 1 {
+                    current - 1
+                } else {
+                    current
+                }
+            }
+            None => 0,
+        };
         Delivery {
             message_id: self.id(&delivery.message_id),
             aggregate_id: self.id(&delivery.aggregate_id),
+            producer,
+            epoch,
             ..delivery.clone()
         }
     }
@@ -235,6 +259,17 @@ fn decide(model: &mut Model, command: &Command) -> Vec<Verdict> {
         Command::Deliver(delivery) => vec![model.deliver(delivery)],
         Command::Batch(deliveries) => deliveries.iter().map(|d| model.deliver(d)).collect(),
         Command::Resolve(resolution) => vec![model.resolve(resolution)],
+        Command::StartSession(producer) => vec![Verdict::Session(model.start_session(producer))],
+        Command::Register(_) => Vec::new(),
+    }
+}
+
+fn has_producers(step: &Step) -> bool {
+    match step {
+        Step::StartSession(_) => true,
+        Step::Deliver(delivery) => delivery.producer.is_some(),
+        Step::Batch(deliveries) => deliveries.iter().any(|d| d.producer.is_some()),
+        Step::Resolve { .. } | Step::Crash(_) => false,
     }
 }
 
@@ -243,6 +278,7 @@ fn touched(command: &Command) -> Vec<String> {
         Command::Deliver(delivery) => vec![delivery.aggregate_id.clone()],
         Command::Batch(deliveries) => deliveries.iter().map(|d| d.aggregate_id.clone()).collect(),
         Command::Resolve(resolution) => vec![resolution.aggregate_id.clone()],
+        Command::StartSession(_) | Command::Register(_) => Vec::new(),
     };
     aggregates.sort();
     aggregates.dedup();

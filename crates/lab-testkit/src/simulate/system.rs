@@ -7,18 +7,19 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use ordered_inbox::postgres::{PostgresHandler, PostgresInbox, Target};
+use ordered_inbox::records::refusal_outcome;
 use ordered_inbox::resolution::{Action, Mode, ResolutionError, ResolutionRequest};
 use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, Store, Synchronous, schema};
 use ordered_inbox::views::PageRequest;
 use ordered_inbox::{
-    ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, Limits, OrderedMessage, Outcome,
-    Poison,
+    ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
+    OrderedMessage, Outcome, Poison, ProducerClaim, Undelivered,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::history::{Delivery, DoorKind};
-use super::model::{Resolution, Stored, Verdict};
+use super::model::{Resolution, Stored, Verdict, fails, named};
 
 /// The operator every simulated resolution is made by.
 pub const OPERATOR: &str = "simulator";
@@ -29,6 +30,9 @@ pub enum Command {
     Deliver(Delivery),
     Batch(Vec<Delivery>),
     Resolve(Resolution),
+    StartSession(String),
+    /// Registers producers (a history's, in its namespace) before its first step.
+    Register(Vec<String>),
 }
 
 /// Where the inbox keeps its state.
@@ -38,8 +42,19 @@ pub enum Backend {
     Postgres(String),
 }
 
-/// The simulator's handler: a negative `v` is poison; applying writes one row of its own.
+/// The simulator's handler: a negative `v` is poison by its check; applying writes one row of
+/// its own, and then finds a `v` of 3 poison or fails on a `v` of 4 (both must leave no trace of
+/// the row).
 pub struct Effects;
+
+/// What `apply` says after it wrote its row.
+fn after_the_row(message: &OrderedMessage) -> Result<ApplyOutcome, HandlerError> {
+    match message.payload["v"].as_i64() {
+        Some(3) => Ok(ApplyOutcome::Poison(Poison::new("found in apply"))),
+        Some(value) if fails(value) => Err(HandlerError::new("the simulated handler fails")),
+        _ => Ok(ApplyOutcome::applied()),
+    }
+}
 
 const EFFECTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sim_effects(
     message_id TEXT NOT NULL, aggregate_id TEXT NOT NULL, sequence BIGINT NOT NULL)";
@@ -66,7 +81,7 @@ impl SqliteHandler for Effects {
                 "INSERT INTO sim_effects(message_id, aggregate_id, sequence) VALUES (?1, ?2, ?3)",
             )?
             .execute((&message.message_id, &message.aggregate_id, message.sequence))?;
-        Ok(ApplyOutcome::applied())
+        after_the_row(message)
     }
 }
 
@@ -87,12 +102,13 @@ impl PostgresHandler for Effects {
                 ],
             )
             .await?;
-        Ok(ApplyOutcome::applied())
+        after_the_row(message)
     }
 }
 
 /// The real inbox, opened on `backend`, and a way to read the handler's rows.
 pub struct Direct {
+    backend: Backend,
     inbox: Arc<dyn Inbox>,
     effects: EffectsReader,
     shutdown: Shutdown,
@@ -123,16 +139,50 @@ impl Direct {
         match command {
             Command::Deliver(delivery) => {
                 let (message, door) = message_of(delivery);
-                let outcome = self
+                let answer = self
                     .inbox
-                    .deliver(message, door)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Ok(vec![verdict_of(&outcome)])
+                    .deliver_as(message, door, claim_of(delivery))
+                    .await;
+                Ok(vec![match answer {
+                    Ok(Ok(outcome)) => verdict_of(&outcome),
+                    Ok(Err(refusal)) => Verdict::NotAdmitted(refusal_outcome(&refusal).to_owned()),
+                    Err(InboxError::Handler(_)) => Verdict::Failed,
+                    Err(error) => return Err(error.to_string()),
+                }])
             }
             Command::Batch(deliveries) => self.batch(deliveries).await,
             Command::Resolve(resolution) => self.resolve(resolution).await.map(|v| vec![v]),
+            Command::StartSession(producer) => {
+                let epoch = self
+                    .inbox
+                    .start_session(producer.clone())
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .map_err(|refusal| refusal.to_string())?;
+                Ok(vec![Verdict::Session(epoch)])
+            }
+            Command::Register(producers) => {
+                for producer in producers {
+                    self.register(producer).await?;
+                }
+                Ok(Vec::new())
+            }
         }
+    }
+
+    async fn register(&self, producer: &str) -> Result<(), String> {
+        let registry = ordered_inbox::operators::Registry::Producers;
+        match &self.backend {
+            Backend::Sqlite(path) => {
+                ordered_inbox::sqlite::operators::add_to(registry, path, producer).map(drop)
+            }
+            Backend::Postgres(url) => {
+                ordered_inbox::postgres::operators::add_to(registry, url, producer)
+                    .await
+                    .map(drop)
+            }
+        }
+        .map_err(|e| e.to_string())
     }
 
     async fn batch(&mut self, deliveries: &[Delivery]) -> Result<Vec<Verdict>, String> {
@@ -140,7 +190,11 @@ impl Direct {
             .iter()
             .map(|delivery| {
                 let (message, door) = message_of(delivery);
-                BatchDelivery::anonymous(message, door)
+                BatchDelivery {
+                    message,
+                    door,
+                    claim: claim_of(delivery),
+                }
             })
             .collect();
         let answers = self
@@ -152,7 +206,10 @@ impl Direct {
             .into_iter()
             .map(|answer| match answer {
                 Ok(outcome) => Ok(verdict_of(&outcome)),
-                Err(undelivered) => Err(format!("undelivered: {undelivered:?}")),
+                Err(Undelivered::Handler(_)) => Ok(Verdict::Failed),
+                Err(Undelivered::Refused(refusal)) => {
+                    Ok(Verdict::NotAdmitted(refusal_outcome(&refusal).to_owned()))
+                }
             })
             .collect()
     }
@@ -166,7 +223,7 @@ impl Direct {
             None => Action::Skip,
         };
         let request = ResolutionRequest {
-            producer: None,
+            producer: resolution.producer.clone(),
             dead_letter_id: resolution.dead_letter_id.clone(),
             operator: OPERATOR.to_owned(),
             action,
@@ -193,7 +250,7 @@ impl Direct {
                 let mut open: Vec<String> = view
                     .open_dead_letters
                     .iter()
-                    .map(|d| d.message_id.clone())
+                    .map(|d| named(d.producer.as_deref(), &d.message_id))
                     .collect();
                 open.sort();
                 Stored {
@@ -201,13 +258,33 @@ impl Direct {
                     held: view.held_sequences,
                     open,
                     applied: Vec::new(),
+                    owner: None,
                 }
             }
             None => Stored::default(),
         };
         stored.applied = self.applied(aggregate_id).await?;
+        stored.owner = self
+            .inbox
+            .ownership(aggregate_id.to_owned())
+            .await
+            .map_err(|e| e.to_string())?
+            .owner
+            .map(|owner| owner.producer);
+        // The handler sees a message's id, not its producer's namespace.
         let effects = self.effects(aggregate_id).await?;
-        if effects != stored.applied {
+        let applied: Vec<(i64, String)> = stored
+            .applied
+            .iter()
+            .map(|(sequence, id)| {
+                (
+                    *sequence,
+                    id.split_once(':')
+                        .map_or(id.clone(), |(_, id)| id.to_owned()),
+                )
+            })
+            .collect();
+        if effects != applied {
             return Err(format!(
                 "the handler's rows {effects:?} are not the inbox's applied messages {:?}",
                 stored.applied
@@ -225,11 +302,12 @@ impl Direct {
                 .applied_messages(aggregate_id.to_owned(), PageRequest { after, limit: 1000 })
                 .await
                 .map_err(|e| e.to_string())?;
-            applied.extend(
-                page.items
-                    .into_iter()
-                    .map(|m| (m.sequence.unwrap_or_default(), m.message_id)),
-            );
+            applied.extend(page.items.into_iter().map(|m| {
+                (
+                    m.sequence.unwrap_or_default(),
+                    named(m.producer.as_deref(), &m.message_id),
+                )
+            }));
             match page.next {
                 Some(next) => after = next,
                 None => return Ok(applied),
@@ -287,6 +365,7 @@ fn open_sqlite(path: &Path) -> Result<Direct, String> {
     let inbox = SqliteInbox::with_handler(store, Limits::default(), Arc::new(Effects));
     let reader = rusqlite::Connection::open(path).map_err(|e| e.to_string())?;
     Ok(Direct {
+        backend: Backend::Sqlite(path.to_owned()),
         inbox: Arc::new(inbox.clone()),
         effects: EffectsReader::Sqlite(std::sync::Mutex::new(reader)),
         shutdown: Shutdown::Sqlite(inbox),
@@ -310,6 +389,7 @@ async fn open_postgres(url: &str) -> Result<Direct, String> {
     // An operator added by an earlier run (or another worker) stays: adding it again is refused.
     let _ = ordered_inbox::postgres::operators::add(url, OPERATOR).await;
     Ok(Direct {
+        backend: Backend::Postgres(url.to_owned()),
         inbox: Arc::new(inbox.clone()),
         effects: EffectsReader::Postgres(Box::new(inbox)),
         shutdown: Shutdown::Postgres,
@@ -328,6 +408,13 @@ fn message_of(delivery: &Delivery) -> (OrderedMessage, Door) {
         DoorKind::Broker => Door::Broker,
     };
     (message, door)
+}
+
+fn claim_of(delivery: &Delivery) -> Option<ProducerClaim> {
+    delivery.producer.as_ref().map(|producer| ProducerClaim {
+        producer: producer.clone(),
+        epoch: delivery.epoch,
+    })
 }
 
 /// What the real inbox answered, in the model's words.

@@ -83,7 +83,14 @@ pub fn deliver_as_in(
         decide_producer_delivery(message, door, claim, &ownership, &facts, context)
     })?;
     Ok(match run {
-        Run::Written(plan, report) => Ok(report.outcome(plan.outcome)),
+        Run::Written(plan, report) => {
+            if matches!(plan.outcome, Outcome::Replay { .. })
+                && crate::planted::active(crate::planted::Bug::ApplyReplayTwice)
+            {
+                let _ = unit.handler.apply(connection, message);
+            }
+            Ok(report.outcome(plan.outcome))
+        }
         Run::Refused(refusal) => Err(Undelivered::Refused(refusal)),
         Run::Failed(error) => Err(Undelivered::Handler(error)),
     })
