@@ -103,9 +103,10 @@ DELETE FROM aggregate_timeline AS t USING numbered
    AND t.observation_no <= numbered.observation_no - $7";
 /// Resolutions are numbered like dead letters (commit order), one round trip ahead of the
 /// writes because the `resolved` event's detail carries the number.
-const NEXT_RESOLUTION_ID: &str = "
+pub(super) const NEXT_RESOLUTION_ID: &str = "
 UPDATE ordered_inbox_counters
-   SET value = GREATEST(value, (SELECT COALESCE(MAX(id), 0) FROM resolutions)) + 1
+   SET value = GREATEST(value, (SELECT COALESCE(MAX(id), 0) FROM resolutions),
+                        (SELECT COALESCE(MAX(id), 0) FROM gap_resolutions)) + 1
  WHERE name = 'resolutions'
 RETURNING value";
 const INSERT_RESOLUTION: &str = "
@@ -118,9 +119,9 @@ const LINK_RESOLUTION: &str =
     "UPDATE deadletters SET resolution_id = $2 WHERE message_id = $1 AND producer = $3";
 
 /// A statement parameter owned by a pending write.
-type Param = Box<dyn ToSql + Sync + Send>;
+pub(super) type Param = Box<dyn ToSql + Sync + Send>;
 
-fn param<T: ToSql + Sync + Send + 'static>(value: T) -> Param {
+pub(super) fn param<T: ToSql + Sync + Send + 'static>(value: T) -> Param {
     Box::new(value)
 }
 
@@ -130,7 +131,7 @@ pub(super) struct Write {
     params: Vec<Param>,
 }
 
-async fn write(client: &Client, sql: &str, params: Vec<Param>) -> Result<Write, Failure> {
+pub(super) async fn write(client: &Client, sql: &str, params: Vec<Param>) -> Result<Write, Failure> {
     Ok(Write {
         statement: client.prepare_cached(sql).await?,
         params,
@@ -210,6 +211,16 @@ pub(super) async fn writes_for(
         Change::Append(entry) => append(client, entry).await?,
         Change::RecordResolution(record) => {
             return record_resolution(client, counters, record, writes)
+                .await
+                .map(Some);
+        }
+        Change::NoteGap {
+            aggregate_id,
+            last,
+            sequence,
+        } => super::gaps::note_gap(client, aggregate_id, *last, *sequence).await?,
+        Change::RecordGapResolution(record) => {
+            return super::gaps::record(client, counters, record, writes)
                 .await
                 .map(Some);
         }
@@ -470,7 +481,7 @@ fn resolution_params(record: &ResolutionRecord, id: i64) -> Vec<Param> {
 }
 
 /// A timeline entry: a state event as it is, an observation numbered and pruned.
-async fn append(client: &Client, entry: &TimelineEntry) -> Result<Write, Failure> {
+pub(super) async fn append(client: &Client, entry: &TimelineEntry) -> Result<Write, Failure> {
     let mut params = vec![
         param(entry.aggregate_id.clone()),
         param(entry.at.clone()),

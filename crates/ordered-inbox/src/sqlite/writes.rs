@@ -87,6 +87,14 @@ pub(super) fn write(
         } => set_owner(connection, aggregate_id, owner, at),
         Change::TouchProducer { producer, at, .. } => touch_producer(connection, producer, at),
         Change::RecordTransfer(record) => record_transfer(connection, record),
+        Change::NoteGap {
+            aggregate_id,
+            last,
+            sequence,
+        } => super::gaps::note_gap(connection, aggregate_id, *last, *sequence),
+        Change::RecordGapResolution(record) => {
+            return super::gaps::record(connection, record).map(Some);
+        }
     }?;
     Ok(None)
 }
@@ -328,12 +336,15 @@ fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusq
     let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
     let id: i64 = connection
         .prepare_cached(
-            "INSERT INTO resolutions(message_id, aggregate_id, sequence, action, operator, reason,
-                                     expected_last, replacement_message_id, replacement_payload,
-                                     before_last, before_state, after_last, after_state,
-                                     resolved_at, producer)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
-             RETURNING id",
+            &format!(
+                "INSERT INTO resolutions(id, message_id, aggregate_id, sequence, action, operator,
+                                         reason, expected_last, replacement_message_id,
+                                         replacement_payload, before_last, before_state,
+                                         after_last, after_state, resolved_at, producer)
+                 VALUES (({}), ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
+                 RETURNING id",
+                super::gaps::NEXT_RESOLUTION_ID
+            ),
         )?
         .query_row(
             params![
