@@ -987,7 +987,13 @@ mod tests {
     #[test]
     fn verdicts_map_to_broker_actions() {
         assert_eq!(action_for(&Outcome::PayloadConflict), Action::Term);
-        assert_eq!(action_for(&Outcome::Stale { expected: 2, skipped_by: None }), Action::Term);
+        assert_eq!(
+            action_for(&Outcome::Stale {
+                expected: 2,
+                skipped_by: None
+            }),
+            Action::Term
+        );
         assert_eq!(
             action_for(&Outcome::Held {
                 expected: 1,

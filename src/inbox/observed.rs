@@ -16,9 +16,9 @@ use ordered_inbox::views::{
 };
 use ordered_inbox::{
     AggregateStatus, BatchDelivery, Door, GapRecord, GapRequest, GapResolutionError, GapResolved,
-    Inbox, InboxError, Mode, OrderedMessage, Outcome,
-    ProducerClaim, ProducerRefusal, QuarantineReason, RejectedDelivery, ResolutionError,
-    ResolutionRecord, ResolutionRequest, Resolved, TransferRecord, Undelivered,
+    Inbox, InboxError, Mode, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal,
+    QuarantineReason, RejectedDelivery, ResolutionError, ResolutionRecord, ResolutionRequest,
+    Resolved, TransferRecord, Undelivered,
 };
 
 use super::changes::InboxChanges;

@@ -1235,7 +1235,10 @@ mod tests {
             },
             Outcome::PayloadConflict,
             Outcome::Gap { expected: 1 },
-            Outcome::Stale { expected: 2, skipped_by: None },
+            Outcome::Stale {
+                expected: 2,
+                skipped_by: None,
+            },
             Outcome::QuarantineFull {
                 expected: 1,
                 open: 1,
@@ -1259,7 +1262,13 @@ mod tests {
             ..Default::default()
         };
         let plan = decide_general(&message("late", 1, 1), &facts);
-        assert_eq!(plan.outcome, Outcome::Stale { expected: 3, skipped_by: None });
+        assert_eq!(
+            plan.outcome,
+            Outcome::Stale {
+                expected: 3,
+                skipped_by: None
+            }
+        );
         assert_eq!(kinds(&plan), [TimelineKind::Stale]);
         assert_eq!(plan.changes.len(), 1);
     }
@@ -1608,7 +1617,13 @@ mod tests {
             ..facts
         };
         let rival = decide_broker(&message("other-3", 3, 1), &other);
-        assert_eq!(rival.outcome, Outcome::Stale { expected: 2, skipped_by: None });
+        assert_eq!(
+            rival.outcome,
+            Outcome::Stale {
+                expected: 2,
+                skipped_by: None
+            }
+        );
         assert_eq!(kinds(&rival), [TimelineKind::Stale]);
         assert_eq!(rival.changes.len(), 1, "only an observation");
     }

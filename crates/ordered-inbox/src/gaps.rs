@@ -119,14 +119,28 @@ pub enum GapConflict {
         range: SequenceRange,
     },
     /// A message took a sequence of the range: it was not missing after all.
-    AppliedInRange { sequence: i64, message_id: String },
-    ExpectedLastMismatch { expected_last: i64, last: i64 },
+    AppliedInRange {
+        sequence: i64,
+        message_id: String,
+    },
+    ExpectedLastMismatch {
+        expected_last: i64,
+        last: i64,
+    },
     /// `from` is not the sequence the aggregate expects.
-    NotExpected { from: i64, expected: i64 },
+    NotExpected {
+        from: i64,
+        expected: i64,
+    },
     /// A dead letter holds `from`: that is a dead letter's resolution.
-    DeadLetterOpen { message_id: String },
+    DeadLetterOpen {
+        message_id: String,
+    },
     /// A held message lies inside the range: it is not missing.
-    HeldInRange { sequence: i64, message_id: String },
+    HeldInRange {
+        sequence: i64,
+        message_id: String,
+    },
 }
 
 /// A refused gap resolution, decided from the facts alone. Nothing is written.
@@ -176,9 +190,9 @@ pub enum GapResolved {
 impl GapResolved {
     pub fn record(&self) -> &GapRecord {
         match self {
-            GapResolved::New(record) | GapResolved::Repeated(record) | GapResolved::DryRun(record) => {
-                record
-            }
+            GapResolved::New(record)
+            | GapResolved::Repeated(record)
+            | GapResolved::DryRun(record) => record,
         }
     }
 
@@ -479,7 +493,12 @@ mod tests {
     }
 
     fn decide(request: &GapRequest, facts: &GapFacts, mode: Mode) -> Result<GapPlan, GapRefusal> {
-        decide_gap_resolution(request, facts, mode, context(&Limits::default(), &AcceptAll))
+        decide_gap_resolution(
+            request,
+            facts,
+            mode,
+            context(&Limits::default(), &AcceptAll),
+        )
     }
 
     fn conflict(result: Result<GapPlan, GapRefusal>) -> GapConflict {
@@ -684,6 +703,60 @@ mod tests {
                 }
             }
         );
+    }
+
+    #[test]
+    fn a_late_arrival_of_a_skipped_sequence_is_stale_and_names_the_skip() {
+        let facts = crate::facts::DeliveryFacts {
+            aggregate: Some(AggregateRow {
+                last: 8,
+                status: AggregateStatus::Flowing,
+                since: None,
+            }),
+            skipped_by: Some(3),
+            ..Default::default()
+        };
+        let late = held("late-5", 5, 5).message;
+        let limits = Limits::default();
+        for door in [crate::model::Door::General, crate::model::Door::Broker] {
+            let plan =
+                crate::delivery::decide_delivery(&late, door, &facts, context(&limits, &AcceptAll));
+            assert_eq!(
+                plan.outcome,
+                crate::delivery::Outcome::Stale {
+                    expected: 9,
+                    skipped_by: Some(3)
+                }
+            );
+            let [Change::Append(entry)] = plan.changes.as_slice() else {
+                panic!("one observation: {:?}", plan.changes);
+            };
+            assert_eq!(
+                entry.detail.to_json().as_deref(),
+                Some(r#"{"expected":9,"skippedBy":3}"#)
+            );
+        }
+    }
+
+    #[test]
+    fn a_gap_refused_by_the_general_door_is_noted_for_the_missing_range() {
+        let facts = crate::facts::DeliveryFacts {
+            aggregate: waiting_at_4().aggregate,
+            ..Default::default()
+        };
+        let early = held("m-7", 7, 7).message;
+        let limits = Limits::default();
+        let plan = crate::delivery::decide_delivery(
+            &early,
+            crate::model::Door::General,
+            &facts,
+            context(&limits, &AcceptAll),
+        );
+        assert!(plan.changes.contains(&Change::NoteGap {
+            aggregate_id: "a".into(),
+            last: 4,
+            sequence: 7
+        }));
     }
 
     #[test]

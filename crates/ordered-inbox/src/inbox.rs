@@ -10,15 +10,14 @@
 use async_trait::async_trait;
 
 use crate::delivery::Outcome;
-use crate::gaps::{GapRequest, GapResolutionError, GapResolved};
 use crate::error::HandlerError;
 pub use crate::error::InboxError;
+use crate::gaps::{GapRequest, GapResolutionError, GapResolved};
 use crate::model::{AggregateStatus, Door, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::producers::TransferRequest;
 use crate::records::{
-    GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord,
-    TransferRecord,
+    GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{

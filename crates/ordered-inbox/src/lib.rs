@@ -198,6 +198,9 @@ pub use delivery::{
 };
 pub use error::{HandlerError, InboxError};
 pub use facts::{DeliveryFacts, HeldMessage, OwnershipFacts, ProducerFact};
+pub use gaps::{
+    GapConflict, GapFacts, GapRequest, GapResolutionError, GapResolved, decide_gap_resolution,
+};
 pub use inbox::{BatchDelivery, Inbox, Undelivered};
 pub use model::{
     ActionKind, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
@@ -205,13 +208,11 @@ pub use model::{
 };
 pub use producers::{TransferPlan, TransferRequest};
 pub use records::{
-    AggregateOwner, DrainOutcome, DrainedMessage, GapRecord, ProducerClaim, ProducerRefusal, REJECTED_KEPT, RejectedDelivery, Replacement,
-    ResolutionRecord, SequenceRange, TransferRecord, TransferRefusal,
+    AggregateOwner, DrainOutcome, DrainedMessage, GapRecord, ProducerClaim, ProducerRefusal,
+    REJECTED_KEPT, RejectedDelivery, Replacement, ResolutionRecord, SequenceRange, TransferRecord,
+    TransferRefusal,
 };
 pub use rejected::HeldRejection;
-pub use gaps::{
-    GapConflict, GapFacts, GapRequest, GapResolutionError, GapResolved, decide_gap_resolution,
-};
 pub use resolution::{
     Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved, decide_resolution,
 };

@@ -108,7 +108,8 @@ struct GapResolutionInput {
 }
 
 impl RequestBody for GapResolutionInput {
-    const FIELDS: &'static [&'static str] = &["action", "from", "through", "expectedLast", "reason"];
+    const FIELDS: &'static [&'static str] =
+        &["action", "from", "through", "expectedLast", "reason"];
 }
 
 impl GapResolutionInput {

@@ -517,7 +517,11 @@ async fn audit_trail(
         });
     Ok(json_response(
         StatusCode::OK,
-        page_body(json!({}), "resolutions", merged(dead_letters, gaps, page.limit)),
+        page_body(
+            json!({}),
+            "resolutions",
+            merged(dead_letters, gaps, page.limit),
+        ),
     ))
 }
 

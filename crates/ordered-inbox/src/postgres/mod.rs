@@ -61,8 +61,7 @@ use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::producers::TransferRequest;
 use crate::records::{
-    GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord,
-    TransferRecord,
+    GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{

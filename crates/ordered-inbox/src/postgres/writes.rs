@@ -131,7 +131,11 @@ pub(super) struct Write {
     params: Vec<Param>,
 }
 
-pub(super) async fn write(client: &Client, sql: &str, params: Vec<Param>) -> Result<Write, Failure> {
+pub(super) async fn write(
+    client: &Client,
+    sql: &str,
+    params: Vec<Param>,
+) -> Result<Write, Failure> {
     Ok(Write {
         statement: client.prepare_cached(sql).await?,
         params,

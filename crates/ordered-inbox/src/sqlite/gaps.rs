@@ -6,17 +6,17 @@ use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde_json::Value;
 
 use super::engine::{Run, Unit, decided};
-use super::store::StoreError;
 use super::rows::{aggregate_from, optional_json, owner_from};
+use super::store::StoreError;
 use crate::error::HandlerError;
-use crate::facts::{DeliveryFacts, OpenDeadLetter};
 use crate::error::InboxError;
+use crate::facts::{DeliveryFacts, OpenDeadLetter};
 use crate::gaps::{
     AppliedInRange, GapFacts, GapRequest, GapResolutionError, GapResolved, decide_gap_resolution,
 };
-use crate::resolution::Mode;
 use crate::model::{OrderedMessage, Position};
 use crate::records::{GapRecord, SequenceRange};
+use crate::resolution::Mode;
 use crate::views::{Page, PageRequest};
 
 /// The next number of an audit row, gap or dead letter: one past the highest of both tables, so
@@ -95,8 +95,10 @@ pub(super) fn skipped_by(
     if message.sequence > last || facts.applied.is_some() {
         return Ok(None);
     }
-    Ok(covering(connection, &message.aggregate_id, message.sequence)?
-        .and_then(|record| record.resolution_id))
+    Ok(
+        covering(connection, &message.aggregate_id, message.sequence)?
+            .and_then(|record| record.resolution_id),
+    )
 }
 
 /// The gap resolution of the aggregate whose range holds `sequence` (ranges never overlap: each
@@ -151,7 +153,10 @@ pub(super) fn gap_facts(unit: Unit<'_>, request: &GapRequest) -> Result<GapFacts
                FROM aggregate_state WHERE aggregate_id = ?1",
         )?
         .query_row([aggregate_id], |row| {
-            Ok((aggregate_from(row, 0)?, owner_from(row.get(3)?, row.get(4)?)))
+            Ok((
+                aggregate_from(row, 0)?,
+                owner_from(row.get(3)?, row.get(4)?),
+            ))
         })
         .optional()?;
     let Some((aggregate, owner)) = row else {

@@ -48,8 +48,7 @@ use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::{OperatorCheck, Registry};
 use crate::producers::TransferRequest;
 use crate::records::{
-    GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord,
-    TransferRecord,
+    GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{

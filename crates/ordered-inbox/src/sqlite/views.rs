@@ -81,7 +81,8 @@ pub fn aggregate_view(
         .prepare_cached("SELECT COUNT(*) FROM held_messages WHERE aggregate_id = ?1")?
         .query_row([aggregate_id], |row| row.get(0))?;
     let refused = super::gaps::refused_at(connection, aggregate_id, summary.last)?;
-    let (missing, waiting_since) = crate::gaps::waiting(&summary, refused, held_sequences.first().copied());
+    let (missing, waiting_since) =
+        crate::gaps::waiting(&summary, refused, held_sequences.first().copied());
     Ok(Some(AggregateView {
         missing,
         waiting_since,

@@ -335,17 +335,15 @@ fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusq
     let replacement = record.replacement.as_ref();
     let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
     let id: i64 = connection
-        .prepare_cached(
-            &format!(
-                "INSERT INTO resolutions(id, message_id, aggregate_id, sequence, action, operator,
+        .prepare_cached(&format!(
+            "INSERT INTO resolutions(id, message_id, aggregate_id, sequence, action, operator,
                                          reason, expected_last, replacement_message_id,
                                          replacement_payload, before_last, before_state,
                                          after_last, after_state, resolved_at, producer)
                  VALUES (({}), ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
                  RETURNING id",
-                super::gaps::NEXT_RESOLUTION_ID
-            ),
-        )?
+            super::gaps::NEXT_RESOLUTION_ID
+        ))?
         .query_row(
             params![
                 record.message_id,
