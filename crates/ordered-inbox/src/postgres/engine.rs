@@ -56,7 +56,7 @@ pub(crate) async fn deliver(
     door: Door,
 ) -> Result<Outcome, Failure> {
     let (mut facts, _) = delivery_facts(unit.client, unit.counters, message, None).await?;
-    facts.skipped_by = super::gaps::skipped_by(unit, message, &facts).await?;
+    facts.skipped_by = super::gaps::skipped_by(unit.client, unit.counters, message, &facts).await?;
     let run = decided(unit, None, |context| {
         Ok::<_, Infallible>(decide_delivery(message, door, &facts, context))
     })
@@ -81,7 +81,7 @@ pub(crate) async fn deliver_as(
     claim: Option<&ProducerClaim>,
 ) -> Result<Result<Outcome, ProducerRefusal>, Failure> {
     let (mut facts, ownership) = delivery_facts(unit.client, unit.counters, message, claim).await?;
-    facts.skipped_by = super::gaps::skipped_by(unit, message, &facts).await?;
+    facts.skipped_by = super::gaps::skipped_by(unit.client, unit.counters, message, &facts).await?;
     let run = decided(unit, None, |context| {
         decide_producer_delivery(message, door, claim, &ownership, &facts, context)
     })

@@ -1,42 +1,22 @@
-//! Gaps in PostgreSQL: the same rows as the SQLite backend's (`sqlite::gaps`), under the
-//! aggregate's advisory lock that every delivery to it takes first, so that a gap resolution and
-//! a late message for the same sequence are serialized and exactly one of them wins.
+//! Gaps in PostgreSQL, the rows read: the same as the SQLite backend's (`sqlite::gaps`), a gap
+//! resolution's facts under the aggregate's advisory lock that every delivery to it takes first,
+//! so that a gap resolution and a late message for the same sequence are serialized and exactly
+//! one of them wins (`writes` writes the note and the audit row, `views` reads the note,
+//! `gap_engine` runs a resolution).
 
 use futures_util::join;
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::connection::{Client, Counters, Failure};
-use super::engine::{Run, Unit, decided, rollback};
+use super::handler::PostgresHandler;
 use super::rows::{aggregate_from, held_from, open_from_row, optional_json, owner_from};
-use super::writes::{NEXT_RESOLUTION_ID, Param, Write, append, param, write};
 use crate::facts::DeliveryFacts;
-use crate::gaps::{
-    AppliedInRange, GapFacts, GapRequest, GapResolutionError, GapResolved, decide_gap_resolution,
-    drained_from_json, gap_skipped_event,
-};
+use crate::gaps::{AppliedInRange, GapFacts, GapRequest, drained_from_json};
 use crate::model::{OrderedMessage, Position};
 use crate::records::{GapRecord, SequenceRange};
-use crate::resolution::Mode;
 use crate::views::{Page, PageRequest};
 
-/// The lowest sequence refused as a gap at the aggregate's current last.
-pub(super) const REFUSED_AT_LAST: &str = "
-SELECT g.lowest FROM refused_gaps g JOIN aggregate_state a ON a.aggregate_id = g.aggregate_id
- WHERE g.aggregate_id = $1 AND g.after_last = a.last_sequence";
-/// Keeps the lowest sequence refused as a gap at this last; a note taken at another last is
-/// replaced (every assignment reads the row's old values).
-const NOTE_GAP: &str = "
-INSERT INTO refused_gaps(aggregate_id, after_last, lowest) VALUES ($1, $2, $3)
-ON CONFLICT (aggregate_id) DO UPDATE SET
-    lowest = CASE WHEN refused_gaps.after_last = excluded.after_last
-                  THEN LEAST(refused_gaps.lowest, excluded.lowest) ELSE excluded.lowest END,
-    after_last = excluded.after_last";
-const INSERT_GAP_RESOLUTION: &str = "
-INSERT INTO gap_resolutions(id, aggregate_id, from_sequence, through_sequence, operator, reason,
-                            expected_last, before_last, before_state, after_last, after_state,
-                            drained, resolved_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 const GAP_COLUMNS: &str = "
 SELECT id, aggregate_id, from_sequence, through_sequence, operator, reason, expected_last,
        before_last, before_state, after_last, after_state, drained, resolved_at
@@ -59,59 +39,11 @@ const OPERATOR_ACTIVE: &str =
 const APPLIED_IN_RANGE: &str = "SELECT sequence, message_id FROM ordered_inbox
   WHERE aggregate_id = $1 AND sequence BETWEEN $2 AND $3 ORDER BY sequence LIMIT 1";
 
-pub(super) async fn note_gap(
-    client: &Client,
-    aggregate_id: &str,
-    last: i64,
-    sequence: i64,
-) -> Result<Write, Failure> {
-    let params = vec![param(aggregate_id.to_owned()), param(last), param(sequence)];
-    write(client, NOTE_GAP, params).await
-}
-
-/// The audit row (numbered one round trip ahead, from the resolutions' counter) and its
-/// `gap skipped` event. Returns the row's number.
-pub(super) async fn record(
-    client: &Client,
-    counters: &Counters,
-    record: &GapRecord,
-    writes: &mut Vec<Write>,
-) -> Result<i64, Failure> {
-    let next = client.prepare_cached(NEXT_RESOLUTION_ID).await?;
-    let id: i64 = client
-        .query_one(&next, &[])
-        .await
-        .map_err(Failure::Db)?
-        .try_get(0)?;
-    counters.trip();
-    writes.push(write(client, INSERT_GAP_RESOLUTION, record_params(record, id)).await?);
-    writes.push(append(client, &gap_skipped_event(record, id)).await?);
-    Ok(id)
-}
-
-fn record_params(record: &GapRecord, id: i64) -> Vec<Param> {
-    let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
-    vec![
-        param(id),
-        param(record.aggregate_id.clone()),
-        param(record.range.from),
-        param(record.range.through),
-        param(record.operator.clone()),
-        param(record.reason.clone()),
-        param(record.expected_last),
-        param(record.before.last),
-        param(state(&record.before.state)),
-        param(record.after.last),
-        param(state(&record.after.state)),
-        param(serde_json::to_string(&record.drained).unwrap_or_else(|_| "[]".to_owned())),
-        param(record.resolved_at.clone()),
-    ]
-}
-
 /// The gap resolution that skipped `message`'s sequence, read (under the delivery's locks) only
 /// when the sequence is at or below the aggregate's last.
 pub(super) async fn skipped_by(
-    unit: Unit<'_>,
+    client: &Client,
+    counters: &Counters,
     message: &OrderedMessage,
     facts: &DeliveryFacts,
 ) -> Result<Option<i64>, Failure> {
@@ -119,8 +51,8 @@ pub(super) async fn skipped_by(
     if message.sequence > last || facts.applied.is_some() {
         return Ok(None);
     }
-    let record = covering(unit.client, &message.aggregate_id, message.sequence).await?;
-    unit.counters.trip();
+    let record = covering(client, &message.aggregate_id, message.sequence).await?;
+    counters.trip();
     Ok(record.and_then(|record| record.resolution_id))
 }
 
@@ -137,35 +69,13 @@ async fn covering(
     Ok(record.filter(|record| record.range.contains(sequence)))
 }
 
-/// Checks the preconditions and resolves the gap, or (dry run) reports what that would do: the
-/// aggregate locked, the facts, the core's decision, the audit row and the drain through the
-/// handler, committed together; a refusal rolls back.
-pub(crate) async fn resolve_gap(
-    unit: Unit<'_>,
-    request: &GapRequest,
-    mode: Mode,
-) -> Result<Result<GapResolved, GapResolutionError>, Failure> {
-    let facts = gap_facts(unit, request).await?;
-    let run = decided(unit, None, |context| {
-        decide_gap_resolution(request, &facts, mode, context)
-    })
-    .await?;
-    match run {
-        Run::Written(plan, report, writes) => {
-            super::writes::commit(unit.client, unit.counters, writes).await?;
-            Ok(Ok(plan.resolved.numbered(report.resolution_id)))
-        }
-        Run::Refused(refusal) => {
-            rollback(unit).await?;
-            Ok(Err(GapResolutionError::refused(request, refusal)))
-        }
-        Run::Failed(error) => Err(Failure::Handler(error)),
-    }
-}
-
 /// BEGIN, the aggregate's lock and every fact in one flight, then the handler's state.
-async fn gap_facts(unit: Unit<'_>, request: &GapRequest) -> Result<GapFacts, Failure> {
-    let client = unit.client;
+pub(super) async fn gap_facts(
+    client: &Client,
+    counters: &Counters,
+    handler: &dyn PostgresHandler,
+    request: &GapRequest,
+) -> Result<GapFacts, Failure> {
     let lock = client.prepare_cached(LOCK_AGGREGATE).await?;
     let aggregate_row = client.prepare_cached(AGGREGATE_ROW).await?;
     let open = client.prepare_cached(OPEN_DEAD_LETTERS).await?;
@@ -189,7 +99,7 @@ async fn gap_facts(unit: Unit<'_>, request: &GapRequest) -> Result<GapFacts, Fai
         client.query_opt(&applied, &by_range),
         client.query_opt(&covering_from, &by_from),
     );
-    unit.counters.trip();
+    counters.trip();
     begin?;
     locked?;
     let Some(row) = row? else {
@@ -217,8 +127,7 @@ async fn gap_facts(unit: Unit<'_>, request: &GapRequest) -> Result<GapFacts, Fai
             })
             .transpose()?,
         recorded,
-        state: unit
-            .handler
+        state: handler
             .state(client, aggregate_id)
             .await
             .map_err(Failure::Handler)?,

@@ -27,6 +27,7 @@
 mod connection;
 pub mod engine;
 mod facts;
+mod gap_engine;
 mod gaps;
 pub mod handler;
 pub mod operators;
@@ -290,7 +291,7 @@ impl Inbox for PostgresInbox {
         let request = Arc::new(request);
         self.write(move |unit| {
             let request = request.clone();
-            Box::pin(async move { gaps::resolve_gap(unit, &request, mode).await })
+            Box::pin(async move { gap_engine::resolve_gap(unit, &request, mode).await })
         })
         .await?
     }

@@ -36,6 +36,10 @@ SELECT a.aggregate_id, a.last_sequence, a.status, a.status_since,
  WHERE a.status = $1
  ORDER BY a.status_since, a.aggregate_id
  LIMIT $2";
+/// The lowest sequence refused as a gap at the aggregate's current last.
+const REFUSED_AT_LAST: &str = "
+SELECT g.lowest FROM refused_gaps g JOIN aggregate_state a ON a.aggregate_id = g.aggregate_id
+ WHERE g.aggregate_id = $1 AND g.after_last = a.last_sequence";
 const HELD_SEQUENCES: &str =
     "SELECT sequence FROM held_messages WHERE aggregate_id = $1 ORDER BY sequence LIMIT $2";
 const HELD_COUNT: &str = "SELECT COUNT(*) FROM held_messages WHERE aggregate_id = $1";
@@ -161,7 +165,7 @@ pub(super) async fn aggregate_view(
     let held = client.prepare_cached(HELD_SEQUENCES).await?;
     let held_count = client.prepare_cached(HELD_COUNT).await?;
     let held_params: [&(dyn ToSql + Sync); 2] = [&aggregate_id, &HELD_SHOWN];
-    let refused = client.prepare_cached(super::gaps::REFUSED_AT_LAST).await?;
+    let refused = client.prepare_cached(REFUSED_AT_LAST).await?;
     let (begin, summary, open, count, held, held_count, refused) = join!(
         client.batch_execute(SNAPSHOT),
         client.query_opt(&summary, &by_aggregate),

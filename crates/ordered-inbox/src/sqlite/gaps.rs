@@ -1,88 +1,22 @@
-//! Gaps in SQLite: the note of the lowest sequence refused as a gap, a gap resolution's facts,
-//! its audit row, the skip a late arrival names, and the missing range the views show
-//! ([`crate::gaps`] decides; this only reads and writes rows).
+//! Gaps in SQLite, the rows read: a gap resolution's facts, the skip a late arrival names, and
+//! the audit trail of gap resolutions ([`crate::gaps`] decides; `writes` writes the note of a
+//! refused gap and the audit row, `views` reads the note, `gap_engine` runs a resolution).
 
 use rusqlite::{Connection, OptionalExtension, Row, params};
-use serde_json::Value;
 
-use super::engine::{Run, Unit, decided};
+use super::handler::SqliteHandler;
 use super::rows::{aggregate_from, optional_json, owner_from};
-use super::store::StoreError;
 use crate::error::HandlerError;
-use crate::error::InboxError;
 use crate::facts::{DeliveryFacts, OpenDeadLetter};
-use crate::gaps::{
-    AppliedInRange, GapFacts, GapRequest, GapResolutionError, GapResolved, decide_gap_resolution,
-};
+use crate::gaps::{AppliedInRange, GapFacts, GapRequest};
 use crate::model::{OrderedMessage, Position};
 use crate::records::{GapRecord, SequenceRange};
-use crate::resolution::Mode;
 use crate::views::{Page, PageRequest};
-
-/// The next number of an audit row, gap or dead letter: one past the highest of both tables, so
-/// that one trail lists both in order.
-pub(super) const NEXT_RESOLUTION_ID: &str = "
-SELECT 1 + MAX(COALESCE((SELECT MAX(id) FROM resolutions), 0),
-               COALESCE((SELECT MAX(id) FROM gap_resolutions), 0))";
-
-/// Keeps the lowest sequence refused as a gap at this last; a note taken at another last is
-/// replaced (in an update every column reads the row's old values).
-const NOTE_GAP: &str = "
-INSERT INTO refused_gaps(aggregate_id, after_last, lowest) VALUES (?1, ?2, ?3)
-ON CONFLICT(aggregate_id) DO UPDATE SET
-    lowest = CASE WHEN after_last = excluded.after_last THEN MIN(lowest, excluded.lowest)
-                  ELSE excluded.lowest END,
-    after_last = excluded.after_last";
 
 const GAP_COLUMNS: &str = "
 SELECT id, aggregate_id, from_sequence, through_sequence, operator, reason, expected_last,
        before_last, before_state, after_last, after_state, drained, resolved_at
   FROM gap_resolutions";
-
-pub(super) fn note_gap(
-    connection: &Connection,
-    aggregate_id: &str,
-    last: i64,
-    sequence: i64,
-) -> rusqlite::Result<()> {
-    connection
-        .prepare_cached(NOTE_GAP)?
-        .execute(params![aggregate_id, last, sequence])?;
-    Ok(())
-}
-
-/// The audit row and its `gap skipped` event. Returns the row's number.
-pub(super) fn record(connection: &Connection, record: &GapRecord) -> rusqlite::Result<i64> {
-    let id: i64 = connection
-        .prepare_cached(NEXT_RESOLUTION_ID)?
-        .query_row([], |row| row.get(0))?;
-    let state = |state: &Option<Value>| state.as_ref().map(ToString::to_string);
-    connection
-        .prepare_cached(
-            "INSERT INTO gap_resolutions(id, aggregate_id, from_sequence, through_sequence,
-                                         operator, reason, expected_last, before_last,
-                                         before_state, after_last, after_state, drained,
-                                         resolved_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
-        )?
-        .execute(params![
-            id,
-            record.aggregate_id,
-            record.range.from,
-            record.range.through,
-            record.operator,
-            record.reason,
-            record.expected_last,
-            record.before.last,
-            state(&record.before.state),
-            record.after.last,
-            state(&record.after.state),
-            serde_json::to_string(&record.drained).unwrap_or_else(|_| "[]".to_owned()),
-            record.resolved_at,
-        ])?;
-    super::writes::append(connection, &crate::gaps::gap_skipped_event(record, id))?;
-    Ok(id)
-}
 
 /// The gap resolution that skipped `message`'s sequence, read only when the sequence is at or
 /// below the aggregate's last (any other is not late).
@@ -118,34 +52,12 @@ fn covering(
     Ok(found.filter(|record| record.range.contains(sequence)))
 }
 
-/// Checks the preconditions and resolves the gap, or (dry run) reports what that would do and
-/// writes nothing: the facts, the core's decision, the audit row and the drain through the
-/// handler, in this unit of the writer.
-pub fn resolve_gap_in(
-    unit: Unit<'_>,
-    request: &GapRequest,
-    mode: Mode,
-) -> Result<GapResolved, GapResolutionError> {
-    let store = |error: rusqlite::Error| GapResolutionError::Store(StoreError::from(error).into());
-    let handler = |error: HandlerError| GapResolutionError::Store(InboxError::Handler(error));
-    let facts = gap_facts(unit, request).map_err(|read| match read {
-        GapRead::Store(error) => store(error),
-        GapRead::Handler(error) => handler(error),
-    })?;
-    let run = decided(unit, None, |context| {
-        decide_gap_resolution(request, &facts, mode, context)
-    })
-    .map_err(|error| GapResolutionError::Store(error.into()))?;
-    match run {
-        Run::Written(plan, report) => Ok(plan.resolved.numbered(report.resolution_id)),
-        Run::Refused(refusal) => Err(GapResolutionError::refused(request, refusal)),
-        Run::Failed(error) => Err(handler(error)),
-    }
-}
-
 /// Everything a gap resolution's decision reads, in the writer's unit.
-pub(super) fn gap_facts(unit: Unit<'_>, request: &GapRequest) -> Result<GapFacts, GapRead> {
-    let connection = unit.connection;
+pub(super) fn gap_facts(
+    connection: &Connection,
+    handler: &dyn SqliteHandler,
+    request: &GapRequest,
+) -> Result<GapFacts, GapRead> {
     let aggregate_id = request.aggregate_id.as_str();
     let row = connection
         .prepare_cached(
@@ -170,8 +82,7 @@ pub(super) fn gap_facts(unit: Unit<'_>, request: &GapRequest) -> Result<GapFacts
         operator_active: super::operators::is_active(connection, &request.operator)?,
         applied_in_range: applied_in_range(connection, aggregate_id, request.range)?,
         recorded: covering(connection, aggregate_id, request.range.from)?,
-        state: unit
-            .handler
+        state: handler
             .state(connection, aggregate_id)
             .map_err(GapRead::Handler)?,
     })
@@ -227,20 +138,6 @@ fn applied_in_range(
                 message_id: row.get(1)?,
             })
         })
-        .optional()
-}
-
-/// The lowest sequence refused as a gap at the aggregate's current last, if any.
-pub(super) fn refused_at(
-    connection: &Connection,
-    aggregate_id: &str,
-    last: i64,
-) -> rusqlite::Result<Option<i64>> {
-    connection
-        .prepare_cached(
-            "SELECT lowest FROM refused_gaps WHERE aggregate_id = ?1 AND after_last = ?2",
-        )?
-        .query_row(params![aggregate_id, last], |row| row.get(0))
         .optional()
 }
 

@@ -15,6 +15,7 @@
 
 pub mod engine;
 mod facts;
+mod gap_engine;
 pub mod gaps;
 pub mod handler;
 pub mod operators;
@@ -224,7 +225,7 @@ impl Inbox for SqliteInbox {
         request: GapRequest,
         mode: Mode,
     ) -> Result<GapResolved, GapResolutionError> {
-        self.write(move |unit| gaps::resolve_gap_in(unit, &request, mode))
+        self.write(move |unit| gap_engine::resolve_gap_in(unit, &request, mode))
             .await
     }
 

@@ -80,7 +80,7 @@ pub fn aggregate_view(
     let held_count = connection
         .prepare_cached("SELECT COUNT(*) FROM held_messages WHERE aggregate_id = ?1")?
         .query_row([aggregate_id], |row| row.get(0))?;
-    let refused = super::gaps::refused_at(connection, aggregate_id, summary.last)?;
+    let refused = refused_at(connection, aggregate_id, summary.last)?;
     let (missing, waiting_since) =
         crate::gaps::waiting(&summary, refused, held_sequences.first().copied());
     Ok(Some(AggregateView {
@@ -101,6 +101,20 @@ fn open_count(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<i
             "SELECT COUNT(*) FROM deadletters WHERE aggregate_id = ?1 AND status = 'open'",
         )?
         .query_row([aggregate_id], |row| row.get(0))
+}
+
+/// The lowest sequence refused as a gap at the aggregate's current last, if any.
+fn refused_at(
+    connection: &Connection,
+    aggregate_id: &str,
+    last: i64,
+) -> rusqlite::Result<Option<i64>> {
+    connection
+        .prepare_cached(
+            "SELECT lowest FROM refused_gaps WHERE aggregate_id = ?1 AND after_last = ?2",
+        )?
+        .query_row(params![aggregate_id, last], |row| row.get(0))
+        .optional()
 }
 
 /// Aggregates in `status`, the longest-standing first.
