@@ -843,7 +843,14 @@ pub fn outcome_name(outcome: &Outcome) -> &'static str {
 
 fn termination_reason(outcome: &Outcome, message: &OrderedMessage) -> String {
     match outcome {
-        Outcome::Stale { expected } => format!(
+        Outcome::Stale {
+            expected,
+            skipped_by: Some(resolution),
+        } => format!(
+            "sequence {} was skipped by an operator's gap resolution {resolution}; the aggregate expects {expected}",
+            message.sequence
+        ),
+        Outcome::Stale { expected, .. } => format!(
             "sequence {} was already taken (or is held) by another message; the aggregate expects {expected}",
             message.sequence
         ),
@@ -980,7 +987,13 @@ mod tests {
     #[test]
     fn verdicts_map_to_broker_actions() {
         assert_eq!(action_for(&Outcome::PayloadConflict), Action::Term);
-        assert_eq!(action_for(&Outcome::Stale { expected: 2 }), Action::Term);
+        assert_eq!(
+            action_for(&Outcome::Stale {
+                expected: 2,
+                skipped_by: None
+            }),
+            Action::Term
+        );
         assert_eq!(
             action_for(&Outcome::Held {
                 expected: 1,

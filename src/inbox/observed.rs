@@ -15,9 +15,10 @@ use ordered_inbox::views::{
     TransferConflict,
 };
 use ordered_inbox::{
-    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, Mode, OrderedMessage, Outcome,
-    ProducerClaim, ProducerRefusal, QuarantineReason, RejectedDelivery, ResolutionError,
-    ResolutionRecord, ResolutionRequest, Resolved, TransferRecord, Undelivered,
+    AggregateStatus, BatchDelivery, Door, GapRecord, GapRequest, GapResolutionError, GapResolved,
+    Inbox, InboxError, Mode, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal,
+    QuarantineReason, RejectedDelivery, ResolutionError, ResolutionRecord, ResolutionRequest,
+    Resolved, TransferRecord, Undelivered,
 };
 
 use super::changes::InboxChanges;
@@ -161,6 +162,35 @@ impl Inbox for ObservedInbox {
             self.changes.resolved(record);
         }
         resolved
+    }
+
+    async fn resolve_gap(
+        &self,
+        request: GapRequest,
+        mode: Mode,
+    ) -> Result<GapResolved, GapResolutionError> {
+        let resolved = self.inner.resolve_gap(request, mode).await;
+        if let Ok(GapResolved::New(record)) = &resolved {
+            tracing::info!(
+                target: TARGET,
+                event = "gap resolved",
+                aggregate_id = %record.aggregate_id,
+                operator = %record.operator,
+                from = record.range.from,
+                through = record.range.through,
+                drained = record.drained.len(),
+                "gap skipped by an operator"
+            );
+        }
+        resolved
+    }
+
+    async fn gap_resolutions(
+        &self,
+        aggregate_id: Option<String>,
+        page: PageRequest,
+    ) -> Result<Page<GapRecord>, InboxError> {
+        self.inner.gap_resolutions(aggregate_id, page).await
     }
 
     async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError> {

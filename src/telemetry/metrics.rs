@@ -30,6 +30,7 @@ pub const AGGREGATES: &str = "inbox_aggregates";
 pub const OPEN_DEAD_LETTERS: &str = "inbox_dead_letters_open";
 pub const HELD_MESSAGES: &str = "inbox_held_messages";
 pub const LONGEST_BLOCKED: &str = "inbox_longest_blocked_seconds";
+pub const LONGEST_WAITING: &str = "inbox_longest_waiting_seconds";
 pub const STORE_READABLE: &str = "inbox_store_readable";
 pub const BATCH_SIZE: &str = "inbox_writer_batch_size";
 pub const COMMIT_SECONDS: &str = "inbox_writer_commit_seconds";
@@ -72,6 +73,11 @@ const DESCRIPTIONS: &[Description] = &[
     Description::gauge(
         LONGEST_BLOCKED,
         "How long the longest-blocked aggregate has been blocked (0 when none is)",
+    )
+    .in_seconds(),
+    Description::gauge(
+        LONGEST_WAITING,
+        "How long the longest-waiting aggregate has waited for a missing sequence (0 when none waits)",
     )
     .in_seconds(),
     Description::gauge(
@@ -420,6 +426,7 @@ impl Metrics {
                 metrics::gauge!(OPEN_DEAD_LETTERS).set(health.open_dead_letters as f64);
                 metrics::gauge!(HELD_MESSAGES).set(health.held_messages as f64);
                 metrics::gauge!(LONGEST_BLOCKED).set(health.longest_blocked_seconds.unwrap_or(0.0));
+                metrics::gauge!(LONGEST_WAITING).set(health.longest_waiting_seconds.unwrap_or(0.0));
             }
         });
         self.inner.handle.render()

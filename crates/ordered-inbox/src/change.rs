@@ -2,7 +2,9 @@
 //! writes each one as it is, in order, in the decision's transaction.
 
 use crate::model::{AggregateRow, OrderedMessage, QuarantineReason};
-use crate::records::{AggregateOwner, RejectedDelivery, ResolutionRecord, TransferRecord};
+use crate::records::{
+    AggregateOwner, GapRecord, RejectedDelivery, ResolutionRecord, TransferRecord,
+};
 use crate::timeline::TimelineEntry;
 
 /// One row change. Values are absolute (computed from the facts), so a backend writes them as
@@ -92,6 +94,17 @@ pub enum Change {
     /// Insert the transfer's audit row (the `owner transferred` event follows as an
     /// [`Change::Append`]).
     RecordTransfer(TransferRecord),
+    /// A delivery at `sequence` was refused as a gap while the aggregate's last was `last`: the
+    /// backend keeps, per aggregate, the lowest such sequence since that last (a note taken at
+    /// another last is replaced), from which the missing range is told ([`crate::gaps`]).
+    NoteGap {
+        aggregate_id: String,
+        last: i64,
+        sequence: i64,
+    },
+    /// Insert a gap resolution's audit row and append its `gap skipped` event (whose detail
+    /// carries the id the store assigns, from the same numbers as [`Change::RecordResolution`]).
+    RecordGapResolution(Box<GapRecord>),
 }
 
 impl Change {

@@ -71,6 +71,9 @@ pub enum Outcome {
     },
     Stale {
         expected: i64,
+        /// The operator's gap resolution that skipped this sequence (the message arrived after
+        /// it), if one did.
+        skipped_by: Option<i64>,
     },
     /// Recorded as a dead letter (or seen again as one); the aggregate did not advance.
     Quarantined {
@@ -273,11 +276,7 @@ pub fn decide_delivery_as(
             decision.hold(expected)
         }
         Decision::Gap { expected } => decision.gap(door, expected),
-        Decision::Stale { expected } => decision.observed(
-            Outcome::Stale { expected },
-            TimelineKind::Stale,
-            TimelineDetail::Expected { expected },
-        ),
+        Decision::Stale { expected } => decision.stale(expected),
         Decision::Quarantine { expected, poison } => decision.quarantine(expected, poison),
         Decision::Apply { sequence } => decision.apply(sequence),
     }
@@ -351,6 +350,27 @@ impl Delivery<'_> {
         }
     }
 
+    /// A sequence already passed: another message took it, or an operator's gap resolution
+    /// skipped it (then the verdict and the observation name the resolution).
+    fn stale(self, expected: i64) -> DeliveryPlan {
+        let skipped_by = self.facts.skipped_by;
+        let detail = match skipped_by {
+            Some(skipped_by) => TimelineDetail::SkippedLate {
+                expected,
+                skipped_by,
+            },
+            None => TimelineDetail::Expected { expected },
+        };
+        self.observed(
+            Outcome::Stale {
+                expected,
+                skipped_by,
+            },
+            TimelineKind::Stale,
+            detail,
+        )
+    }
+
     fn replay(self, prior: &AppliedFact) -> DeliveryPlan {
         DeliveryPlan {
             outcome: Outcome::Replay {
@@ -412,11 +432,17 @@ impl Delivery<'_> {
             (door, self.status()),
             (_, Some(AggregateStatus::Flowing)) | (Door::General, None)
         );
-        let mut changes = Vec::with_capacity(2);
+        let mut changes = Vec::with_capacity(3);
         if marks_waiting {
             changes.push(self.put_status(AggregateStatus::Waiting));
         }
         changes.push(self.entry(TimelineKind::Gap, TimelineDetail::Expected { expected }));
+        // What is missing is told from the lowest sequence refused ahead of it.
+        changes.push(Change::NoteGap {
+            aggregate_id: self.message.aggregate_id.clone(),
+            last: self.before_last(),
+            sequence: self.message.sequence,
+        });
         DeliveryPlan {
             outcome: Outcome::Gap { expected },
             changes,
@@ -447,7 +473,10 @@ impl Delivery<'_> {
             .any(|held| held.message.sequence == sequence)
         {
             return self.observed(
-                Outcome::Stale { expected },
+                Outcome::Stale {
+                    expected,
+                    skipped_by: None,
+                },
                 TimelineKind::Stale,
                 TimelineDetail::Expected { expected },
             );
@@ -1219,7 +1248,10 @@ mod tests {
             },
             Outcome::PayloadConflict,
             Outcome::Gap { expected: 1 },
-            Outcome::Stale { expected: 2 },
+            Outcome::Stale {
+                expected: 2,
+                skipped_by: None,
+            },
             Outcome::QuarantineFull {
                 expected: 1,
                 open: 1,
@@ -1243,7 +1275,13 @@ mod tests {
             ..Default::default()
         };
         let plan = decide_general(&message("late", 1, 1), &facts);
-        assert_eq!(plan.outcome, Outcome::Stale { expected: 3 });
+        assert_eq!(
+            plan.outcome,
+            Outcome::Stale {
+                expected: 3,
+                skipped_by: None
+            }
+        );
         assert_eq!(kinds(&plan), [TimelineKind::Stale]);
         assert_eq!(plan.changes.len(), 1);
     }
@@ -1592,7 +1630,13 @@ mod tests {
             ..facts
         };
         let rival = decide_broker(&message("other-3", 3, 1), &other);
-        assert_eq!(rival.outcome, Outcome::Stale { expected: 2 });
+        assert_eq!(
+            rival.outcome,
+            Outcome::Stale {
+                expected: 2,
+                skipped_by: None
+            }
+        );
         assert_eq!(kinds(&rival), [TimelineKind::Stale]);
         assert_eq!(rival.changes.len(), 1, "only an observation");
     }

@@ -66,6 +66,10 @@ pub struct DeliveryFacts {
     /// The aggregate's owner: a held message (anonymous) drains only if an anonymous delivery
     /// would be admitted now.
     pub owner: Option<AggregateOwner>,
+    /// The gap resolution that skipped this message's sequence, if one did: a late arrival is
+    /// stale and names it. A backend need only read it for a sequence at or below the
+    /// aggregate's last.
+    pub skipped_by: Option<i64>,
 }
 
 /// The producer's row as the store holds it now.

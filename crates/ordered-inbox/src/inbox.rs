@@ -12,11 +12,12 @@ use async_trait::async_trait;
 use crate::delivery::Outcome;
 use crate::error::HandlerError;
 pub use crate::error::InboxError;
+use crate::gaps::{GapRequest, GapResolutionError, GapResolved};
 use crate::model::{AggregateStatus, Door, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::producers::TransferRequest;
 use crate::records::{
-    ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
+    GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
@@ -88,6 +89,22 @@ pub trait Inbox: Send + Sync {
         request: ResolutionRequest,
         mode: Mode,
     ) -> Result<Resolved, ResolutionError>;
+
+    /// Resolves a gap for an authenticated operator ([`crate::gaps::decide_gap_resolution`]),
+    /// or (dry run) reports what that would do.
+    async fn resolve_gap(
+        &self,
+        request: GapRequest,
+        mode: Mode,
+    ) -> Result<GapResolved, GapResolutionError>;
+
+    /// The gap resolutions' audit rows, oldest first, optionally for one aggregate: numbered in
+    /// the same sequence as [`Inbox::resolutions`], so the two merge into one trail by id.
+    async fn gap_resolutions(
+        &self,
+        aggregate_id: Option<String>,
+        page: PageRequest,
+    ) -> Result<Page<GapRecord>, InboxError>;
 
     /// Who `token` belongs to (`None`: no token was offered) and how many operators are active.
     async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError>;

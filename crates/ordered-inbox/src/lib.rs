@@ -172,6 +172,7 @@ pub mod content;
 pub mod delivery;
 pub mod error;
 pub mod facts;
+pub mod gaps;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod handling;
 pub mod inbox;
@@ -198,6 +199,9 @@ pub use delivery::{
 };
 pub use error::{HandlerError, InboxError};
 pub use facts::{DeliveryFacts, HeldMessage, OwnershipFacts, ProducerFact};
+pub use gaps::{
+    GapConflict, GapFacts, GapRequest, GapResolutionError, GapResolved, decide_gap_resolution,
+};
 pub use inbox::{BatchDelivery, Inbox, Undelivered};
 pub use model::{
     ActionKind, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
@@ -205,8 +209,9 @@ pub use model::{
 };
 pub use producers::{TransferPlan, TransferRequest};
 pub use records::{
-    AggregateOwner, ProducerClaim, ProducerRefusal, REJECTED_KEPT, RejectedDelivery, Replacement,
-    ResolutionRecord, TransferRecord, TransferRefusal,
+    AggregateOwner, DrainOutcome, DrainedMessage, GapRecord, ProducerClaim, ProducerRefusal,
+    REJECTED_KEPT, RejectedDelivery, Replacement, ResolutionRecord, SequenceRange, TransferRecord,
+    TransferRefusal,
 };
 pub use rejected::HeldRejection;
 pub use resolution::{

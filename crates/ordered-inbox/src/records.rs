@@ -5,7 +5,7 @@
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::model::{ActionKind, Position};
+use crate::model::{ActionKind, Position, stored_enum};
 
 /// The authenticated producer a delivery was made by, and the epoch of its session.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -147,5 +147,61 @@ pub struct ResolutionRecord {
     /// the sequence skipped; held messages drained after it are on the timeline).
     pub before: Position,
     pub after: Position,
+    pub resolved_at: String,
+}
+
+/// A range of an aggregate's sequences, both ends included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SequenceRange {
+    pub from: i64,
+    pub through: i64,
+}
+
+impl SequenceRange {
+    pub fn contains(&self, sequence: i64) -> bool {
+        (self.from..=self.through).contains(&sequence)
+    }
+}
+
+/// What happened to one held message that a gap resolution made next.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct DrainedMessage {
+    pub sequence: i64,
+    pub message_id: String,
+    pub outcome: DrainOutcome,
+}
+
+stored_enum!(
+    /// How a drained held message ended.
+    DrainOutcome, "drain outcome" {
+        Applied => "applied",
+        /// A held poison message: it blocks the aggregate, and the drain stops there.
+        Quarantined => "quarantined",
+    }
+);
+
+/// One audited gap resolution: an operator went on without the sequences `range` of an
+/// aggregate, which were never delivered. Numbered in the same sequence as the dead letters'
+/// resolutions, so that one audit trail lists both in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct GapRecord {
+    /// `None` in a dry run, which assigns nothing.
+    pub resolution_id: Option<i64>,
+    pub aggregate_id: String,
+    pub range: SequenceRange,
+    pub operator: String,
+    pub reason: String,
+    pub expected_last: i64,
+    /// The aggregate before the resolution, and after its own step (the range skipped, with no
+    /// effect); the held messages drained after it are `drained`.
+    pub before: Position,
+    pub after: Position,
+    /// The held successors the skip made next, in the order they drained.
+    pub drained: Vec<DrainedMessage>,
     pub resolved_at: String,
 }

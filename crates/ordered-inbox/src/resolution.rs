@@ -352,6 +352,7 @@ fn replace(
         held_message: facts.replacement_held.clone(),
         held: facts.held.clone(),
         owner: facts.owner.clone(),
+        skipped_by: None,
     };
     let plan = decide_delivery_as(
         target.producer,
@@ -377,7 +378,7 @@ fn replace(
         // stale sequence here (nor hold, through the general door); answer as the precondition
         // would.
         Outcome::Gap { expected }
-        | Outcome::Stale { expected }
+        | Outcome::Stale { expected, .. }
         | Outcome::Held { expected, .. }
         | Outcome::HoldFull { expected, .. } => {
             Err(Refusal::Conflict(ConflictKind::NotNextSequence {

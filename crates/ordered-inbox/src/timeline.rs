@@ -43,6 +43,9 @@ stored_enum!(
         /// A held message left the held set without applying: it may no longer write the
         /// aggregate, or another message took its sequence (it is on the rejected list too).
         HeldRejected => "held rejected",
+        /// An operator went on without a range of sequences that never arrived, with an audit
+        /// row ([`crate::gaps`]).
+        GapSkipped => "gap skipped",
     }
 );
 
@@ -69,6 +72,13 @@ pub enum TimelineDetail {
     /// Gap and stale: the sequence still required.
     Expected {
         expected: i64,
+    },
+    /// A late arrival of a sequence an operator's gap resolution skipped: the sequence still
+    /// required and the resolution that skipped it.
+    #[serde(rename_all = "camelCase")]
+    SkippedLate {
+        expected: i64,
+        skipped_by: i64,
     },
     /// A known id offered with other content.
     Offered {
@@ -139,6 +149,15 @@ pub enum TimelineDetail {
         from: Option<String>,
         to: String,
         epoch: i64,
+        reason: String,
+    },
+    /// An operator's gap resolution: its audit row, the range skipped, who and why.
+    #[serde(rename_all = "camelCase")]
+    GapSkipped {
+        resolution_id: i64,
+        from: i64,
+        through: i64,
+        operator: String,
         reason: String,
     },
     #[serde(rename_all = "camelCase")]

@@ -86,6 +86,19 @@ pub struct AggregateView {
     pub held_sequences: Vec<i64>,
     /// How many messages are held in all.
     pub held_count: i64,
+    /// What a waiting aggregate is missing (`None` unless it waits): see [`crate::gaps::missing`].
+    pub missing: Option<MissingRange>,
+    /// Since when it waits (`None` unless it waits).
+    pub waiting_since: Option<String>,
+}
+
+/// The sequences a waiting aggregate is missing: from the expected one through one below the
+/// lowest sequence seen ahead of it since its last apply (`None` when nothing ahead is known).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct MissingRange {
+    pub from: i64,
+    pub through: Option<i64>,
 }
 
 /// The most held sequences [`AggregateView`] lists.
@@ -123,6 +136,10 @@ pub struct InventoryEntry {
     pub open_dead_letters: i64,
     /// Messages held for the aggregate until a missing predecessor arrives.
     pub held: i64,
+    /// What a waiting aggregate is missing (`None` unless it waits).
+    pub missing: Option<MissingRange>,
+    /// Since when it waits (`None` unless it waits).
+    pub waiting_since: Option<String>,
 }
 
 /// The resolution of a dead letter, as its view shows it.
@@ -209,6 +226,8 @@ pub struct InboxHealth {
     pub held_messages: i64,
     /// Seconds since the longest-blocked aggregate became blocked; `None` when none is.
     pub longest_blocked_seconds: Option<f64>,
+    /// Seconds since the longest-waiting aggregate began waiting; `None` when none waits.
+    pub longest_waiting_seconds: Option<f64>,
 }
 
 /// An aggregate's owner (if any) and last applied sequence: what a transfer is checked against.

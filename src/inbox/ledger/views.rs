@@ -57,6 +57,10 @@ pub struct AggregateView {
     pub held_sequences: Vec<i64>,
     /// How many messages are held in all.
     pub held_count: i64,
+    /// What a waiting aggregate is missing; null unless it waits.
+    pub missing: Option<inbox::MissingRange>,
+    /// Since when it waits; null unless it waits.
+    pub waiting_since: Option<String>,
 }
 
 impl From<inbox::AggregateView> for AggregateView {
@@ -68,6 +72,8 @@ impl From<inbox::AggregateView> for AggregateView {
             open_dead_letters_truncated: view.open_dead_letters_truncated,
             held_sequences: view.held_sequences,
             held_count: view.held_count,
+            missing: view.missing,
+            waiting_since: view.waiting_since,
         }
     }
 }
@@ -83,6 +89,10 @@ pub struct InventoryEntry {
     pub open_dead_letters: i64,
     /// Messages held for the aggregate until a missing predecessor arrives.
     pub held: i64,
+    /// What a waiting aggregate is missing; null unless it waits.
+    pub missing: Option<inbox::MissingRange>,
+    /// Since when it waits; null unless it waits.
+    pub waiting_since: Option<String>,
 }
 
 impl From<inbox::InventoryEntry> for InventoryEntry {
@@ -92,6 +102,8 @@ impl From<inbox::InventoryEntry> for InventoryEntry {
             age_seconds: entry.age_seconds,
             open_dead_letters: entry.open_dead_letters,
             held: entry.held,
+            missing: entry.missing,
+            waiting_since: entry.waiting_since,
         }
     }
 }

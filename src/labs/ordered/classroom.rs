@@ -174,7 +174,7 @@ fn classroom_response(message: &OrderedMessage, outcome: &Outcome) -> Response {
             StatusCode::CONFLICT,
             json!({"outcome": "gap", "expected": expected}),
         ),
-        Outcome::Stale { expected } => json_response(
+        Outcome::Stale { expected, .. } => json_response(
             StatusCode::CONFLICT,
             json!({"outcome": "stale", "expected": expected}),
         ),

@@ -5,6 +5,7 @@
 //!   verdicts that say what the caller can do, and the evidence (aggregate state, blocked/waiting
 //!   inventory, timeline, dead letters);
 //! - `resolution`: operator-approved poison resolution and its audit trail;
+//! - `gaps`: what a waiting aggregate is missing, and an operator's audited skip of it;
 //! - `producers`: producer sessions (epochs, fencing), aggregate ownership and its transfer.
 //!
 //! The handlers take only the inbox ([`crate::inbox::SharedInbox`]): the library decides, this module words the
@@ -12,6 +13,7 @@
 
 mod aggregates;
 mod classroom;
+mod gaps;
 pub mod practice;
 mod producers;
 mod resolution;
@@ -36,6 +38,7 @@ where
         .merge(classroom::routes())
         .merge(aggregates::routes())
         .merge(resolution::routes())
+        .merge(gaps::routes())
         .merge(producers::routes())
 }
 

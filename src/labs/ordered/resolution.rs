@@ -21,6 +21,7 @@ use crate::inbox::SharedInbox;
 use crate::inbox::input::{validate_aggregate_id, validate_message_id, validate_sequence};
 use crate::inbox::ledger::{self, views::CurrentState, views::ResolutionRecord};
 use crate::inbox::pages::{page_body, page_request};
+use ordered_inbox::views::Page;
 
 /// How to register the first operator, for answers given while there is none.
 const ADD_HINT: &str = "production-lab operator add NAME --database PATH";
@@ -36,7 +37,7 @@ where
         .routes(routes!(audit_trail))
 }
 
-const MAX_REASON: usize = 500;
+pub(super) const MAX_REASON: usize = 500;
 const UNAUTHORIZED_TITLE: &str = "Operator authentication required";
 
 /// An operator's decision on a dead letter. Names bind case-insensitively.
@@ -471,10 +472,20 @@ struct AuditQuery {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 struct AuditPage {
-    resolutions: Vec<ResolutionRecord>,
+    resolutions: Vec<AuditEntry>,
     /// The `after` of the following page; null at the end.
     #[schema(required = true)]
     next: Option<i64>,
+}
+
+/// One row of the audit trail: a dead letter's resolution (`messageId`, `sequence`) or a gap's
+/// (`from`, `through`, `drained`).
+#[derive(ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+enum AuditEntry {
+    DeadLetter(ResolutionRecord),
+    Gap(super::gaps::GapResolutionRecord),
 }
 
 /// `GET /resolutions?aggregateId=&after=&limit=`: who resolved what, when, why, and the
@@ -493,12 +504,51 @@ async fn audit_trail(
         validate_aggregate_id("aggregateId", aggregate_id)?;
     }
     let page = page_request(query.after, query.limit)?;
-    let records = inbox
-        .resolutions(query.aggregate_id, page)
+    let dead_letters = inbox
+        .resolutions(query.aggregate_id.clone(), page)
         .await?
-        .map(ResolutionRecord::from);
+        .map(|record| (record.resolution_id, json!(ResolutionRecord::from(record))));
+    let gaps = inbox
+        .gap_resolutions(query.aggregate_id, page)
+        .await?
+        .map(|record| {
+            let id = record.resolution_id;
+            (id, json!(super::gaps::GapResolutionRecord::from(record)))
+        });
     Ok(json_response(
         StatusCode::OK,
-        page_body(json!({}), "resolutions", records),
+        page_body(
+            json!({}),
+            "resolutions",
+            merged(dead_letters, gaps, page.limit),
+        ),
     ))
+}
+
+/// Two pages of the one numbered trail, read from the same cursor, as one page in number order:
+/// another page exists when either had more, or when together they hold more than `limit`.
+fn merged(
+    first: Page<(Option<i64>, Value)>,
+    second: Page<(Option<i64>, Value)>,
+    limit: i64,
+) -> Page<Value> {
+    let more = first.next.is_some() || second.next.is_some();
+    let mut rows: Vec<(i64, Value)> = first
+        .items
+        .into_iter()
+        .chain(second.items)
+        .map(|(id, row)| (id.unwrap_or(0), row))
+        .collect();
+    rows.sort_by_key(|(id, _)| *id);
+    let limit = usize::try_from(limit).unwrap_or(0);
+    let more = more || rows.len() > limit;
+    rows.truncate(limit);
+    Page {
+        next: if more {
+            rows.last().map(|(id, _)| *id)
+        } else {
+            None
+        },
+        items: rows.into_iter().map(|(_, row)| row).collect(),
+    }
 }

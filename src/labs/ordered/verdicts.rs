@@ -34,9 +34,13 @@ pub(super) fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Re
         | Outcome::HoldFull { expected, .. } => {
             answer(StatusCode::CONFLICT, gap(about, message, expected))
         }
-        Outcome::Stale { expected } => {
-            answer(StatusCode::CONFLICT, stale(about, message, expected))
-        }
+        Outcome::Stale {
+            expected,
+            skipped_by,
+        } => answer(
+            StatusCode::CONFLICT,
+            stale(about, message, expected, skipped_by),
+        ),
         Outcome::PayloadConflict => answer(StatusCode::CONFLICT, payload_conflict(about)),
         Outcome::Quarantined {
             expected,
@@ -160,6 +164,9 @@ pub(super) struct OutOfOrder<'a> {
     expected: i64,
     retryable: bool,
     action: String,
+    /// (stale only) The operator's gap resolution that skipped this sequence before it arrived.
+    #[serde(rename = "skippedBy", skip_serializing_if = "Option::is_none")]
+    skipped_by: Option<i64>,
 }
 
 fn gap<'a>(about: About<'a>, message: &OrderedMessage, expected: i64) -> OutOfOrder<'a> {
@@ -170,20 +177,31 @@ fn gap<'a>(about: About<'a>, message: &OrderedMessage, expected: i64) -> OutOfOr
         expected,
         retryable: true,
         action: format!("deliver sequence {expected} first, then retry this message unchanged"),
+        skipped_by: None,
     }
 }
 
-fn stale<'a>(about: About<'a>, message: &OrderedMessage, expected: i64) -> OutOfOrder<'a> {
+fn stale<'a>(
+    about: About<'a>,
+    message: &OrderedMessage,
+    expected: i64,
+    skipped_by: Option<i64>,
+) -> OutOfOrder<'a> {
+    let sequence = message.sequence;
+    let action = match skipped_by {
+        Some(resolution) => format!(
+            "sequence {sequence} was skipped by an operator's gap resolution {resolution} (GET /resolutions) and is never applied; do not retry"
+        ),
+        None => format!("sequence {sequence} was already taken by another message; do not retry"),
+    };
     OutOfOrder {
         outcome: "stale",
         about,
-        sequence: message.sequence,
+        sequence,
         expected,
         retryable: false,
-        action: format!(
-            "sequence {} was already taken by another message; do not retry",
-            message.sequence
-        ),
+        action,
+        skipped_by,
     }
 }
 

@@ -123,7 +123,7 @@ fn answer(outcome: &Outcome) -> (StatusCode, Json<Value>) {
             StatusCode::OK,
             json!({ "outcome": "replay", "sequence": original.sequence }),
         ),
-        Outcome::Stale { expected } => (
+        Outcome::Stale { expected, .. } => (
             StatusCode::CONFLICT,
             json!({ "outcome": "stale", "expected": expected }),
         ),

@@ -55,7 +55,8 @@ pub(crate) async fn deliver(
     message: &OrderedMessage,
     door: Door,
 ) -> Result<Outcome, Failure> {
-    let (facts, _) = delivery_facts(unit.client, unit.counters, message, None).await?;
+    let (mut facts, _) = delivery_facts(unit.client, unit.counters, message, None).await?;
+    facts.skipped_by = super::gaps::skipped_by(unit.client, unit.counters, message, &facts).await?;
     let run = decided(unit, None, |context| {
         Ok::<_, Infallible>(decide_delivery(message, door, &facts, context))
     })
@@ -79,7 +80,8 @@ pub(crate) async fn deliver_as(
     door: Door,
     claim: Option<&ProducerClaim>,
 ) -> Result<Result<Outcome, ProducerRefusal>, Failure> {
-    let (facts, ownership) = delivery_facts(unit.client, unit.counters, message, claim).await?;
+    let (mut facts, ownership) = delivery_facts(unit.client, unit.counters, message, claim).await?;
+    facts.skipped_by = super::gaps::skipped_by(unit.client, unit.counters, message, &facts).await?;
     let run = decided(unit, None, |context| {
         decide_producer_delivery(message, door, claim, &ownership, &facts, context)
     })
@@ -141,7 +143,7 @@ pub(crate) async fn resolve(
     }
 }
 
-async fn rollback(unit: Unit<'_>) -> Result<(), Failure> {
+pub(super) async fn rollback(unit: Unit<'_>) -> Result<(), Failure> {
     unit.client.batch_execute("ROLLBACK").await?;
     unit.counters.trip();
     Ok(())
@@ -271,7 +273,7 @@ pub(crate) async fn record_rejected(
 }
 
 /// How a decision's run ended.
-enum Run<P, R> {
+pub(super) enum Run<P, R> {
     /// The plan, what writing it reported, and the writes still to send with COMMIT.
     Written(P, Report, Vec<Write>),
     /// The core refused (a producer refusal, a resolution's precondition): nothing written.
@@ -291,7 +293,7 @@ enum Ran {
 /// Decides with `decide` and writes the plan, running the handler at each applied message;
 /// after a poison from `apply`, rolls back to the savepoint and decides again with that message
 /// poison.
-async fn decided<P: Plan, R>(
+pub(super) async fn decided<P: Plan, R>(
     unit: Unit<'_>,
     states: Option<&States<'_>>,
     decide: impl Fn(Context<'_>) -> Result<P, R>,

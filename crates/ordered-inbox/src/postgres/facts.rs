@@ -218,6 +218,8 @@ fn delivery_facts_from_row(row: &Row, aggregate_id: &str) -> Result<DeliveryFact
         held_message,
         held: held_from_arrays(row, 22, aggregate_id)?,
         owner: owner_from(row, 27)?,
+        // Read apart, and only for a sequence already passed (`gaps::skipped_by`).
+        skipped_by: None,
     })
 }
 

@@ -27,6 +27,8 @@
 mod connection;
 pub mod engine;
 mod facts;
+mod gap_engine;
+mod gaps;
 pub mod handler;
 pub mod operators;
 mod rejected;
@@ -54,12 +56,13 @@ use connection::{Client, Failure};
 
 use crate::content::AcceptAll;
 use crate::delivery::Outcome;
+use crate::gaps::{GapRequest, GapResolutionError, GapResolved};
 use crate::inbox::{BatchDelivery, Inbox, InboxError, Undelivered};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::producers::TransferRequest;
 use crate::records::{
-    ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
+    GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
@@ -278,6 +281,33 @@ impl Inbox for PostgresInbox {
             Box::pin(async move { engine::resolve(unit, &request, mode).await })
         })
         .await?
+    }
+
+    async fn resolve_gap(
+        &self,
+        request: GapRequest,
+        mode: Mode,
+    ) -> Result<GapResolved, GapResolutionError> {
+        let request = Arc::new(request);
+        self.write(move |unit| {
+            let request = request.clone();
+            Box::pin(async move { gap_engine::resolve_gap(unit, &request, mode).await })
+        })
+        .await?
+    }
+
+    async fn gap_resolutions(
+        &self,
+        aggregate_id: Option<String>,
+        page: PageRequest,
+    ) -> Result<Page<GapRecord>, InboxError> {
+        self.run(move |client, counters| {
+            let aggregate_id = aggregate_id.clone();
+            Box::pin(async move {
+                gaps::gap_resolutions(client, counters, aggregate_id.as_deref(), page).await
+            })
+        })
+        .await
     }
 
     async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError> {

@@ -114,7 +114,42 @@ pub const MIGRATIONS: &[&str] = &[
     PRODUCERS,
     REJECTED_DELIVERIES,
     APPLICATION_CONTENT,
+    HELD_FOR_THE_WRITE_PATH,
+    GAPS,
 ];
+
+/// Version 6 is held for a migration of the write path that is made elsewhere; it changes
+/// nothing here.
+const HELD_FOR_THE_WRITE_PATH: &str = "";
+
+/// Gaps that never fill (version 7; the SQLite backend's version 12): per aggregate the lowest
+/// sequence the general door refused as a gap and the last it was refused at, and the audit rows
+/// of operators' gap resolutions, numbered from the resolutions' counter (one trail lists both
+/// in order), at most one per (aggregate, first skipped sequence).
+const GAPS: &str = r#"
+CREATE TABLE refused_gaps(
+    aggregate_id text COLLATE "C" PRIMARY KEY,
+    after_last bigint NOT NULL,
+    lowest bigint NOT NULL
+);
+CREATE TABLE gap_resolutions(
+    id bigint PRIMARY KEY,
+    aggregate_id text COLLATE "C" NOT NULL,
+    from_sequence bigint NOT NULL,
+    through_sequence bigint NOT NULL,
+    operator text COLLATE "C" NOT NULL REFERENCES operators(name),
+    reason text NOT NULL,
+    expected_last bigint NOT NULL,
+    before_last bigint NOT NULL,
+    before_state text,
+    after_last bigint NOT NULL,
+    after_state text,
+    drained text NOT NULL,
+    resolved_at text COLLATE "C" NOT NULL
+);
+CREATE UNIQUE INDEX ix_gap_resolutions_aggregate_from ON gap_resolutions(aggregate_id, from_sequence);
+CREATE INDEX ix_gap_resolutions_aggregate ON gap_resolutions(aggregate_id, id);
+"#;
 
 /// Held successors (version 2): messages a broker delivered ahead of their turn, one row each
 /// until their predecessor applies and they drain. At most one per (aggregate, sequence).

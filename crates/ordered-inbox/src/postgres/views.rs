@@ -28,11 +28,18 @@ const INVENTORY: &str = "
 SELECT a.aggregate_id, a.last_sequence, a.status, a.status_since,
        (SELECT COUNT(*) FROM deadletters d
          WHERE d.aggregate_id = a.aggregate_id AND d.status = 'open'),
-       (SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = a.aggregate_id)
+       (SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = a.aggregate_id),
+       (SELECT g.lowest FROM refused_gaps g
+         WHERE g.aggregate_id = a.aggregate_id AND g.after_last = a.last_sequence),
+       (SELECT MIN(h.sequence) FROM held_messages h WHERE h.aggregate_id = a.aggregate_id)
   FROM aggregate_state a
  WHERE a.status = $1
  ORDER BY a.status_since, a.aggregate_id
  LIMIT $2";
+/// The lowest sequence refused as a gap at the aggregate's current last.
+const REFUSED_AT_LAST: &str = "
+SELECT g.lowest FROM refused_gaps g JOIN aggregate_state a ON a.aggregate_id = g.aggregate_id
+ WHERE g.aggregate_id = $1 AND g.after_last = a.last_sequence";
 const HELD_SEQUENCES: &str =
     "SELECT sequence FROM held_messages WHERE aggregate_id = $1 ORDER BY sequence LIMIT $2";
 const HELD_COUNT: &str = "SELECT COUNT(*) FROM held_messages WHERE aggregate_id = $1";
@@ -78,7 +85,8 @@ SELECT (SELECT COUNT(*) FROM ordered_inbox WHERE aggregate_id = $1),
 const HEALTH: &str = "
 SELECT (SELECT COUNT(*) FROM deadletters WHERE status = 'open'),
        (SELECT MIN(status_since) FROM aggregate_state WHERE status = 'blocked'),
-       (SELECT COUNT(*) FROM held_messages)";
+       (SELECT COUNT(*) FROM held_messages),
+       (SELECT MIN(status_since) FROM aggregate_state WHERE status = 'waiting')";
 
 /// Aggregates per status (`ix_aggregate_state_status` leads with the status).
 const STATUS_COUNTS: &str = "SELECT status, COUNT(*) FROM aggregate_state GROUP BY status";
@@ -96,7 +104,7 @@ pub(super) async fn aggregate_summary(
     row?.map(|row| summary_from_row(&row)).transpose()
 }
 
-fn summary_from_row(row: &Row) -> Result<AggregateSummary, Failure> {
+pub(super) fn summary_from_row(row: &Row) -> Result<AggregateSummary, Failure> {
     let last: i64 = row.try_get(1)?;
     Ok(AggregateSummary {
         aggregate_id: row.try_get(0)?,
@@ -157,16 +165,22 @@ pub(super) async fn aggregate_view(
     let held = client.prepare_cached(HELD_SEQUENCES).await?;
     let held_count = client.prepare_cached(HELD_COUNT).await?;
     let held_params: [&(dyn ToSql + Sync); 2] = [&aggregate_id, &HELD_SHOWN];
-    let (begin, summary, open, count, held, held_count) = join!(
+    let refused = client.prepare_cached(REFUSED_AT_LAST).await?;
+    let (begin, summary, open, count, held, held_count, refused) = join!(
         client.batch_execute(SNAPSHOT),
         client.query_opt(&summary, &by_aggregate),
         client.query(&list, &list_params),
         client.query_one(&count, &by_aggregate),
         client.query(&held, &held_params),
         client.query_one(&held_count, &by_aggregate),
+        client.query_opt(&refused, &by_aggregate),
     );
     counters.trip();
     begin?;
+    let refused: Option<i64> = match refused? {
+        Some(row) => row.try_get(0)?,
+        None => None,
+    };
     let held_sequences = held?
         .iter()
         .map(|row| row.try_get(0))
@@ -175,8 +189,13 @@ pub(super) async fn aggregate_view(
     let mut view = match summary? {
         Some(summary) => {
             let open = dead_letter_page(&open?, page.limit)?;
+            let summary = summary_from_row(&summary)?;
+            let (missing, waiting_since) =
+                crate::gaps::waiting(&summary, refused, held_sequences.first().copied());
             Some(AggregateView {
-                summary: summary_from_row(&summary)?,
+                missing,
+                waiting_since,
+                summary,
                 open_dead_letters_truncated: open.next.is_some(),
                 open_dead_letters: open.items,
                 open_dead_letter_count: count?.try_get(0)?,
@@ -231,11 +250,15 @@ fn inventory_entries(rows: &[Row]) -> Result<Vec<InventoryEntry>, Failure> {
                 .since
                 .as_deref()
                 .map_or(0, |since| clock::seconds_between(since, &now));
+            let (missing, waiting_since) =
+                crate::gaps::waiting(&summary, row.try_get(6)?, row.try_get(7)?);
             Ok(InventoryEntry {
                 summary,
                 age_seconds,
                 open_dead_letters: row.try_get(4)?,
                 held: row.try_get(5)?,
+                missing,
+                waiting_since,
             })
         })
         .collect()
@@ -463,13 +486,17 @@ pub(super) async fn health(client: &Client, counters: &Counters) -> Result<Inbox
             entry.1 = count;
         }
     }
-    let since: Option<String> = row.try_get(1)?;
     let now = clock::now();
+    let longest = |column| -> Result<Option<f64>, Failure> {
+        let since: Option<String> = row.try_get(column)?;
+        Ok(since.map(|since| clock::seconds_between(&since, &now) as f64))
+    };
     Ok(InboxHealth {
         aggregates,
         open_dead_letters: row.try_get(0)?,
         held_messages: row.try_get(2)?,
-        longest_blocked_seconds: since.map(|since| clock::seconds_between(&since, &now) as f64),
+        longest_blocked_seconds: longest(1)?,
+        longest_waiting_seconds: longest(3)?,
     })
 }
 

@@ -11,9 +11,10 @@ use super::connection::{Client, Counters, Failure};
 use super::rows::namespace;
 use crate::change::Change;
 use crate::content::Detail;
+use crate::gaps::gap_skipped_event;
 use crate::model::{AggregateRow, OrderedMessage, QuarantineReason};
 use crate::records::{
-    AggregateOwner, REJECTED_KEPT, RejectedDelivery, ResolutionRecord, TransferRecord,
+    AggregateOwner, GapRecord, REJECTED_KEPT, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::resolved_event;
 use crate::timeline::{OBSERVATIONS_KEPT, TimelineDetail, TimelineEntry, TimelineKind};
@@ -105,7 +106,8 @@ DELETE FROM aggregate_timeline AS t USING numbered
 /// writes because the `resolved` event's detail carries the number.
 const NEXT_RESOLUTION_ID: &str = "
 UPDATE ordered_inbox_counters
-   SET value = GREATEST(value, (SELECT COALESCE(MAX(id), 0) FROM resolutions)) + 1
+   SET value = GREATEST(value, (SELECT COALESCE(MAX(id), 0) FROM resolutions),
+                        (SELECT COALESCE(MAX(id), 0) FROM gap_resolutions)) + 1
  WHERE name = 'resolutions'
 RETURNING value";
 const INSERT_RESOLUTION: &str = "
@@ -130,7 +132,11 @@ pub(super) struct Write {
     params: Vec<Param>,
 }
 
-async fn write(client: &Client, sql: &str, params: Vec<Param>) -> Result<Write, Failure> {
+pub(super) async fn write(
+    client: &Client,
+    sql: &str,
+    params: Vec<Param>,
+) -> Result<Write, Failure> {
     Ok(Write {
         statement: client.prepare_cached(sql).await?,
         params,
@@ -210,6 +216,16 @@ pub(super) async fn writes_for(
         Change::Append(entry) => append(client, entry).await?,
         Change::RecordResolution(record) => {
             return record_resolution(client, counters, record, writes)
+                .await
+                .map(Some);
+        }
+        Change::NoteGap {
+            aggregate_id,
+            last,
+            sequence,
+        } => note_gap(client, aggregate_id, *last, *sequence).await?,
+        Change::RecordGapResolution(record) => {
+            return record_gap_resolution(client, counters, record, writes)
                 .await
                 .map(Some);
         }
@@ -540,4 +556,73 @@ async fn execute_all(client: &Client, writes: &[Write]) -> Vec<Result<u64, tokio
             .map(|(write, params)| client.execute(&write.statement, params)),
     )
     .await
+}
+
+/// Keeps the lowest sequence refused as a gap at this last; a note taken at another last is
+/// replaced (every assignment reads the row's old values).
+const NOTE_GAP: &str = "
+INSERT INTO refused_gaps(aggregate_id, after_last, lowest) VALUES ($1, $2, $3)
+ON CONFLICT (aggregate_id) DO UPDATE SET
+    lowest = CASE WHEN refused_gaps.after_last = excluded.after_last
+                  THEN LEAST(refused_gaps.lowest, excluded.lowest) ELSE excluded.lowest END,
+    after_last = excluded.after_last";
+const INSERT_GAP_RESOLUTION: &str = "
+INSERT INTO gap_resolutions(id, aggregate_id, from_sequence, through_sequence, operator, reason,
+                            expected_last, before_last, before_state, after_last, after_state,
+                            drained, resolved_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
+async fn note_gap(
+    client: &Client,
+    aggregate_id: &str,
+    last: i64,
+    sequence: i64,
+) -> Result<Write, Failure> {
+    let params = vec![param(aggregate_id.to_owned()), param(last), param(sequence)];
+    write(client, NOTE_GAP, params).await
+}
+
+/// The audit row (numbered one round trip ahead, from the resolutions' counter) and its
+/// `gap skipped` event. Returns the row's number.
+async fn record_gap_resolution(
+    client: &Client,
+    counters: &Counters,
+    record: &GapRecord,
+    writes: &mut Vec<Write>,
+) -> Result<i64, Failure> {
+    let next = client.prepare_cached(NEXT_RESOLUTION_ID).await?;
+    let id: i64 = client
+        .query_one(&next, &[])
+        .await
+        .map_err(Failure::Db)?
+        .try_get(0)?;
+    counters.trip();
+    writes.push(
+        write(
+            client,
+            INSERT_GAP_RESOLUTION,
+            gap_resolution_params(record, id),
+        )
+        .await?,
+    );
+    writes.push(append(client, &gap_skipped_event(record, id)).await?);
+    Ok(id)
+}
+
+fn gap_resolution_params(record: &GapRecord, id: i64) -> Vec<Param> {
+    let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
+    vec![
+        param(id),
+        param(record.aggregate_id.clone()),
+        param(record.range.from),
+        param(record.range.through),
+        param(record.operator.clone()),
+        param(record.reason.clone()),
+        param(record.expected_last),
+        param(record.before.last),
+        param(state(&record.before.state)),
+        param(record.after.last),
+        param(state(&record.after.state)),
+        param(serde_json::to_string(&record.drained).unwrap_or_else(|_| "[]".to_owned())),
+        param(record.resolved_at.clone()),
+    ]
 }

@@ -55,7 +55,8 @@ pub fn deliver_in(
     message: &OrderedMessage,
     door: Door,
 ) -> Result<Result<Outcome, HandlerError>, StoreError> {
-    let facts = delivery_facts(unit.connection, None, message)?.facts;
+    let mut facts = delivery_facts(unit.connection, None, message)?.facts;
+    facts.skipped_by = super::gaps::skipped_by(unit.connection, message, &facts)?;
     let run = decided(unit, None, |context| {
         Ok::<_, Infallible>(decide_delivery(message, door, &facts, context))
     })?;
@@ -77,7 +78,8 @@ pub fn deliver_as_in(
 ) -> Result<Result<Outcome, Undelivered>, StoreError> {
     let connection = unit.connection;
     let producer = claim.map(|claim| claim.producer.as_str());
-    let DeliveryRead { facts, owner } = delivery_facts(connection, producer, message)?;
+    let DeliveryRead { mut facts, owner } = delivery_facts(connection, producer, message)?;
+    facts.skipped_by = super::gaps::skipped_by(connection, message, &facts)?;
     let ownership = ownership_facts(connection, &message.aggregate_id, claim, owner)?;
     let run = decided(unit, None, |context| {
         decide_producer_delivery(message, door, claim, &ownership, &facts, context)
@@ -226,7 +228,7 @@ pub fn transfer_in(
 }
 
 /// How a decision's run ended.
-enum Run<P, R> {
+pub(super) enum Run<P, R> {
     /// The plan and what writing it reported.
     Written(P, Report),
     /// The core refused (a producer refusal, a resolution's precondition): nothing written.
@@ -247,7 +249,7 @@ enum Ran {
 /// after a poison from `apply`, decides again with that message poison. Each round marks one
 /// more of the plan's messages poison, so the rounds are bounded by the messages one plan can
 /// apply (the delivered one and every held one).
-fn decided<P: Plan, R>(
+pub(super) fn decided<P: Plan, R>(
     unit: Unit<'_>,
     states: Option<&States<'_>>,
     mut decide: impl FnMut(Context<'_>) -> Result<P, R>,

@@ -15,6 +15,8 @@
 
 pub mod engine;
 mod facts;
+mod gap_engine;
+pub mod gaps;
 pub mod handler;
 pub mod operators;
 mod rejected;
@@ -41,12 +43,13 @@ pub use handler::SqliteHandler;
 use crate::clock;
 use crate::content::AcceptAll;
 use crate::delivery::Outcome;
+use crate::gaps::{GapRequest, GapResolutionError, GapResolved};
 use crate::inbox::{BatchDelivery, Inbox, InboxError, Undelivered};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::{OperatorCheck, Registry};
 use crate::producers::TransferRequest;
 use crate::records::{
-    ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
+    GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
 use crate::views::{
@@ -55,6 +58,12 @@ use crate::views::{
     TransferConflict,
 };
 use engine::Unit;
+
+impl From<StoreError> for GapResolutionError {
+    fn from(error: StoreError) -> Self {
+        GapResolutionError::Store(error.into())
+    }
+}
 
 impl From<StoreError> for ResolutionError {
     fn from(error: StoreError) -> Self {
@@ -209,6 +218,26 @@ impl Inbox for SqliteInbox {
     ) -> Result<Resolved, ResolutionError> {
         self.write(move |unit| engine::resolve_in(unit, &request, mode))
             .await
+    }
+
+    async fn resolve_gap(
+        &self,
+        request: GapRequest,
+        mode: Mode,
+    ) -> Result<GapResolved, GapResolutionError> {
+        self.write(move |unit| gap_engine::resolve_gap_in(unit, &request, mode))
+            .await
+    }
+
+    async fn gap_resolutions(
+        &self,
+        aggregate_id: Option<String>,
+        page: PageRequest,
+    ) -> Result<Page<GapRecord>, InboxError> {
+        self.read(move |connection| {
+            gaps::gap_resolutions(connection, aggregate_id.as_deref(), page)
+        })
+        .await
     }
 
     async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError> {

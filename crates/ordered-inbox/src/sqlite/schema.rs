@@ -409,6 +409,41 @@ ALTER TABLE resolutions DROP COLUMN before_total;
 ALTER TABLE resolutions DROP COLUMN after_total;
 ";
 
+/// Version 11 is held for a migration of the write path that is made elsewhere; it changes
+/// nothing here.
+const HELD_FOR_THE_WRITE_PATH: &str = "";
+
+/// Gaps that never fill (version 12): per aggregate the lowest sequence the general door refused
+/// as a gap, and the aggregate's last when it was refused (a note taken at an older last says
+/// nothing about now), from which a waiting aggregate's missing range is told; and the audit
+/// rows of operators' gap resolutions, numbered in the same sequence as `resolutions` (a new row
+/// of either takes one past the highest of both), at most one per (aggregate, first skipped
+/// sequence), with the held messages each one drained.
+const GAPS: &str = "
+CREATE TABLE refused_gaps(
+    aggregate_id TEXT PRIMARY KEY,
+    after_last INTEGER NOT NULL,
+    lowest INTEGER NOT NULL
+);
+CREATE TABLE gap_resolutions(
+    id INTEGER PRIMARY KEY,
+    aggregate_id TEXT NOT NULL,
+    from_sequence INTEGER NOT NULL,
+    through_sequence INTEGER NOT NULL,
+    operator TEXT NOT NULL REFERENCES operators(name),
+    reason TEXT NOT NULL,
+    expected_last INTEGER NOT NULL,
+    before_last INTEGER NOT NULL,
+    before_state TEXT,
+    after_last INTEGER NOT NULL,
+    after_state TEXT,
+    drained TEXT NOT NULL,
+    resolved_at TEXT NOT NULL
+);
+CREATE UNIQUE INDEX ix_gap_resolutions_aggregate_from ON gap_resolutions(aggregate_id, from_sequence);
+CREATE INDEX ix_gap_resolutions_aggregate ON gap_resolutions(aggregate_id, id);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -422,6 +457,8 @@ pub const MIGRATIONS: &[&str] = &[
     REJECTED_DELIVERIES,
     SEED_KEYS_FIRST,
     APPLICATION_CONTENT,
+    HELD_FOR_THE_WRITE_PATH,
+    GAPS,
 ];
 
 /// The migrations that rebuild tables: they run with foreign keys off, and check them before

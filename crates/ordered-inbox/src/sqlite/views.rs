@@ -80,7 +80,12 @@ pub fn aggregate_view(
     let held_count = connection
         .prepare_cached("SELECT COUNT(*) FROM held_messages WHERE aggregate_id = ?1")?
         .query_row([aggregate_id], |row| row.get(0))?;
+    let refused = refused_at(connection, aggregate_id, summary.last)?;
+    let (missing, waiting_since) =
+        crate::gaps::waiting(&summary, refused, held_sequences.first().copied());
     Ok(Some(AggregateView {
+        missing,
+        waiting_since,
         summary,
         open_dead_letters_truncated: open.next.is_some(),
         open_dead_letters: open.items,
@@ -98,6 +103,20 @@ fn open_count(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<i
         .query_row([aggregate_id], |row| row.get(0))
 }
 
+/// The lowest sequence refused as a gap at the aggregate's current last, if any.
+fn refused_at(
+    connection: &Connection,
+    aggregate_id: &str,
+    last: i64,
+) -> rusqlite::Result<Option<i64>> {
+    connection
+        .prepare_cached(
+            "SELECT lowest FROM refused_gaps WHERE aggregate_id = ?1 AND after_last = ?2",
+        )?
+        .query_row(params![aggregate_id, last], |row| row.get(0))
+        .optional()
+}
+
 /// Aggregates in `status`, the longest-standing first.
 pub fn inventory(
     connection: &Connection,
@@ -111,18 +130,26 @@ pub fn inventory(
                     CAST(ROUND((julianday(?2) - julianday(a.status_since)) * 86400) AS INTEGER),
                     (SELECT COUNT(*) FROM deadletters d
                       WHERE d.aggregate_id = a.aggregate_id AND d.status = 'open'),
-                    (SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = a.aggregate_id)
+                    (SELECT COUNT(*) FROM held_messages h WHERE h.aggregate_id = a.aggregate_id),
+                    (SELECT g.lowest FROM refused_gaps g
+                      WHERE g.aggregate_id = a.aggregate_id AND g.after_last = a.last_sequence),
+                    (SELECT MIN(h.sequence) FROM held_messages h
+                      WHERE h.aggregate_id = a.aggregate_id)
                FROM aggregate_state a
               WHERE a.status = ?1
               ORDER BY a.status_since, a.aggregate_id
               LIMIT ?3",
         )?
         .query_map(params![status.as_str(), now, limit], |row| {
+            let summary = summary_from_row(row)?;
+            let (missing, waiting_since) = crate::gaps::waiting(&summary, row.get(7)?, row.get(8)?);
             Ok(InventoryEntry {
-                summary: summary_from_row(row)?,
+                summary,
                 age_seconds: row.get::<_, Option<i64>>(4)?.unwrap_or(0).max(0),
                 open_dead_letters: row.get(5)?,
                 held: row.get(6)?,
+                missing,
+                waiting_since,
             })
         })?
         .collect()
@@ -149,18 +176,23 @@ pub fn health(connection: &Connection, now: &str) -> rusqlite::Result<InboxHealt
     let held_messages = connection
         .prepare_cached("SELECT COUNT(*) FROM held_messages")?
         .query_row([], |row| row.get(0))?;
-    let longest_blocked_seconds = connection
-        .prepare_cached(
-            "SELECT (julianday(?1) - julianday(MIN(status_since))) * 86400
-               FROM aggregate_state WHERE status = 'blocked' AND status_since IS NOT NULL",
-        )?
-        .query_row([now], |row| row.get::<_, Option<f64>>(0))?
-        .map(|seconds| seconds.max(0.0));
+    let longest = |status: AggregateStatus| {
+        connection
+            .prepare_cached(
+                "SELECT (julianday(?1) - julianday(MIN(status_since))) * 86400
+                   FROM aggregate_state WHERE status = ?2 AND status_since IS NOT NULL",
+            )?
+            .query_row(params![now, status.as_str()], |row| {
+                row.get::<_, Option<f64>>(0)
+            })
+            .map(|seconds| seconds.map(|seconds| seconds.max(0.0)))
+    };
     Ok(InboxHealth {
         aggregates,
         open_dead_letters,
         held_messages,
-        longest_blocked_seconds,
+        longest_blocked_seconds: longest(AggregateStatus::Blocked)?,
+        longest_waiting_seconds: longest(AggregateStatus::Waiting)?,
     })
 }
 

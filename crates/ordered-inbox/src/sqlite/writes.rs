@@ -6,8 +6,9 @@ use rusqlite::{Connection, params};
 use super::rows::namespace;
 use crate::change::Change;
 use crate::content::Detail;
+use crate::gaps::gap_skipped_event;
 use crate::model::{AggregateRow, OrderedMessage, QuarantineReason};
-use crate::records::{AggregateOwner, ResolutionRecord, TransferRecord};
+use crate::records::{AggregateOwner, GapRecord, ResolutionRecord, TransferRecord};
 use crate::resolution::resolved_event;
 use crate::timeline::{OBSERVATIONS_KEPT, TimelineDetail, TimelineEntry};
 
@@ -87,6 +88,14 @@ pub(super) fn write(
         } => set_owner(connection, aggregate_id, owner, at),
         Change::TouchProducer { producer, at, .. } => touch_producer(connection, producer, at),
         Change::RecordTransfer(record) => record_transfer(connection, record),
+        Change::NoteGap {
+            aggregate_id,
+            last,
+            sequence,
+        } => note_gap(connection, aggregate_id, *last, *sequence),
+        Change::RecordGapResolution(record) => {
+            return record_gap_resolution(connection, record).map(Some);
+        }
     }?;
     Ok(None)
 }
@@ -327,14 +336,15 @@ fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusq
     let replacement = record.replacement.as_ref();
     let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
     let id: i64 = connection
-        .prepare_cached(
-            "INSERT INTO resolutions(message_id, aggregate_id, sequence, action, operator, reason,
-                                     expected_last, replacement_message_id, replacement_payload,
-                                     before_last, before_state, after_last, after_state,
-                                     resolved_at, producer)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
-             RETURNING id",
-        )?
+        .prepare_cached(&format!(
+            "INSERT INTO resolutions(id, message_id, aggregate_id, sequence, action, operator,
+                                         reason, expected_last, replacement_message_id,
+                                         replacement_payload, before_last, before_state,
+                                         after_last, after_state, resolved_at, producer)
+                 VALUES (({}), ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
+                 RETURNING id",
+            NEXT_RESOLUTION_ID
+        ))?
         .query_row(
             params![
                 record.message_id,
@@ -365,6 +375,66 @@ fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusq
             namespace(record.producer.as_deref())
         ])?;
     append(connection, &resolved_event(record, id))?;
+    Ok(id)
+}
+
+/// The next number of an audit row, gap or dead letter: one past the highest of both tables, so
+/// that one trail lists both in order.
+const NEXT_RESOLUTION_ID: &str = "
+SELECT 1 + MAX(COALESCE((SELECT MAX(id) FROM resolutions), 0),
+               COALESCE((SELECT MAX(id) FROM gap_resolutions), 0))";
+
+/// Keeps the lowest sequence refused as a gap at this last; a note taken at another last is
+/// replaced (in an update every column reads the row's old values).
+const NOTE_GAP: &str = "
+INSERT INTO refused_gaps(aggregate_id, after_last, lowest) VALUES (?1, ?2, ?3)
+ON CONFLICT(aggregate_id) DO UPDATE SET
+    lowest = CASE WHEN after_last = excluded.after_last THEN MIN(lowest, excluded.lowest)
+                  ELSE excluded.lowest END,
+    after_last = excluded.after_last";
+
+fn note_gap(
+    connection: &Connection,
+    aggregate_id: &str,
+    last: i64,
+    sequence: i64,
+) -> rusqlite::Result<()> {
+    connection
+        .prepare_cached(NOTE_GAP)?
+        .execute(params![aggregate_id, last, sequence])?;
+    Ok(())
+}
+
+/// The audit row and its `gap skipped` event. Returns the row's number.
+fn record_gap_resolution(connection: &Connection, record: &GapRecord) -> rusqlite::Result<i64> {
+    let id: i64 = connection
+        .prepare_cached(NEXT_RESOLUTION_ID)?
+        .query_row([], |row| row.get(0))?;
+    let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
+    connection
+        .prepare_cached(
+            "INSERT INTO gap_resolutions(id, aggregate_id, from_sequence, through_sequence,
+                                         operator, reason, expected_last, before_last,
+                                         before_state, after_last, after_state, drained,
+                                         resolved_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+        )?
+        .execute(params![
+            id,
+            record.aggregate_id,
+            record.range.from,
+            record.range.through,
+            record.operator,
+            record.reason,
+            record.expected_last,
+            record.before.last,
+            state(&record.before.state),
+            record.after.last,
+            state(&record.after.state),
+            serde_json::to_string(&record.drained).unwrap_or_else(|_| "[]".to_owned()),
+            record.resolved_at,
+        ])?;
+    append(connection, &gap_skipped_event(record, id))?;
     Ok(id)
 }
 
