@@ -114,15 +114,10 @@ pub const MIGRATIONS: &[&str] = &[
     PRODUCERS,
     REJECTED_DELIVERIES,
     APPLICATION_CONTENT,
-    HELD_FOR_THE_WRITE_PATH,
     GAPS,
 ];
 
-/// Version 6 is held for a migration of the write path that is made elsewhere; it changes
-/// nothing here.
-const HELD_FOR_THE_WRITE_PATH: &str = "";
-
-/// Gaps that never fill (version 7; the SQLite backend's version 12): per aggregate the lowest
+/// Gaps that never fill (version 6; the SQLite backend's version 11): per aggregate the lowest
 /// sequence the general door refused as a gap and the last it was refused at, and the audit rows
 /// of operators' gap resolutions, numbered from the resolutions' counter (one trail lists both
 /// in order), at most one per (aggregate, first skipped sequence).

@@ -409,11 +409,7 @@ ALTER TABLE resolutions DROP COLUMN before_total;
 ALTER TABLE resolutions DROP COLUMN after_total;
 ";
 
-/// Version 11 is held for a migration of the write path that is made elsewhere; it changes
-/// nothing here.
-const HELD_FOR_THE_WRITE_PATH: &str = "";
-
-/// Gaps that never fill (version 12): per aggregate the lowest sequence the general door refused
+/// Gaps that never fill (version 11): per aggregate the lowest sequence the general door refused
 /// as a gap, and the aggregate's last when it was refused (a note taken at an older last says
 /// nothing about now), from which a waiting aggregate's missing range is told; and the audit
 /// rows of operators' gap resolutions, numbered in the same sequence as `resolutions` (a new row
@@ -457,7 +453,6 @@ pub const MIGRATIONS: &[&str] = &[
     REJECTED_DELIVERIES,
     SEED_KEYS_FIRST,
     APPLICATION_CONTENT,
-    HELD_FOR_THE_WRITE_PATH,
     GAPS,
 ];
 
