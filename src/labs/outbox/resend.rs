@@ -63,7 +63,7 @@ pub fn plan_resend(rows: &[ResendRow], from: i64, now: i64, max: usize) -> Vec<i
     rows.iter()
         .zip(from..)
         .take_while(|(row, wanted)| {
-            row.sequence == *wanted && !row.lease_until.is_some_and(|until| until > now)
+            row.sequence == *wanted && row.lease_until.is_none_or(|until| until <= now)
         })
         .take(max)
         .map(|(row, _)| row.id)
