@@ -414,6 +414,48 @@ mod tests {
         assert!(other.is_err());
     }
 
+    fn view(status: AggregateStatus, last: i64, held: &[i64]) -> AggregateView {
+        AggregateView {
+            summary: ordered_inbox::views::AggregateSummary {
+                aggregate_id: "acct.7".to_owned(),
+                last,
+                expected: last + 1,
+                status,
+                since: Some("2026-12-01T10:15:02.123Z".to_owned()),
+                state: None,
+            },
+            open_dead_letters: Vec::new(),
+            open_dead_letter_count: 0,
+            open_dead_letters_truncated: false,
+            held_sequences: held.to_vec(),
+            held_count: held.len() as i64,
+        }
+    }
+
+    #[test]
+    fn a_gap_notice_names_the_missing_range_of_a_waiting_aggregate_only() {
+        let notice = GapNotice::of_view(&view(AggregateStatus::Waiting, 1, &[5, 6])).unwrap();
+        assert_eq!(
+            serde_json::to_value(&notice).unwrap(),
+            serde_json::json!({"aggregateId": "acct.7", "missing": {"from": 2, "through": 4},
+                               "heldSequences": [5, 6], "waitingSince": "2026-12-01T10:15:02.123Z"})
+        );
+        assert_eq!(
+            gap_subject_for("ordered", "acct.7"),
+            "gaps.ordered.acct%2E7"
+        );
+        assert!(GapNotice::of_view(&view(AggregateStatus::Blocked, 1, &[5])).is_none());
+        assert!(GapNotice::of_view(&view(AggregateStatus::Flowing, 4, &[])).is_none());
+        assert!(GapNotice::of_view(&view(AggregateStatus::Waiting, 4, &[])).is_none());
+    }
+
+    #[test]
+    fn a_resend_is_read_by_its_resend_header_when_it_has_no_nats_msg_id() {
+        assert_eq!(delivery_id(&["m-1"], &["m-2"]), Some("m-1"));
+        assert_eq!(delivery_id(&[], &["m-2"]), Some("m-2"));
+        assert_eq!(delivery_id(&[], &[]), None);
+    }
+
     #[test]
     fn producer_headers_come_in_pairs_one_of_each_and_never_echo_the_token() {
         assert_eq!(read_credential(&[], &[]), Ok(None));
