@@ -15,9 +15,13 @@
 //! ownership, its producer's id namespace), as on the HTTP general door; without them it is
 //! anonymous.
 //!
+//! When a batch makes an aggregate wait for a missing sequence, and again at an interval while it
+//! waits, the consumer publishes a gap notice ([`notices`]) for a producer that can resend.
+//!
 //! The wire format is in [`wire`]; the HTTP evidence (`GET /broker`, `GET /broker/rejected`) and
 //! the test-only fault switch (`POST /lab/broker/pause-after-commit`) in [`routes`].
 
+pub mod notices;
 mod routes;
 pub mod wire;
 
@@ -40,8 +44,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::StartupError;
 pub use crate::config::broker::{
-    BrokerConfig, DEFAULT_ACK_WAIT, DEFAULT_BATCH, DEFAULT_DURABLE, DEFAULT_NAK_DELAY,
-    DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX, parse_nats_urls,
+    BrokerConfig, DEFAULT_ACK_WAIT, DEFAULT_BATCH, DEFAULT_DURABLE, DEFAULT_GAP_NOTICE_INTERVAL,
+    DEFAULT_GAP_NOTICES_PER_TICK, DEFAULT_NAK_DELAY, DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX,
+    parse_nats_urls,
 };
 use crate::inbox::SharedInbox;
 use crate::telemetry::metrics::Metrics;
@@ -169,6 +174,8 @@ pub struct Counters {
     pub terminated: u64,
     pub fetch_errors: u64,
     pub store_errors: u64,
+    /// Gap notices published (see [`notices`]).
+    pub gap_notices: u64,
     pub last_error: Option<String>,
     /// The fault switch stopped the consumer after a COMMIT, before its acks.
     pub paused_after_commit: bool,
@@ -249,6 +256,7 @@ pub struct Consumer {
     config: BrokerConfig,
     client: async_nats::Client,
     consumer: PullConsumer,
+    notices: Arc<notices::GapNotifier>,
 }
 
 impl Consumer {
@@ -297,11 +305,17 @@ impl Consumer {
         let _ = lab.inner.config.set(config.clone());
         let _ = lab.inner.client.set(client.clone());
         let _ = lab.inner.consumer.set(consumer.clone());
+        let notices = Arc::new(notices::GapNotifier::new(
+            client.clone(),
+            &config,
+            lab.clone(),
+        ));
         Ok(Consumer {
             lab,
             config,
             client,
             consumer,
+            notices,
         })
     }
 
@@ -319,8 +333,20 @@ impl Consumer {
     }
 
     /// Fetches and delivers batches until `stop` is cancelled; the batch in hand is finished and
-    /// answered first, then the acks are flushed.
+    /// answered first, then the acks are flushed. The gap notices' timer runs beside it.
     pub async fn run(self, inbox: SharedInbox, stop: CancellationToken) {
+        let timer_stop = stop.child_token();
+        let notices = self.notices.clone();
+        let timer = tokio::spawn({
+            let (inbox, timer_stop) = (inbox.clone(), timer_stop.clone());
+            async move { notices.repeat(inbox, timer_stop).await }
+        });
+        self.consume(&inbox, &stop).await;
+        timer_stop.cancel();
+        let _ = timer.await;
+    }
+
+    async fn consume(&self, inbox: &SharedInbox, stop: &CancellationToken) {
         let mut failures: u32 = 0;
         while !stop.is_cancelled() {
             let batch = match self.fetch().await {
@@ -345,7 +371,7 @@ impl Consumer {
             if batch.is_empty() {
                 continue;
             }
-            if !self.handle(&inbox, batch, &stop).await {
+            if !self.handle(inbox, batch, stop).await {
                 // The fault switch: stopped between COMMIT and ack, as a crash would.
                 return;
             }
@@ -396,7 +422,12 @@ impl Consumer {
     ) -> bool {
         let mut in_hand = self.read_batch(inbox, &batch).await;
         self.deliver(inbox, &batch, &mut in_hand).await;
-        self.answer_batch(inbox, &batch, in_hand, stop).await
+        let started_waiting = std::mem::take(&mut in_hand.started_waiting);
+        if !self.answer_batch(inbox, &batch, in_hand, stop).await {
+            return false;
+        }
+        self.notices.notice_started(inbox, started_waiting).await;
+        true
     }
 
     /// Reads every fetched message into a delivery, or decides its answer at once when it cannot
@@ -429,9 +460,11 @@ impl Consumer {
         holders: &mut HashMap<String, Option<String>>,
         in_hand: &mut BatchInHand,
     ) -> Option<Action> {
-        let header_id = header_values(message, wire::MESSAGE_ID_HEADER)
-            .first()
-            .map(|value| (*value).to_owned());
+        let header_id = wire::delivery_id(
+            &header_values(message, wire::MESSAGE_ID_HEADER),
+            &header_values(message, wire::RESEND_HEADER),
+        )
+        .map(str::to_owned);
         let claim = match self
             .claim_of(inbox, message, &header_id, holders, &mut in_hand.rejections)
             .await
@@ -574,6 +607,10 @@ impl Consumer {
             let Some(message) = batch.get(index) else {
                 continue;
             };
+            if starts_waiting(&outcome) && !in_hand.started_waiting.contains(&ordered.aggregate_id)
+            {
+                in_hand.started_waiting.push(ordered.aggregate_id.clone());
+            }
             let action = self.verdict_action(
                 message,
                 outcome,
@@ -766,6 +803,21 @@ struct BatchInHand {
     delivered_at: Vec<usize>,
     /// What goes to the rejected list before anything is terminated.
     rejections: Rejections,
+    /// The aggregates whose first held message this batch holds, each once: a gap notice each,
+    /// once the batch is answered.
+    started_waiting: Vec<String>,
+}
+
+/// A verdict that holds an aggregate's first message ahead of its turn: it starts waiting.
+fn starts_waiting(verdict: &Result<Outcome, Undelivered>) -> bool {
+    matches!(
+        verdict,
+        Ok(Outcome::Held {
+            held: 1,
+            repeated: false,
+            ..
+        })
+    )
 }
 
 /// The active producer `token` belongs to (`None`: unknown or revoked), asked of the inbox once

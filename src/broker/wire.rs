@@ -17,8 +17,16 @@
 //!   [`crate::http::producer_epoch::parse`] reads it on both doors.
 //! - **Body**: the HTTP general door's JSON, `{"messageId","sequence","amount"}` with an optional
 //!   `aggregateId` that must name the subject's aggregate.
+//! - **A resend** (a relay answering a gap notice) carries no `Nats-Msg-Id` but
+//!   `Resend-Msg-Id: <the Nats-Msg-Id of the first publication>`, checked the same way: JetStream
+//!   de-duplicates only on `Nats-Msg-Id`, and keeps that id's entry for its whole duplicate window
+//!   even when the message itself was deleted, so a copy that must fill a gap would be dropped.
+//! - **Gap notices** (core NATS, published by the consumer): `gaps.PREFIX.TOKEN`, the body a
+//!   [`GapNotice`].
 
-use ordered_inbox::OrderedMessage;
+use ordered_inbox::views::AggregateView;
+use ordered_inbox::{AggregateStatus, OrderedMessage};
+use serde::{Deserialize, Serialize};
 
 use crate::http;
 use crate::inbox::ledger;
@@ -29,6 +37,68 @@ pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
 pub const AUTHORIZATION_HEADER: &str = "Authorization";
 /// The epoch of the producer's session, as on the HTTP general door.
 pub const PRODUCER_EPOCH_HEADER: &str = "Producer-Epoch";
+/// A resend's message id header, in place of [`MESSAGE_ID_HEADER`], so that JetStream keeps it.
+pub const RESEND_HEADER: &str = "Resend-Msg-Id";
+
+/// The id header a delivery is read with: its `Nats-Msg-Id`, or a resend's `Resend-Msg-Id`.
+pub fn delivery_id<'a>(nats_ids: &[&'a str], resend_ids: &[&'a str]) -> Option<&'a str> {
+    nats_ids.first().or(resend_ids.first()).copied()
+}
+
+/// The subject of the gap notices about the aggregate's messages published under `prefix`.
+pub fn gap_subject_for(prefix: &str, aggregate_id: &str) -> String {
+    format!(
+        "{}.{}",
+        crate::config::broker::gap_subject_prefix(prefix),
+        encode_aggregate(aggregate_id)
+    )
+}
+
+/// The subjects of every gap notice about messages published under `prefix`.
+pub fn gap_subjects(prefix: &str) -> String {
+    format!("{}.*", crate::config::broker::gap_subject_prefix(prefix))
+}
+
+/// What a consumer tells the producers of an aggregate that waits for a missing sequence: the
+/// range it lacks (`from`, the sequence it expects, through one below the lowest it holds), what
+/// it holds, and since when it waits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GapNotice {
+    pub aggregate_id: String,
+    pub missing: MissingRange,
+    pub held_sequences: Vec<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_since: Option<String>,
+}
+
+/// The sequences `from` through `through`, both included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MissingRange {
+    pub from: i64,
+    pub through: i64,
+}
+
+impl GapNotice {
+    /// The notice an aggregate's view calls for: only a `waiting` one that holds a sequence above
+    /// the one it expects (a blocked aggregate waits for an operator, not for a resend).
+    pub fn of_view(view: &AggregateView) -> Option<GapNotice> {
+        let summary = &view.summary;
+        let lowest_held = *view.held_sequences.first()?;
+        if summary.status != AggregateStatus::Waiting || lowest_held <= summary.expected {
+            return None;
+        }
+        Some(GapNotice {
+            aggregate_id: summary.aggregate_id.clone(),
+            missing: MissingRange {
+                from: summary.expected,
+                through: lowest_held - 1,
+            },
+            held_sequences: view.held_sequences.clone(),
+            waiting_since: summary.since.clone(),
+        })
+    }
+}
 
 /// A producer's credential read from a message's headers; the token is never logged.
 #[derive(Clone, PartialEq, Eq)]
@@ -342,6 +412,48 @@ mod tests {
             body,
         );
         assert!(other.is_err());
+    }
+
+    fn view(status: AggregateStatus, last: i64, held: &[i64]) -> AggregateView {
+        AggregateView {
+            summary: ordered_inbox::views::AggregateSummary {
+                aggregate_id: "acct.7".to_owned(),
+                last,
+                expected: last + 1,
+                status,
+                since: Some("2026-12-01T10:15:02.123Z".to_owned()),
+                state: None,
+            },
+            open_dead_letters: Vec::new(),
+            open_dead_letter_count: 0,
+            open_dead_letters_truncated: false,
+            held_sequences: held.to_vec(),
+            held_count: held.len() as i64,
+        }
+    }
+
+    #[test]
+    fn a_gap_notice_names_the_missing_range_of_a_waiting_aggregate_only() {
+        let notice = GapNotice::of_view(&view(AggregateStatus::Waiting, 1, &[5, 6])).unwrap();
+        assert_eq!(
+            serde_json::to_value(&notice).unwrap(),
+            serde_json::json!({"aggregateId": "acct.7", "missing": {"from": 2, "through": 4},
+                               "heldSequences": [5, 6], "waitingSince": "2026-12-01T10:15:02.123Z"})
+        );
+        assert_eq!(
+            gap_subject_for("ordered", "acct.7"),
+            "gaps.ordered.acct%2E7"
+        );
+        assert!(GapNotice::of_view(&view(AggregateStatus::Blocked, 1, &[5])).is_none());
+        assert!(GapNotice::of_view(&view(AggregateStatus::Flowing, 4, &[])).is_none());
+        assert!(GapNotice::of_view(&view(AggregateStatus::Waiting, 4, &[])).is_none());
+    }
+
+    #[test]
+    fn a_resend_is_read_by_its_resend_header_when_it_has_no_nats_msg_id() {
+        assert_eq!(delivery_id(&["m-1"], &["m-2"]), Some("m-1"));
+        assert_eq!(delivery_id(&[], &["m-2"]), Some("m-2"));
+        assert_eq!(delivery_id(&[], &[]), None);
     }
 
     #[test]

@@ -31,6 +31,9 @@ pub struct RelayArgs {
     /// The longest back-off when the outbox is idle.
     #[arg(long, default_value_t = 1_000)]
     pub max_idle_ms: u64,
+    /// The most events one gap notice has published again (1..1000).
+    #[arg(long, default_value_t = 256)]
+    pub resend_max: usize,
     /// Test hook: hold each batch's ack this long after its PubAcks (announced on stderr).
     #[arg(long, hide = true)]
     pub hold_before_ack_ms: Option<u64>,
@@ -47,6 +50,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<()> {
     options.batch = args.batch;
     options.lease = std::time::Duration::from_millis(args.lease_ms);
     options.once = args.once;
+    options.resend_max = args.resend_max;
     options.max_idle = std::time::Duration::from_millis(args.max_idle_ms);
     options.hold_before_ack = args
         .hold_before_ack_ms

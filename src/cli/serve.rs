@@ -108,6 +108,13 @@ pub struct NatsArgs {
     /// up to 30 s.
     #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=30_000))]
     pub nats_nak_delay_ms: u64,
+    /// How often, in milliseconds, the gap notices of aggregates still waiting for a missing
+    /// sequence are published again (gaps.PREFIX.AGGREGATE).
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..=3_600_000))]
+    pub nats_gap_notice_interval_ms: u64,
+    /// The most gap notices one tick of that timer publishes.
+    #[arg(long, default_value_t = production_lab::broker::DEFAULT_GAP_NOTICES_PER_TICK)]
+    pub nats_gap_notices_per_tick: usize,
 }
 
 impl NatsArgs {
@@ -124,6 +131,9 @@ impl NatsArgs {
         broker.batch = self.nats_batch;
         broker.ack_wait = std::time::Duration::from_millis(self.nats_ack_wait_ms);
         broker.nak_delay = std::time::Duration::from_millis(self.nats_nak_delay_ms);
+        broker.gap_notice_interval =
+            std::time::Duration::from_millis(self.nats_gap_notice_interval_ms);
+        broker.gap_notices_per_tick = self.nats_gap_notices_per_tick;
         broker.validate()?;
         Ok(Some(broker))
     }

@@ -14,6 +14,18 @@ pub const DEFAULT_DURABLE: &str = "production-lab";
 pub const DEFAULT_BATCH: usize = 256;
 pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
 pub const DEFAULT_NAK_DELAY: Duration = Duration::from_secs(1);
+pub const DEFAULT_GAP_NOTICE_INTERVAL: Duration = Duration::from_secs(30);
+pub const DEFAULT_GAP_NOTICES_PER_TICK: usize = 100;
+
+/// The first token of every gap notice's subject, `gaps.PREFIX.AGGREGATE`: a root of its own, so
+/// that a notice never falls into the stream of the messages (`PREFIX.*`, or `PREFIX.*.*` with
+/// partitions) whatever the prefix (see [`BrokerConfig::validate`] for the one prefix that would).
+pub const GAP_SUBJECT_ROOT: &str = "gaps";
+
+/// The subject prefix of the gap notices about the messages published under `subject_prefix`.
+pub fn gap_subject_prefix(subject_prefix: &str) -> String {
+    format!("{GAP_SUBJECT_ROOT}.{subject_prefix}")
+}
 
 /// Where and how to consume.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +43,10 @@ pub struct BrokerConfig {
     pub ack_wait: Duration,
     /// The first back-off of a nak; it grows with each redelivery, up to 30 s.
     pub nak_delay: Duration,
+    /// How often the gap notices of the aggregates still waiting are published again.
+    pub gap_notice_interval: Duration,
+    /// The most gap notices one tick of that timer (or one batch) publishes.
+    pub gap_notices_per_tick: usize,
 }
 
 impl BrokerConfig {
@@ -46,6 +62,8 @@ impl BrokerConfig {
             batch: DEFAULT_BATCH,
             ack_wait: DEFAULT_ACK_WAIT,
             nak_delay: DEFAULT_NAK_DELAY,
+            gap_notice_interval: DEFAULT_GAP_NOTICE_INTERVAL,
+            gap_notices_per_tick: DEFAULT_GAP_NOTICES_PER_TICK,
         })
     }
 
@@ -86,7 +104,42 @@ impl BrokerConfig {
         if !(1..=10_000).contains(&self.batch) {
             return Err(bad("--nats-batch must be from 1 to 10000".to_owned()));
         }
+        self.validate_gap_notices()
+    }
+
+    /// The notices' timer and their subjects, which must stay out of the stream.
+    fn validate_gap_notices(&self) -> Result<(), StartupError> {
+        let bad = |reason: String| StartupError::Broker(reason);
+        if !(Duration::from_millis(100)..=Duration::from_secs(3600))
+            .contains(&self.gap_notice_interval)
+        {
+            return Err(bad(
+                "--nats-gap-notice-interval-ms must be from 100 to 3600000".to_owned(),
+            ));
+        }
+        if !(1..=10_000).contains(&self.gap_notices_per_tick) {
+            return Err(bad(
+                "--nats-gap-notices-per-tick must be from 1 to 10000".to_owned()
+            ));
+        }
+        let notice = format!("{}.x", gap_subject_prefix(&self.subject_prefix));
+        if let Some(taken) = self
+            .stream_subjects()
+            .into_iter()
+            .find(|subject| subject_matches(subject, &notice))
+        {
+            return Err(bad(format!(
+                "--nats-subject-prefix '{}': the gap notices' subject '{notice}' would be stored in the stream's '{taken}'",
+                self.subject_prefix
+            )));
+        }
         Ok(())
+    }
+
+    /// The subject of the gap notices about one aggregate's messages is
+    /// `gaps.PREFIX.AGGREGATE_TOKEN`; this is its prefix.
+    pub fn gap_subject_prefix(&self) -> String {
+        gap_subject_prefix(&self.subject_prefix)
     }
 
     /// The durable consumer's name: the base name, or `BASE-pK` for partition K.
@@ -122,6 +175,22 @@ impl BrokerConfig {
     }
 }
 
+/// Whether `subject` matches the stream subject `pattern` (tokens, `*` any one token, `>` the
+/// rest).
+fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut subject_tokens = subject.split('.');
+    for token in pattern.split('.') {
+        match (token, subject_tokens.next()) {
+            (">", Some(_)) => return true,
+            (_, None) => return false,
+            ("*", Some(_)) => {}
+            (literal, Some(given)) if literal == given => {}
+            _ => return false,
+        }
+    }
+    subject_tokens.next().is_none()
+}
+
 /// Splits `--nats` into URLs and refuses anything but `nats://` on a loopback host.
 pub fn parse_nats_urls(urls: &str) -> Result<Vec<String>, StartupError> {
     let mut parsed = Vec::new();
@@ -152,4 +221,25 @@ pub fn parse_nats_urls(urls: &str) -> Result<Vec<String>, StartupError> {
         parsed.push(url.to_owned());
     }
     Ok(parsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gap_notices_stay_out_of_the_stream_of_the_messages() {
+        let mut config = BrokerConfig::new("nats://127.0.0.1:4222").unwrap();
+        assert_eq!(config.gap_subject_prefix(), "gaps.ordered");
+        assert!(config.validate().is_ok());
+        config.partitions = 2;
+        assert!(config.validate().is_ok());
+        // The one prefix whose partitioned stream, PREFIX.*.*, would take gaps.PREFIX.X.
+        config.subject_prefix = "gaps".to_owned();
+        let refused = config.validate().unwrap_err().to_string();
+        assert!(refused.contains("gaps.gaps.x"), "{refused}");
+        assert!(subject_matches("a.>", "a.b.c"));
+        assert!(!subject_matches("a.*", "a.b.c"));
+        assert!(!subject_matches("a.*.*", "a.b"));
+    }
 }

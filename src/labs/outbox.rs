@@ -12,6 +12,8 @@
 //!   [`plan_lease`] for which events are eligible.
 //! - `POST /outbox/leases/ack` marks events sent, each `acked` or `fenced` ([`ack_verdict`]), all
 //!   in one transaction.
+//! - `POST /outbox/leases/resend` takes one aggregate's events again from a sequence on, sent
+//!   ones included, for a relay answering a consumer's gap notice ([`resend`]).
 //! - `GET /outbox/events?status=pending|sent&after=&limit=` lists them with the counts.
 //!
 //! Every lease and ack runs as one closure on the store's single writer: two concurrent lease
@@ -36,6 +38,8 @@ use crate::inbox::pages::{page_body, page_request};
 use crate::store::Store;
 use crate::telemetry::metrics::Metrics;
 
+pub mod resend;
+
 pub fn routes<S>() -> OpenApiRouter<S>
 where
     S: Clone + Send + Sync + 'static,
@@ -46,6 +50,7 @@ where
         .routes(routes!(record_outbox_event, list_outbox_events))
         .routes(routes!(lease_outbox_events))
         .routes(routes!(ack_outbox_leases))
+        .routes(routes!(resend::resend_outbox_events))
 }
 
 /// The most events one lease or one ack may carry.

@@ -10,7 +10,13 @@
 //! counted, never retried as this relay's: the event is the newer lease's now. Whatever was not
 //! acked is leased again once its lease expires and published again; JetStream's duplicate window
 //! drops that copy, and past the window the inbox's identity check does.
+//!
+//! Beside that loop the relay answers the consumer's gap notices ([`notices`]): it takes the
+//! aggregate's events again from the missing sequence and publishes them as resends.
 
+mod notices;
+
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -50,6 +56,8 @@ pub struct RelayOptions {
     /// Test hook: after a batch's PubAcks and before its ack, print a line and wait this long
     /// (so a test can kill or stop the relay exactly there).
     pub hold_before_ack: Option<Duration>,
+    /// The most events one gap notice has resent.
+    pub resend_max: usize,
 }
 
 impl RelayOptions {
@@ -64,6 +72,7 @@ impl RelayOptions {
             once: false,
             max_idle: Duration::from_secs(1),
             hold_before_ack: None,
+            resend_max: 256,
         }
     }
 }
@@ -81,19 +90,25 @@ pub struct RelayReport {
     pub fenced: u64,
     /// Publishes that got no PubAck after the retries; left for the next lease.
     pub unpublished: u64,
+    /// Gap notices received (see [`notices`]).
+    pub notices: u64,
+    /// Events published again, PubAcked, on a gap notice.
+    pub resent: u64,
 }
 
 impl std::fmt::Display for RelayReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "published {}, broker-reported duplicates {}, acked {}, fenced acks {}, unpublished {} in {} batches",
+            "published {}, broker-reported duplicates {}, acked {}, fenced acks {}, unpublished {} in {} batches, gap notices {}, resent {}",
             self.published,
             self.duplicates,
             self.acked,
             self.fenced,
             self.unpublished,
-            self.batches
+            self.batches,
+            self.notices,
+            self.resent
         )
     }
 }
@@ -158,7 +173,13 @@ pub async fn run(
     options: &RelayOptions,
     stop: CancellationToken,
 ) -> Result<RelayReport, RelayError> {
-    let peers = connect(options).await?;
+    let peers = Arc::new(connect(options).await?);
+    // `--once` drains and exits: it answers no notice.
+    let answering = if options.once {
+        None
+    } else {
+        Some(notices::answer(peers.clone(), options.clone(), stop.child_token()).await?)
+    };
     let mut report = RelayReport::default();
     let mut idle = Duration::from_millis(10);
     let mut failures = 0u32;
@@ -203,6 +224,11 @@ pub async fn run(
         idle = Duration::from_millis(10);
         relay_batch(&peers, options, events, &mut report).await;
     }
+    if let Some(answering) = answering {
+        let figures = answering.finish().await;
+        report.notices = figures.notices;
+        report.resent = figures.resent;
+    }
     let _ = peers.client.flush().await;
     Ok(report)
 }
@@ -223,6 +249,11 @@ async fn connect(options: &RelayOptions) -> Result<Peers, RelayError> {
     if options.batch == 0 || options.batch > 1000 {
         return Err(RelayError::Refused(
             "--batch must be from 1 to 1000".to_owned(),
+        ));
+    }
+    if options.resend_max == 0 || options.resend_max > 1000 {
+        return Err(RelayError::Refused(
+            "--resend-max must be from 1 to 1000".to_owned(),
         ));
     }
     let joined = urls.join(",");
@@ -356,7 +387,7 @@ async fn relay_batch(
     report: &mut RelayReport,
 ) {
     report.batches += 1;
-    let sent = publish_batch(peers, options, &events).await;
+    let sent = publish_batch(peers, options, &events, wire::MESSAGE_ID_HEADER).await;
     report.published += sent.published.len() as u64;
     report.duplicates += sent.duplicates;
     report.unpublished += sent.unpublished as u64;
@@ -389,6 +420,8 @@ struct SentBatch<'a> {
     duplicates: u64,
     /// How many got no PubAck in [`PUBLISH_ATTEMPTS`] attempts.
     unpublished: usize,
+    /// The header the event key travels in: `Nats-Msg-Id`, or a resend's `Resend-Msg-Id`.
+    id_header: &'static str,
 }
 
 /// Publishes the events, and again those without a PubAck, up to [`PUBLISH_ATTEMPTS`] times
@@ -397,11 +430,13 @@ async fn publish_batch<'a>(
     peers: &Peers,
     options: &RelayOptions,
     events: &'a [Leased],
+    id_header: &'static str,
 ) -> SentBatch<'a> {
     let mut sent = SentBatch {
         published: Vec::with_capacity(events.len()),
         duplicates: 0,
         unpublished: 0,
+        id_header,
     };
     let mut remaining: Vec<&Leased> = events.iter().collect();
     for attempt in 0..PUBLISH_ATTEMPTS {
@@ -430,7 +465,7 @@ async fn publish_attempt<'a>(
     // sequence order; the PubAcks are awaited afterwards, all together.
     let mut acks = Vec::with_capacity(events.len());
     for event in events {
-        acks.push((event, publish(peers, options, event).await));
+        acks.push((event, publish(peers, options, event, sent.id_header).await));
     }
     for (event, ack) in acks {
         let ack = match ack {
@@ -504,9 +539,10 @@ async fn publish(
     peers: &Peers,
     options: &RelayOptions,
     event: &Leased,
+    id_header: &'static str,
 ) -> Result<jetstream::context::PublishAckFuture, String> {
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert(wire::MESSAGE_ID_HEADER, event.event_key.as_str());
+    headers.insert(id_header, event.event_key.as_str());
     let body = json!({
         "messageId": event.event_key,
         "sequence": event.sequence,

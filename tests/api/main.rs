@@ -12,6 +12,7 @@ mod connections;
 mod console;
 mod contracts;
 mod crash;
+mod gap_notices;
 mod gaps;
 mod held;
 mod http;
