@@ -7,6 +7,7 @@ pub mod publish;
 pub mod registry;
 pub mod relay;
 pub mod serve;
+pub mod simulate;
 pub mod verify_base;
 
 use anyhow::Context;
@@ -53,6 +54,10 @@ pub enum Command {
     /// Move events from a service's general outbox (HTTP) to NATS JetStream: lease, publish with
     /// the event key as Nats-Msg-Id, await the PubAcks, ack with the generations.
     Relay(relay::RelayArgs),
+    /// Check the ordered inbox against its reference model: seeded histories of deliveries,
+    /// resolutions, sessions and crashes on a real store; prints the report, fails on a
+    /// divergence.
+    Simulate(simulate::SimulateArgs),
 }
 
 /// Runs the parsed command.
@@ -66,6 +71,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Producer { command } => registry::run(Registry::Producers, command),
         Command::Relay(args) => relay::run(args),
         Command::Publish(args) => publish::run(args),
+        Command::Simulate(args) => simulate::run(args),
     }
 }
 

@@ -56,6 +56,7 @@ pub struct Faults {
     pub batches: u64,
     pub resolutions: u64,
     pub stale_resolutions: u64,
+    pub gap_skips: u64,
     pub sessions: u64,
     pub fenced: u64,
     pub crashes: u64,
@@ -180,6 +181,7 @@ impl Report {
         f.batches += o.batches;
         f.resolutions += o.resolutions;
         f.stale_resolutions += o.stale_resolutions;
+        f.gap_skips += o.gap_skips;
         f.sessions += o.sessions;
         f.fenced += o.fenced;
         f.crashes += o.crashes;
@@ -428,6 +430,10 @@ fn faults_of(history: &[Step]) -> Faults {
             }
             Step::Resolve { stale, .. } => {
                 faults.resolutions += 1;
+                faults.stale_resolutions += u64::from(*stale);
+            }
+            Step::SkipGap { stale, .. } => {
+                faults.gap_skips += 1;
                 faults.stale_resolutions += u64::from(*stale);
             }
             Step::StartSession(_) => faults.sessions += 1,

@@ -56,6 +56,15 @@ pub enum Step {
         replace: bool,
         stale: bool,
     },
+    /// An operator skips the aggregate's gap from its expected sequence through `extra` more;
+    /// `stale`: with an `expectedLast` that is not the position; `repeat`: the aggregate's
+    /// last skip sent again.
+    SkipGap {
+        aggregate_id: String,
+        extra: i64,
+        stale: bool,
+        repeat: bool,
+    },
     /// A producer's new instance starts a session: the producer's next epoch, which fences the
     /// ones before.
     StartSession(String),
@@ -109,6 +118,16 @@ pub fn generate(seed: u64, shape: &Shape) -> Vec<Step> {
         steps.push(Step::StartSession(PRODUCERS[0].to_owned()));
     }
     while steps.len() < shape.steps {
+        // In a crashing history, about one step in twelve runs with the process killed.
+        if shape.crashes && rng.random_bool(0.08) {
+            steps.push(Step::Crash(match rng.random_range(0..3) {
+                0 => CrashPoint::Before,
+                1 => CrashPoint::During {
+                    after_micros: rng.random_range(0..3000),
+                },
+                _ => CrashPoint::After,
+            }));
+        }
         let roll = rng.random_range(0..100);
         let step = match roll {
             0..=4 if producers => {
@@ -125,13 +144,12 @@ pub fn generate(seed: u64, shape: &Shape) -> Vec<Step> {
                 replace: rng.random_bool(0.5),
                 stale: rng.random_bool(0.25),
             },
-            _ if shape.crashes => Step::Crash(match rng.random_range(0..3) {
-                0 => CrashPoint::Before,
-                1 => CrashPoint::During {
-                    after_micros: rng.random_range(0..3000),
-                },
-                _ => CrashPoint::After,
-            }),
+            95..=97 => Step::SkipGap {
+                aggregate_id: aggregates[rng.random_range(0..aggregates.len())].clone(),
+                extra: rng.random_range(0..3),
+                stale: rng.random_bool(0.2),
+                repeat: rng.random_bool(0.2),
+            },
             _ => continue,
         };
         steps.push(step);

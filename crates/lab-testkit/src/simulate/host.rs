@@ -24,12 +24,14 @@ const PATIENCE: Duration = Duration::from_secs(60);
 enum Request {
     Run(Command),
     Stored(String),
+    Epochs(Vec<String>),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 enum Response {
     Verdicts(Vec<Verdict>),
     Stored(Stored),
+    Epochs(Vec<i64>),
     Error(String),
 }
 
@@ -48,6 +50,10 @@ pub async fn serve(backend: &str) -> Result<(), String> {
             },
             Ok(Request::Stored(aggregate_id)) => match direct.stored(&aggregate_id).await {
                 Ok(stored) => Response::Stored(stored),
+                Err(error) => Response::Error(error),
+            },
+            Ok(Request::Epochs(producers)) => match direct.epochs(&producers).await {
+                Ok(epochs) => Response::Epochs(epochs),
                 Err(error) => Response::Error(error),
             },
             Err(error) => Response::Error(format!("not a request: {error}")),
@@ -123,6 +129,14 @@ impl Hosted {
         self.send(&Request::Stored(aggregate_id.to_owned())).await?;
         match self.receive().await? {
             Response::Stored(stored) => Ok(stored),
+            other => Err(format!("unexpected answer {other:?}")),
+        }
+    }
+
+    pub async fn epochs(&mut self, producers: &[String]) -> Result<Vec<i64>, String> {
+        self.send(&Request::Epochs(producers.to_vec())).await?;
+        match self.receive().await? {
+            Response::Epochs(epochs) => Ok(epochs),
             other => Err(format!("unexpected answer {other:?}")),
         }
     }

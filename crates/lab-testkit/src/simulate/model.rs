@@ -16,12 +16,16 @@
 //! 4. An operator resolves an open dead letter at the expected sequence only, and only when
 //!    `expectedLast` is the position: a skip takes the sequence with no effect, a replacement
 //!    applies a new id there; either supersedes the others there and drains the held ones.
-//! 5. Producers: a delivery under a producer's name is admitted before it is decided (nothing
+//! 5. An operator skips a gap from the expected sequence through a later one only when
+//!    `expectedLast` is the position, no dead letter is open at the first and nothing is held
+//!    inside the range; the position moves to its end and the held successors drain. The same
+//!    request again answers as the same resolution and changes nothing.
+//! 6. Producers: a delivery under a producer's name is admitted before it is decided (nothing
 //!    written otherwise): the producer must have a session, its epoch must be the current one
 //!    (an older one is fenced), and the aggregate must be its own, or have no owner, when the
 //!    delivery claims it if the delivery is recorded. An anonymous delivery to an owned
 //!    aggregate is refused. Each producer's message ids are a namespace of their own.
-//! 6. The handler: a negative value is poison by its check, a value of 3 is poison found by
+//! 7. The handler: a negative value is poison by its check, a value of 3 is poison found by
 //!    `apply` (after it wrote its row, which must leave no trace), a value of 4 makes `apply`
 //!    fail: the delivery records nothing.
 
@@ -98,8 +102,19 @@ struct Known {
     value: i64,
 }
 
+/// An operator's gap skip, as the model chose it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GapSkip {
+    pub aggregate_id: String,
+    pub from: i64,
+    pub through: i64,
+    pub expected_last: i64,
+}
+
 #[derive(Debug, Clone, Default)]
 struct Aggregate {
+    /// The gap skips that resolved, for the identical repeat.
+    skips: Vec<GapSkip>,
     last: i64,
     applied: Vec<(i64, String)>,
     /// Open dead letters: id and sequence.
@@ -150,6 +165,13 @@ impl Model {
             Err(refusal) => return Verdict::NotAdmitted(refusal.to_owned()),
         };
         let verdict = self.decide(delivery);
+        // A gap leaves the aggregate waiting, recorded; but a claim that records nothing writes
+        // nothing at all.
+        if verdict == Verdict::Gap(self.expected(&delivery.aggregate_id)) && !claims {
+            self.aggregates
+                .entry(delivery.aggregate_id.clone())
+                .or_default();
+        }
         let recorded = matches!(
             verdict,
             Verdict::Applied(_) | Verdict::Quarantined(_) | Verdict::Held { repeated: false }
@@ -293,6 +315,41 @@ impl Model {
             None => self.take(&aggregate_id, sequence),
         }
         self.drain(&aggregate_id);
+        Verdict::Resolved
+    }
+
+    /// The gap skip an operator asks for: from the expected sequence through `extra` more, with
+    /// the position as `expectedLast` or (`stale`) not; `repeat`: the aggregate's last skip again.
+    pub fn gap_skip(&self, aggregate_id: &str, extra: i64, stale: bool, repeat: bool) -> GapSkip {
+        let state = self.aggregates.get(aggregate_id);
+        if let Some(last_skip) = state.and_then(|a| a.skips.last()).filter(|_| repeat) {
+            return last_skip.clone();
+        }
+        let last = state.map_or(0, |a| a.last);
+        GapSkip {
+            aggregate_id: aggregate_id.to_owned(),
+            from: last + 1,
+            through: last + 1 + extra,
+            expected_last: if stale { last + 1 } else { last },
+        }
+    }
+
+    pub fn skip_gap(&mut self, skip: &GapSkip) -> Verdict {
+        let Some(state) = self.aggregates.get_mut(&skip.aggregate_id) else {
+            return Verdict::Refused;
+        };
+        if state.skips.contains(skip) {
+            return Verdict::Resolved;
+        }
+        let blocked = state.open.values().any(|at| *at == skip.from);
+        let held_inside = state.held.range(skip.from..=skip.through).next().is_some();
+        if skip.expected_last != state.last || skip.from != state.last + 1 || blocked || held_inside
+        {
+            return Verdict::Refused;
+        }
+        state.last = skip.through;
+        state.skips.push(skip.clone());
+        self.drain(&skip.aggregate_id);
         Verdict::Resolved
     }
 

@@ -33,6 +33,13 @@ impl System {
         }
     }
 
+    async fn epochs(&mut self, producers: &[String]) -> Result<Vec<i64>, String> {
+        match self {
+            System::Direct(direct) => direct.epochs(producers).await,
+            System::Hosted(hosted) => hosted.epochs(producers).await,
+        }
+    }
+
     pub async fn close(self) -> Result<(), String> {
         match self {
             System::Direct(direct) => {
@@ -130,6 +137,12 @@ impl Runner {
                     self.id(&format!("none-{index}")),
                 ))
             }
+            Step::SkipGap {
+                aggregate_id,
+                extra,
+                stale,
+                repeat,
+            } => Command::SkipGap(model.gap_skip(&self.id(aggregate_id), *extra, *stale, *repeat)),
             Step::StartSession(producer) => Command::StartSession(self.id(producer)),
             Step::Crash(_) => unreachable!("a crash is not a command"),
         }
@@ -212,11 +225,19 @@ impl Runner {
         for aggregate_id in self.aggregates.iter().map(|a| self.id(a)) {
             stored.push(system.stored(&aggregate_id).await?);
         }
+        let producers: Vec<String> = PRODUCERS.iter().map(|p| self.id(p)).collect();
+        let epochs = system.epochs(&producers).await?;
         let matches = |candidate: &Model| {
-            self.aggregates
+            let same_epochs = producers
                 .iter()
-                .zip(&stored)
-                .all(|(a, stored)| candidate.stored(&self.id(a)) == *stored)
+                .zip(&epochs)
+                .all(|(p, epoch)| candidate.epoch(p) == *epoch);
+            same_epochs
+                && self
+                    .aggregates
+                    .iter()
+                    .zip(&stored)
+                    .all(|(a, stored)| candidate.stored(&self.id(a)) == *stored)
         };
         match candidates.into_iter().find(matches) {
             Some(candidate) => {
@@ -224,8 +245,9 @@ impl Runner {
                 Ok(())
             }
             None => Err(format!(
-                "after a crash {point:?} around {command:?}, the inbox stores {stored:?}, which is \
-                 not a state of what was acknowledged (with the step in flight or without it)"
+                "after a crash {point:?} around {command:?}, the inbox stores {stored:?} (epochs \
+                 {epochs:?}), which is not a state of what was acknowledged (with the step in \
+                 flight or without it)"
             )),
         }
     }
@@ -260,6 +282,7 @@ fn decide(model: &mut Model, command: &Command) -> Vec<Verdict> {
         Command::Batch(deliveries) => deliveries.iter().map(|d| model.deliver(d)).collect(),
         Command::Resolve(resolution) => vec![model.resolve(resolution)],
         Command::StartSession(producer) => vec![Verdict::Session(model.start_session(producer))],
+        Command::SkipGap(skip) => vec![model.skip_gap(skip)],
         Command::Register(_) => Vec::new(),
     }
 }
@@ -269,7 +292,7 @@ fn has_producers(step: &Step) -> bool {
         Step::StartSession(_) => true,
         Step::Deliver(delivery) => delivery.producer.is_some(),
         Step::Batch(deliveries) => deliveries.iter().any(|d| d.producer.is_some()),
-        Step::Resolve { .. } | Step::Crash(_) => false,
+        Step::Resolve { .. } | Step::SkipGap { .. } | Step::Crash(_) => false,
     }
 }
 
@@ -278,6 +301,7 @@ fn touched(command: &Command) -> Vec<String> {
         Command::Deliver(delivery) => vec![delivery.aggregate_id.clone()],
         Command::Batch(deliveries) => deliveries.iter().map(|d| d.aggregate_id.clone()).collect(),
         Command::Resolve(resolution) => vec![resolution.aggregate_id.clone()],
+        Command::SkipGap(skip) => vec![skip.aggregate_id.clone()],
         Command::StartSession(_) | Command::Register(_) => Vec::new(),
     };
     aggregates.sort();

@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use ordered_inbox::gaps::{GapRequest, GapResolutionError};
 use ordered_inbox::postgres::{PostgresHandler, PostgresInbox, Target};
-use ordered_inbox::records::refusal_outcome;
+use ordered_inbox::records::{SequenceRange, refusal_outcome};
 use ordered_inbox::resolution::{Action, Mode, ResolutionError, ResolutionRequest};
 use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, Store, Synchronous, schema};
 use ordered_inbox::views::PageRequest;
@@ -19,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::history::{Delivery, DoorKind};
-use super::model::{Resolution, Stored, Verdict, fails, named};
+use super::model::{GapSkip, Resolution, Stored, Verdict, fails, named};
 
 /// The operator every simulated resolution is made by.
 pub const OPERATOR: &str = "simulator";
@@ -30,6 +31,7 @@ pub enum Command {
     Deliver(Delivery),
     Batch(Vec<Delivery>),
     Resolve(Resolution),
+    SkipGap(GapSkip),
     StartSession(String),
     /// Registers producers (a history's, in its namespace) before its first step.
     Register(Vec<String>),
@@ -161,12 +163,31 @@ impl Direct {
                     .map_err(|refusal| refusal.to_string())?;
                 Ok(vec![Verdict::Session(epoch)])
             }
+            Command::SkipGap(skip) => self.skip_gap(skip).await.map(|v| vec![v]),
             Command::Register(producers) => {
                 for producer in producers {
                     self.register(producer).await?;
                 }
                 Ok(Vec::new())
             }
+        }
+    }
+
+    async fn skip_gap(&self, skip: &GapSkip) -> Result<Verdict, String> {
+        let request = GapRequest {
+            aggregate_id: skip.aggregate_id.clone(),
+            operator: OPERATOR.to_owned(),
+            range: SequenceRange {
+                from: skip.from,
+                through: skip.through,
+            },
+            expected_last: skip.expected_last,
+            reason: "simulated gap".to_owned(),
+        };
+        match self.inbox.resolve_gap(request, Mode::Commit).await {
+            Ok(_) => Ok(Verdict::Resolved),
+            Err(GapResolutionError::Store(error)) => Err(error.to_string()),
+            Err(_) => Ok(Verdict::Refused),
         }
     }
 
@@ -291,6 +312,20 @@ impl Direct {
             ));
         }
         Ok(stored)
+    }
+
+    /// Each producer's current epoch (0: unknown or no session yet).
+    pub async fn epochs(&self, producers: &[String]) -> Result<Vec<i64>, String> {
+        let known = self.inbox.producers().await.map_err(|e| e.to_string())?;
+        Ok(producers
+            .iter()
+            .map(|name| {
+                known
+                    .iter()
+                    .find(|p| &p.name == name)
+                    .map_or(0, |p| p.current_epoch)
+            })
+            .collect())
     }
 
     async fn applied(&self, aggregate_id: &str) -> Result<Vec<(i64, String)>, String> {
@@ -424,7 +459,7 @@ pub fn verdict_of(outcome: &Outcome) -> Verdict {
         Outcome::Replay { .. } => Verdict::Replay,
         Outcome::PayloadConflict => Verdict::Conflict,
         Outcome::Gap { expected } => Verdict::Gap(*expected),
-        Outcome::Stale { expected } => Verdict::Stale(*expected),
+        Outcome::Stale { expected, .. } => Verdict::Stale(*expected),
         Outcome::Quarantined { expected, .. } => Verdict::Quarantined(*expected),
         Outcome::Held { repeated, .. } => Verdict::Held {
             repeated: *repeated,
