@@ -429,6 +429,8 @@ mod tests {
             open_dead_letters_truncated: false,
             held_sequences: held.to_vec(),
             held_count: held.len() as i64,
+            missing: None,
+            waiting_since: None,
         }
     }
 

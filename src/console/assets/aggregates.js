@@ -43,6 +43,7 @@
       (a) => a.expected,
       (a) => a.openDeadLetters,
       (a) => a.held,
+      (a) => (a.missing ? (a.missing.from === a.missing.through ? `${a.missing.from}` : `${a.missing.from}–${a.missing.through}`) : ''),
       (a) => C.time(a.since),
     ]);
     const perStatus = wanted
