@@ -1223,3 +1223,81 @@ async fn the_main_pages_fit_a_phone_and_a_wide_screen_without_overlap_or_sideway
 fn a_missing_browser_fails_the_test_with_the_debian_packages_to_install() {
     crate::browser::required("no-such-browser-anywhere", &["/nonexistent/chromium"]);
 }
+
+async fn gap_result(browser: &Browser, state: &str) -> String {
+    let script = format!(
+        "const r = document.getElementById('gap-result'); return r.dataset.state === {} ? r.textContent : '';",
+        Value::from(state)
+    );
+    browser
+        .wait_js::<String, _>(&format!("the gap's {state} result is shown"), &script, |text| {
+            !text.is_empty()
+        })
+        .await
+}
+
+#[tokio::test]
+async fn an_operator_previews_then_skips_a_gap_from_the_aggregates_page_and_the_stream_flows_again()
+{
+    let app = spawn_app().await;
+    assert_eq!(deliver(&app, "acct-9", "m-1", 1, 5).await, 200);
+    assert_eq!(deliver(&app, "acct-9", "m-4", 4, 2).await, 409);
+    let alice = add_operator(&app, "alice");
+    let browser = Browser::start("gap-resolution").await;
+    browser
+        .run(async {
+            browser.goto(&console(&app, "/console/aggregates?status=waiting")).await;
+            let rows = browser
+                .wait_table("the inventory shows the waiting aggregate", "inventory", |rows| {
+                    rows.iter().any(|row| row[0] == "acct-9")
+                })
+                .await;
+            let row = rows.iter().find(|row| row[0] == "acct-9").expect("its row");
+            assert_eq!(row[7], "2–3", "the missing range: {row:?}");
+
+            browser.goto(&console(&app, "/console/aggregate?id=acct-9")).await;
+            wait_live(&browser).await;
+            let range = browser.wait_text("#gap-range", |text| !text.is_empty()).await;
+            assert_eq!(range, "2–3");
+            let prefilled: (String, String, String) = browser
+                .js(
+                    "return ['gap-from', 'gap-through', 'gap-expected-last'].map((id) => document.getElementById(id).value);",
+                    vec![],
+                )
+                .await;
+            assert_eq!(prefilled, ("2".to_owned(), "3".to_owned(), "1".to_owned()));
+
+            // Without a token: 401 in words, nothing changed.
+            browser.fill("#gap-reason", "sequences 2 and 3 were purged upstream").await;
+            browser.click("#gap-resolve").await;
+            let refused = gap_result(&browser, "401").await;
+            assert!(refused.contains("401"), "{refused}");
+            assert!(refused.contains("nothing was changed"), "{refused}");
+
+            // Preview: what the skip would do, and nothing written.
+            browser.fill("#gap-token", &alice).await;
+            browser.click("#gap-preview").await;
+            let preview = gap_result(&browser, "preview").await;
+            assert!(preview.contains("nothing was written"), "{preview}");
+            assert!(preview.contains("last 1 → 3"), "{preview}");
+            assert_eq!(aggregate_row(&app, "acct-9"), Some((1, 5, "waiting".to_owned())));
+
+            // Skip: the position moves past the gap and the audit trail shows it.
+            browser.click("#gap-resolve").await;
+            let resolved = gap_result(&browser, "resolved").await;
+            assert!(resolved.contains("Resolved: resolution #1, 2–3 skipped"), "{resolved}");
+            assert_eq!(aggregate_row(&app, "acct-9"), Some((3, 5, "flowing".to_owned())));
+            let audit = browser
+                .wait_table("the audit trail shows the skip", "audit", |rows| rows.len() == 1)
+                .await;
+            assert_eq!(audit[0][2], "skip gap 2–3");
+            assert_eq!(audit[0][3], "alice");
+            assert_eq!(audit[0][5], "1 → 3");
+        })
+        .await;
+    browser.close().await;
+    // The stream flows again: the producer's resent 4 applies.
+    assert_eq!(deliver(&app, "acct-9", "m-4", 4, 2).await, 200);
+    // A late 2 is refused: it was skipped.
+    assert_eq!(deliver(&app, "acct-9", "m-2", 2, 1).await, 409);
+}
