@@ -2,11 +2,12 @@
 //! the trigger that fills `ordered_inbox.amount`.
 
 use async_trait::async_trait;
+use futures_util::future::join_all;
 use ordered_inbox::postgres::{PostgresHandler, PostgresInbox};
 use ordered_inbox::{ApplyOutcome, HandlerError, OrderedMessage};
 use serde_json::Value;
 use tokio_postgres::Client;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 
 use super::{Ledger, applicable, applied, state};
 
@@ -52,6 +53,14 @@ pub async fn install(inbox: &PostgresInbox) -> Result<(), String> {
         .map_err(|error| HandlerError::from(error).to_string())
 }
 
+/// The total `ADD_AMOUNT` returned.
+fn returned_total(rows: &[tokio_postgres::Row]) -> Result<i64, HandlerError> {
+    match rows.first() {
+        Some(row) => Ok(row.try_get(0)?),
+        None => Err(HandlerError::new("the ledger's total was not returned")),
+    }
+}
+
 #[async_trait]
 impl PostgresHandler for Ledger {
     async fn apply(
@@ -70,11 +79,49 @@ impl PostgresHandler for Ledger {
                 &[(&message.aggregate_id, Type::TEXT), (&amount, Type::INT8)],
             )
             .await?;
-        let total: i64 = match rows.first() {
-            Some(row) => row.try_get(0)?,
-            None => return Err(HandlerError::new("the ledger's total was not returned")),
-        };
-        Ok(applied(amount, total))
+        Ok(applied(amount, returned_total(&rows)?))
+    }
+
+    /// `apply` is one statement, so a group's applies are sent together: PostgreSQL runs
+    /// pipelined statements in the order sent, each upsert seeing the totals before it, and
+    /// the group's applies cost one round trip.
+    async fn apply_many(
+        &self,
+        client: &Client,
+        messages: &[&OrderedMessage],
+    ) -> Result<Vec<ApplyOutcome>, HandlerError> {
+        // The applies end at the first poison, as the default's do.
+        let mut amounts = Vec::with_capacity(messages.len());
+        let mut poison = None;
+        for message in messages {
+            match applicable(message) {
+                Ok(amount) => amounts.push(amount),
+                Err(outcome) => {
+                    poison = Some(outcome);
+                    break;
+                }
+            }
+        }
+        type Typed<'a> = [(&'a (dyn ToSql + Sync), Type); 2];
+        let params: Vec<Typed<'_>> = messages
+            .iter()
+            .zip(&amounts)
+            .map(|(message, amount)| {
+                [
+                    (&message.aggregate_id as &(dyn ToSql + Sync), Type::TEXT),
+                    (amount as &(dyn ToSql + Sync), Type::INT8),
+                ]
+            })
+            .collect();
+        let added = params
+            .iter()
+            .map(|params| client.query_typed(ADD_AMOUNT, params));
+        let mut outcomes = Vec::with_capacity(messages.len());
+        for (rows, amount) in join_all(added).await.into_iter().zip(&amounts) {
+            outcomes.push(applied(*amount, returned_total(&rows?)?));
+        }
+        outcomes.extend(poison);
+        Ok(outcomes)
     }
 
     async fn state(
