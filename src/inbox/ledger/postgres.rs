@@ -1,13 +1,14 @@
 //! The ledger on PostgreSQL: `apply` through the client of the inbox's open transaction, and
 //! the trigger that fills `ordered_inbox.amount`.
 
+use std::collections::HashMap;
+
 use async_trait::async_trait;
-use futures_util::future::join_all;
 use ordered_inbox::postgres::{PostgresHandler, PostgresInbox};
 use ordered_inbox::{ApplyOutcome, HandlerError, OrderedMessage};
 use serde_json::Value;
 use tokio_postgres::Client;
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::Type;
 
 use super::{Ledger, applicable, applied, state};
 
@@ -18,6 +19,23 @@ ON CONFLICT (aggregate_id) DO UPDATE SET
     total = CASE WHEN aggregate_state.total > 9223372036854775807 - excluded.total
                  THEN 9223372036854775807 ELSE aggregate_state.total + excluded.total END
 RETURNING total";
+
+/// A group's amounts added to their aggregates' totals in one statement; answers each
+/// aggregate's total before it (the CTEs share one snapshot: `before` does not see the upsert).
+const ADD_AMOUNTS: &str = "
+WITH amounts AS (
+    SELECT id, SUM(amount) AS added FROM unnest($1::text[], $2::bigint[]) AS a(id, amount)
+     GROUP BY id),
+before AS (
+    SELECT aggregate_id, total FROM aggregate_state
+     WHERE aggregate_id IN (SELECT id FROM amounts)),
+upserted AS (
+    INSERT INTO aggregate_state(aggregate_id, last_sequence, total)
+    SELECT id, 0, LEAST(added, 9223372036854775807)::bigint FROM amounts
+    ON CONFLICT (aggregate_id) DO UPDATE SET
+        total = CASE WHEN aggregate_state.total > 9223372036854775807 - excluded.total
+                     THEN 9223372036854775807 ELSE aggregate_state.total + excluded.total END)
+SELECT m.id, COALESCE(b.total, 0) FROM amounts m LEFT JOIN before b ON b.aggregate_id = m.id";
 
 const TOTAL: &str = "SELECT total FROM aggregate_state WHERE aggregate_id = $1";
 
@@ -61,6 +79,24 @@ fn returned_total(rows: &[tokio_postgres::Row]) -> Result<i64, HandlerError> {
     }
 }
 
+/// Each apply in turn (the trait's way), for a group the one statement does not cover.
+async fn one_by_one(
+    ledger: &Ledger,
+    client: &Client,
+    messages: &[&OrderedMessage],
+) -> Result<Vec<ApplyOutcome>, HandlerError> {
+    let mut outcomes = Vec::with_capacity(messages.len());
+    for message in messages {
+        let outcome = ledger.apply(client, message).await?;
+        let applied = matches!(outcome, ApplyOutcome::Applied { .. });
+        outcomes.push(outcome);
+        if !applied {
+            break;
+        }
+    }
+    Ok(outcomes)
+}
+
 #[async_trait]
 impl PostgresHandler for Ledger {
     async fn apply(
@@ -82,9 +118,10 @@ impl PostgresHandler for Ledger {
         Ok(applied(amount, returned_total(&rows)?))
     }
 
-    /// `apply` is one statement, so a group's applies are sent together: PostgreSQL runs
-    /// pipelined statements in the order sent, each upsert seeing the totals before it, and
-    /// the group's applies cost one round trip.
+    /// A group's applies in one statement: each aggregate's amounts added at once, and each
+    /// message's total worked out from the total before (read by the same statement) in the
+    /// group's order, as the upserts one by one would have left it (amounts are never
+    /// negative once `check` passed them, so the cap at the largest bigint is the same).
     async fn apply_many(
         &self,
         client: &Client,
@@ -95,30 +132,38 @@ impl PostgresHandler for Ledger {
         let mut poison = None;
         for message in messages {
             match applicable(message) {
-                Ok(amount) => amounts.push(amount),
+                Ok(amount) if amount >= 0 => amounts.push(amount),
+                Ok(_) => return one_by_one(self, client, messages).await,
                 Err(outcome) => {
                     poison = Some(outcome);
                     break;
                 }
             }
         }
-        type Typed<'a> = [(&'a (dyn ToSql + Sync), Type); 2];
-        let params: Vec<Typed<'_>> = messages
+        let aggregates: Vec<&str> = messages[..amounts.len()]
             .iter()
-            .zip(&amounts)
-            .map(|(message, amount)| {
-                [
-                    (&message.aggregate_id as &(dyn ToSql + Sync), Type::TEXT),
-                    (amount as &(dyn ToSql + Sync), Type::INT8),
-                ]
-            })
+            .map(|message| message.aggregate_id.as_str())
             .collect();
-        let added = params
-            .iter()
-            .map(|params| client.query_typed(ADD_AMOUNT, params));
+        let rows = client
+            .query_typed(
+                ADD_AMOUNTS,
+                &[
+                    (&aggregates, Type::TEXT_ARRAY),
+                    (&amounts, Type::INT8_ARRAY),
+                ],
+            )
+            .await?;
+        let mut totals: HashMap<String, i64> = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            totals.insert(row.try_get(0)?, row.try_get(1)?);
+        }
         let mut outcomes = Vec::with_capacity(messages.len());
-        for (rows, amount) in join_all(added).await.into_iter().zip(&amounts) {
-            outcomes.push(applied(*amount, returned_total(&rows?)?));
+        for (aggregate, amount) in aggregates.iter().zip(&amounts) {
+            let Some(total) = totals.get_mut(*aggregate) else {
+                return Err(HandlerError::new("the ledger's total was not returned"));
+            };
+            *total = total.saturating_add(*amount);
+            outcomes.push(applied(*amount, *total));
         }
         outcomes.extend(poison);
         Ok(outcomes)

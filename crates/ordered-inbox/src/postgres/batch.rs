@@ -58,8 +58,10 @@ const LOCK_IDENTITIES: &str =
 const LOCK_ROWS: &str = "SELECT 1 FROM aggregate_state WHERE aggregate_id = ANY($1::text[])
   ORDER BY aggregate_id FOR UPDATE";
 /// The facts of every delivery of a round in one statement, one row per delivery in the order
-/// given (`$1` aggregates, `$2` ids, `$3` namespaces), with the columns of the single delivery's
-/// facts (`delivery_facts_from_row` reads both).
+/// given (`$1` aggregates, `$2` ids, `$3` namespaces); `delivery_facts_from_row` reads the
+/// columns. Each lookup is a `LATERAL` subquery with `LIMIT 1`, which the planner never turns
+/// into a join: the generic plan a connection keeps (planned while the tables may still be
+/// empty) is then a key lookup per delivery, never a hash join over a whole table.
 const GROUP_FACTS: &str = "
 SELECT a.last_sequence, a.status, a.status_since,
        o.payload, o.sequence, o.applied_at, o.aggregate_id,
@@ -70,10 +72,16 @@ SELECT a.last_sequence, a.status, a.status_since,
        a.owner, a.owner_epoch
   FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY
        AS u(aggregate_id, message_id, space, position)
-  LEFT JOIN aggregate_state a ON a.aggregate_id = u.aggregate_id
-  LEFT JOIN ordered_inbox o ON o.producer = u.space AND o.message_id = u.message_id
-  LEFT JOIN deadletters d ON d.producer = u.space AND d.message_id = u.message_id
-  LEFT JOIN held_messages h ON h.message_id = u.message_id AND u.space = ''
+  LEFT JOIN LATERAL (
+    SELECT * FROM aggregate_state WHERE aggregate_id = u.aggregate_id LIMIT 1) a ON true
+  LEFT JOIN LATERAL (
+    SELECT * FROM ordered_inbox WHERE producer = u.space AND message_id = u.message_id LIMIT 1
+  ) o ON true
+  LEFT JOIN LATERAL (
+    SELECT * FROM deadletters WHERE producer = u.space AND message_id = u.message_id LIMIT 1
+  ) d ON true
+  LEFT JOIN LATERAL (
+    SELECT * FROM held_messages WHERE message_id = u.message_id AND u.space = '' LIMIT 1) h ON true
   CROSS JOIN LATERAL (
     SELECT array_agg(message_id ORDER BY id) AS ids, array_agg(sequence ORDER BY id) AS sequences,
            array_agg(NULLIF(producer, '') ORDER BY id) AS producers

@@ -1,11 +1,13 @@
-//! The PostgreSQL side of every write operation: lock, read the facts, let the core decide, run
-//! the application's handler at each applied message, write the decided changes, all in one
-//! transaction (see the `facts` module for the locks).
+//! The PostgreSQL side of the write operations other than deliveries (which the group commit
+//! of `batch` writes): lock, read the facts, let the core decide, run the application's handler
+//! at each applied message, write the decided changes, all in one transaction (see the `facts`
+//! module for the locks). [`decided`] is shared with the group commit's replay, where each
+//! delivery is written alone.
 //!
 //! Round trips: the statements of one phase are pipelined on the connection: BEGIN, the locks
-//! and the fact reads go out in one flight; the writes and COMMIT in the next. A delivery whose
-//! plan applies a message adds the handler's own round trips: the writes decided before its
-//! first applied message go out with a `SAVEPOINT` in the same flight as the handler's first
+//! and the fact reads go out in one flight; the writes and COMMIT in the next. A plan that
+//! applies a message adds the handler's own round trips: the writes decided before its first
+//! applied message go out with a `SAVEPOINT` in the same flight as the handler's first
 //! statement. A poison from `apply` rolls back to that savepoint and the core decides again with
 //! the message marked poison; a handler error fails the operation (its transaction is rolled
 //! back, and it is not retried here).

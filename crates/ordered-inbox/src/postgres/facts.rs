@@ -13,7 +13,9 @@
 //! other. Locks are taken in one order (the aggregate, then message keys sorted, then the
 //! producer's row), and all are released at COMMIT or ROLLBACK. The facts are read after the
 //! locks (READ COMMITTED: each statement sees everything committed before it), so they are
-//! exactly what the previous writer of the aggregate left.
+//! exactly what the previous writer of the aggregate left. A group of deliveries (`batch`)
+//! takes the same locks for all of its aggregates, then all of its identities, each sorted, so
+//! groups and single operations share one order.
 
 use futures_util::future::join_all;
 use futures_util::join;

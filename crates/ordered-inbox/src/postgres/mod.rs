@@ -4,7 +4,12 @@
 //!
 //! - [`schema`]: the inbox's tables and their versioned migrations, run under an advisory lock;
 //! - [`handler`]: the application's handler, run in the operation's transaction;
-//! - [`engine`]: locks and facts read, core decision, handler run and changes written, in one
+//! - `writer`, `batch`: the group commit of deliveries: one queue, a few writer tasks, one
+//!   transaction per group (locks in one global order, the facts of the group in one
+//!   statement, the core's decisions in arrival order, the handler's applies in one call, the
+//!   rows set-based, one COMMIT; a failing delivery replayed alone in a savepoint);
+//! - [`engine`]: the other write operations (resolutions, sessions, transfers, the rejected
+//!   list): locks and facts read, core decision, handler run and changes written, in one
 //!   transaction per operation;
 //! - `rows`, `facts`, `writes`: reading rows into values, the locks and facts of each decision,
 //!   the statements of each change;
@@ -12,17 +17,19 @@
 //! - [`operators`]: the operator and producer registry commands on a database;
 //! - `rejected`: the rejected list's page.
 //!
-//! How an operation runs: a connection from a small pool, `BEGIN`, transaction-scoped advisory
-//! locks on the aggregate and on the message ids involved (taken before any fact is read, so the
-//! facts are those the last writer of this aggregate committed), the facts, the decision of the
-//! pure core, the decided changes and `COMMIT`. Statements are prepared once per connection and
-//! pipelined: a delivery costs two round trips (BEGIN, locks and facts in one flight; the writes
-//! and COMMIT in the next). Serialization failures, deadlocks and unique violations (a
-//! concurrent first use of the same id) roll back and are retried here with a bounded number of
-//! attempts; a database that is down or restarting is [`InboxError::Unavailable`].
+//! How a delivery runs: every delivery of the process (`deliver`, `deliver_as`, a broker's
+//! `deliver_batch`) goes to the writer's queue; a writer takes everything waiting into one
+//! transaction on a pooled connection and answers each caller after its COMMIT. Other write
+//! operations take a connection of their own: `BEGIN`, transaction-scoped advisory locks on the
+//! aggregate and on the message ids involved (taken before any fact is read, so the facts are
+//! those the last writer of this aggregate committed), the facts, the decision of the pure
+//! core, the decided changes and `COMMIT`. Statements are prepared once per connection and
+//! pipelined. Serialization failures, deadlocks and unique violations (a concurrent first use
+//! of the same id) roll back and are retried here with a bounded number of attempts; a database
+//! that is down or restarting is [`InboxError::Unavailable`].
 //!
-//! Each operation runs in a task of its own, so a caller that goes away (a client disconnect)
-//! never leaves a transaction half-way on a pooled connection.
+//! Each operation and each group runs in a task of its own, so a caller that goes away (a
+//! client disconnect) never leaves a transaction half-way on a pooled connection.
 
 mod batch;
 mod connection;
