@@ -315,6 +315,14 @@ pub struct PostgresStats {
 
 pub(crate) type Client = deadpool_postgres::Client;
 
+/// Ends whatever transaction a failed attempt left open; a connection that cannot even do that
+/// is taken out of the pool.
+pub(crate) async fn release_after_failure(client: Client) {
+    if client.is_closed() || client.batch_execute("ROLLBACK").await.is_err() {
+        drop(deadpool_postgres::Object::take(client));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

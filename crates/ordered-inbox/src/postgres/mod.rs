@@ -60,7 +60,7 @@ pub use connection::{
 pub use handler::PostgresHandler;
 pub use writer::{GROUP_CAP, WRITERS};
 
-use connection::{Client, Failure};
+use connection::{Client, Failure, release_after_failure};
 
 use crate::content::AcceptAll;
 use crate::delivery::Outcome;
@@ -257,14 +257,6 @@ impl PostgresInbox {
         });
         task.await
             .map_err(|error| InboxError::Failed(format!("inbox task: {error}")))?
-    }
-}
-
-/// Ends whatever transaction a failed attempt left open; a connection that cannot even do that
-/// is taken out of the pool.
-async fn release_after_failure(client: Client) {
-    if client.is_closed() || client.batch_execute("ROLLBACK").await.is_err() {
-        drop(deadpool_postgres::Object::take(client));
     }
 }
 

@@ -18,9 +18,8 @@ use deadpool_postgres::Pool;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 use super::batch::{self, Answer, Delivery, Means};
-use super::connection::{ATTEMPTS, Client, Counters, Failure};
+use super::connection::{ATTEMPTS, Client, Counters, Failure, release_after_failure};
 use super::handler::PostgresHandler;
-use super::release_after_failure;
 use crate::error::InboxError;
 use crate::model::Limits;
 
