@@ -346,8 +346,13 @@ fn assemble_state(
 /// The line a server with a PostgreSQL inbox prints when it stops: what its operations cost.
 pub fn postgres_figures_line(stats: ordered_inbox::postgres::PostgresStats) -> String {
     format!(
-        "{POSTGRES_FIGURES_PREFIX}{} operations, {} round trips, {} retries",
-        stats.operations, stats.round_trips, stats.retries
+        "{POSTGRES_FIGURES_PREFIX}{} operations, {} round trips, {} retries, {} group commits, {} grouped deliveries, {} replays",
+        stats.operations,
+        stats.round_trips,
+        stats.retries,
+        stats.group_commits,
+        stats.grouped_deliveries,
+        stats.replays
     )
 }
 

@@ -64,11 +64,14 @@ async fn the_testkit_reads_the_postgres_figures_line_a_stopping_server_prints() 
 }
 
 #[test]
-fn the_testkit_parses_the_servers_figures_line_into_its_three_numbers() {
+fn the_testkit_parses_the_servers_figures_line_into_its_numbers() {
     let stats = ordered_inbox::postgres::PostgresStats {
         operations: 10,
         round_trips: 21,
         retries: 2,
+        group_commits: 3,
+        grouped_deliveries: 9,
+        replays: 1,
     };
     let line = production_lab::app::postgres_figures_line(stats);
     assert_eq!(
@@ -76,7 +79,10 @@ fn the_testkit_parses_the_servers_figures_line_into_its_three_numbers() {
         Some(lab_testkit::server::PostgresFigures {
             operations: 10,
             round_trips: 21,
-            retries: 2
+            retries: 2,
+            group_commits: 3,
+            grouped_deliveries: 9,
+            replays: 1,
         })
     );
 }

@@ -17,7 +17,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
 
-use crate::process::{parent_pid, process_cpu_ticks};
+use crate::process::{parent_pid, process_cpu_ticks, reaped_children_cpu_ticks};
 
 /// The database superuser of a private cluster (trust authentication, loopback only).
 pub const SUPERUSER: &str = "postgres";
@@ -322,6 +322,11 @@ impl PrivateCluster {
         self.port
     }
 
+    /// Where the cluster's binaries are (`pgbench` among them).
+    pub fn bindir(&self) -> &Path {
+        &self.bindir
+    }
+
     /// The URL of `database` over loopback TCP.
     pub fn url(&self, database: &str) -> String {
         format!("postgres://{SUPERUSER}@127.0.0.1:{}/{database}", self.port)
@@ -363,12 +368,14 @@ impl PrivateCluster {
         Ok(())
     }
 
-    /// CPU time (user + system, in clock ticks) used so far by the postmaster and its live
-    /// children (the backends serving connections), where /proc tells it.
+    /// CPU time (user + system, in clock ticks) used so far by the postmaster and its
+    /// children: the live ones (the backends serving connections) and those that ended (the
+    /// backends of clients that disconnected, such as pgbench's), where /proc tells it.
     pub fn cpu_ticks(&self) -> Option<u64> {
         let pid_file = std::fs::read_to_string(self.data.join("postmaster.pid")).ok()?;
         let postmaster: u32 = pid_file.lines().next()?.trim().parse().ok()?;
-        let mut total = process_cpu_ticks(postmaster)?;
+        let mut total =
+            process_cpu_ticks(postmaster)? + reaped_children_cpu_ticks(postmaster).unwrap_or(0);
         for entry in std::fs::read_dir("/proc").ok()?.filter_map(Result::ok) {
             let Some(pid) = entry
                 .file_name()

@@ -31,6 +31,13 @@ pub fn process_cpu_ticks(pid: u32) -> Option<u64> {
     Some(tick_field(&fields, 11)? + tick_field(&fields, 12)?)
 }
 
+/// User + system CPU time of a process's children that ended and were waited for, in clock
+/// ticks (`cutime` and `cstime`, fields 13 and 14).
+pub fn reaped_children_cpu_ticks(pid: u32) -> Option<u64> {
+    let fields = stat_fields(pid)?;
+    Some(tick_field(&fields, 13)? + tick_field(&fields, 14)?)
+}
+
 /// A process's peak resident set (`VmHWM`) in KiB.
 pub fn peak_rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;

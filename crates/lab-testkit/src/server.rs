@@ -27,12 +27,16 @@ pub fn listening_address(line: &str) -> Option<&str> {
 }
 
 /// What a server's PostgreSQL inbox cost, from the line it prints when it stops:
-/// `Ordered inbox figures: N operations, N round trips, N retries`.
+/// `Ordered inbox figures: N operations, N round trips, N retries, N group commits, N grouped
+/// deliveries, N replays` (a build without the group commit prints the first three).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PostgresFigures {
     pub operations: u64,
     pub round_trips: u64,
     pub retries: u64,
+    pub group_commits: u64,
+    pub grouped_deliveries: u64,
+    pub replays: u64,
 }
 
 impl PostgresFigures {
@@ -48,6 +52,22 @@ impl PostgresFigures {
                 operations,
                 round_trips,
                 retries,
+                ..PostgresFigures::default()
+            }),
+            [
+                operations,
+                round_trips,
+                retries,
+                group_commits,
+                grouped_deliveries,
+                replays,
+            ] => Some(PostgresFigures {
+                operations,
+                round_trips,
+                retries,
+                group_commits,
+                grouped_deliveries,
+                replays,
             }),
             _ => None,
         }
@@ -312,7 +332,7 @@ mod tests {
     }
 
     #[test]
-    fn the_postgres_figures_line_gives_its_three_numbers() {
+    fn the_postgres_figures_line_gives_its_numbers_with_or_without_the_group_commits() {
         assert_eq!(
             PostgresFigures::parse(
                 "Ordered inbox figures: 10 operations, 21 round trips, 2 retries"
@@ -320,7 +340,21 @@ mod tests {
             Some(PostgresFigures {
                 operations: 10,
                 round_trips: 21,
-                retries: 2
+                retries: 2,
+                ..PostgresFigures::default()
+            })
+        );
+        assert_eq!(
+            PostgresFigures::parse(
+                "Ordered inbox figures: 10 operations, 4 round trips, 0 retries, 2 group commits, 10 grouped deliveries, 1 replays"
+            ),
+            Some(PostgresFigures {
+                operations: 10,
+                round_trips: 4,
+                retries: 0,
+                group_commits: 2,
+                grouped_deliveries: 10,
+                replays: 1,
             })
         );
         assert_eq!(PostgresFigures::parse("Database: x"), None);

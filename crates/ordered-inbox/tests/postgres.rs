@@ -420,3 +420,310 @@ async fn the_handler_writes_its_tables_in_the_inbox_transaction_on_postgres() {
     );
     inbox.close();
 }
+
+const TALLY_TABLE: &str = "
+CREATE TABLE tally(aggregate_id text NOT NULL, message_id text NOT NULL, sequence bigint NOT NULL);
+CREATE TABLE tally_counts(aggregate_id text PRIMARY KEY, applied bigint NOT NULL);";
+
+/// A handler that logs every apply (no key: a doubled apply shows as a second row) and counts
+/// the applies per aggregate, the count being its detail: it equals the sequence only if every
+/// apply saw the ones before it.
+struct Tally;
+
+impl Check for Tally {
+    fn check(&self, _: &OrderedMessage) -> Result<(), Poison> {
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl PostgresHandler for Tally {
+    async fn apply(
+        &self,
+        client: &Client,
+        message: &OrderedMessage,
+    ) -> Result<ApplyOutcome, HandlerError> {
+        client
+            .execute(
+                "INSERT INTO tally VALUES ($1, $2, $3)",
+                &[
+                    &message.aggregate_id,
+                    &message.message_id,
+                    &message.sequence,
+                ],
+            )
+            .await?;
+        let applied: i64 = client
+            .query_one(
+                "INSERT INTO tally_counts VALUES ($1, 1) ON CONFLICT (aggregate_id)
+                 DO UPDATE SET applied = tally_counts.applied + 1 RETURNING applied",
+                &[&message.aggregate_id],
+            )
+            .await?
+            .get(0);
+        let detail = json!({ "applied": applied });
+        Ok(ApplyOutcome::Applied {
+            detail: detail.as_object().cloned().unwrap_or_default(),
+        })
+    }
+}
+
+/// Two inboxes on one database stand for two servers.
+async fn two_inboxes(
+    cluster: &Cluster,
+    tables: &str,
+    handler: Arc<dyn PostgresHandler>,
+) -> (Client, PostgresInbox, PostgresInbox) {
+    let target = Target::parse(&cluster.url()).unwrap();
+    let client = target.connect().await.unwrap();
+    client.batch_execute(tables).await.unwrap();
+    let open =
+        || PostgresInbox::open_with_handler(target.clone(), Limits::default(), handler.clone());
+    let (first, second) = (open().await.unwrap(), open().await.unwrap());
+    (client, first, second)
+}
+
+async fn count(client: &Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_clients_over_two_inboxes_hammering_four_aggregates_apply_every_sequence_once() {
+    const AGGREGATES: usize = 4;
+    const SEQUENCES: i64 = 40;
+    let cluster = Cluster::start();
+    let (client, first, second) = two_inboxes(&cluster, TALLY_TABLE, Arc::new(Tally)).await;
+    // Sixteen clients per aggregate, half through each inbox, all sending the same sequences at
+    // once: many deliveries of one aggregate and of one id in flight together.
+    let clients: Vec<_> = (0..64)
+        .map(|number| {
+            let inbox = if number % 2 == 0 {
+                first.clone()
+            } else {
+                second.clone()
+            };
+            let aggregate = format!("agg-{}", number % AGGREGATES);
+            tokio::spawn(async move {
+                let mut applied = Vec::new();
+                for sequence in 1..=SEQUENCES {
+                    let message = OrderedMessage {
+                        message_id: format!("{aggregate}-{sequence}"),
+                        aggregate_id: aggregate.clone(),
+                        sequence,
+                        payload: json!({ "n": sequence }),
+                    };
+                    match inbox.deliver_as(message, Door::General, None).await {
+                        Ok(Ok(Outcome::Applied { detail, .. })) => {
+                            assert_eq!(
+                                Value::Object(detail),
+                                json!({ "applied": sequence }),
+                                "{aggregate} {sequence}: the apply saw exactly the ones before it"
+                            );
+                            applied.push((aggregate.clone(), sequence));
+                        }
+                        Ok(Ok(Outcome::Replay { .. })) => {}
+                        other => panic!("{aggregate} {sequence}: {other:?}"),
+                    }
+                }
+                applied
+            })
+        })
+        .collect();
+    let mut applied: Vec<(String, i64)> = Vec::new();
+    for client in clients {
+        applied.extend(client.await.unwrap());
+    }
+    applied.sort();
+    let expected: Vec<(String, i64)> = (0..AGGREGATES)
+        .flat_map(|a| (1..=SEQUENCES).map(move |s| (format!("agg-{a}"), s)))
+        .collect();
+    assert_eq!(
+        applied, expected,
+        "each message answered applied exactly once"
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT aggregate_id || ':' || last_sequence FROM aggregate_state ORDER BY 1"
+        )
+        .await,
+        (0..AGGREGATES)
+            .map(|a| format!("agg-{a}:{SEQUENCES}"))
+            .collect::<Vec<_>>()
+    );
+    let expected_rows = i64::try_from(AGGREGATES).unwrap() * SEQUENCES;
+    for table in ["tally", "ordered_inbox"] {
+        assert_eq!(
+            count(
+                &client,
+                &format!("SELECT COUNT(DISTINCT (aggregate_id, sequence)) FROM {table}")
+            )
+            .await,
+            expected_rows,
+            "{table}: no sequence skipped"
+        );
+        assert_eq!(
+            count(&client, &format!("SELECT COUNT(*) FROM {table}")).await,
+            expected_rows,
+            "{table}: no sequence doubled"
+        );
+    }
+    let stats = [first.stats(), second.stats()];
+    let (commits, grouped) = stats.iter().fold((0, 0), |(c, g), s| {
+        (c + s.group_commits, g + s.grouped_deliveries)
+    });
+    assert!(
+        grouped > commits,
+        "deliveries arriving together share a commit: {stats:?}"
+    );
+    first.close();
+    second.close();
+}
+
+#[tokio::test]
+async fn a_group_with_a_failing_and_a_poisoned_delivery_keeps_the_rest_and_the_failed_one_applies_once_when_retried()
+ {
+    let cluster = Cluster::start();
+    let (client, inbox, _) = two_inboxes(&cluster, ORDER_TABLES, Arc::new(Orders)).await;
+    client
+        .batch_execute("INSERT INTO outage VALUES ('b'); INSERT INTO caps VALUES ('c', 1)")
+        .await
+        .unwrap();
+    let group = || {
+        [
+            order("a-1", "a", 1, 1),
+            order("a-2", "a", 2, 2),
+            order("b-1", "b", 1, 1),
+            order("c-1", "c", 1, 5),
+            order("a-3", "a", 3, 3),
+            order("d-1", "d", 1, 1),
+        ]
+        .into_iter()
+        .map(|message| BatchDelivery::anonymous(message, Door::Broker))
+        .collect::<Vec<_>>()
+    };
+    let verdicts = inbox.deliver_batch(group()).await.unwrap();
+    let applied =
+        |verdict: &Result<Outcome, Undelivered>| matches!(verdict, Ok(Outcome::Applied { .. }));
+    assert!(
+        [0, 1, 4, 5].iter().all(|index| applied(&verdicts[*index])),
+        "{verdicts:?}"
+    );
+    assert!(
+        matches!(verdicts[2], Err(Undelivered::Handler(_))),
+        "{verdicts:?}"
+    );
+    assert!(
+        matches!(&verdicts[3], Ok(Outcome::Quarantined { reason, .. }) if reason.as_str() == "over the cap"),
+        "{verdicts:?}"
+    );
+    assert_eq!(inbox.stats().replays, 1, "the group was replayed once");
+    assert_eq!(
+        texts(&client, "SELECT message_id FROM orders ORDER BY message_id").await,
+        ["a-1", "a-2", "a-3", "d-1"],
+        "neither the failed nor the poisoned delivery left an order"
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT aggregate_id || ':' || ordered FROM books ORDER BY 1"
+        )
+        .await,
+        ["a:6", "d:1"]
+    );
+
+    client.execute("DELETE FROM outage", &[]).await.unwrap();
+    let retried = inbox.deliver_batch(group()).await.unwrap();
+    assert!(applied(&retried[2]), "{retried:?}");
+    assert!(
+        [0, 1, 4, 5]
+            .iter()
+            .all(|index| matches!(retried[*index], Ok(Outcome::Replay { .. }))),
+        "{retried:?}"
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT message_id FROM ordered_inbox ORDER BY message_id"
+        )
+        .await,
+        ["a-1", "a-2", "a-3", "b-1", "d-1"],
+        "the failed delivery applied once, the others were not doubled"
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT COUNT(*) FROM orders WHERE aggregate_id = 'b'"
+        )
+        .await,
+        1
+    );
+    inbox.close();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_inboxes_groups_over_overlapping_aggregates_in_opposite_orders_finish_without_deadlock()
+{
+    const ROUNDS: i64 = 30;
+    let cluster = Cluster::start();
+    let (client, first, second) = two_inboxes(&cluster, TALLY_TABLE, Arc::new(Tally)).await;
+    let aggregates = ["w", "x", "y", "z"];
+    // Each round, one inbox delivers sequence 2r-1 of every aggregate in one order and the other
+    // 2r in the opposite order; through the broker door an early one is held and drains behind.
+    let group = |sequence: i64, reversed: bool| {
+        let mut ids: Vec<&str> = aggregates.to_vec();
+        if reversed {
+            ids.reverse();
+        }
+        ids.into_iter()
+            .map(|aggregate| {
+                let message = OrderedMessage {
+                    message_id: format!("{aggregate}-{sequence}"),
+                    aggregate_id: aggregate.to_owned(),
+                    sequence,
+                    payload: json!({}),
+                };
+                BatchDelivery::anonymous(message, Door::Broker)
+            })
+            .collect::<Vec<_>>()
+    };
+    let load = async {
+        for round in 1..=ROUNDS {
+            let (odd, even) = tokio::join!(
+                first.deliver_batch(group(2 * round - 1, false)),
+                second.deliver_batch(group(2 * round, true)),
+            );
+            for verdict in odd.unwrap().into_iter().chain(even.unwrap()) {
+                assert!(
+                    matches!(verdict, Ok(Outcome::Applied { .. } | Outcome::Held { .. })),
+                    "{verdict:?}"
+                );
+            }
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(120), load)
+        .await
+        .expect("the groups finished");
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT aggregate_id || ':' || last_sequence FROM aggregate_state ORDER BY 1"
+        )
+        .await,
+        aggregates
+            .iter()
+            .map(|aggregate| format!("{aggregate}:{}", 2 * ROUNDS))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        count(&client, "SELECT COUNT(*) FROM tally").await,
+        4 * 2 * ROUNDS
+    );
+    assert_eq!(
+        (first.stats().retries, second.stats().retries),
+        (0, 0),
+        "no deadlock to detect and retry: the locks are taken in one order"
+    );
+    first.close();
+    second.close();
+}

@@ -5,7 +5,8 @@
 //! - [`ordered`]: the general ordered route (group commit) against the raw baseline, the same
 //!   apply transaction once per message straight through rusqlite;
 //! - [`postgres`]: the same load on SQLite, on a private PostgreSQL through one server and
-//!   through two;
+//!   through two, next to [`peer`], the same apply as one PL/pgSQL call per message under
+//!   pgbench;
 //! - [`stampede`]: concurrent callers of the cache's shared key behind the lab gate;
 //! - [`broker`]: NATS JetStream through the inbox against a raw consume-and-ack baseline;
 //! - [`relay`]: an outbox through `relay` processes and JetStream to another server's inbox.
@@ -13,6 +14,7 @@
 pub mod broker;
 mod database;
 pub mod ordered;
+pub mod peer;
 pub mod postgres;
 pub mod relay;
 pub mod stampede;

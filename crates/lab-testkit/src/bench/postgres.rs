@@ -1,7 +1,8 @@
 //! `bench ordered --backend postgres`: a private PostgreSQL ([`crate::pg`], durable: `fsync`
 //! on), the same load through one server and through two server processes on one database, the
 //! end state verified through the PostgreSQL inbox, and the figures printed next to the SQLite
-//! server's, measured in the same run on the same load.
+//! server's, measured in the same run on the same load, and as a ratio to the PL/pgSQL peer
+//! ([`super::peer`]) run on the same cluster in the same run.
 
 use std::time::Duration;
 
@@ -10,6 +11,7 @@ use serde::Serialize;
 
 use super::database::{expect_stream_state, verify_end_state};
 use super::ordered::{OrderedOptions, http_load};
+use super::peer::{PeerFigures, run_peer};
 use super::{AggregateStream, BenchError, max_ms, percentile, require_positive, workload};
 use crate::pg::{ClusterOptions, PrivateCluster, find_bindir};
 use crate::process::cpu_us_per_message;
@@ -38,6 +40,12 @@ pub struct LoadFigures {
     pub server_cpu_us_per_message: Option<f64>,
     /// PostgreSQL only: CPU time the database's processes spent per message, in microseconds.
     pub postgres_cpu_us_per_message: Option<f64>,
+    /// PostgreSQL only: deliveries per transaction the servers' group commits committed.
+    pub deliveries_per_commit: Option<f64>,
+    /// PostgreSQL only: groups replayed one delivery at a time.
+    pub replays: Option<u64>,
+    /// PostgreSQL only: throughput as a multiple of the PL/pgSQL peer's.
+    pub ratio_to_peer: Option<f64>,
 }
 
 impl std::fmt::Display for LoadFigures {
@@ -63,6 +71,15 @@ impl std::fmt::Display for LoadFigures {
         if let (Some(trips), Some(retries)) = (self.round_trips_per_message, self.retries) {
             write!(f, "   {trips:.2} round trips/msg, {retries} retries")?;
         }
+        if let Some(grouped) = self.deliveries_per_commit {
+            write!(f, ", {grouped:.1} deliveries/commit")?;
+        }
+        if let Some(replays) = self.replays {
+            write!(f, ", {replays} replays")?;
+        }
+        if let Some(ratio) = self.ratio_to_peer {
+            write!(f, "   {ratio:.2}x the peer")?;
+        }
         if let Some(server) = self.server_cpu_us_per_message {
             write!(f, "\n           CPU per message: server {server:.0} µs")?;
             if let Some(postgres) = self.postgres_cpu_us_per_message {
@@ -84,6 +101,8 @@ pub struct PostgresReport {
     /// The SQLite server's `synchronous`; PostgreSQL runs with `fsync` on.
     pub synchronous: &'static str,
     pub postgres_bindir: String,
+    /// The PL/pgSQL peer on the same cluster.
+    pub peer: PeerFigures,
     pub runs: Vec<LoadFigures>,
 }
 
@@ -99,7 +118,8 @@ impl std::fmt::Display for PostgresReport {
             self.postgres_bindir
         )?;
         let lines: Vec<String> = self.runs.iter().map(ToString::to_string).collect();
-        write!(f, "{}", lines.join("\n"))
+        writeln!(f, "{}", lines.join("\n"))?;
+        write!(f, "{}", self.peer)
     }
 }
 
@@ -114,11 +134,14 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
     let mut runs = vec![sqlite_run(options, &streams).await?];
     let cluster = PrivateCluster::start(ClusterOptions::durable())
         .map_err(|error| BenchError::Startup(format!("a private PostgreSQL: {error}")))?;
+    let peer = run_peer(&cluster, options.concurrency).await?;
     for (run, servers) in [(1usize, 1usize), (2, 2)] {
         let url = cluster
             .create_database(&format!("bench_{run}"))
             .map_err(|error| BenchError::Startup(format!("a database: {error}")))?;
-        runs.push(postgres_run(&cluster, &url, servers, options, &streams).await?);
+        let mut figures = postgres_run(&cluster, &url, servers, options, &streams).await?;
+        figures.ratio_to_peer = Some(figures.messages_per_second / peer.transactions_per_second);
+        runs.push(figures);
         verify_postgres_end_state(&url, &streams).await?;
     }
     drop(cluster);
@@ -130,6 +153,7 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
         postgres_bindir: find_bindir()
             .map(|dir| dir.display().to_string())
             .unwrap_or_default(),
+        peer,
         runs,
     })
 }
@@ -188,6 +212,11 @@ async fn postgres_run(
         run.round_trips_per_message = Some(counted.round_trips as f64 / counted.operations as f64);
         run.retries = Some(counted.retries);
     }
+    if counted.group_commits > 0 {
+        run.deliveries_per_commit =
+            Some(counted.grouped_deliveries as f64 / counted.group_commits as f64);
+        run.replays = Some(counted.replays);
+    }
     Ok(run)
 }
 
@@ -199,6 +228,9 @@ fn stop_and_count(servers: Vec<ServerUnderTest>) -> Result<PostgresFigures, Benc
             sum.operations += figures.operations;
             sum.round_trips += figures.round_trips;
             sum.retries += figures.retries;
+            sum.group_commits += figures.group_commits;
+            sum.grouped_deliveries += figures.grouped_deliveries;
+            sum.replays += figures.replays;
         }
     }
     Ok(sum)
@@ -238,6 +270,9 @@ fn figures(
         retries: None,
         server_cpu_us_per_message: None,
         postgres_cpu_us_per_message: None,
+        deliveries_per_commit: None,
+        replays: None,
+        ratio_to_peer: None,
     }
 }
 

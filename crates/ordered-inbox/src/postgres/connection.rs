@@ -248,6 +248,20 @@ impl Failure {
         }
     }
 
+    /// Whether the failure belongs to the one delivery whose statement or value caused it (a
+    /// value PostgreSQL refused, a stored row this build cannot read, the handler), so that a
+    /// group commit replays its deliveries one by one rather than failing them all: neither a
+    /// condition another attempt clears nor a database that is unreachable.
+    pub(crate) fn concerns_one_unit(&self) -> bool {
+        match self {
+            Failure::Db(error) | Failure::Commit(error) => {
+                error.as_db_error().is_some() && !asks_for_retry(error) && !is_unavailable(error)
+            }
+            Failure::Data(_) | Failure::Handler(_) => true,
+            Failure::Pool(_) => false,
+        }
+    }
+
     pub(crate) fn into_inbox_error(self) -> InboxError {
         match self {
             Failure::Db(error) | Failure::Commit(error) => {
@@ -265,12 +279,17 @@ impl Failure {
     }
 }
 
-/// Counters of the backend's work: operations, database round trips and retried attempts.
+/// Counters of the backend's work: operations (each delivery counts as one, grouped or not),
+/// database round trips, retried attempts, and the group commits with the deliveries they
+/// committed and the groups replayed one delivery at a time.
 #[derive(Debug, Default)]
 pub struct Counters {
     pub(crate) operations: AtomicU64,
     pub(crate) round_trips: AtomicU64,
     pub(crate) retries: AtomicU64,
+    pub(crate) group_commits: AtomicU64,
+    pub(crate) grouped_deliveries: AtomicU64,
+    pub(crate) replays: AtomicU64,
 }
 
 impl Counters {
@@ -286,9 +305,23 @@ pub struct PostgresStats {
     pub operations: u64,
     pub round_trips: u64,
     pub retries: u64,
+    /// Transactions the group commit committed, and the deliveries in them.
+    pub group_commits: u64,
+    pub grouped_deliveries: u64,
+    /// Groups replayed one delivery at a time (a poison or an error from the handler's `apply`,
+    /// or a value PostgreSQL refused).
+    pub replays: u64,
 }
 
 pub(crate) type Client = deadpool_postgres::Client;
+
+/// Ends whatever transaction a failed attempt left open; a connection that cannot even do that
+/// is taken out of the pool.
+pub(crate) async fn release_after_failure(client: Client) {
+    if client.is_closed() || client.batch_execute("ROLLBACK").await.is_err() {
+        drop(deadpool_postgres::Object::take(client));
+    }
+}
 
 #[cfg(test)]
 mod tests {

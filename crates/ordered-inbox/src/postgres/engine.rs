@@ -1,35 +1,35 @@
-//! The PostgreSQL side of every write operation: lock, read the facts, let the core decide, run
-//! the application's handler at each applied message, write the decided changes, all in one
-//! transaction (see the `facts` module for the locks).
+//! The PostgreSQL side of the write operations other than deliveries (which the group commit
+//! of `batch` writes): lock, read the facts, let the core decide, run the application's handler
+//! at each applied message, write the decided changes, all in one transaction (see the `facts`
+//! module for the locks). [`decided`] is shared with the group commit's replay, where each
+//! delivery is written alone.
 //!
 //! Round trips: the statements of one phase are pipelined on the connection: BEGIN, the locks
-//! and the fact reads go out in one flight; the writes and COMMIT in the next. A delivery whose
-//! plan applies a message adds the handler's own round trips: the writes decided before its
-//! first applied message go out with a `SAVEPOINT` in the same flight as the handler's first
+//! and the fact reads go out in one flight; the writes and COMMIT in the next. A plan that
+//! applies a message adds the handler's own round trips: the writes decided before its first
+//! applied message go out with a `SAVEPOINT` in the same flight as the handler's first
 //! statement. A poison from `apply` rolls back to that savepoint and the core decides again with
 //! the message marked poison; a handler error fails the operation (its transaction is rolled
 //! back, and it is not retried here).
-
-use std::convert::Infallible;
 
 use futures_util::future::OptionFuture;
 use futures_util::join;
 use tokio_postgres::types::ToSql;
 
 use super::connection::{Client, Counters, Failure};
-use super::facts::{PRODUCER_ROW_LOCKED, delivery_facts, resolution_facts, transfer_facts};
+use super::facts::{PRODUCER_ROW_LOCKED, resolution_facts, transfer_facts};
 use super::handler::PostgresHandler;
 use super::rows::producer_fact_from_row;
 use super::views;
 use super::writes::{Write, commit, flush, record_rejected as rejected_write, writes_for};
 use crate::change::{Change, Plan};
 use crate::content::{ApplyOutcome, Detail, Poison};
-use crate::delivery::{Context, Outcome, decide_delivery, decide_producer_delivery};
+use crate::delivery::Context;
 use crate::error::HandlerError;
 use crate::handling::{Overruled, Report, States, recorded, rounds};
-use crate::model::{Door, Limits, OrderedMessage};
+use crate::model::{Limits, OrderedMessage};
 use crate::producers::{TransferRequest, decide_transfer, next_epoch};
-use crate::records::{ProducerClaim, ProducerRefusal, RejectedDelivery, TransferRecord};
+use crate::records::{ProducerRefusal, RejectedDelivery, TransferRecord};
 use crate::resolution::{
     Action, Mode, Refusal, ResolutionError, ResolutionRequest, Resolved, decide_resolution,
 };
@@ -46,57 +46,6 @@ pub(crate) struct Unit<'a> {
     pub handler: &'a dyn PostgresHandler,
     pub limits: &'a Limits,
     pub now: &'a str,
-}
-
-/// Decides and records one anonymous delivery, without an ownership check
-/// ([`crate::Inbox::deliver`]'s contract; the server's doors use [`deliver_as`]).
-pub(crate) async fn deliver(
-    unit: Unit<'_>,
-    message: &OrderedMessage,
-    door: Door,
-) -> Result<Outcome, Failure> {
-    let (mut facts, _) = delivery_facts(unit.client, unit.counters, message, None).await?;
-    facts.skipped_by = super::gaps::skipped_by(unit.client, unit.counters, message, &facts).await?;
-    let run = decided(unit, None, |context| {
-        Ok::<_, Infallible>(decide_delivery(message, door, &facts, context))
-    })
-    .await?;
-    match run {
-        Run::Written(plan, report, writes) => {
-            commit(unit.client, unit.counters, writes).await?;
-            Ok(report.outcome(plan.outcome))
-        }
-        Run::Refused(never) => match never {},
-        Run::Failed(error) => Err(Failure::Handler(error)),
-    }
-}
-
-/// Decides and records one delivery made by `claim`'s producer (`None`: anonymous), with epoch
-/// fencing and ownership checked on facts read under the delivery's locks (the producer's row
-/// locked too). A refusal rolls back.
-pub(crate) async fn deliver_as(
-    unit: Unit<'_>,
-    message: &OrderedMessage,
-    door: Door,
-    claim: Option<&ProducerClaim>,
-) -> Result<Result<Outcome, ProducerRefusal>, Failure> {
-    let (mut facts, ownership) = delivery_facts(unit.client, unit.counters, message, claim).await?;
-    facts.skipped_by = super::gaps::skipped_by(unit.client, unit.counters, message, &facts).await?;
-    let run = decided(unit, None, |context| {
-        decide_producer_delivery(message, door, claim, &ownership, &facts, context)
-    })
-    .await?;
-    match run {
-        Run::Written(plan, report, writes) => {
-            commit(unit.client, unit.counters, writes).await?;
-            Ok(Ok(report.outcome(plan.outcome)))
-        }
-        Run::Refused(refusal) => {
-            rollback(unit).await?;
-            Ok(Err(refusal))
-        }
-        Run::Failed(error) => Err(Failure::Handler(error)),
-    }
 }
 
 /// Checks the preconditions and resolves the dead letter, or (dry run) reports what that would

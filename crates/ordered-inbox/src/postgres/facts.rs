@@ -13,7 +13,9 @@
 //! other. Locks are taken in one order (the aggregate, then message keys sorted, then the
 //! producer's row), and all are released at COMMIT or ROLLBACK. The facts are read after the
 //! locks (READ COMMITTED: each statement sees everything committed before it), so they are
-//! exactly what the previous writer of the aggregate left.
+//! exactly what the previous writer of the aggregate left. A group of deliveries (`batch`)
+//! takes the same locks for all of its aggregates, then all of its identities, each sorted, so
+//! groups and single operations share one order.
 
 use futures_util::future::join_all;
 use futures_util::join;
@@ -32,52 +34,14 @@ use crate::facts::{
 };
 use crate::model::{AggregateStatus, OrderedMessage};
 use crate::producers::TransferRequest;
-use crate::records::ProducerClaim;
 use crate::resolution::{Action, ResolutionRequest};
 use crate::views::OwnershipState;
 
-/// A delivery's locks, in the one order every transaction takes them: the aggregate, then the
-/// message id (the target list is evaluated left to right).
-const LOCK_DELIVERY: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0)),
-       pg_advisory_xact_lock(hashtextextended($2, 1))";
-/// A delivery's facts in one statement, read after the locks: the aggregate's row (locked
-/// `FOR UPDATE` too, so that a writer from outside the library would also wait) with its owner,
-/// this identity (`$3` the namespace, `$2` the id) as an applied message and as a dead letter (and
-/// as a held message: only anonymous ids are held), and the aggregate's open dead letters and
-/// held messages. Columns: see [`delivery_facts_from_row`].
-const DELIVERY_FACTS: &str = "
-WITH aggregate AS (
-    SELECT last_sequence, status, status_since, owner, owner_epoch FROM aggregate_state
-     WHERE aggregate_id = $1 FOR UPDATE),
-opened AS (
-    SELECT array_agg(message_id ORDER BY id) AS ids, array_agg(sequence ORDER BY id) AS sequences,
-           array_agg(NULLIF(producer, '') ORDER BY id) AS producers
-      FROM deadletters WHERE aggregate_id = $1 AND status = 'open'),
-held AS (
-    SELECT array_agg(message_id ORDER BY sequence) AS ids,
-           array_agg(sequence ORDER BY sequence) AS sequences,
-           array_agg(payload ORDER BY sequence) AS payloads,
-           array_agg(message_payload ORDER BY sequence) AS message_payloads,
-           array_agg(held_at ORDER BY sequence) AS held_at
-      FROM held_messages WHERE aggregate_id = $1)
-SELECT a.last_sequence, a.status, a.status_since,
-       o.payload, o.sequence, o.applied_at, o.aggregate_id,
-       d.payload, d.reason, d.status, d.observations, d.aggregate_id, d.sequence,
-       opened.ids, opened.sequences, opened.producers,
-       h.message_id, h.aggregate_id, h.sequence, h.payload, h.message_payload, h.held_at,
-       held.ids, held.sequences, held.payloads, held.message_payloads, held.held_at,
-       a.owner, a.owner_epoch
-  FROM opened
-  CROSS JOIN held
-  LEFT JOIN aggregate a ON true
-  LEFT JOIN ordered_inbox o ON o.producer = $3 AND o.message_id = $2
-  LEFT JOIN deadletters d ON d.producer = $3 AND d.message_id = $2
-  LEFT JOIN held_messages h ON h.message_id = $2 AND $3 = ''";
 /// A producer's facts, read after the delivery's locks: its row, locked `FOR SHARE` until the
 /// delivery commits (a session's or a revocation's UPDATE of the row waits for it, or the
 /// delivery waits for that UPDATE and reads the new epoch; deliveries of one producer share the
 /// lock), and whether the aggregate has any history (only a fresh one can be claimed).
-const PRODUCER_FACTS: &str = "
+pub(super) const PRODUCER_FACTS: &str = "
 WITH p AS (
     SELECT current_epoch, revoked_at IS NULL AS active FROM producers WHERE name = $2 FOR SHARE)
 SELECT p.current_epoch, p.active,
@@ -124,45 +88,20 @@ const OPERATOR_ACTIVE: &str =
 /// The advisory-lock key of a message identity: the id itself in the anonymous namespace (as
 /// before producers existed), `producer:id` in a producer's. Two identities whose keys collide
 /// only wait for each other; the facts are read by identity either way.
-fn message_key(producer: Option<&str>, message_id: &str) -> String {
+pub(super) fn message_key(producer: Option<&str>, message_id: &str) -> String {
     match producer {
         None => message_id.to_owned(),
         Some(producer) => format!("{producer}:{message_id}"),
     }
 }
 
-/// BEGIN, a delivery's locks, its facts and (for a producer's delivery) the producer's, in one
-/// flight. A delivery made without a claim reads no producer and no history.
-pub(super) async fn delivery_facts(
-    client: &Client,
-    counters: &Counters,
-    message: &OrderedMessage,
-    claim: Option<&ProducerClaim>,
-) -> Result<(DeliveryFacts, OwnershipFacts), Failure> {
-    let producer = claim.map(|claim| claim.producer.as_str());
-    let lock = client.prepare_cached(LOCK_DELIVERY).await?;
-    let read = client.prepare_cached(DELIVERY_FACTS).await?;
-    let producer_read = client.prepare_cached(PRODUCER_FACTS).await?;
-    let key = message_key(producer, &message.message_id);
-    let keys: [&(dyn ToSql + Sync); 2] = [&message.aggregate_id, &key];
-    let space = namespace(producer);
-    let by_identity: [&(dyn ToSql + Sync); 3] =
-        [&message.aggregate_id, &message.message_id, &space];
-    let by_producer: [&(dyn ToSql + Sync); 2] = [&message.aggregate_id, &space];
-    let producer_facts = futures_util::future::OptionFuture::from(
-        claim.map(|_| client.query_one(&producer_read, &by_producer)),
-    );
-    let (begin, locked, facts, producer_facts) = join!(
-        client.batch_execute("BEGIN"),
-        client.execute(&lock, &keys),
-        client.query_one(&read, &by_identity),
-        producer_facts,
-    );
-    counters.trip();
-    begin?;
-    locked?;
-    let facts = delivery_facts_from_row(&facts?, &message.aggregate_id)?;
-    let ownership = match producer_facts.transpose()? {
+/// The ownership facts of a delivery from its row of [`PRODUCER_FACTS`] (`None`: an anonymous
+/// delivery, which reads no producer and no history).
+pub(super) fn ownership_facts(
+    producer_row: Option<&Row>,
+    facts: &DeliveryFacts,
+) -> Result<OwnershipFacts, Failure> {
+    Ok(match producer_row {
         Some(row) => OwnershipFacts {
             producer: match row.try_get::<_, Option<i64>>(0)? {
                 Some(current_epoch) => Some(ProducerFact {
@@ -179,12 +118,15 @@ pub(super) async fn delivery_facts(
             owner: facts.owner.clone(),
             history: false,
         },
-    };
-    Ok((facts, ownership))
+    })
 }
 
-/// The one row of [`DELIVERY_FACTS`]: each group of columns is null when its row is missing.
-fn delivery_facts_from_row(row: &Row, aggregate_id: &str) -> Result<DeliveryFacts, Failure> {
+/// A delivery's row of the group commit's facts (`batch`): each group of columns is null when
+/// its row is missing.
+pub(super) fn delivery_facts_from_row(
+    row: &Row,
+    aggregate_id: &str,
+) -> Result<DeliveryFacts, Failure> {
     let aggregate = match row.try_get::<_, Option<i64>>(0)? {
         Some(_) => Some(aggregate_from(row, 0)?),
         None => None,

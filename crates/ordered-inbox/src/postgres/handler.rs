@@ -32,6 +32,32 @@ pub trait PostgresHandler: Check {
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError>;
 
+    /// Applies `messages` in the order given, each as [`PostgresHandler::apply`] would, each
+    /// seeing the writes of the ones before it: the outcomes in that order, ending at the first
+    /// that is not [`ApplyOutcome::Applied`] (the rest are not applied). The inbox's group commit
+    /// calls it once for the applied messages of a whole batch, before it writes the batch's
+    /// own rows; a poison or an error among them sends the batch to its replay, where each
+    /// message is applied alone with `apply` in a savepoint of its own. The default applies one
+    /// after another; a handler whose `apply` is a single statement may send them all at once
+    /// (pipelined statements run in the order sent), which makes a batch's applies one round
+    /// trip.
+    async fn apply_many(
+        &self,
+        client: &Client,
+        messages: &[&OrderedMessage],
+    ) -> Result<Vec<ApplyOutcome>, HandlerError> {
+        let mut outcomes = Vec::with_capacity(messages.len());
+        for message in messages {
+            let outcome = self.apply(client, message).await?;
+            let applied = matches!(outcome, ApplyOutcome::Applied { .. });
+            outcomes.push(outcome);
+            if !applied {
+                break;
+            }
+        }
+        Ok(outcomes)
+    }
+
     /// What the application shows of an aggregate in a resolution's audit row (`before` and
     /// `after`), read in the resolution's transaction. `None` by default.
     async fn state(

@@ -4,7 +4,12 @@
 //!
 //! - [`schema`]: the inbox's tables and their versioned migrations, run under an advisory lock;
 //! - [`handler`]: the application's handler, run in the operation's transaction;
-//! - [`engine`]: locks and facts read, core decision, handler run and changes written, in one
+//! - `writer`, `batch`: the group commit of deliveries: one queue, a few writer tasks, one
+//!   transaction per group (locks in one global order, the facts of the group in one
+//!   statement, the core's decisions in arrival order, the handler's applies in one call, the
+//!   rows set-based, one COMMIT; a failing delivery replayed alone in a savepoint);
+//! - [`engine`]: the other write operations (resolutions, sessions, transfers, the rejected
+//!   list): locks and facts read, core decision, handler run and changes written, in one
 //!   transaction per operation;
 //! - `rows`, `facts`, `writes`: reading rows into values, the locks and facts of each decision,
 //!   the statements of each change;
@@ -12,18 +17,21 @@
 //! - [`operators`]: the operator and producer registry commands on a database;
 //! - `rejected`: the rejected list's page.
 //!
-//! How an operation runs: a connection from a small pool, `BEGIN`, transaction-scoped advisory
-//! locks on the aggregate and on the message ids involved (taken before any fact is read, so the
-//! facts are those the last writer of this aggregate committed), the facts, the decision of the
-//! pure core, the decided changes and `COMMIT`. Statements are prepared once per connection and
-//! pipelined: a delivery costs two round trips (BEGIN, locks and facts in one flight; the writes
-//! and COMMIT in the next). Serialization failures, deadlocks and unique violations (a
-//! concurrent first use of the same id) roll back and are retried here with a bounded number of
-//! attempts; a database that is down or restarting is [`InboxError::Unavailable`].
+//! How a delivery runs: every delivery of the process (`deliver`, `deliver_as`, a broker's
+//! `deliver_batch`) goes to the writer's queue; a writer takes everything waiting into one
+//! transaction on a pooled connection and answers each caller after its COMMIT. Other write
+//! operations take a connection of their own: `BEGIN`, transaction-scoped advisory locks on the
+//! aggregate and on the message ids involved (taken before any fact is read, so the facts are
+//! those the last writer of this aggregate committed), the facts, the decision of the pure
+//! core, the decided changes and `COMMIT`. Statements are prepared once per connection and
+//! pipelined. Serialization failures, deadlocks and unique violations (a concurrent first use
+//! of the same id) roll back and are retried here with a bounded number of attempts; a database
+//! that is down or restarting is [`InboxError::Unavailable`].
 //!
-//! Each operation runs in a task of its own, so a caller that goes away (a client disconnect)
-//! never leaves a transaction half-way on a pooled connection.
+//! Each operation and each group runs in a task of its own, so a caller that goes away (a
+//! client disconnect) never leaves a transaction half-way on a pooled connection.
 
+mod batch;
 mod connection;
 pub mod engine;
 mod facts;
@@ -35,6 +43,7 @@ mod rejected;
 mod rows;
 pub mod schema;
 pub mod views;
+mod writer;
 mod writes;
 
 use std::future::Future;
@@ -51,8 +60,9 @@ pub use connection::{
     ATTEMPTS, CONNECT_TIMEOUT, Counters, POOL_SIZE, POOL_WAIT, PostgresError, PostgresStats, Target,
 };
 pub use handler::PostgresHandler;
+pub use writer::{GROUP_CAP, WRITERS};
 
-use connection::{Client, Failure};
+use connection::{Client, Failure, release_after_failure};
 
 use crate::content::AcceptAll;
 use crate::delivery::Outcome;
@@ -70,7 +80,9 @@ use crate::views::{
     InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, TimelineEvent,
     TransferConflict,
 };
+use batch::{Answer, Delivery};
 use engine::Unit;
+use writer::{Resources, Writer};
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + Send + 'a>>;
 
@@ -83,6 +95,8 @@ pub struct PostgresInbox {
     limits: Limits,
     counters: Arc<Counters>,
     handler: Arc<dyn PostgresHandler>,
+    /// The group commit's queue (every delivery goes through it).
+    writer: Arc<Writer>,
 }
 
 impl PostgresInbox {
@@ -124,12 +138,20 @@ impl PostgresInbox {
                 target: target.description.clone(),
                 reason: error.to_string(),
             })?;
+        let counters = Arc::new(Counters::default());
+        let writer = Writer::start(Resources {
+            pool: pool.clone(),
+            counters: counters.clone(),
+            handler: handler.clone(),
+            limits,
+        });
         Ok(PostgresInbox {
             pool,
             target,
             limits,
-            counters: Arc::new(Counters::default()),
+            counters,
             handler,
+            writer: Arc::new(writer),
         })
     }
 
@@ -143,6 +165,9 @@ impl PostgresInbox {
             operations: self.counters.operations.load(Ordering::Relaxed),
             round_trips: self.counters.round_trips.load(Ordering::Relaxed),
             retries: self.counters.retries.load(Ordering::Relaxed),
+            group_commits: self.counters.group_commits.load(Ordering::Relaxed),
+            grouped_deliveries: self.counters.grouped_deliveries.load(Ordering::Relaxed),
+            replays: self.counters.replays.load(Ordering::Relaxed),
         }
     }
 
@@ -177,6 +202,18 @@ impl PostgresInbox {
             })
         })
         .await
+    }
+
+    /// One delivery through the group commit.
+    async fn deliver_alone(
+        &self,
+        delivery: Delivery,
+    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
+        let answers: Vec<Answer> = self.writer.submit(vec![delivery]).await?;
+        answers
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| Err(InboxError::Failed("a delivery went unanswered".into())))
     }
 
     /// Closes the pool: idle connections are dropped, later operations are unavailable.
@@ -226,48 +263,55 @@ impl PostgresInbox {
     }
 }
 
-/// Ends whatever transaction a failed attempt left open; a connection that cannot even do that
-/// is taken out of the pool.
-async fn release_after_failure(client: Client) {
-    if client.is_closed() || client.batch_execute("ROLLBACK").await.is_err() {
-        drop(deadpool_postgres::Object::take(client));
-    }
-}
-
 #[async_trait]
 impl Inbox for PostgresInbox {
     async fn deliver(&self, message: OrderedMessage, door: Door) -> Result<Outcome, InboxError> {
-        let message = Arc::new(message);
-        self.write(move |unit| {
-            let message = message.clone();
-            Box::pin(async move { engine::deliver(unit, &message, door).await })
-        })
-        .await
+        let delivery = Delivery {
+            message,
+            door,
+            claim: None,
+            admitted_by_owner: false,
+        };
+        match self.deliver_alone(delivery).await? {
+            Ok(outcome) => Ok(outcome),
+            // Without an ownership check nothing refuses a delivery.
+            Err(refusal) => Err(InboxError::Failed(format!("refused: {refusal}"))),
+        }
     }
 
-    /// One transaction per delivery, in order: each is committed (or, refused or failed in its
-    /// handler, rolled back) before the next is decided, so `Ok` means every delivery has its
-    /// verdict, and after an `Err` a prefix may have committed (a repeat of any of them is a
-    /// replay). Unlike SQLite's group commit this is not one COMMIT for the batch. Each is
-    /// checked as [`Inbox::deliver_as`] checks one, under the same locks (the producer's row
-    /// shared).
+    /// In a group commit with whatever else this server delivers at the moment, as one job:
+    /// decided in order, each seeing the ones before it, all in one transaction. `Ok` means every
+    /// delivery has its verdict and all of them committed; a delivery whose handler failed is
+    /// rolled back alone (`Undelivered::Handler`), the others stand. After an `Err` (the database
+    /// could not be reached, or a delivery failed in the store) any of them may have committed:
+    /// a repeat of one that did is a replay. Each is checked as [`Inbox::deliver_as`] checks
+    /// one, under the same locks (the producer's row shared).
     async fn deliver_batch(
         &self,
         deliveries: Vec<BatchDelivery>,
     ) -> Result<Vec<Result<Outcome, Undelivered>>, InboxError> {
-        let mut outcomes = Vec::with_capacity(deliveries.len());
-        for delivery in deliveries {
-            let verdict = self
-                .deliver_as(delivery.message, delivery.door, delivery.claim)
-                .await;
-            outcomes.push(match verdict {
-                Ok(Ok(outcome)) => Ok(outcome),
-                Ok(Err(refusal)) => Err(Undelivered::Refused(refusal)),
-                Err(InboxError::Handler(error)) => Err(Undelivered::Handler(error)),
-                Err(other) => return Err(other),
-            });
+        if deliveries.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(outcomes)
+        let deliveries = deliveries
+            .into_iter()
+            .map(|delivery| Delivery {
+                message: delivery.message,
+                door: delivery.door,
+                claim: delivery.claim,
+                admitted_by_owner: true,
+            })
+            .collect();
+        let answers = self.writer.submit(deliveries).await?;
+        answers
+            .into_iter()
+            .map(|answer| match answer {
+                Ok(Ok(outcome)) => Ok(Ok(outcome)),
+                Ok(Err(refusal)) => Ok(Err(Undelivered::Refused(refusal))),
+                Err(InboxError::Handler(error)) => Ok(Err(Undelivered::Handler(error))),
+                Err(other) => Err(other),
+            })
+            .collect()
     }
 
     async fn resolve(
@@ -425,15 +469,13 @@ impl Inbox for PostgresInbox {
         door: Door,
         claim: Option<ProducerClaim>,
     ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
-        let delivery = Arc::new((message, claim));
-        self.write(move |unit| {
-            let delivery = delivery.clone();
-            Box::pin(async move {
-                let (message, claim) = delivery.as_ref();
-                engine::deliver_as(unit, message, door, claim.as_ref()).await
-            })
-        })
-        .await
+        let delivery = Delivery {
+            message,
+            door,
+            claim,
+            admitted_by_owner: true,
+        };
+        self.deliver_alone(delivery).await
     }
 
     async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {

@@ -120,9 +120,9 @@ const LINK_RESOLUTION: &str =
     "UPDATE deadletters SET resolution_id = $2 WHERE message_id = $1 AND producer = $3";
 
 /// A statement parameter owned by a pending write.
-type Param = Box<dyn ToSql + Sync + Send>;
+pub(super) type Param = Box<dyn ToSql + Sync + Send>;
 
-fn param<T: ToSql + Sync + Send + 'static>(value: T) -> Param {
+pub(super) fn param<T: ToSql + Sync + Send + 'static>(value: T) -> Param {
     Box::new(value)
 }
 
@@ -486,7 +486,7 @@ fn resolution_params(record: &ResolutionRecord, id: i64) -> Vec<Param> {
 }
 
 /// A timeline entry: a state event as it is, an observation numbered and pruned.
-async fn append(client: &Client, entry: &TimelineEntry) -> Result<Write, Failure> {
+pub(super) async fn append(client: &Client, entry: &TimelineEntry) -> Result<Write, Failure> {
     let mut params = vec![
         param(entry.aggregate_id.clone()),
         param(entry.at.clone()),
@@ -538,7 +538,10 @@ pub(super) async fn commit(
     Ok(())
 }
 
-async fn execute_all(client: &Client, writes: &[Write]) -> Vec<Result<u64, tokio_postgres::Error>> {
+pub(super) async fn execute_all(
+    client: &Client,
+    writes: &[Write],
+) -> Vec<Result<u64, tokio_postgres::Error>> {
     let params: Vec<Vec<&(dyn ToSql + Sync)>> = writes
         .iter()
         .map(|write| {
