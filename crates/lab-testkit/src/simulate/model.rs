@@ -188,31 +188,18 @@ impl Model {
 
     /// Whether the delivery may be decided, and whether it claims the aggregate.
     fn admit(&self, delivery: &Delivery) -> Result<bool, &'static str> {
-        let owner = self
-            .aggregates
-            .get(&delivery.aggregate_id)
-            .and_then(|a| a.owner.as_deref());
-        let Some(producer) = delivery.producer.as_deref() else {
-            return match owner {
-                Some(_) => Err("owner required"),
-                None => Ok(false),
-            };
-        };
-        let current = self.epoch(producer);
-        if current < 1 {
-            return Err("no session");
-        }
-        if delivery.epoch < 1 || delivery.epoch > current {
-            return Err("epoch not issued");
-        }
-        if delivery.epoch < current {
-            return Err("fenced");
-        }
-        match owner {
-            Some(owner) if owner == producer => Ok(false),
-            Some(_) => Err("not the owner"),
-            None => Ok(true),
-        }
+        let state = self.aggregates.get(&delivery.aggregate_id);
+        let producer = delivery.producer.as_deref().map(|name| Producer {
+            current_epoch: self.epoch(name),
+            active: true,
+        });
+        admission(&Admitting {
+            producer,
+            epoch: delivery.epoch,
+            owner: state.and_then(|a| a.owner.as_deref()),
+            same_owner: state.and_then(|a| a.owner.as_deref()) == delivery.producer.as_deref(),
+            history: state.is_some(),
+        })
     }
 
     fn decide(&mut self, delivery: &Delivery) -> Verdict {
@@ -440,5 +427,54 @@ impl Model {
             }
             self.apply(aggregate_id, &id, next, value);
         }
+    }
+}
+
+/// A producer as admission sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Producer {
+    pub current_epoch: i64,
+    pub active: bool,
+}
+
+/// What admission looks at: the delivering producer (`None`: anonymous) and the epoch it offers,
+/// the aggregate's owner (and whether it is that producer), and whether the aggregate has any
+/// history.
+#[derive(Debug, Clone, Copy)]
+pub struct Admitting<'a> {
+    pub producer: Option<Producer>,
+    pub epoch: i64,
+    pub owner: Option<&'a str>,
+    pub same_owner: bool,
+    pub history: bool,
+}
+
+/// Rule 6: whether a delivery may be decided (`Ok(true)`: and it claims the aggregate), or the
+/// refusal's name. The producer's standing first, then its epoch, then the aggregate's owner.
+pub fn admission(a: &Admitting<'_>) -> Result<bool, &'static str> {
+    let Some(producer) = a.producer else {
+        return if a.owner.is_some() {
+            Err("owner required")
+        } else {
+            Ok(false)
+        };
+    };
+    if !producer.active {
+        return Err("unauthorized");
+    }
+    if producer.current_epoch < 1 {
+        return Err("no session");
+    }
+    if a.epoch < 1 || a.epoch > producer.current_epoch {
+        return Err("epoch not issued");
+    }
+    if a.epoch < producer.current_epoch {
+        return Err("fenced");
+    }
+    match (a.owner, a.same_owner) {
+        (Some(_), true) => Ok(false),
+        (Some(_), false) => Err("not the owner"),
+        (None, _) if a.history => Err("claim requires operator"),
+        (None, _) => Ok(true),
     }
 }
