@@ -18,7 +18,7 @@ use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::resolution::{MAX_REASON, authenticate};
+use super::operator::{MAX_REASON, authenticate};
 use crate::http::error::{AppError, Json, Path, Query, RequestBody, problem_response_with};
 use crate::inbox::SharedInbox;
 use crate::inbox::input::{validate_aggregate_id, validate_sequence};
@@ -333,7 +333,7 @@ async fn refusal(
                 json!({"current": current}),
             )
         }
-        GapResolutionError::Unauthorized => super::resolution::unauthorized(
+        GapResolutionError::Unauthorized => super::operator::unauthorized(
             "the operator's token was revoked before the change".to_owned(),
         ),
         GapResolutionError::Store(error) => AppError::from(error).into_response(),

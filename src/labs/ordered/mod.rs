@@ -14,6 +14,7 @@
 mod aggregates;
 mod classroom;
 mod gaps;
+mod operator;
 pub mod practice;
 mod producers;
 mod resolution;

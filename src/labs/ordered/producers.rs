@@ -17,7 +17,7 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::resolution::{authenticate, unauthorized};
+use super::operator::{authenticate, unauthorized};
 use crate::http::credential::{Credential, credential};
 use crate::http::error::{AppError, Json, Path, RequestBody, json_response, problem_response_with};
 use crate::inbox::SharedInbox;

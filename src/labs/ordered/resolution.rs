@@ -13,7 +13,7 @@ use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::http::credential::{Credential, credential};
+use super::operator::{MAX_REASON, authenticate, unauthorized};
 use crate::http::error::{
     AppError, Json, Path, Query, RequestBody, json_response, parse_body, problem_response_with,
 };
@@ -22,9 +22,6 @@ use crate::inbox::input::{validate_aggregate_id, validate_message_id, validate_s
 use crate::inbox::ledger::{self, views::CurrentState, views::ResolutionRecord};
 use crate::inbox::pages::{page_body, page_request};
 use ordered_inbox::views::Page;
-
-/// How to register the first operator, for answers given while there is none.
-const ADD_HINT: &str = "production-lab operator add NAME --database PATH";
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -36,9 +33,6 @@ where
         .routes(routes!(resolve_dead_letter_named_in_query))
         .routes(routes!(audit_trail))
 }
-
-pub(super) const MAX_REASON: usize = 500;
-const UNAUTHORIZED_TITLE: &str = "Operator authentication required";
 
 /// An operator's decision on a dead letter. Names bind case-insensitively.
 #[derive(Debug, Deserialize)]
@@ -176,43 +170,6 @@ struct ResolutionOptions {
     /// absent for a dead letter of an anonymous delivery.
     #[param(min_length = 1, max_length = 64)]
     producer: Option<String>,
-}
-
-/// 401 with a `WWW-Authenticate` challenge; nothing was changed.
-pub(super) fn unauthorized(detail: String) -> Response {
-    crate::http::credential::unauthorized(UNAUTHORIZED_TITLE, detail)
-}
-
-/// The operator a request acts for, or the 401 that explains what is missing.
-pub(super) async fn authenticate(
-    inbox: &SharedInbox,
-    headers: &HeaderMap,
-) -> Result<String, Response> {
-    let credential = credential(headers).map_err(IntoResponse::into_response)?;
-    let token = credential.token().map(str::to_owned);
-    let check = inbox
-        .check_operator(token)
-        .await
-        .map_err(|error| AppError::from(error).into_response())?;
-    if let Some(operator) = check.operator {
-        return Ok(operator);
-    }
-    let detail = if check.active == 0 {
-        format!(
-            "no operator is registered yet: run `{ADD_HINT}` on the server's database file (with --inbox URL instead of --database when the inbox is in PostgreSQL), then send Authorization: Bearer TOKEN with the printed token"
-        )
-    } else {
-        match credential {
-            Credential::Missing => {
-                "send Authorization: Bearer TOKEN with an operator's token".to_owned()
-            }
-            Credential::Unusable => {
-                "the Authorization header must be Bearer TOKEN with an operator's token".to_owned()
-            }
-            Credential::Bearer(_) => "the token is not an active operator's token".to_owned(),
-        }
-    };
-    Err(unauthorized(detail))
 }
 
 /// A refused resolution: what failed, and the aggregate and the dead letter as they are now.
