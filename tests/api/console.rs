@@ -1230,9 +1230,11 @@ async fn gap_result(browser: &Browser, state: &str) -> String {
         Value::from(state)
     );
     browser
-        .wait_js::<String, _>(&format!("the gap's {state} result is shown"), &script, |text| {
-            !text.is_empty()
-        })
+        .wait_js::<String, _>(
+            &format!("the gap's {state} result is shown"),
+            &script,
+            |text| !text.is_empty(),
+        )
         .await
 }
 
