@@ -436,6 +436,24 @@ pub(super) async fn record_rejected(
     write(client, RECORD_REJECTED, params).await
 }
 
+/// The next audit row's number, shared by dead letters' and gaps' resolutions, taken one round
+/// trip ahead of the row.
+async fn next_resolution_id(client: &Client, counters: &Counters) -> Result<i64, Failure> {
+    let next = client.prepare_cached(NEXT_RESOLUTION_ID).await?;
+    let id: i64 = client
+        .query_one(&next, &[])
+        .await
+        .map_err(Failure::Db)?
+        .try_get(0)?;
+    counters.trip();
+    Ok(id)
+}
+
+/// A handler's state of an aggregate as the audit row stores it: JSON text, or NULL.
+fn state_text(state: &Option<serde_json::Value>) -> Option<String> {
+    state.as_ref().map(ToString::to_string)
+}
+
 /// The audit row (numbered one round trip ahead), its link from the dead letter and its
 /// `resolved` event. Returns the row's number.
 async fn record_resolution(
@@ -444,13 +462,7 @@ async fn record_resolution(
     record: &ResolutionRecord,
     writes: &mut Vec<Write>,
 ) -> Result<i64, Failure> {
-    let next = client.prepare_cached(NEXT_RESOLUTION_ID).await?;
-    let id: i64 = client
-        .query_one(&next, &[])
-        .await
-        .map_err(Failure::Db)?
-        .try_get(0)?;
-    counters.trip();
+    let id = next_resolution_id(client, counters).await?;
     writes.push(write(client, INSERT_RESOLUTION, resolution_params(record, id)).await?);
     let link = vec![
         param(record.message_id.clone()),
@@ -464,7 +476,6 @@ async fn record_resolution(
 
 fn resolution_params(record: &ResolutionRecord, id: i64) -> Vec<Param> {
     let replacement = record.replacement.as_ref();
-    let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
     vec![
         param(id),
         param(record.message_id.clone()),
@@ -477,9 +488,9 @@ fn resolution_params(record: &ResolutionRecord, id: i64) -> Vec<Param> {
         param(replacement.map(|replacement| replacement.message_id.clone())),
         param(replacement.map(|replacement| replacement.payload.to_string())),
         param(record.before.last),
-        param(state(&record.before.state)),
+        param(state_text(&record.before.state)),
         param(record.after.last),
-        param(state(&record.after.state)),
+        param(state_text(&record.after.state)),
         param(record.resolved_at.clone()),
         param(namespace(record.producer.as_deref()).to_owned()),
     ]
@@ -592,13 +603,7 @@ async fn record_gap_resolution(
     record: &GapRecord,
     writes: &mut Vec<Write>,
 ) -> Result<i64, Failure> {
-    let next = client.prepare_cached(NEXT_RESOLUTION_ID).await?;
-    let id: i64 = client
-        .query_one(&next, &[])
-        .await
-        .map_err(Failure::Db)?
-        .try_get(0)?;
-    counters.trip();
+    let id = next_resolution_id(client, counters).await?;
     writes.push(
         write(
             client,
@@ -612,7 +617,6 @@ async fn record_gap_resolution(
 }
 
 fn gap_resolution_params(record: &GapRecord, id: i64) -> Vec<Param> {
-    let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
     vec![
         param(id),
         param(record.aggregate_id.clone()),
@@ -622,9 +626,9 @@ fn gap_resolution_params(record: &GapRecord, id: i64) -> Vec<Param> {
         param(record.reason.clone()),
         param(record.expected_last),
         param(record.before.last),
-        param(state(&record.before.state)),
+        param(state_text(&record.before.state)),
         param(record.after.last),
-        param(state(&record.after.state)),
+        param(state_text(&record.after.state)),
         param(serde_json::to_string(&record.drained).unwrap_or_else(|_| "[]".to_owned())),
         param(record.resolved_at.clone()),
     ]
