@@ -269,15 +269,7 @@ impl Worker {
             Some((direct, _)) => direct.close().await,
             None => {}
         }
-        let backend = match &campaign.store {
-            Store::Sqlite(directory) => {
-                let path = directory.join(format!("worker-{}-{file}.db", self.index));
-                // A file left by an earlier campaign would hold the same namespaces.
-                remove_database(&path);
-                Backend::Sqlite(path)
-            }
-            Store::Postgres(url) => Backend::Postgres(url.clone()),
-        };
+        let backend = fresh_backend(campaign, &format!("worker-{}-{file}.db", self.index));
         Ok((Direct::open(&backend).await?, file))
     }
 }
@@ -295,14 +287,7 @@ fn runner(campaign: &Campaign, seed: u64, shape: &Shape, attempt: &str) -> Runne
 /// database.
 async fn hosted_system(campaign: &Campaign, seed: u64, attempt: &str) -> Result<System, String> {
     let host = campaign.host.as_ref().ok_or("no host program")?;
-    let backend = match &campaign.store {
-        Store::Sqlite(directory) => {
-            let path = directory.join(format!("seed-{seed}{attempt}.db"));
-            remove_database(&path);
-            Backend::Sqlite(path)
-        }
-        Store::Postgres(url) => Backend::Postgres(url.clone()),
-    };
+    let backend = fresh_backend(campaign, &format!("seed-{seed}{attempt}.db"));
     let hosted = Hosted::start(host, &backend).await?;
     Ok(System::Hosted(Box::new(hosted)))
 }
@@ -317,15 +302,22 @@ async fn fresh_system(
     if crashes {
         return hosted_system(campaign, seed, attempt).await;
     }
-    let backend = match &campaign.store {
+    let backend = fresh_backend(campaign, &format!("shrink-{seed}{attempt}.db"));
+    Ok(System::Direct(Box::new(Direct::open(&backend).await?)))
+}
+
+/// The campaign's store for a new inbox: on SQLite the file `name` in its directory, emptied (a
+/// file left by an earlier campaign would hold the same namespaces); on PostgreSQL the shared
+/// database.
+fn fresh_backend(campaign: &Campaign, name: &str) -> Backend {
+    match &campaign.store {
         Store::Sqlite(directory) => {
-            let path = directory.join(format!("shrink-{seed}{attempt}.db"));
+            let path = directory.join(name);
             remove_database(&path);
             Backend::Sqlite(path)
         }
         Store::Postgres(url) => Backend::Postgres(url.clone()),
-    };
-    Ok(System::Direct(Box::new(Direct::open(&backend).await?)))
+    }
 }
 
 fn remove_database(path: &std::path::Path) {
