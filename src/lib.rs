@@ -27,6 +27,7 @@ pub mod app;
 pub mod broker;
 pub mod config;
 pub mod console;
+pub mod gate;
 pub mod http;
 pub mod inbox;
 pub mod labs;

@@ -1,0 +1,29 @@
+//! The ordering gate (`production-lab gate --config FILE`): the ordered inbox as a deployable
+//! service for any producer's messages, with none of the lab in it. It takes unordered,
+//! duplicated, at-least-once deliveries over HTTP (`/v1`) and NATS JetStream and emits each
+//! aggregate's messages exactly once and in sequence order, to a JetStream subject and over HTTP,
+//! with poison (a payload its type's JSON Schema refuses) quarantined for an audited operator.
+//!
+//! It stands beside [`crate::app`] on the floors below it (configuration, HTTP plumbing, the
+//! inbox's wiring, the broker door's consumer, observe's middleware) and imports no lab.
+//!
+//! - [`config`]: the TOML file, validated at start, every error naming its key;
+//! - [`tls`]: rustls from PEM files, reloaded on SIGHUP;
+//! - [`schemas`]: each message type's compiled JSON Schema;
+//! - [`handler`]: the gate's handler in the inbox's transaction (check by schema, write the
+//!   output row) on SQLite and PostgreSQL;
+//! - [`output`]: the output table (an outbox in the inbox's database) and its reads;
+//! - [`publisher`]: the in-process relay from the output table to JetStream;
+//! - [`auth`]: producer, reader and operator credentials as extractors; producers' rate limits;
+//! - [`routes`]: the `/v1` routes and their OpenAPI document;
+//! - [`app`]: `GateApplication::build` and its run until SIGTERM.
+
+pub mod app;
+pub mod auth;
+pub mod config;
+pub mod handler;
+pub mod output;
+pub mod publisher;
+pub mod routes;
+pub mod schemas;
+pub mod tls;
