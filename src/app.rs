@@ -389,7 +389,10 @@ pub fn router(state: AppState) -> Router {
     crate::http::openapi::Shared.modify(&mut document);
     crate::inbox::ledger::describe_reasons(&mut document);
     crate::observe::routes::publish_document(&document);
-    let edge = crate::observe::http::Edge { metrics, security };
+    let edge = crate::observe::http::Edge {
+        metrics,
+        security: Some(security),
+    };
     routes
         .with_state(state)
         // CORS as in the seed, then, outside it, everything else every request goes through

@@ -250,6 +250,11 @@ impl BrokerLab {
     }
 }
 
+/// Reads a message's body for the aggregate its subject names: the inbox's message, or why it
+/// is malformed. The lab's consumer reads the general door's JSON
+/// ([`crate::inbox::input::general_message`]); the gate reads its own envelope.
+pub type BodyReader = fn(String, &[u8]) -> Result<OrderedMessage, String>;
+
 /// A connected consumer, ready to run.
 pub struct Consumer {
     lab: BrokerLab,
@@ -257,6 +262,7 @@ pub struct Consumer {
     client: async_nats::Client,
     consumer: PullConsumer,
     notices: Arc<notices::GapNotifier>,
+    body: BodyReader,
 }
 
 impl Consumer {
@@ -316,7 +322,14 @@ impl Consumer {
             client,
             consumer,
             notices,
+            body: crate::inbox::input::general_message,
         })
+    }
+
+    /// The same consumer reading each message's body with `body` instead of the general door's
+    /// JSON.
+    pub fn with_body_reader(self, body: BodyReader) -> Consumer {
+        Consumer { body, ..self }
     }
 
     /// The start-up line that says what is consumed.
@@ -478,7 +491,7 @@ impl Consumer {
             message.subject.as_str(),
             header_id.as_deref(),
             claim.as_ref().map(|claim| claim.producer.as_str()),
-            |aggregate_id| crate::inbox::input::general_message(aggregate_id, &message.payload),
+            |aggregate_id| (self.body)(aggregate_id, &message.payload),
         );
         match read {
             Ok(ordered) => {

@@ -1,0 +1,104 @@
+//! The gate's unauthenticated routes: `GET /live` (the process answers), `GET /ready` (the store
+//! answers a read and, with NATS configured, the connection is up) and, when the configuration
+//! makes it public, `GET /metrics`. They carry no secret and change nothing, so a load balancer
+//! and a scraper need no token.
+
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::json;
+
+use crate::http::error::problem_response_with;
+use crate::inbox::SharedInbox;
+use crate::observe::routes::PROMETHEUS_CONTENT_TYPE;
+use crate::store::Store;
+use crate::telemetry::metrics::Metrics;
+
+/// What the health routes read.
+#[derive(Clone)]
+pub struct Health {
+    pub inbox: SharedInbox,
+    pub metrics: Metrics,
+    /// The SQLite store, for its writer's queue depth (`None` on PostgreSQL).
+    pub store: Option<Store>,
+    /// The NATS connection, when the gate has one: `/ready` needs it connected.
+    pub nats: Option<async_nats::Client>,
+}
+
+/// `/live`, `/ready`, and `/metrics` when `public_metrics`.
+pub fn routes(health: Health, public_metrics: bool) -> Router {
+    let router = Router::new()
+        .route("/live", get(live))
+        .route("/ready", get(ready));
+    let router = if public_metrics {
+        router.route("/metrics", get(metrics))
+    } else {
+        router
+    };
+    router.with_state(health)
+}
+
+async fn live() -> &'static str {
+    "live"
+}
+
+/// 200 `{"status":"ready","checks":{"store":"ok","nats":"ok"|"absent"}}`, or 503 problem+json
+/// naming what is not ready.
+async fn ready(State(health): State<Health>) -> Response {
+    let mut problems = Vec::new();
+    let store = match health.inbox.health().await {
+        Ok(_) => "ok",
+        Err(error) => {
+            tracing::warn!(target: "production_lab::gate", %error, "readiness: the store does not answer a read");
+            problems.push("the store does not answer a read");
+            "failed"
+        }
+    };
+    let nats = match &health.nats {
+        None => "absent",
+        Some(client) if client.connection_state() == async_nats::connection::State::Connected => {
+            "ok"
+        }
+        Some(_) => {
+            problems.push("NATS is not connected");
+            "failed"
+        }
+    };
+    let checks = json!({ "store": store, "nats": nats });
+    if problems.is_empty() {
+        return (
+            StatusCode::OK,
+            Json(json!({ "status": "ready", "checks": checks })),
+        )
+            .into_response();
+    }
+    problem_response_with(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Not ready",
+        Some(&problems.join("; ")),
+        json!({ "checks": checks }),
+    )
+}
+
+/// Every metric in the Prometheus text format; the inbox's gauges are read now.
+async fn metrics(State(health): State<Health>) -> Response {
+    let figures = match health.inbox.health().await {
+        Ok(figures) => Some(figures),
+        Err(error) => {
+            tracing::warn!(target: "production_lab::gate", %error, "the inbox's figures could not be read");
+            None
+        }
+    };
+    let depth = health.store.as_ref().map_or(0, Store::queue_depth);
+    let body = health.metrics.render(figures.as_ref(), depth);
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(PROMETHEUS_CONTENT_TYPE),
+        )],
+        body,
+    )
+        .into_response()
+}
