@@ -16,12 +16,14 @@
 //! - [`publisher`]: the in-process relay from the output table to JetStream;
 //! - [`auth`]: producer, reader and operator credentials as extractors; producers' rate limits;
 //! - [`routes`]: the `/v1` routes and their OpenAPI document;
+//! - [`health`]: `/live`, `/ready` and `/metrics`, without a token;
 //! - [`app`]: `GateApplication::build` and its run until SIGTERM.
 
 pub mod app;
 pub mod auth;
 pub mod config;
 pub mod handler;
+pub mod health;
 pub mod output;
 pub mod publisher;
 pub mod routes;
