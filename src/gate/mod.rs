@@ -5,10 +5,10 @@
 //! with poison (a payload its type's JSON Schema refuses) quarantined for an audited operator.
 //!
 //! It stands beside [`crate::app`] on the floors below it (configuration, HTTP plumbing, the
-//! inbox's wiring, the broker door's consumer, observe's middleware) and imports no lab.
+//! inbox's wiring, TLS in the connection server, the broker door's consumer, observe's middleware)
+//! and imports no lab.
 //!
 //! - [`config`]: the TOML file, validated at start, every error naming its key;
-//! - [`tls`]: rustls from PEM files, reloaded on SIGHUP;
 //! - [`schemas`]: each message type's compiled JSON Schema;
 //! - [`handler`]: the gate's handler in the inbox's transaction (check by schema, write the
 //!   output row) on SQLite and PostgreSQL;
@@ -28,4 +28,3 @@ pub mod output;
 pub mod publisher;
 pub mod routes;
 pub mod schemas;
-pub mod tls;
