@@ -1,1 +1,170 @@
-//! (being written)
+//! The gate's message types: each type's JSON Schema (draft 2020-12), compiled once at start.
+//! A message whose type is unknown, or whose payload its schema refuses, is poison: the reason
+//! says which, and for a refusal where in the payload and why (the validator's first error).
+
+use std::collections::HashMap;
+
+use jsonschema::Validator;
+use serde_json::Value;
+
+/// The longest reason a refusal gives (in characters, the ellipsis included): a dead letter's
+/// reason is shown in lists and audit rows, and a validator's message may quote the payload.
+pub const MAX_REASON_CHARS: usize = 300;
+
+/// Each configured message type's compiled schema.
+#[derive(Debug)]
+pub struct MessageTypes {
+    validators: HashMap<String, Validator>,
+}
+
+impl MessageTypes {
+    /// Compiles every `(type name, schema)` as draft 2020-12. The first schema that does not
+    /// compile (not a schema, or a `$ref` that cannot be resolved offline) is refused as its
+    /// type name and why.
+    pub fn compile(types: Vec<(String, Value)>) -> Result<MessageTypes, (String, String)> {
+        let mut validators = HashMap::with_capacity(types.len());
+        for (name, schema) in types {
+            match jsonschema::draft202012::new(&schema) {
+                Ok(validator) => {
+                    validators.insert(name, validator);
+                }
+                Err(error) => {
+                    let why = format!("the schema does not compile: {error}");
+                    return Err((name, why));
+                }
+            }
+        }
+        Ok(MessageTypes { validators })
+    }
+
+    /// Whether `payload` is a valid message of `message_type`, or the reason it is poison.
+    pub fn validate(&self, message_type: &str, payload: &Value) -> Result<(), String> {
+        let Some(validator) = self.validators.get(message_type) else {
+            return Err(bounded(format!("unknown message type '{message_type}'")));
+        };
+        validator.validate(payload).map_err(|error| {
+            bounded(format!(
+                "payload does not match the schema of '{message_type}': at '{}': {error}",
+                error.instance_path()
+            ))
+        })
+    }
+
+    /// Whether `message_type` is configured.
+    pub fn knows(&self, message_type: &str) -> bool {
+        self.validators.contains_key(message_type)
+    }
+
+    /// The configured type names, in name order.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.validators.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+}
+
+/// `reason` cut to [`MAX_REASON_CHARS`] characters on a character boundary, ending in `…` when
+/// it was cut.
+fn bounded(reason: String) -> String {
+    if reason.chars().count() <= MAX_REASON_CHARS {
+        return reason;
+    }
+    let mut cut: String = reason.chars().take(MAX_REASON_CHARS - 1).collect();
+    cut.push('…');
+    cut
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn order_placed() -> MessageTypes {
+        let schema = json!({
+            "type": "object",
+            "required": ["orderId", "amount"],
+            "properties": {
+                "orderId": {"type": "string"},
+                "amount": {"type": "integer", "minimum": 0}
+            }
+        });
+        MessageTypes::compile(vec![("order.placed".into(), schema)]).expect("compiles")
+    }
+
+    #[test]
+    fn a_payload_its_schema_accepts_is_valid() {
+        let types = order_placed();
+        assert_eq!(
+            types.validate("order.placed", &json!({"orderId": "o-1", "amount": 3})),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn an_unknown_type_is_named_in_the_reason() {
+        assert_eq!(
+            order_placed().validate("order.lost", &json!({})),
+            Err("unknown message type 'order.lost'".to_owned())
+        );
+    }
+
+    #[test]
+    fn a_refusal_names_where_and_the_validators_first_error() {
+        let reason = order_placed()
+            .validate("order.placed", &json!({"orderId": "o-1", "amount": -1}))
+            .expect_err("refused");
+        assert_eq!(
+            reason,
+            "payload does not match the schema of 'order.placed': at '/amount': \
+             -1 is less than the minimum of 0"
+        );
+        let missing = order_placed()
+            .validate("order.placed", &json!({"orderId": "o-1"}))
+            .expect_err("refused");
+        assert_eq!(
+            missing,
+            "payload does not match the schema of 'order.placed': at '': \
+             \"amount\" is a required property"
+        );
+    }
+
+    #[test]
+    fn draft_2020_12_keywords_apply() {
+        let schema = json!({"type": "array", "prefixItems": [{"type": "string"}], "items": false});
+        let types = MessageTypes::compile(vec![("pair".into(), schema)]).expect("compiles");
+        assert_eq!(types.validate("pair", &json!(["a"])), Ok(()));
+        assert!(types.validate("pair", &json!(["a", 1])).is_err());
+    }
+
+    #[test]
+    fn a_schema_that_does_not_compile_is_refused_naming_its_type() {
+        let broken = json!({"type": "integer", "minimum": "five"});
+        let (name, why) = MessageTypes::compile(vec![
+            ("fine".into(), json!({"type": "object"})),
+            ("broken".into(), broken),
+        ])
+        .expect_err("refused");
+        assert_eq!(name, "broken");
+        assert!(why.starts_with("the schema does not compile: "), "{why}");
+    }
+
+    #[test]
+    fn a_remote_reference_is_refused_rather_than_fetched() {
+        let remote = json!({"$ref": "https://example.com/schemas/order.json"});
+        let (name, _) =
+            MessageTypes::compile(vec![("remote".into(), remote)]).expect_err("refused");
+        assert_eq!(name, "remote");
+    }
+
+    #[test]
+    fn a_long_reason_is_cut_on_a_character_boundary_with_an_ellipsis() {
+        let schema = json!({"type": "object", "properties": {"note": {"maxLength": 3}}});
+        let types = MessageTypes::compile(vec![("t".into(), schema)]).expect("compiles");
+        let reason = types
+            .validate("t", &json!({"note": "é".repeat(400)}))
+            .expect_err("refused");
+        assert_eq!(reason.chars().count(), MAX_REASON_CHARS);
+        assert!(reason.ends_with('…'), "{reason}");
+        assert_eq!(bounded("short".into()), "short");
+    }
+}
