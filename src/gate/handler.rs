@@ -1,1 +1,321 @@
-//! (being written)
+//! The gate's handler in the inbox's transaction: a message is an envelope
+//! `{"type": T, "payload": …}`; its check validates the payload against T's schema (poison
+//! otherwise), and applying it writes its output row (`gate_output`) beside the inbox's rows,
+//! so both commit together or not at all.
+//!
+//! The applied event's detail is `{"type": T}`, the quarantined event's is `{"reason": …,
+//! "type": T}`; the state of an aggregate (a resolution's audit row) is `{"emitted": n}`, the
+//! count of its output rows.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ordered_inbox::postgres::PostgresHandler;
+use ordered_inbox::sqlite::SqliteHandler;
+use ordered_inbox::{
+    ApplyOutcome, Check, Detail, HandlerError, OrderedMessage, Poison, canonical_json, clock,
+};
+use rusqlite::Connection;
+use serde_json::{Value, json};
+use tokio_postgres::Client;
+use tokio_postgres::types::Type;
+
+use super::schemas::MessageTypes;
+
+/// The reason of a message whose payload is not a gate envelope (no door of the gate builds
+/// one; a store shared with another application could hold one).
+pub const NOT_A_GATE_MESSAGE: &str = "not a gate message";
+
+/// One output row's insert. No `ON CONFLICT`: the inbox applies each (aggregate, sequence)
+/// once, so a row already there is a broken invariant, which must fail the delivery (a
+/// `HandlerError`, nothing recorded) rather than drop a row.
+const SQLITE_INSERT: &str = "
+INSERT INTO gate_output(aggregate_id, sequence, message_id, message_type, payload, applied_at)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6)";
+const POSTGRES_INSERT: &str = "
+INSERT INTO gate_output(aggregate_id, sequence, message_id, message_type, payload, applied_at)
+VALUES ($1, $2, $3, $4, $5, $6)";
+/// A group's output rows in one statement, each as [`POSTGRES_INSERT`] would write it.
+const POSTGRES_INSERT_MANY: &str = "
+INSERT INTO gate_output(aggregate_id, sequence, message_id, message_type, payload, applied_at)
+SELECT a, s, m, t, p, $6
+  FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::text[]) AS r(a, s, m, t, p)";
+
+const SQLITE_EMITTED: &str = "SELECT COUNT(*) FROM gate_output WHERE aggregate_id = ?1";
+const POSTGRES_EMITTED: &str = "SELECT COUNT(*) FROM gate_output WHERE aggregate_id = $1";
+
+/// A gate message's payload as the inbox stores it: the envelope of its type and payload.
+pub fn envelope(message_type: &str, payload: Value) -> Value {
+    json!({ "type": message_type, "payload": payload })
+}
+
+/// The type and inner payload of an envelope; `None` for anything else (a member missing, a
+/// type that is not a string, or a member besides the two).
+pub fn open_envelope(payload: &Value) -> Option<(&str, &Value)> {
+    let members = payload.as_object()?;
+    if members.len() != 2 {
+        return None;
+    }
+    let message_type = members.get("type")?.as_str()?;
+    Some((message_type, members.get("payload")?))
+}
+
+/// The gate's handler: one value serves every aggregate (its output is in the database).
+#[derive(Debug, Clone)]
+pub struct GateHandler {
+    pub types: Arc<MessageTypes>,
+}
+
+impl Check for GateHandler {
+    fn check(&self, message: &OrderedMessage) -> Result<(), Poison> {
+        let Some((message_type, payload)) = open_envelope(&message.payload) else {
+            return Err(Poison::new(NOT_A_GATE_MESSAGE));
+        };
+        self.types
+            .validate(message_type, payload)
+            .map_err(|reason| Poison::new(reason).with_detail(type_detail(message_type)))
+    }
+}
+
+/// `{"type": T}`, the detail of both the applied and the quarantined event.
+fn type_detail(message_type: &str) -> Detail {
+    let mut detail = Detail::new();
+    detail.insert("type".to_owned(), Value::from(message_type));
+    detail
+}
+
+/// The output row of an applied message.
+struct OutputRow<'m> {
+    message: &'m OrderedMessage,
+    message_type: &'m str,
+    payload: String,
+}
+
+/// The output row `apply` writes for `message`, or the poison of a message that is not an
+/// envelope (the check refused it already; a handler never trusts that alone).
+fn output_row(message: &OrderedMessage) -> Result<OutputRow<'_>, ApplyOutcome> {
+    match open_envelope(&message.payload) {
+        Some((message_type, payload)) => Ok(OutputRow {
+            message,
+            message_type,
+            payload: canonical_json(payload),
+        }),
+        None => Err(ApplyOutcome::Poison(Poison::new(NOT_A_GATE_MESSAGE))),
+    }
+}
+
+impl OutputRow<'_> {
+    fn applied(&self) -> ApplyOutcome {
+        ApplyOutcome::Applied {
+            detail: type_detail(self.message_type),
+        }
+    }
+}
+
+/// `{"emitted": n}` of an aggregate with output rows; `None` for one without.
+fn emitted_state(count: i64) -> Option<Value> {
+    (count > 0).then(|| json!({ "emitted": count }))
+}
+
+impl SqliteHandler for GateHandler {
+    fn apply(
+        &self,
+        connection: &Connection,
+        message: &OrderedMessage,
+    ) -> Result<ApplyOutcome, HandlerError> {
+        let row = match output_row(message) {
+            Ok(row) => row,
+            Err(poison) => return Ok(poison),
+        };
+        connection.prepare_cached(SQLITE_INSERT)?.execute((
+            &message.aggregate_id,
+            message.sequence,
+            &message.message_id,
+            row.message_type,
+            &row.payload,
+            clock::now(),
+        ))?;
+        Ok(row.applied())
+    }
+
+    fn state(
+        &self,
+        connection: &Connection,
+        aggregate_id: &str,
+    ) -> Result<Option<Value>, HandlerError> {
+        let count: i64 = connection
+            .prepare_cached(SQLITE_EMITTED)?
+            .query_row([aggregate_id], |row| row.get(0))?;
+        Ok(emitted_state(count))
+    }
+}
+
+#[async_trait]
+impl PostgresHandler for GateHandler {
+    async fn apply(
+        &self,
+        client: &Client,
+        message: &OrderedMessage,
+    ) -> Result<ApplyOutcome, HandlerError> {
+        let row = match output_row(message) {
+            Ok(row) => row,
+            Err(poison) => return Ok(poison),
+        };
+        let now = clock::now();
+        client
+            .query_typed(
+                POSTGRES_INSERT,
+                &[
+                    (&message.aggregate_id, Type::TEXT),
+                    (&message.sequence, Type::INT8),
+                    (&message.message_id, Type::TEXT),
+                    (&row.message_type, Type::TEXT),
+                    (&row.payload, Type::TEXT),
+                    (&now, Type::TEXT),
+                ],
+            )
+            .await?;
+        Ok(row.applied())
+    }
+
+    /// A group's output rows in one statement. A message that is not an envelope ends the
+    /// applies there, as the default's would: the ones before it are written, it is poison.
+    async fn apply_many(
+        &self,
+        client: &Client,
+        messages: &[&OrderedMessage],
+    ) -> Result<Vec<ApplyOutcome>, HandlerError> {
+        let mut rows = Vec::with_capacity(messages.len());
+        let mut poison = None;
+        for message in messages {
+            match output_row(message) {
+                Ok(row) => rows.push(row),
+                Err(outcome) => {
+                    poison = Some(outcome);
+                    break;
+                }
+            }
+        }
+        if !rows.is_empty() {
+            insert_many(client, &rows).await?;
+        }
+        let mut outcomes: Vec<ApplyOutcome> = rows.iter().map(OutputRow::applied).collect();
+        outcomes.extend(poison);
+        Ok(outcomes)
+    }
+
+    async fn state(
+        &self,
+        client: &Client,
+        aggregate_id: &str,
+    ) -> Result<Option<Value>, HandlerError> {
+        let rows = client
+            .query_typed(POSTGRES_EMITTED, &[(&aggregate_id, Type::TEXT)])
+            .await?;
+        match rows.first() {
+            Some(row) => Ok(emitted_state(row.try_get(0)?)),
+            None => Ok(None),
+        }
+    }
+}
+
+async fn insert_many(client: &Client, rows: &[OutputRow<'_>]) -> Result<(), HandlerError> {
+    let aggregates: Vec<&str> = rows
+        .iter()
+        .map(|row| row.message.aggregate_id.as_str())
+        .collect();
+    let sequences: Vec<i64> = rows.iter().map(|row| row.message.sequence).collect();
+    let ids: Vec<&str> = rows
+        .iter()
+        .map(|row| row.message.message_id.as_str())
+        .collect();
+    let types: Vec<&str> = rows.iter().map(|row| row.message_type).collect();
+    let payloads: Vec<&str> = rows.iter().map(|row| row.payload.as_str()).collect();
+    let now = clock::now();
+    client
+        .query_typed(
+            POSTGRES_INSERT_MANY,
+            &[
+                (&aggregates, Type::TEXT_ARRAY),
+                (&sequences, Type::INT8_ARRAY),
+                (&ids, Type::TEXT_ARRAY),
+                (&types, Type::TEXT_ARRAY),
+                (&payloads, Type::TEXT_ARRAY),
+                (&now, Type::TEXT),
+            ],
+        )
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handler() -> GateHandler {
+        let schema = json!({"type": "object", "required": ["orderId"]});
+        let types = MessageTypes::compile(vec![("order.placed".into(), schema)]).expect("compiles");
+        GateHandler {
+            types: Arc::new(types),
+        }
+    }
+
+    fn message(payload: Value) -> OrderedMessage {
+        OrderedMessage {
+            message_id: "m-1".into(),
+            aggregate_id: "order-1".into(),
+            sequence: 1,
+            payload,
+        }
+    }
+
+    #[test]
+    fn an_envelope_opens_to_its_type_and_payload() {
+        let sealed = envelope("order.placed", json!({"orderId": "o-1"}));
+        assert_eq!(
+            open_envelope(&sealed),
+            Some(("order.placed", &json!({"orderId": "o-1"})))
+        );
+        assert_eq!(open_envelope(&json!({"type": "t"})), None);
+        assert_eq!(open_envelope(&json!({"type": 1, "payload": {}})), None);
+        assert_eq!(
+            open_envelope(&json!({"type": "t", "payload": {}, "extra": 1})),
+            None
+        );
+    }
+
+    #[test]
+    fn a_payload_that_is_not_an_envelope_is_poison() {
+        let poison = handler()
+            .check(&message(json!({"Amount": 1})))
+            .expect_err("poison");
+        assert_eq!(poison.reason.as_str(), NOT_A_GATE_MESSAGE);
+    }
+
+    #[test]
+    fn a_refused_payload_is_poison_with_its_type_beside_the_reason() {
+        let poison = handler()
+            .check(&message(envelope("order.placed", json!({}))))
+            .expect_err("poison");
+        assert!(
+            poison
+                .reason
+                .as_str()
+                .starts_with("payload does not match the schema of 'order.placed': at '': "),
+            "{}",
+            poison.reason.as_str()
+        );
+        assert_eq!(
+            Value::Object(poison.detail),
+            json!({"type": "order.placed"})
+        );
+        let valid = message(envelope("order.placed", json!({"orderId": "o-1"})));
+        assert_eq!(handler().check(&valid), Ok(()));
+    }
+
+    #[test]
+    fn an_aggregate_without_output_has_no_state() {
+        assert_eq!(emitted_state(0), None);
+        assert_eq!(emitted_state(2), Some(json!({"emitted": 2})));
+    }
+}
