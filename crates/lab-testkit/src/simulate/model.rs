@@ -28,6 +28,11 @@
 //! 7. The handler: a negative value is poison by its check, a value of 3 is poison found by
 //!    `apply` (after it wrote its row, which must leave no trace), a value of 4 makes `apply`
 //!    fail: the delivery records nothing.
+//! 8. Bounds (only a model made [`Model::bounded`]; the histories' model has none): a new poison
+//!    at the expected sequence of an aggregate with as many open dead letters as the bound is
+//!    refused (full), and so is a new early message on the broker door of an aggregate holding
+//!    as many as the bound, after the check that its sequence is not held already. A drain never
+//!    meets a full quarantine: the apply that starts it supersedes every open dead letter.
 
 use std::collections::BTreeMap;
 
@@ -132,6 +137,31 @@ pub struct Model {
     aggregates: BTreeMap<String, Aggregate>,
     /// Each producer's current epoch (0: no session yet).
     epochs: BTreeMap<String, i64>,
+    /// Rule 8's bounds; `None`: unbounded.
+    bounds: Option<Bounds>,
+}
+
+/// Rule 8: what one aggregate may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub open_dead_letters: usize,
+    pub held: usize,
+}
+
+/// One anonymous aggregate's state, for a test that starts the model there instead of running
+/// a history to it. Ids are named ([`named`]); every message is the handler's `{"v": value}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Seeded {
+    pub aggregate_id: String,
+    pub last: i64,
+    /// Applied messages in the order they applied: sequence, id, value.
+    pub applied: Vec<(i64, String, i64)>,
+    /// Open dead letters (all at `last + 1`): id and value.
+    pub open: Vec<(String, i64)>,
+    /// Dead letters no longer open (superseded or resolved): sequence, id, value.
+    pub closed: Vec<(i64, String, i64)>,
+    /// Held messages: sequence, id, value.
+    pub held: Vec<(i64, String, i64)>,
 }
 
 /// The operator's resolution of an aggregate's first open dead letter, as the model chose it.
@@ -147,6 +177,54 @@ pub struct Resolution {
 }
 
 impl Model {
+    /// The model holding exactly `aggregates`, unbounded.
+    pub fn seeded(aggregates: &[Seeded]) -> Model {
+        let mut model = Model::default();
+        for seeded in aggregates {
+            model.seed(seeded);
+        }
+        model
+    }
+
+    /// The same model with rule 8's bounds.
+    pub fn bounded(self, bounds: Bounds) -> Model {
+        Model {
+            bounds: Some(bounds),
+            ..self
+        }
+    }
+
+    fn seed(&mut self, seeded: &Seeded) {
+        let id = &seeded.aggregate_id;
+        let next = seeded.last + 1;
+        for (sequence, message, value) in &seeded.applied {
+            self.record(Kind::Applied, id, message, *sequence, *value);
+        }
+        for (message, value) in &seeded.open {
+            self.record(Kind::DeadLetter, id, message, next, *value);
+        }
+        for (sequence, message, value) in &seeded.closed {
+            self.record(Kind::DeadLetter, id, message, *sequence, *value);
+        }
+        for (sequence, message, value) in &seeded.held {
+            self.record(Kind::Held, id, message, *sequence, *value);
+        }
+        let state = Aggregate {
+            last: seeded.last,
+            applied: (seeded.applied.iter())
+                .map(|(sequence, message, _)| (*sequence, message.clone()))
+                .collect(),
+            open: (seeded.open.iter())
+                .map(|(message, _)| (message.clone(), next))
+                .collect(),
+            held: (seeded.held.iter())
+                .map(|(sequence, message, value)| (*sequence, (message.clone(), *value)))
+                .collect(),
+            ..Aggregate::default()
+        };
+        self.aggregates.insert(id.clone(), state);
+    }
+
     /// A producer's new session: its next epoch.
     pub fn start_session(&mut self, producer: &str) -> i64 {
         let epoch = self.epochs.entry(producer.to_owned()).or_default();
@@ -227,6 +305,11 @@ impl Model {
             };
         }
         if is_poison(delivery.value) {
+            if self.full(&delivery.aggregate_id, |bounds, a| {
+                a.open.len() >= bounds.open_dead_letters
+            }) {
+                return Verdict::Full;
+            }
             self.quarantine(
                 &delivery.aggregate_id,
                 &id,
@@ -366,6 +449,15 @@ impl Model {
         if state.held.contains_key(&delivery.sequence) {
             return Verdict::Stale(expected);
         }
+        if self.full(&delivery.aggregate_id, |bounds, a| {
+            a.held.len() >= bounds.held
+        }) {
+            return Verdict::Full;
+        }
+        let state = self
+            .aggregates
+            .entry(delivery.aggregate_id.clone())
+            .or_default();
         state
             .held
             .insert(delivery.sequence, (id.to_owned(), delivery.value));
@@ -377,6 +469,15 @@ impl Model {
             delivery.value,
         );
         Verdict::Held { repeated: false }
+    }
+
+    /// Whether rule 8 refuses the aggregate one more: `at_bound` against the model's bounds.
+    fn full(&self, aggregate_id: &str, at_bound: impl Fn(&Bounds, &Aggregate) -> bool) -> bool {
+        let Some(bounds) = &self.bounds else {
+            return false;
+        };
+        let empty = Aggregate::default();
+        at_bound(bounds, self.aggregates.get(aggregate_id).unwrap_or(&empty))
     }
 
     fn record(&mut self, kind: Kind, aggregate_id: &str, id: &str, sequence: i64, value: i64) {
