@@ -14,6 +14,7 @@ pub mod etag;
 pub mod openapi;
 pub mod producer_epoch;
 pub mod server;
+pub mod tls;
 
 use axum::http::HeaderName;
 
