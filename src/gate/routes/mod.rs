@@ -1,0 +1,216 @@
+//! The gate's `/v1` routes and their OpenAPI document, built from the handlers' annotations:
+//!
+//! - [`messages`]: a producer's delivery and its verdict, a producer's new session;
+//! - [`views`]: the evidence a reader reads (aggregates, timeline, gaps, dead letters, the audit
+//!   trail);
+//! - [`feed`]: an aggregate's applied messages as the gate emits them, with a long poll;
+//! - [`resolution`]: an operator's audited resolution of a dead letter or a gap;
+//! - [`registry`]: operators add and revoke producers and operators;
+//! - [`owner`]: an operator's transfer of an aggregate to another producer.
+//!
+//! Every handler takes only the parts it uses ([`FromRef`] of [`GateState`]); the library
+//! decides, these modules word the answers.
+
+mod feed;
+mod messages;
+mod owner;
+mod registry;
+mod resolution;
+mod verdicts;
+mod views;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::FromRef;
+use axum::http::StatusCode;
+use axum::routing::get;
+use ordered_inbox::InboxError;
+use utoipa::openapi::OpenApi as Document;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+use utoipa_axum::router::OpenApiRouter;
+
+use crate::gate::auth::Access;
+use crate::gate::output::{OutputError, OutputStore};
+use crate::http::error::AppError;
+use crate::inbox::SharedInbox;
+use crate::inbox::changes::InboxChanges;
+use crate::telemetry::metrics::Metrics;
+
+pub use registry::RegistryStore;
+
+/// Everything the routes use. Cheap to clone.
+#[derive(Clone)]
+pub struct GateState(pub Arc<GateParts>);
+
+/// The parts of [`GateState`].
+pub struct GateParts {
+    /// The inbox, observed (every verdict counted, logged and told to [`GateParts::changes`]).
+    pub inbox: SharedInbox,
+    /// The output table: what the applied feed reads.
+    pub output: OutputStore,
+    pub access: Access,
+    /// Where producers and operators are registered.
+    pub registry: RegistryStore,
+    /// The feed of committed changes, which wakes the applied feed's long polls.
+    pub changes: InboxChanges,
+    pub metrics: Metrics,
+    /// The largest request body a delivery or a resolution may carry.
+    pub max_payload_bytes: usize,
+}
+
+/// The largest request body a delivery or a resolution may carry, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PayloadLimit(pub usize);
+
+impl FromRef<GateState> for PayloadLimit {
+    fn from_ref(state: &GateState) -> PayloadLimit {
+        PayloadLimit(state.0.max_payload_bytes)
+    }
+}
+
+impl GateState {
+    pub fn new(parts: GateParts) -> GateState {
+        GateState(Arc::new(parts))
+    }
+}
+
+macro_rules! part_from_state {
+    ($($part:ident: $type:ty),+ $(,)?) => {
+        $(
+            impl FromRef<GateState> for $type {
+                fn from_ref(state: &GateState) -> $type {
+                    state.0.$part.clone()
+                }
+            }
+        )+
+    };
+}
+
+part_from_state!(
+    inbox: SharedInbox,
+    output: OutputStore,
+    access: Access,
+    registry: RegistryStore,
+    changes: InboxChanges,
+    metrics: Metrics,
+);
+
+/// The `/v1` routes with `state`, and the OpenAPI document that describes them (also served at
+/// `GET /v1/openapi.json`).
+pub fn router(state: GateState) -> (Router, Document) {
+    let body_limit = state.0.max_payload_bytes;
+    let (routes, mut document) = OpenApiRouter::with_openapi(GateDoc::openapi())
+        .merge(messages::routes(body_limit))
+        .merge(views::routes())
+        .merge(feed::routes())
+        .merge(resolution::routes(body_limit))
+        .merge(registry::routes())
+        .merge(owner::routes())
+        .split_for_parts();
+    crate::http::openapi::Shared.modify(&mut document);
+    ReaderScheme.modify(&mut document);
+    let served = axum::Json(document.clone());
+    let router = routes
+        .route("/v1/openapi.json", get(move || async move { served }))
+        .with_state(state);
+    (router, document)
+}
+
+/// The root of the gate's document: its info and the components every route refers to.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "production-lab gate",
+        description = "The ordered inbox as a service: unordered, duplicated, at-least-once \
+            deliveries in; each aggregate's messages out exactly once and in sequence order; \
+            poison (a payload its type's JSON Schema refuses) quarantined for an audited \
+            operator. Every error is application/problem+json.",
+        license(name = "MIT OR Apache-2.0")
+    ),
+    components(
+        schemas(crate::http::openapi::Problem),
+        responses(
+            crate::http::openapi::BadRequest,
+            crate::http::openapi::RequestTimeout,
+            crate::http::openapi::ContentTooLarge,
+            crate::http::openapi::UnsupportedMediaType,
+            crate::http::openapi::StoreUnavailable,
+            crate::http::openapi::StoreFailed
+        )
+    ),
+    tags(
+        (name = "messages", description = "Deliveries and producer sessions"),
+        (name = "evidence", description = "What the inbox holds, for readers and operators"),
+        (name = "feed", description = "Each aggregate's applied messages, in order"),
+        (name = "operators", description = "Resolutions, producers, operators, ownership"),
+    )
+)]
+struct GateDoc;
+
+/// The reader's security scheme, beside the operator's and the producer's.
+struct ReaderScheme;
+
+impl Modify for ReaderScheme {
+    fn modify(&self, document: &mut Document) {
+        let components = document.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "reader",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "A reader's token from the gate's configuration ([auth] readers), or an operator's",
+                    ))
+                    .build(),
+            ),
+        );
+    }
+}
+
+/// An output store failure as the answer every route gives a store failure: 503 with
+/// `Retry-After` when a retry can clear it, 500 otherwise.
+impl From<OutputError> for AppError {
+    fn from(error: OutputError) -> Self {
+        match error {
+            OutputError::Limit(_) => AppError::bad_request(error.to_string()),
+            OutputError::Unavailable(reason) => AppError::Inbox(InboxError::Unavailable(reason)),
+            OutputError::Failed(reason) => AppError::Inbox(InboxError::Failed(reason)),
+        }
+    }
+}
+
+/// The 404 of an aggregate no message was ever recorded for.
+fn unknown_aggregate(aggregate_id: &str) -> AppError {
+    AppError::problem_with_detail(
+        StatusCode::NOT_FOUND,
+        "Unknown aggregate",
+        format!(
+            "no message has been recorded for aggregate '{aggregate_id}'; it expects sequence 1"
+        ),
+    )
+}
+
+/// The longest reason an operator may give, in characters.
+const MAX_REASON: usize = 500;
+
+/// An operator's stated reason, trimmed, or the 400 that says what it must be.
+fn reason(text: &str) -> Result<String, AppError> {
+    let reason = text.trim();
+    if reason.is_empty() || reason.chars().count() > MAX_REASON {
+        return Err(AppError::bad_request(format!(
+            "reason must say why, in 1 to {MAX_REASON} characters"
+        )));
+    }
+    Ok(reason.to_owned())
+}
+
+/// `dryRun` as a resolution's mode.
+fn mode(dry_run: Option<bool>) -> ordered_inbox::Mode {
+    if dry_run.unwrap_or(false) {
+        ordered_inbox::Mode::DryRun
+    } else {
+        ordered_inbox::Mode::Commit
+    }
+}

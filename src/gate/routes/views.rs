@@ -1,0 +1,436 @@
+//! The evidence, for a reader (a configured reader's token or an operator's): the aggregates in a
+//! status, one aggregate with its open dead letters and held sequences, its timeline, what a
+//! waiting aggregate is missing, the dead letters, and the audit trail of resolutions. Payloads
+//! are the stored envelopes (`{"type", "payload"}`), as the producer sent them.
+
+use axum::extract::{FromRef, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use ordered_inbox::views::{
+    AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, MissingRange, Page,
+    TimelineEvent,
+};
+use ordered_inbox::{AggregateStatus, DeadLetterStatus, GapRecord, ResolutionRecord};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::unknown_aggregate;
+use crate::gate::auth::{Access, Reader};
+use crate::http::error::{AppError, Path, Query, json_response};
+use crate::inbox::SharedInbox;
+use crate::inbox::input::validate_aggregate_id;
+use crate::inbox::pages::{page_body, page_request, validate_limit};
+
+/// The deepest `after` an inventory page may start at: each page reads the ones before it.
+const MAX_INVENTORY_OFFSET: i64 = 10_000;
+
+pub(super) fn routes<S>() -> OpenApiRouter<S>
+where
+    S: Clone + Send + Sync + 'static,
+    SharedInbox: FromRef<S>,
+    Access: FromRef<S>,
+{
+    OpenApiRouter::new()
+        .routes(routes!(inventory))
+        .routes(routes!(aggregate))
+        .routes(routes!(timeline))
+        .routes(routes!(gaps))
+        .routes(routes!(dead_letters))
+        .routes(routes!(resolutions))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+struct InventoryQuery {
+    /// Which aggregates to list.
+    #[param(value_type = AggregateStatus, required = true)]
+    status: Option<String>,
+    /// How many of the list to pass over: the `next` of the previous page (0 or absent first).
+    #[param(minimum = 0, maximum = 10000)]
+    after: Option<i64>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<i64>,
+}
+
+/// The aggregates in one status, the longest-standing first.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct Inventory {
+    status: AggregateStatus,
+    aggregates: Vec<InventoryEntry>,
+    /// The `after` of the following page; null at the end.
+    #[schema(required = true)]
+    next: Option<i64>,
+}
+
+/// `GET /v1/aggregates?status=blocked|waiting|flowing&after=&limit=`.
+#[utoipa::path(get, path = "/v1/aggregates", tag = "evidence", params(InventoryQuery),
+    security(("reader" = []), ("operator" = [])),
+    responses(
+        (status = 200, description = "The aggregates in that status, the longest-standing first", body = Inventory),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "No reader's or operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
+    ))]
+async fn inventory(
+    _reader: Reader,
+    State(inbox): State<SharedInbox>,
+    Query(query): Query<InventoryQuery>,
+) -> Result<Response, AppError> {
+    let status: AggregateStatus = query
+        .status
+        .as_deref()
+        .and_then(|status| status.parse().ok())
+        .ok_or_else(|| AppError::bad_request("status must be blocked, waiting or flowing"))?;
+    let after = query.after.unwrap_or(0);
+    if !(0..=MAX_INVENTORY_OFFSET).contains(&after) {
+        return Err(AppError::bad_request(format!(
+            "after must be from 0 to {MAX_INVENTORY_OFFSET}"
+        )));
+    }
+    let limit = validate_limit(query.limit)?;
+    // One more than the page, to know whether another page exists.
+    let mut aggregates = inbox.inventory(status, after + limit + 1).await?;
+    let skipped = usize::try_from(after).unwrap_or(usize::MAX);
+    aggregates.drain(..skipped.min(aggregates.len()));
+    let page = Page::from_rows(
+        (after + 1..)
+            .zip(aggregates)
+            .collect::<Vec<(i64, InventoryEntry)>>(),
+        limit,
+    );
+    Ok(json_response(
+        StatusCode::OK,
+        page_body(json!({"status": status}), "aggregates", page),
+    ))
+}
+
+/// `GET /v1/aggregates/{id}`: the position, status, open dead letters, held sequences, what a
+/// waiting aggregate is missing, and the owner.
+#[utoipa::path(get, path = "/v1/aggregates/{aggregate_id}", tag = "evidence",
+    params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate")),
+    security(("reader" = []), ("operator" = [])),
+    responses(
+        (status = 200, description = "The aggregate's position, status and open dead letters", body = AggregateView),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "No reader's or operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No message was ever recorded for it", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
+    ),
+)]
+async fn aggregate(
+    _reader: Reader,
+    State(inbox): State<SharedInbox>,
+    Path(aggregate_id): Path<String>,
+) -> Result<Response, AppError> {
+    validate_aggregate_id("aggregateId", &aggregate_id)?;
+    let Some(view) = inbox.aggregate(aggregate_id.clone()).await? else {
+        return Err(unknown_aggregate(&aggregate_id));
+    };
+    let ownership = inbox.ownership(aggregate_id).await?;
+    let mut body = json!(view);
+    if let Some(object) = body.as_object_mut() {
+        object.insert("owner".to_owned(), json!(ownership.owner));
+    }
+    Ok(json_response(StatusCode::OK, body))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+struct PageQuery {
+    /// The cursor: the `next` of the previous page (0 or absent for the first).
+    #[param(minimum = 0)]
+    after: Option<i64>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<i64>,
+}
+
+/// One page of an aggregate's timeline.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct TimelinePage {
+    aggregate_id: String,
+    events: Vec<TimelineEvent>,
+    /// The `after` of the following page; null at the end.
+    #[schema(required = true)]
+    next: Option<i64>,
+}
+
+/// `GET /v1/aggregates/{id}/timeline?after=&limit=`: every change and rejection, oldest first.
+#[utoipa::path(get, path = "/v1/aggregates/{aggregate_id}/timeline", tag = "evidence",
+    params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate"), PageQuery),
+    security(("reader" = []), ("operator" = [])),
+    responses(
+        (status = 200, description = "Every change and rejection of the aggregate, oldest first", body = TimelinePage),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "No reader's or operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
+    ),
+)]
+async fn timeline(
+    _reader: Reader,
+    State(inbox): State<SharedInbox>,
+    Path(aggregate_id): Path<String>,
+    Query(query): Query<PageQuery>,
+) -> Result<Response, AppError> {
+    validate_aggregate_id("aggregateId", &aggregate_id)?;
+    let page = page_request(query.after, query.limit)?;
+    let events = inbox.timeline(aggregate_id.clone(), page).await?;
+    Ok(json_response(
+        StatusCode::OK,
+        page_body(json!({"aggregateId": aggregate_id}), "events", events),
+    ))
+}
+
+/// What a waiting aggregate is missing.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+struct Gaps {
+    aggregate_id: String,
+    /// From the expected sequence through one below the lowest seen ahead of it since the last
+    /// apply; null unless the aggregate waits (`through` null when nothing ahead is known).
+    missing: Option<MissingRange>,
+    waiting_since: Option<String>,
+    /// The sequences held ahead of the gap, lowest first.
+    held_sequences: Vec<i64>,
+}
+
+/// `GET /v1/aggregates/{id}/gaps`: the missing range, for a producer that can resend it.
+#[utoipa::path(get, path = "/v1/aggregates/{aggregate_id}/gaps", tag = "evidence",
+    params(("aggregate_id" = String, Path, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The aggregate")),
+    security(("reader" = []), ("operator" = [])),
+    responses(
+        (status = 200, description = "What the aggregate is missing (null unless it waits)", body = Gaps),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "No reader's or operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No message was ever recorded for it", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
+    ),
+)]
+async fn gaps(
+    _reader: Reader,
+    State(inbox): State<SharedInbox>,
+    Path(aggregate_id): Path<String>,
+) -> Result<Response, AppError> {
+    validate_aggregate_id("aggregateId", &aggregate_id)?;
+    let Some(view) = inbox.aggregate(aggregate_id.clone()).await? else {
+        return Err(unknown_aggregate(&aggregate_id));
+    };
+    let body = Gaps {
+        aggregate_id,
+        missing: view.missing,
+        waiting_since: view.waiting_since,
+        held_sequences: view.held_sequences,
+    };
+    Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(rename_all = "camelCase")]
+struct DeadLetterQuery {
+    /// Only dead letters in this status.
+    #[param(value_type = Option<DeadLetterStatus>)]
+    status: Option<String>,
+    /// Only this aggregate's.
+    #[param(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
+    aggregate_id: Option<String>,
+    /// The cursor: the `next` of the previous page.
+    #[param(minimum = 0)]
+    after: Option<i64>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<i64>,
+}
+
+/// One page of dead letters.
+#[derive(ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct DeadLetterPage {
+    dead_letters: Vec<DeadLetterView>,
+    /// The `after` of the following page; null at the end.
+    #[schema(required = true)]
+    next: Option<i64>,
+}
+
+/// `GET /v1/deadletters?status=open|resolved|superseded&aggregateId=&after=&limit=`: in the
+/// order they were first recorded.
+#[utoipa::path(get, path = "/v1/deadletters", tag = "evidence", params(DeadLetterQuery),
+    security(("reader" = []), ("operator" = [])),
+    responses(
+        (status = 200, description = "Dead letters in the order they were first recorded", body = DeadLetterPage),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "No reader's or operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
+    ))]
+async fn dead_letters(
+    _reader: Reader,
+    State(inbox): State<SharedInbox>,
+    Query(query): Query<DeadLetterQuery>,
+) -> Result<Response, AppError> {
+    let status = query
+        .status
+        .as_deref()
+        .map(|status| {
+            status
+                .parse::<DeadLetterStatus>()
+                .map_err(|_| AppError::bad_request("status must be open, resolved or superseded"))
+        })
+        .transpose()?;
+    if let Some(aggregate_id) = query.aggregate_id.as_deref() {
+        validate_aggregate_id("aggregateId", aggregate_id)?;
+    }
+    let page = page_request(query.after, query.limit)?;
+    let filter = DeadLetterFilter {
+        status,
+        aggregate_id: query.aggregate_id,
+    };
+    let listed = inbox.dead_letters(filter, page).await?;
+    Ok(json_response(
+        StatusCode::OK,
+        page_body(json!({}), "deadLetters", listed),
+    ))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(rename_all = "camelCase")]
+struct AuditQuery {
+    /// Only this aggregate's resolutions.
+    #[param(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
+    aggregate_id: Option<String>,
+    /// The cursor: the `next` of the previous page.
+    #[param(minimum = 0)]
+    after: Option<i64>,
+    /// At most this many (default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<i64>,
+}
+
+/// One row of the audit trail: a dead letter's resolution (`messageId`, `sequence`) or a gap's
+/// (`range`, `drained`).
+#[derive(ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+enum AuditEntry {
+    DeadLetter(ResolutionRecord),
+    Gap(GapRecord),
+}
+
+/// One page of the audit trail.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct AuditPage {
+    resolutions: Vec<AuditEntry>,
+    /// The `after` of the following page; null at the end.
+    #[schema(required = true)]
+    next: Option<i64>,
+}
+
+/// `GET /v1/resolutions?aggregateId=&after=&limit=`: who resolved what, when, why, and the
+/// aggregate before and after, oldest first; dead letters' and gaps' in one numbered trail.
+#[utoipa::path(get, path = "/v1/resolutions", tag = "evidence", params(AuditQuery),
+    security(("reader" = []), ("operator" = [])),
+    responses(
+        (status = 200, description = "The audit trail, oldest first", body = AuditPage),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "No reader's or operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
+    ))]
+async fn resolutions(
+    _reader: Reader,
+    State(inbox): State<SharedInbox>,
+    Query(query): Query<AuditQuery>,
+) -> Result<Response, AppError> {
+    if let Some(aggregate_id) = query.aggregate_id.as_deref() {
+        validate_aggregate_id("aggregateId", aggregate_id)?;
+    }
+    let page = page_request(query.after, query.limit)?;
+    let dead_letters = inbox
+        .resolutions(query.aggregate_id.clone(), page)
+        .await?
+        .map(|record| (record.resolution_id, json!(record)));
+    let gaps = inbox
+        .gap_resolutions(query.aggregate_id, page)
+        .await?
+        .map(|record| (record.resolution_id, json!(record)));
+    Ok(json_response(
+        StatusCode::OK,
+        page_body(
+            json!({}),
+            "resolutions",
+            merged(dead_letters, gaps, page.limit),
+        ),
+    ))
+}
+
+/// Two pages of the one numbered trail, read from the same cursor, as one page in number order:
+/// another page exists when either had more, or when together they hold more than `limit`.
+fn merged(
+    first: Page<(Option<i64>, Value)>,
+    second: Page<(Option<i64>, Value)>,
+    limit: i64,
+) -> Page<Value> {
+    let more = first.next.is_some() || second.next.is_some();
+    let mut rows: Vec<(i64, Value)> = first
+        .items
+        .into_iter()
+        .chain(second.items)
+        .map(|(id, row)| (id.unwrap_or(0), row))
+        .collect();
+    rows.sort_by_key(|(id, _)| *id);
+    let limit = usize::try_from(limit).unwrap_or(0);
+    let more = more || rows.len() > limit;
+    rows.truncate(limit);
+    Page {
+        next: if more {
+            rows.last().map(|(id, _)| *id)
+        } else {
+            None
+        },
+        items: rows.into_iter().map(|(_, row)| row).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(ids: &[i64], more: bool) -> Page<(Option<i64>, Value)> {
+        Page {
+            items: ids
+                .iter()
+                .map(|id| (Some(*id), json!({"resolutionId": id})))
+                .collect(),
+            next: more.then(|| ids.last().copied().unwrap_or(0)),
+        }
+    }
+
+    #[test]
+    fn two_pages_of_the_trail_merge_in_number_order_and_say_whether_more_follow() {
+        let both = merged(page(&[1, 4], false), page(&[2, 3], false), 3);
+        let ids: Vec<i64> = both
+            .items
+            .iter()
+            .filter_map(|row| row["resolutionId"].as_i64())
+            .collect();
+        assert_eq!((ids, both.next), (vec![1, 2, 3], Some(3)));
+        let short = merged(page(&[1], true), page(&[2], false), 3);
+        assert_eq!(short.next, Some(2));
+        let end = merged(page(&[1], false), page(&[], false), 3);
+        assert_eq!(end.next, None);
+    }
+}
