@@ -326,6 +326,11 @@ impl Consumer {
         })
     }
 
+    /// The consumer's NATS connection, for others to publish on.
+    pub fn client(&self) -> async_nats::Client {
+        self.client.clone()
+    }
+
     /// The same consumer reading each message's body with `body` instead of the general door's
     /// JSON.
     pub fn with_body_reader(self, body: BodyReader) -> Consumer {

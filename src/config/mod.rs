@@ -235,6 +235,9 @@ pub enum StartupError {
     /// `--inbox` names no loopback PostgreSQL, or the database could not be reached or migrated.
     #[error("--inbox: {0}")]
     Inbox(String),
+    /// The gate could not start: the line names the configuration key or the part that failed.
+    #[error("{0}")]
+    Gate(String),
 }
 
 impl From<ordered_inbox::postgres::PostgresError> for StartupError {

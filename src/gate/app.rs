@@ -1,1 +1,437 @@
-//! (being written)
+//! Building and running the gate: the store and the inbox with the gate's handler, the NATS
+//! door and the output's publisher, the `/v1` router beside the health routes, the listener
+//! (TLS when the configuration has it), and a graceful drain on SIGTERM.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::{Router, middleware};
+use ordered_inbox::OrderedMessage;
+use ordered_inbox::postgres::{PostgresInbox, Target};
+use ordered_inbox::sqlite::SqliteInbox;
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::auth::{Access, DeliveryRate};
+use super::config::{GateConfig, GateNats, GateStore};
+use super::handler::GateHandler;
+use super::health::{self, Health};
+use super::output::{self, OutputStore};
+use super::publisher::Publisher;
+use super::routes::{self, GateMessageInput, GateParts, GateState, RegistryStore};
+use super::schemas::MessageTypes;
+use crate::app::SHUTDOWN_GRACE;
+use crate::broker::{BrokerConfig, BrokerLab, Consumer};
+use crate::config::{ConnectionLimits, StartupError};
+use crate::http::tls::ReloadingTls;
+use crate::inbox::SharedInbox;
+use crate::inbox::changes::InboxChanges;
+use crate::inbox::observed::ObservedInbox;
+use crate::store::Store;
+use crate::telemetry::metrics::Metrics;
+
+/// The start-up line supervisors, the bench and the tests wait for, as `serve` prints it.
+const LISTENING_PREFIX: &str = "Now listening on: ";
+
+/// The gate, bound and ready: [`GateApplication::url`] has the real port even for `:0`.
+pub struct GateApplication {
+    listener: TcpListener,
+    address: SocketAddr,
+    router: Router,
+    tls: Option<ReloadingTls>,
+    limits: ConnectionLimits,
+    stores: Stores,
+    background: Background,
+}
+
+/// What runs beside the server while it serves.
+struct Background {
+    inbox: SharedInbox,
+    metrics: Metrics,
+    nats: Option<Nats>,
+    changes: InboxChanges,
+    wake: Arc<Notify>,
+}
+
+/// The gate's store: the SQLite file or the PostgreSQL database, holding the inbox and the
+/// output table together.
+struct Stores {
+    sqlite: Option<Store>,
+    postgres: Option<PostgresInbox>,
+    inbox: SharedInbox,
+    output: OutputStore,
+    registry: RegistryStore,
+}
+
+/// The NATS side: the input's consumer and the output's publisher, on one connection.
+struct Nats {
+    client: async_nats::Client,
+    consumer: Consumer,
+    publisher: Publisher,
+}
+
+impl GateApplication {
+    /// Compiles the schemas, loads TLS, opens the store, connects to NATS and binds the
+    /// listener. Every refusal is a [`StartupError`] with one readable line.
+    pub async fn build(config: GateConfig) -> Result<GateApplication, StartupError> {
+        let types = MessageTypes::compile(config.types.clone())
+            .map_err(|(name, why)| StartupError::Gate(format!("types.\"{name}\".schema: {why}")))?;
+        let tls = match &config.tls {
+            Some(files) => Some(
+                ReloadingTls::load(files)
+                    .map_err(|error| StartupError::Gate(format!("tls: {error}")))?,
+            ),
+            None => None,
+        };
+        let metrics = Metrics::new();
+        let handler = Arc::new(GateHandler {
+            types: Arc::new(types),
+        });
+        let stores = Stores::open(&config, handler, &metrics).await?;
+        let changes = InboxChanges::new();
+        let inbox: SharedInbox = Arc::new(ObservedInbox::new(
+            stores.inbox.clone(),
+            metrics.clone(),
+            changes.clone(),
+        ));
+        let wake = Arc::new(Notify::new());
+        let nats = match &config.nats {
+            Some(settings) => Some(Nats::connect(settings, &stores, &metrics, wake.clone()).await?),
+            None => None,
+        };
+        let (listener, address) = bind(config.listen.address).await?;
+        let background = Background {
+            inbox,
+            metrics,
+            nats,
+            changes,
+            wake,
+        };
+        let router = gate_router(&config, &stores, &background);
+        Ok(GateApplication {
+            listener,
+            address,
+            router,
+            tls,
+            limits: config.connection_limits(),
+            stores,
+            background,
+        })
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// The root URL clients use: `https://…` when the gate serves TLS.
+    pub fn url(&self) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.address)
+    }
+
+    /// Serves until `stop` resolves; then stops accepting, lets in-flight requests finish (at
+    /// most [`SHUTDOWN_GRACE`]), lets the consumer answer its batch in hand and the publisher end
+    /// its round, and closes the store.
+    pub async fn run_until_stopped(
+        self,
+        stop: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        println!("{LISTENING_PREFIX}{}", self.url());
+        let GateApplication {
+            listener,
+            router,
+            tls,
+            limits,
+            stores,
+            background,
+            ..
+        } = self;
+        let shutdown = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        if let Some(tls) = &tls {
+            tls.spawn_reload_on_sighup(shutdown.clone())?;
+        }
+        background.start(&tasks, &shutdown);
+        let served = serve(listener, router, tls, limits, shutdown.clone(), stop).await;
+        shutdown.cancel();
+        tasks.close();
+        let _ = tokio::time::timeout(SHUTDOWN_GRACE, tasks.wait()).await;
+        stores.close().await;
+        served
+    }
+}
+
+/// The connection server, over TLS when `tls` is given, until `stop` resolves.
+async fn serve(
+    listener: TcpListener,
+    router: Router,
+    tls: Option<ReloadingTls>,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let serving = async {
+        match tls {
+            Some(tls) => {
+                crate::http::server::serve_tls(
+                    listener,
+                    router,
+                    limits,
+                    shutdown.clone(),
+                    SHUTDOWN_GRACE,
+                    tls,
+                )
+                .await
+            }
+            None => {
+                crate::http::server::serve(
+                    listener,
+                    router,
+                    limits,
+                    shutdown.clone(),
+                    SHUTDOWN_GRACE,
+                )
+                .await
+            }
+        }
+    };
+    let mut serving = std::pin::pin!(serving);
+    tokio::select! {
+        served = serving.as_mut() => served,
+        () = stop => {
+            println!("The gate is shutting down...");
+            // Stops accepting; in-flight requests get at most SHUTDOWN_GRACE.
+            shutdown.cancel();
+            serving.await
+        }
+    }
+}
+
+impl Background {
+    /// The metrics' upkeep, and with NATS the consumer, the publisher and its wake-ups.
+    fn start(self, tasks: &TaskTracker, shutdown: &CancellationToken) {
+        crate::observe::spawn_upkeep(self.metrics.clone(), tasks, shutdown.clone());
+        let Some(nats) = self.nats else {
+            return;
+        };
+        println!("{}", nats.consumer.describe());
+        tasks.spawn(nats.consumer.run(self.inbox, shutdown.clone()));
+        tasks.spawn(nats.publisher.run(shutdown.clone()));
+        tasks.spawn(wake_on_changes(self.changes, self.wake, shutdown.clone()));
+    }
+}
+
+/// Pokes the publisher after every committed change, so that an applied message leaves for its
+/// output subject at once rather than at the publisher's next tick.
+async fn wake_on_changes(changes: InboxChanges, wake: Arc<Notify>, stop: CancellationToken) {
+    let mut heard = changes.subscribe();
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            change = heard.recv() => match change {
+                // A lagging listener missed some changes: a wake-up covers them all.
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => wake.notify_one(),
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            },
+        }
+    }
+}
+
+impl Stores {
+    /// The inbox with `handler`, and the output table beside its tables, on the configured
+    /// store.
+    async fn open(
+        config: &GateConfig,
+        handler: Arc<GateHandler>,
+        metrics: &Metrics,
+    ) -> Result<Stores, StartupError> {
+        let limits = config.inbox_limits();
+        match &config.store {
+            GateStore::Sqlite(path) => {
+                let store = Store::open_observed(
+                    path,
+                    ordered_inbox::sqlite::Synchronous::Full,
+                    migrate_sqlite,
+                    Some(metrics.writer_observer()),
+                )
+                .map_err(|error| {
+                    StartupError::Gate(format!("store.sqlite ({}): {error}", path.display()))
+                })?;
+                let inbox = SqliteInbox::with_handler(store.clone(), limits, handler);
+                Ok(Stores {
+                    sqlite: Some(store.clone()),
+                    postgres: None,
+                    inbox: Arc::new(inbox),
+                    output: OutputStore::Sqlite(store),
+                    registry: RegistryStore::Sqlite(path.clone()),
+                })
+            }
+            GateStore::Postgres { url, env } => {
+                let refused = |error: &dyn std::fmt::Display| {
+                    StartupError::Gate(format!("store.postgres_url_env ({env}): {error}"))
+                };
+                let target = Target::parse(url.expose()).map_err(|error| refused(&error))?;
+                let postgres = PostgresInbox::open_with_handler(target, limits, handler)
+                    .await
+                    .map_err(|error| refused(&error))?;
+                output::install_postgres(&postgres)
+                    .await
+                    .map_err(|error| refused(&error))?;
+                Ok(Stores {
+                    sqlite: None,
+                    inbox: Arc::new(postgres.clone()),
+                    output: OutputStore::Postgres(Arc::new(postgres.clone())),
+                    registry: RegistryStore::Postgres(url.expose().to_owned()),
+                    postgres: Some(postgres),
+                })
+            }
+        }
+    }
+
+    async fn close(self) {
+        if let Some(store) = &self.sqlite {
+            store.shutdown().await;
+        }
+        if let Some(postgres) = &self.postgres {
+            postgres.close();
+        }
+    }
+}
+
+/// The inbox's tables, then the gate's output table beside them.
+fn migrate_sqlite(connection: &mut rusqlite::Connection) -> rusqlite::Result<()> {
+    ordered_inbox::sqlite::schema::migrate(connection)?;
+    output::migrate_sqlite(connection)
+}
+
+impl Nats {
+    /// One connection for the input's durable consumer (the broker door reading the gate's
+    /// envelope) and the output's publisher, and the output stream, created if missing.
+    async fn connect(
+        settings: &GateNats,
+        stores: &Stores,
+        metrics: &Metrics,
+        wake: Arc<Notify>,
+    ) -> Result<Nats, StartupError> {
+        let mut input = BrokerConfig::new("nats://127.0.0.1:4222")?;
+        input.urls = settings.urls.clone();
+        input.stream = settings.input.stream.clone();
+        input.subject_prefix = settings.input.subject_prefix.clone();
+        input.durable = settings.input.durable.clone();
+        input.batch = settings.input.batch;
+        let consumer = Consumer::connect(input, BrokerLab::with_metrics(metrics.clone()))
+            .await
+            .map_err(|error| StartupError::Gate(format!("nats.input: {error}")))?
+            .with_body_reader(gate_message);
+        let client = consumer.client();
+        let publisher = Publisher::new(
+            stores.output.clone(),
+            async_nats::jetstream::new(client.clone()),
+            settings.output.stream.clone(),
+            settings.output.subject_prefix.clone(),
+            wake,
+        );
+        publisher
+            .ensure_stream()
+            .await
+            .map_err(|error| StartupError::Gate(format!("nats.output: {error}")))?;
+        Ok(Nats {
+            client,
+            consumer,
+            publisher,
+        })
+    }
+}
+
+/// A NATS message's body for the aggregate its subject names: the same JSON as the HTTP door's
+/// (`{"messageId","sequence","type","payload"}`), checked by the same rules.
+fn gate_message(aggregate_id: String, body: &[u8]) -> Result<OrderedMessage, String> {
+    crate::inbox::input::validate_aggregate_id("aggregateId", &aggregate_id)
+        .map_err(|error| error.to_string())?;
+    let input: GateMessageInput =
+        crate::http::error::parse_body(body).map_err(|error| error.to_string())?;
+    input
+        .validate(aggregate_id)
+        .map_err(|error| error.to_string())
+}
+
+/// The `/v1` routes and the health routes, behind the edge middleware (request ids, the request
+/// line, HTTP metrics, bare statuses as problems) without any lab's.
+fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) -> Router {
+    let limits = &config.limits;
+    let access = Access::new(
+        config.auth.anonymous_writes,
+        config
+            .auth
+            .readers
+            .iter()
+            .map(|reader| (reader.name.clone(), reader.token.expose().to_owned())),
+        DeliveryRate {
+            per_second: limits.producer_rate_per_second,
+            burst: limits.producer_burst,
+        },
+    );
+    let state = GateState::new(GateParts {
+        inbox: background.inbox.clone(),
+        output: stores.output.clone(),
+        access,
+        registry: stores.registry.clone(),
+        changes: background.changes.clone(),
+        metrics: background.metrics.clone(),
+        max_payload_bytes: limits.max_payload_bytes,
+    });
+    let (v1, _document) = routes::router(state);
+    let health = Health {
+        inbox: background.inbox.clone(),
+        metrics: background.metrics.clone(),
+        store: stores.sqlite.clone(),
+        nats: background.nats.as_ref().map(|nats| nats.client.clone()),
+    };
+    let edge = crate::observe::http::Edge {
+        metrics: background.metrics.clone(),
+        security: None,
+    };
+    v1.merge(health::routes(health, config.metrics.public))
+        .layer(middleware::from_fn_with_state(
+            edge,
+            crate::observe::http::edge,
+        ))
+}
+
+/// The listener on `requested`, and the address it really has (a port for `:0`).
+async fn bind(requested: SocketAddr) -> Result<(TcpListener, SocketAddr), StartupError> {
+    let refused = |error: std::io::Error| StartupError::Bind {
+        address: requested.to_string(),
+        reason: error.to_string(),
+    };
+    let listener = TcpListener::bind(requested).await.map_err(refused)?;
+    let address = listener.local_addr().map_err(refused)?;
+    Ok((listener, address))
+}
+
+/// `production-lab gate --config FILE` once the file is valid: logs, the gate, until SIGTERM or
+/// Ctrl+C.
+pub async fn run(config: GateConfig) -> anyhow::Result<()> {
+    let application = GateApplication::build(config).await?;
+    application.run_until_stopped(shutdown_signal()).await?;
+    Ok(())
+}
+
+/// SIGTERM (a supervisor's stop) or Ctrl+C.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut terminate) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = terminate.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -38,6 +38,7 @@ use crate::inbox::SharedInbox;
 use crate::inbox::changes::InboxChanges;
 use crate::telemetry::metrics::Metrics;
 
+pub use messages::GateMessageInput;
 pub use registry::RegistryStore;
 
 /// Everything the routes use. Cheap to clone.
