@@ -14,6 +14,7 @@ mod contracts;
 mod crash;
 mod gap_notices;
 mod gaps;
+mod gate_core;
 mod held;
 mod http;
 mod ledger;

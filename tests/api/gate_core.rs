@@ -1,0 +1,519 @@
+//! The gate's core over real parts: the ordered inbox on a real SQLite file or a private
+//! PostgreSQL database with the gate's handler (schemas decide poison, `apply` writes the output
+//! row in the inbox's transaction), the output table's reads, and the publisher against a real
+//! nats-server, read back by a consumer of the output stream.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::DeliverPolicy, consumer::pull::Config as PullConfig};
+use futures_util::StreamExt;
+use ordered_inbox::postgres::{PostgresInbox, Target};
+use ordered_inbox::sqlite::{SqliteInbox, Store, Synchronous, schema};
+use ordered_inbox::{BatchDelivery, Door, Inbox, InboxError, Limits, OrderedMessage, Outcome};
+use production_lab::gate::handler::{GateHandler, envelope};
+use production_lab::gate::output::{self, OutputEntry, OutputError, OutputStore};
+use production_lab::gate::publisher::Publisher;
+use production_lab::gate::schemas::MessageTypes;
+use serde_json::{Value, json};
+use tempfile::TempDir;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::{jetstream_of, start_nats};
+use crate::helpers::{Backend, poll_until, poll_until_within};
+use crate::on_both_backends;
+use crate::postgres::{fresh_database, query_text};
+
+const PLACED: &str = "order.placed";
+const OUTPUT_STREAM: &str = "GATE_CORE_OUT";
+const OUTPUT_PREFIX: &str = "gate.core.out";
+
+/// The inbox with the gate's handler on one backend, and its output.
+struct Gate {
+    inbox: Arc<dyn Inbox>,
+    output: OutputStore,
+    /// Where the rows are, for a test that reaches past the gate into them.
+    database: Database,
+}
+
+enum Database {
+    Sqlite {
+        _dir: TempDir,
+        path: std::path::PathBuf,
+    },
+    Postgres {
+        url: String,
+    },
+}
+
+fn handler() -> GateHandler {
+    let schema = json!({
+        "type": "object",
+        "required": ["orderId", "amount"],
+        "properties": {
+            "orderId": {"type": "string"},
+            "amount": {"type": "integer", "minimum": 0}
+        }
+    });
+    let types = MessageTypes::compile(vec![(PLACED.to_owned(), schema)]).expect("the schema");
+    GateHandler {
+        types: Arc::new(types),
+    }
+}
+
+async fn open_gate(backend: Backend) -> Gate {
+    match backend {
+        Backend::Sqlite => {
+            let dir = tempfile::tempdir().expect("a temp dir");
+            let path = dir.path().join("gate.db");
+            let store = Store::open(&path, Synchronous::Full, |connection| {
+                schema::migrate(connection)?;
+                output::migrate_sqlite(connection)
+            })
+            .expect("the gate's SQLite file");
+            let inbox =
+                SqliteInbox::with_handler(store.clone(), Limits::default(), Arc::new(handler()));
+            Gate {
+                inbox: Arc::new(inbox),
+                output: OutputStore::sqlite(store),
+                database: Database::Sqlite { _dir: dir, path },
+            }
+        }
+        Backend::Postgres => {
+            let url = fresh_database();
+            let target = Target::parse(&url).expect("the database's URL");
+            let inbox =
+                PostgresInbox::open_with_handler(target, Limits::default(), Arc::new(handler()))
+                    .await
+                    .expect("the gate's PostgreSQL inbox");
+            output::install_postgres(&inbox)
+                .await
+                .expect("the output table");
+            Gate {
+                output: OutputStore::postgres(&inbox),
+                inbox: Arc::new(inbox),
+                database: Database::Postgres { url },
+            }
+        }
+    }
+}
+
+impl Gate {
+    /// Runs SQL text on the gate's database, past the gate.
+    fn execute(&self, sql: &str) {
+        match &self.database {
+            Database::Sqlite { path, .. } => rusqlite::Connection::open(path)
+                .and_then(|connection| connection.execute_batch(sql))
+                .unwrap_or_else(|error| panic!("{sql}: {error}")),
+            Database::Postgres { url } => {
+                query_text(url, sql);
+            }
+        }
+    }
+
+    async fn applied_sequences(&self, aggregate: &str, after: i64, limit: usize) -> Vec<i64> {
+        sequences(
+            &self
+                .output
+                .applied(aggregate, after, limit)
+                .await
+                .expect("applied"),
+        )
+    }
+
+    async fn pending_count(&self) -> usize {
+        self.output.pending(1000).await.expect("pending").len()
+    }
+}
+
+fn sequences(entries: &[OutputEntry]) -> Vec<i64> {
+    entries.iter().map(|entry| entry.sequence).collect()
+}
+
+fn placed(aggregate: &str, sequence: i64, payload: Value) -> OrderedMessage {
+    typed(aggregate, sequence, PLACED, payload)
+}
+
+fn typed(aggregate: &str, sequence: i64, message_type: &str, payload: Value) -> OrderedMessage {
+    OrderedMessage {
+        message_id: format!("{aggregate}-m{sequence}"),
+        aggregate_id: aggregate.to_owned(),
+        sequence,
+        payload: envelope(message_type, payload),
+    }
+}
+
+fn order(sequence: i64) -> Value {
+    json!({"orderId": format!("o-{sequence}"), "amount": sequence})
+}
+
+async fn deliver(gate: &Gate, message: OrderedMessage) -> Result<Outcome, InboxError> {
+    gate.inbox.deliver(message, Door::General).await
+}
+
+async fn a_valid_message_applies_and_its_output_row_commits_with_it(backend: Backend) {
+    let gate = open_gate(backend).await;
+    let outcome = deliver(&gate, placed("order-1", 1, order(1)))
+        .await
+        .expect("delivered");
+    let Outcome::Applied { detail, .. } = outcome else {
+        panic!("applied: {outcome:?}");
+    };
+    assert_eq!(Value::Object(detail), json!({"type": PLACED}));
+    let entries = gate
+        .output
+        .applied("order-1", 0, 10)
+        .await
+        .expect("applied");
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let entry = &entries[0];
+    assert_eq!(
+        (
+            entry.aggregate_id.as_str(),
+            entry.sequence,
+            entry.message_id.as_str()
+        ),
+        ("order-1", 1, "order-1-m1")
+    );
+    assert_eq!(
+        (entry.message_type.as_str(), &entry.payload),
+        (PLACED, &order(1))
+    );
+    assert_eq!(entry.applied_at.len(), 24, "{}", entry.applied_at);
+    assert_eq!(
+        sequences(&gate.output.pending(10).await.expect("pending")),
+        [1]
+    );
+}
+
+async fn an_output_row_already_there_fails_the_delivery_and_records_nothing(backend: Backend) {
+    let gate = open_gate(backend).await;
+    // A row the inbox never wrote, at the sequence it is about to apply: the insert must fail
+    // the delivery rather than keep the old row and lose the new message's.
+    gate.execute(
+        "INSERT INTO gate_output(aggregate_id, sequence, message_id, message_type, payload, applied_at)
+         VALUES ('order-1', 1, 'planted', 'order.placed', '{}', '2026-01-01T00:00:00.000Z')",
+    );
+    let outcome = deliver(&gate, placed("order-1", 1, order(1))).await;
+    assert!(
+        matches!(outcome, Err(InboxError::Handler(_))),
+        "{outcome:?}"
+    );
+    let view = gate
+        .inbox
+        .aggregate("order-1".into())
+        .await
+        .expect("the view");
+    let last = view.map(|view| view.summary.last).unwrap_or(0);
+    assert_eq!(last, 0, "the inbox did not advance");
+    let entries = gate
+        .output
+        .applied("order-1", 0, 10)
+        .await
+        .expect("applied");
+    assert_eq!(entries[0].message_id, "planted");
+}
+
+async fn a_schema_invalid_message_is_quarantined_with_the_validators_first_error_and_no_output(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    let refused = json!({"orderId": "o-1", "amount": -5});
+    let outcome = deliver(&gate, placed("order-1", 1, refused))
+        .await
+        .expect("delivered");
+    let Outcome::Quarantined { reason, .. } = outcome else {
+        panic!("quarantined: {outcome:?}");
+    };
+    assert_eq!(
+        reason.as_str(),
+        "payload does not match the schema of 'order.placed': at '/amount': \
+         -5 is less than the minimum of 0"
+    );
+    assert!(gate.applied_sequences("order-1", 0, 10).await.is_empty());
+    assert_eq!(gate.pending_count().await, 0);
+}
+
+async fn an_unknown_type_at_the_expected_sequence_is_poison(backend: Backend) {
+    let gate = open_gate(backend).await;
+    let outcome = deliver(&gate, typed("order-1", 1, "order.lost", json!({})))
+        .await
+        .expect("delivered");
+    let Outcome::Quarantined { reason, .. } = outcome else {
+        panic!("quarantined: {outcome:?}");
+    };
+    assert_eq!(reason.as_str(), "unknown message type 'order.lost'");
+    assert_eq!(gate.pending_count().await, 0);
+}
+
+async fn messages_delivered_three_one_two_come_out_as_one_two_three(backend: Backend) {
+    let gate = open_gate(backend).await;
+    for sequence in [3, 1, 2] {
+        let delivery =
+            BatchDelivery::anonymous(placed("order-1", sequence, order(sequence)), Door::Broker);
+        let outcomes = gate
+            .inbox
+            .deliver_batch(vec![delivery])
+            .await
+            .expect("delivered");
+        assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    }
+    assert_eq!(gate.applied_sequences("order-1", 0, 10).await, [1, 2, 3]);
+    assert_eq!(gate.applied_sequences("order-1", 1, 10).await, [2, 3]);
+    assert_eq!(gate.applied_sequences("order-1", 0, 1).await, [1]);
+    assert_eq!(
+        sequences(&gate.output.pending(10).await.expect("pending")),
+        [1, 2, 3]
+    );
+    let payloads: Vec<Value> = gate
+        .output
+        .applied("order-1", 0, 10)
+        .await
+        .expect("applied")
+        .into_iter()
+        .map(|entry| entry.payload)
+        .collect();
+    assert_eq!(payloads, [order(1), order(2), order(3)]);
+    assert_eq!(
+        gate.output.applied("order-1", 0, 0).await,
+        Err(OutputError::Limit(0))
+    );
+    assert_eq!(
+        gate.output.pending(1001).await,
+        Err(OutputError::Limit(1001))
+    );
+}
+
+async fn a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    let refused = json!({"orderId": "o-3"});
+    let batch = [
+        placed("a", 1, order(1)),
+        placed("a", 2, order(2)),
+        placed("b", 1, order(1)),
+        placed("a", 3, refused),
+        placed("b", 2, order(2)),
+    ]
+    .into_iter()
+    .map(|message| BatchDelivery::anonymous(message, Door::Broker))
+    .collect();
+    let outcomes = gate.inbox.deliver_batch(batch).await.expect("delivered");
+    assert!(
+        matches!(outcomes[3], Ok(Outcome::Quarantined { .. })),
+        "{outcomes:?}"
+    );
+    assert_eq!(gate.applied_sequences("a", 0, 10).await, [1, 2]);
+    assert_eq!(gate.applied_sequences("b", 0, 10).await, [1, 2]);
+    assert_eq!(gate.pending_count().await, 4);
+}
+
+/// A publisher of the gate's output to `js`, running until the token is cancelled.
+async fn start_publisher(gate: &Gate, js: &jetstream::Context) -> (CancellationToken, Arc<Notify>) {
+    let wake = Arc::new(Notify::new());
+    let publisher = Publisher::new(
+        gate.output.clone(),
+        js.clone(),
+        OUTPUT_STREAM.to_owned(),
+        OUTPUT_PREFIX.to_owned(),
+        wake.clone(),
+    );
+    publisher.ensure_stream().await.expect("the output stream");
+    let stop = CancellationToken::new();
+    tokio::spawn(publisher.run(stop.clone()));
+    (stop, wake)
+}
+
+/// Everything in the output stream from its start: each message's `Nats-Msg-Id` and body.
+async fn read_output(js: &jetstream::Context) -> Vec<(String, Value)> {
+    let mut stream = js
+        .get_stream(OUTPUT_STREAM)
+        .await
+        .expect("the output stream");
+    let count = stream.info().await.expect("stream info").state.messages as usize;
+    if count == 0 {
+        return Vec::new();
+    }
+    let consumer = stream
+        .create_consumer(PullConfig {
+            deliver_policy: DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await
+        .expect("a consumer of the output stream");
+    let mut messages = consumer
+        .fetch()
+        .max_messages(count)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .expect("fetch the output");
+    let mut read = Vec::with_capacity(count);
+    while let Some(Ok(message)) = messages.next().await {
+        let id = message
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get("Nats-Msg-Id"))
+            .map(|value| value.as_str().to_owned())
+            .unwrap_or_default();
+        let body = serde_json::from_slice(&message.payload).expect("a JSON body");
+        read.push((id, body));
+    }
+    read
+}
+
+async fn stream_count(js: &jetstream::Context) -> u64 {
+    let mut stream = js
+        .get_stream(OUTPUT_STREAM)
+        .await
+        .expect("the output stream");
+    stream.info().await.expect("stream info").state.messages
+}
+
+/// The ids a consumer read, of one aggregate, in the order read.
+fn ids_of(read: &[(String, Value)], aggregate: &str) -> Vec<String> {
+    read.iter()
+        .filter(|(_, body)| body["aggregateId"] == aggregate)
+        .map(|(id, _)| id.clone())
+        .collect()
+}
+
+async fn deliver_orders(gate: &Gate, aggregate: &str, count: i64) {
+    for sequence in 1..=count {
+        let outcome = deliver(gate, placed(aggregate, sequence, order(sequence))).await;
+        assert!(
+            matches!(outcome, Ok(Outcome::Applied { .. })),
+            "{outcome:?}"
+        );
+    }
+}
+
+async fn the_publisher_publishes_each_aggregates_rows_in_order_with_their_ids(backend: Backend) {
+    let gate = open_gate(backend).await;
+    let nats = start_nats(None);
+    let js = jetstream_of(&nats).await;
+    let (stop, wake) = start_publisher(&gate, &js).await;
+    // A dot in an aggregate is encoded in the subject, and kept in the body and the id.
+    deliver_orders(&gate, "order.1", 3).await;
+    deliver_orders(&gate, "order-2", 2).await;
+    wake.notify_one();
+    poll_until(
+        "every row marked published",
+        || gate.pending_count(),
+        |n| *n == 0,
+    )
+    .await;
+    let read = read_output(&js).await;
+    assert_eq!(read.len(), 5, "{read:?}");
+    assert_eq!(
+        ids_of(&read, "order.1"),
+        ["order.1:1", "order.1:2", "order.1:3"]
+    );
+    assert_eq!(ids_of(&read, "order-2"), ["order-2:1", "order-2:2"]);
+    let (_, first) = &read
+        .iter()
+        .find(|(id, _)| id == "order.1:1")
+        .expect("order.1's first");
+    assert_eq!(
+        first,
+        &json!({"aggregateId": "order.1", "sequence": 1, "messageId": "order.1-m1",
+                "type": PLACED, "payload": order(1)})
+    );
+    let subjects = js.get_stream(OUTPUT_STREAM).await.expect("stream");
+    let last = subjects
+        .get_last_raw_message_by_subject("gate.core.out.order%2E1")
+        .await
+        .expect("the encoded subject holds order.1's rows");
+    let body: Value = serde_json::from_slice(&last.payload).expect("a JSON body");
+    assert_eq!(
+        body["sequence"], 3,
+        "order.1's last row is on its encoded subject"
+    );
+    stop.cancel();
+}
+
+async fn a_restarted_publisher_sends_unmarked_rows_again_and_the_consumer_sees_each_once(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    let nats = start_nats(None);
+    let js = jetstream_of(&nats).await;
+    let (stop, wake) = start_publisher(&gate, &js).await;
+    deliver_orders(&gate, "order-1", 3).await;
+    wake.notify_one();
+    poll_until(
+        "every row marked published",
+        || gate.pending_count(),
+        |n| *n == 0,
+    )
+    .await;
+    stop.cancel();
+    // What a crash between the PubAcks and the mark leaves: published rows not marked.
+    gate.execute("UPDATE gate_output SET published_at = NULL");
+    assert_eq!(gate.pending_count().await, 3);
+    let (stop, _) = start_publisher(&gate, &js).await;
+    poll_until(
+        "the rows published again and marked",
+        || gate.pending_count(),
+        |n| *n == 0,
+    )
+    .await;
+    stop.cancel();
+    assert_eq!(stream_count(&js).await, 3, "JetStream dropped the copies");
+    let read = read_output(&js).await;
+    assert_eq!(
+        ids_of(&read, "order-1"),
+        ["order-1:1", "order-1:2", "order-1:3"]
+    );
+}
+
+#[tokio::test]
+async fn the_publisher_carries_on_in_order_after_the_nats_server_restarts() {
+    let gate = open_gate(Backend::Sqlite).await;
+    let mut nats = start_nats(None);
+    let js = jetstream_of(&nats).await;
+    let (stop, wake) = start_publisher(&gate, &js).await;
+    deliver_orders(&gate, "order-1", 2).await;
+    wake.notify_one();
+    poll_until(
+        "the first rows published",
+        || gate.pending_count(),
+        |n| *n == 0,
+    )
+    .await;
+    nats.restart().expect("nats-server restarts");
+    for sequence in 3..=4 {
+        let outcome = deliver(&gate, placed("order-1", sequence, order(sequence))).await;
+        assert!(
+            matches!(outcome, Ok(Outcome::Applied { .. })),
+            "{outcome:?}"
+        );
+    }
+    wake.notify_one();
+    poll_until_within(
+        "the later rows published after the restart",
+        Duration::from_secs(20),
+        || gate.pending_count(),
+        |n| *n == 0,
+    )
+    .await;
+    stop.cancel();
+    let read = read_output(&js).await;
+    assert_eq!(
+        ids_of(&read, "order-1"),
+        ["order-1:1", "order-1:2", "order-1:3", "order-1:4"]
+    );
+}
+
+on_both_backends!(
+    a_valid_message_applies_and_its_output_row_commits_with_it,
+    an_output_row_already_there_fails_the_delivery_and_records_nothing,
+    a_schema_invalid_message_is_quarantined_with_the_validators_first_error_and_no_output,
+    an_unknown_type_at_the_expected_sequence_is_poison,
+    messages_delivered_three_one_two_come_out_as_one_two_three,
+    a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages,
+    the_publisher_publishes_each_aggregates_rows_in_order_with_their_ids,
+    a_restarted_publisher_sends_unmarked_rows_again_and_the_consumer_sees_each_once,
+);
