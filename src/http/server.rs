@@ -20,6 +20,11 @@
 //!
 //! Request bodies are buffered whole, within a global budget of bytes being received
 //! ([`super::body_budget`]).
+//!
+//! Over TLS ([`serve_tls`]) a connection's handshake is part of its first head phase: it takes a
+//! place in the count at accept, must finish (with the request head after it) within the
+//! header-read timeout, and can be evicted like any waiting connection. A failed handshake
+//! closes the socket with a debug line only: it is a client's problem, not the server's.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -44,12 +49,14 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tower_http::timeout::DeadlineBody;
 
 use super::body_budget::{BodyBudget, Budgeted, MAX_REQUEST_BODY_BYTES};
+use super::tls::ReloadingTls;
 use crate::config::ConnectionLimits;
 use crate::http::error::problem_response;
 
@@ -70,6 +77,31 @@ pub async fn serve(
     limits: ConnectionLimits,
     shutdown: CancellationToken,
     grace: Duration,
+) -> io::Result<()> {
+    serve_with(listener, router, limits, shutdown, grace, None).await
+}
+
+/// [`serve`] over TLS: each accepted connection shakes hands with the configuration `tls` holds
+/// at its accept, within the header-read timeout and in the same connection count, then goes
+/// through the same phases. A failed handshake closes the socket.
+pub async fn serve_tls(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+    grace: Duration,
+    tls: ReloadingTls,
+) -> io::Result<()> {
+    serve_with(listener, router, limits, shutdown, grace, Some(tls)).await
+}
+
+async fn serve_with(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+    grace: Duration,
+    tls: Option<ReloadingTls>,
 ) -> io::Result<()> {
     // The router's bare 404/405 become problems inside `app::router`, within the request-id
     // layer, so that they carry the request's id too.
@@ -103,10 +135,13 @@ pub async fn serve(
             () = shutdown.cancelled() => break,
         };
         let _ = stream.set_nodelay(true);
+        // The configuration current now: a reload reaches new connections only.
+        let acceptor = tls.as_ref().map(ReloadingTls::acceptor);
         match registry.admit(limits) {
             Some(slot) => {
-                connections.spawn(serve_connection(
+                connections.spawn(open_connection(
                     stream,
+                    acceptor,
                     peer,
                     router.clone(),
                     slot,
@@ -117,7 +152,7 @@ pub async fn serve(
                 Ok(permit) => {
                     let max = limits.max_connections;
                     connections.spawn(async move {
-                        refuse(stream, max).await;
+                        refuse(stream, acceptor, max).await;
                         drop(permit);
                     });
                 }
@@ -163,14 +198,46 @@ struct Shared {
     closing: CancellationToken,
 }
 
-/// One connection, from accept to close.
-async fn serve_connection(
+/// One connection from accept: its TLS handshake first when there is one, bounded by the
+/// connection's head deadline (and so by eviction and shutdown too), then its requests.
+async fn open_connection(
     stream: TcpStream,
+    acceptor: Option<TlsAcceptor>,
     peer: SocketAddr,
     router: Routed,
     slot: Slot,
     shared: Shared,
 ) {
+    let Some(acceptor) = acceptor else {
+        return serve_connection(stream, peer, router, slot, shared).await;
+    };
+    let phase = slot.phase.clone();
+    let handshake = tokio::select! {
+        handshake = acceptor.accept(stream) => handshake,
+        () = phase.expired() => {
+            tracing::debug!(target: "production_lab::server", %peer, "TLS handshake not finished in time");
+            return;
+        }
+        () = shared.shutdown.cancelled() => return,
+    };
+    match handshake {
+        Ok(stream) => serve_connection(stream, peer, router, slot, shared).await,
+        Err(error) => {
+            tracing::debug!(target: "production_lab::server", %peer, %error, "TLS handshake failed");
+        }
+    }
+}
+
+/// One connection's requests, until it closes.
+async fn serve_connection<S>(
+    stream: S,
+    peer: SocketAddr,
+    router: Routed,
+    slot: Slot,
+    shared: Shared,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let Shared {
         limits,
         budget,
@@ -233,8 +300,26 @@ async fn serve_connection(
     drop(slot);
 }
 
-/// Answers a connection over the cap `503` once its request head arrived, then closes it.
-async fn refuse(stream: TcpStream, max_connections: usize) {
+/// Answers a connection over the cap `503` once its request head arrived (after its TLS
+/// handshake, when there is one), then closes it; all within [`REFUSAL_TIME`].
+async fn refuse(stream: TcpStream, acceptor: Option<TlsAcceptor>, max_connections: usize) {
+    let _ = tokio::time::timeout(REFUSAL_TIME, async move {
+        match acceptor {
+            None => answer_refusal(stream, max_connections).await,
+            Some(acceptor) => {
+                if let Ok(stream) = acceptor.accept(stream).await {
+                    answer_refusal(stream, max_connections).await;
+                }
+            }
+        }
+    })
+    .await;
+}
+
+async fn answer_refusal<S>(stream: S, max_connections: usize)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let service = service_fn(move |_request: Request<Incoming>| async move {
         let mut response = problem_response(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -256,7 +341,7 @@ async fn refuse(stream: TcpStream, max_connections: usize) {
         .header_read_timeout(None)
         .keep_alive(false)
         .serve_connection(TokioIo::new(stream), service);
-    let _ = tokio::time::timeout(REFUSAL_TIME, connection).await;
+    let _ = connection.await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -466,13 +551,13 @@ impl Registry {
 // ---------------------------------------------------------------------------------------------
 // The socket and the response body, observed
 
-/// The TCP stream, reporting the first byte after an idle pause.
-struct Observed {
-    inner: TcpStream,
+/// The connection's stream (TCP, or TLS over it), reporting the first byte after an idle pause.
+struct Observed<S> {
+    inner: S,
     phase: Arc<Phase>,
 }
 
-impl AsyncRead for Observed {
+impl<S: AsyncRead + Unpin> AsyncRead for Observed<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -487,7 +572,7 @@ impl AsyncRead for Observed {
     }
 }
 
-impl AsyncWrite for Observed {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Observed<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
