@@ -21,6 +21,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::config::{ConnectionLimits, MAX_REQUEST_BODY_BYTES};
+use crate::gate::schemas::MessageTypes;
 use crate::http::tls::{self, TlsError, TlsFiles};
 use crate::observe::LogFormat;
 
@@ -953,34 +954,37 @@ impl<'a> Checker<'a> {
                 );
                 continue;
             }
-            if let Some(schema) = self.schema(value, &path) {
+            if let Some(schema) = self.schema(&name, value, &path) {
                 schemas.push((name, schema));
             }
         }
         (self.errors.len() == before).then_some(schemas)
     }
 
-    /// A type's schema file, read as JSON.
-    fn schema(&mut self, value: toml::Value, path: &str) -> Option<Value> {
+    /// A type's schema file, read as JSON and compiled as the gate will.
+    fn schema(&mut self, name: &str, value: toml::Value, path: &str) -> Option<Value> {
         let raw: RawType = self.shape(value, path)?;
         let key = format!("{path}.schema");
         let relative = self.required(raw.schema, &key)?;
         let file = self.path(&relative);
-        let shown = file.display();
-        let text = std::fs::read_to_string(&file)
-            .map_err(|error| format!("{shown}: cannot read: {error}"));
-        let schema = text.and_then(|text| {
-            serde_json::from_str::<Value>(&text).map_err(|error| {
-                format!(
-                    "{shown}: not JSON (line {}, column {}: {})",
-                    error.line(),
-                    error.column(),
-                    json_reason(&error)
-                )
-            })
-        });
-        schema.map_err(|message| self.error(key, message)).ok()
+        read_schema(name, &file)
+            .map_err(|message| self.error(key, format!("{}: {message}", file.display())))
+            .ok()
     }
+}
+
+fn read_schema(name: &str, file: &Path) -> Result<Value, String> {
+    let text = std::fs::read_to_string(file).map_err(|error| format!("cannot read: {error}"))?;
+    let schema = serde_json::from_str::<Value>(&text).map_err(|error| {
+        format!(
+            "not JSON (line {}, column {}: {})",
+            error.line(),
+            error.column(),
+            json_reason(&error)
+        )
+    })?;
+    MessageTypes::compile(vec![(name.to_owned(), schema.clone())]).map_err(|(_, why)| why)?;
+    Ok(schema)
 }
 
 fn is_type_name(name: &str) -> bool {
@@ -1344,7 +1348,8 @@ subject_prefix = "out.orders"
     fn a_missing_or_non_json_schema_is_named_under_its_type() {
         let dir = directory();
         std::fs::write(dir.path().join("broken.json"), "{\"type\": ").unwrap();
-        let text = "[types.\"order.placed\"]\nschema = \"order-placed.json\"\n[types.\"order.shipped\"]\nschema = \"missing.json\"\n[types.\"order.cancelled\"]\nschema = \"broken.json\"\n[types.\"bad name\"]\nschema = \"order-placed.json\"\n[types.\"order.noted\"]\n";
+        std::fs::write(dir.path().join("odd.json"), r#"{"type": 5}"#).unwrap();
+        let text = "[types.\"order.placed\"]\nschema = \"order-placed.json\"\n[types.\"order.shipped\"]\nschema = \"missing.json\"\n[types.\"order.cancelled\"]\nschema = \"broken.json\"\n[types.\"bad name\"]\nschema = \"order-placed.json\"\n[types.\"order.noted\"]\n[types.\"order.odd\"]\nschema = \"odd.json\"\n";
         let lines = refused(&dir, text);
         assert_line(
             &lines,
@@ -1365,7 +1370,14 @@ subject_prefix = "out.orders"
             "types.\"bad name\": a type name is 1 to 64 characters",
         );
         assert_line(&lines, "types.\"order.noted\".schema: required");
-        assert_eq!(lines.len(), 4, "{lines:#?}");
+        assert_line(
+            &lines,
+            &format!(
+                "types.\"order.odd\".schema: {}: the schema does not compile: ",
+                dir.path().join("odd.json").display()
+            ),
+        );
+        assert_eq!(lines.len(), 5, "{lines:#?}");
         assert_eq!(
             refused(&dir, "[listen]\naddress = \"127.0.0.1:1\"\n"),
             [
