@@ -2,6 +2,7 @@
 //! binary's own floor, above the library: `main.rs` only parses and dispatches here.
 
 pub mod bench;
+pub mod gate;
 pub mod practice;
 pub mod publish;
 pub mod registry;
@@ -29,6 +30,9 @@ pub struct Cli {
 pub enum Command {
     /// Run the lab server on a loopback address.
     Serve(Box<serve::ServeArgs>),
+    /// Run the ordering gate: the ordered inbox for any producer's messages over HTTP (/v1) and
+    /// NATS JetStream, configured by a TOML file.
+    Gate(gate::GateArgs),
     /// Run the ordering policy over a progression of SEQUENCE:AMOUNT deliveries.
     Practice(practice::PracticeArgs),
     /// Verify the consumer contracts of a fresh fixture over real HTTP.
@@ -64,6 +68,7 @@ pub enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(*args),
+        Command::Gate(args) => gate::run(args),
         Command::Bench(command) => bench::run(command),
         Command::Practice(args) => practice::run(args),
         Command::VerifyBase(args) => verify_base::run(args),
