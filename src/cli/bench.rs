@@ -22,6 +22,26 @@ pub enum BenchCommand {
     /// Events from server A's general outbox through `relay` processes and a private
     /// nats-server to server B's ordered inbox, with 1 and 2 relays.
     Relay(BenchRelayArgs),
+    /// The gate from its NATS input stream to its in-order output stream (a private
+    /// nats-server), with `bench broker` beside it in the same run.
+    Gate(BenchGateArgs),
+}
+
+#[derive(Args)]
+pub struct BenchGateArgs {
+    #[arg(long, default_value_t = 64)]
+    pub aggregates: usize,
+    #[arg(long, default_value_t = 20_000)]
+    pub messages: usize,
+    /// The gate's input batch (its consumer's fetch size), and the broker bench's.
+    #[arg(long, default_value_t = production_lab::broker::DEFAULT_BATCH)]
+    pub batch: usize,
+    /// Skip `bench broker` in the same run.
+    #[arg(long)]
+    pub without_broker: bool,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// Which store `bench ordered` measures.
@@ -140,6 +160,23 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
                     Rendered::of(&bench::relay::run(&options).await?)?,
                     args.json,
                 )
+            }
+            BenchCommand::Gate(args) => {
+                let broker = (!args.without_broker).then(|| bench::broker::BrokerBenchOptions {
+                    aggregates: args.aggregates,
+                    messages: args.messages,
+                    batch: args.batch,
+                    synchronous: Synchronous::Full.into(),
+                    concurrency: 32,
+                    baseline: ledger_baseline(),
+                });
+                let options = bench::gate::GateBenchOptions {
+                    aggregates: args.aggregates,
+                    messages: args.messages,
+                    batch: args.batch,
+                    broker,
+                };
+                (Rendered::of(&bench::gate::run(&options).await?)?, args.json)
             }
             BenchCommand::Stampede(args) => {
                 let report = bench::stampede::stampede(args.callers).await?;

@@ -146,9 +146,22 @@ impl ServerUnderTest {
         let dir = tempfile::tempdir()?;
         let database = dir.path().join("bench.db");
         let settings = write_settings(dir.path())?;
+        let mut arguments = serve_arguments(&database, &settings, synchronous, clients);
+        arguments.extend(extra.iter().map(Into::into));
+        ServerUnderTest::start_command(binary, &arguments, dir, database)
+    }
+
+    /// Runs `binary` with `arguments` (any subcommand that prints the listening line, such as
+    /// `gate --config FILE`), in `dir`, whose `database` file it writes, and waits for its
+    /// listening line.
+    pub fn start_command(
+        binary: &Path,
+        arguments: &[std::ffi::OsString],
+        dir: tempfile::TempDir,
+        database: PathBuf,
+    ) -> Result<ServerUnderTest, ServerError> {
         let mut child = Command::new(binary)
-            .args(serve_arguments(&database, &settings, synchronous, clients))
-            .args(extra)
+            .args(arguments)
             .env_remove("LAB_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

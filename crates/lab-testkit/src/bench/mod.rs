@@ -9,10 +9,12 @@
 //!   pgbench;
 //! - [`stampede`]: concurrent callers of the cache's shared key behind the lab gate;
 //! - [`broker`]: NATS JetStream through the inbox against a raw consume-and-ack baseline;
-//! - [`relay`]: an outbox through `relay` processes and JetStream to another server's inbox.
+//! - [`relay`]: an outbox through `relay` processes and JetStream to another server's inbox;
+//! - [`gate`]: the gate from its input stream to its in-order output stream, beside [`broker`].
 
 pub mod broker;
 mod database;
+pub mod gate;
 pub mod ordered;
 pub mod peer;
 pub mod postgres;
