@@ -15,6 +15,7 @@ mod crash;
 mod gap_notices;
 mod gaps;
 mod gate_core;
+mod gate_routes;
 mod held;
 mod http;
 mod ledger;

@@ -1,0 +1,782 @@
+//! The gate's `/v1` routes over a real socket: the router served by axum on 127.0.0.1:0 with a
+//! state assembled from real parts (the inbox with the gate's handler on a real SQLite file or a
+//! private PostgreSQL database, observed; its output table; the registry in the same store).
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use ordered_inbox::postgres::{PostgresInbox, Target};
+use ordered_inbox::sqlite::{SqliteInbox, Store, Synchronous, schema};
+use ordered_inbox::{Inbox, Limits};
+use production_lab::gate::auth::{Access, DeliveryRate};
+use production_lab::gate::handler::GateHandler;
+use production_lab::gate::output::{self, OutputStore};
+use production_lab::gate::routes::{GateParts, GateState, RegistryStore, router};
+use production_lab::gate::schemas::MessageTypes;
+use production_lab::inbox::changes::InboxChanges;
+use production_lab::inbox::observed::ObservedInbox;
+use production_lab::telemetry::metrics::Metrics;
+use serde_json::{Value, json};
+use tempfile::TempDir;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::helpers::{Backend, client, content_type, poll_until, status_and_json};
+use crate::on_both_backends;
+
+const PLACED: &str = "order.placed";
+const READER_TOKEN: &str = "reader-token-for-the-dashboard";
+
+/// How a test's gate is set up.
+struct Options {
+    anonymous_writes: bool,
+    rate: DeliveryRate,
+    max_payload_bytes: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            anonymous_writes: false,
+            rate: rate(10_000, 10_000),
+            max_payload_bytes: 65_536,
+        }
+    }
+}
+
+fn rate(per_second: u32, burst: u32) -> DeliveryRate {
+    DeliveryRate {
+        per_second: NonZeroU32::new(per_second).expect("a rate"),
+        burst: NonZeroU32::new(burst).expect("a burst"),
+    }
+}
+
+/// A gate serving its routes on a loopback port, with one operator registered.
+struct TestGate {
+    address: String,
+    client: reqwest::Client,
+    operator_token: String,
+    /// Requests with a `waitMs` the gate has received: a long poll is open once it counts one.
+    long_polls_received: Arc<AtomicUsize>,
+    stop: CancellationToken,
+    server: JoinHandle<()>,
+    _dir: Option<TempDir>,
+}
+
+fn types() -> MessageTypes {
+    let schema = json!({
+        "type": "object",
+        "required": ["orderId", "amount"],
+        "properties": {
+            "orderId": {"type": "string"},
+            "amount": {"type": "integer", "minimum": 0}
+        }
+    });
+    MessageTypes::compile(vec![(PLACED.to_owned(), schema)]).expect("the schema")
+}
+
+/// The inbox, its output and its registry on `backend`, and the first operator's token.
+async fn open_store(
+    backend: Backend,
+) -> (
+    Arc<dyn Inbox>,
+    OutputStore,
+    RegistryStore,
+    String,
+    Option<TempDir>,
+) {
+    let handler = Arc::new(GateHandler {
+        types: Arc::new(types()),
+    });
+    match backend {
+        Backend::Sqlite => {
+            let dir = tempfile::tempdir().expect("a temp dir");
+            let path = dir.path().join("gate.db");
+            let store = Store::open(&path, Synchronous::Full, |connection| {
+                schema::migrate(connection)?;
+                output::migrate_sqlite(connection)
+            })
+            .expect("the gate's SQLite file");
+            let token = ordered_inbox::sqlite::operators::add(&path, "ops").expect("an operator");
+            let inbox = SqliteInbox::with_handler(store.clone(), Limits::default(), handler);
+            let output = OutputStore::sqlite(store);
+            (
+                Arc::new(inbox),
+                output,
+                RegistryStore::Sqlite(path),
+                token,
+                Some(dir),
+            )
+        }
+        Backend::Postgres => {
+            let url = crate::postgres::fresh_database();
+            let target = Target::parse(&url).expect("the database's URL");
+            let inbox = PostgresInbox::open_with_handler(target, Limits::default(), handler)
+                .await
+                .expect("the gate's PostgreSQL inbox");
+            output::install_postgres(&inbox)
+                .await
+                .expect("the output table");
+            let token = ordered_inbox::postgres::operators::add(&url, "ops")
+                .await
+                .expect("an operator");
+            let output = OutputStore::postgres(&inbox);
+            (
+                Arc::new(inbox),
+                output,
+                RegistryStore::Postgres(url),
+                token,
+                None,
+            )
+        }
+    }
+}
+
+async fn spawn_gate(backend: Backend, options: Options) -> TestGate {
+    let (inbox, output, registry, operator_token, dir) = open_store(backend).await;
+    let metrics = Metrics::new();
+    let changes = InboxChanges::new();
+    let observed = ObservedInbox::new(inbox, metrics.clone(), changes.clone());
+    let access = Access::new(
+        options.anonymous_writes,
+        [("dashboard".to_owned(), READER_TOKEN.to_owned())],
+        options.rate,
+    );
+    let state = GateState::new(GateParts {
+        inbox: Arc::new(observed),
+        output,
+        access,
+        registry,
+        changes,
+        metrics,
+        max_payload_bytes: options.max_payload_bytes,
+    });
+    let (routes, _document) = router(state);
+    let long_polls_received = Arc::new(AtomicUsize::new(0));
+    let counted = long_polls_received.clone();
+    let routes = routes.layer(axum::middleware::from_fn(
+        move |request: axum::extract::Request, next: axum::middleware::Next| {
+            let counted = counted.clone();
+            async move {
+                if request
+                    .uri()
+                    .query()
+                    .is_some_and(|query| query.contains("waitMs="))
+                {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                }
+                next.run(request).await
+            }
+        },
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let address = format!("http://{}", listener.local_addr().expect("its address"));
+    let stop = CancellationToken::new();
+    let stopped = stop.clone().cancelled_owned();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, routes)
+            .with_graceful_shutdown(stopped)
+            .await
+            .expect("the gate serves");
+    });
+    TestGate {
+        address,
+        client: client(),
+        operator_token,
+        long_polls_received,
+        stop,
+        server,
+        _dir: dir,
+    }
+}
+
+/// A registered producer's token and its session's epoch.
+struct Producer {
+    token: String,
+    epoch: i64,
+}
+
+impl TestGate {
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.address)
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.server.await;
+    }
+
+    async fn as_operator(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let mut request = self
+            .client
+            .request(method, self.url(path))
+            .bearer_auth(&self.operator_token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        status_and_json(request.send().await.expect("the request")).await
+    }
+
+    /// Registers `name` through `POST /v1/producers` and starts its first session.
+    async fn producer(&self, name: &str) -> Producer {
+        let (status, added) = self
+            .as_operator(
+                reqwest::Method::POST,
+                "/v1/producers",
+                Some(json!({"name": name})),
+            )
+            .await;
+        assert_eq!(status, 201, "{added}");
+        let token = added["token"].as_str().expect("a token").to_owned();
+        let epoch = self.session(&token).await;
+        Producer { token, epoch }
+    }
+
+    async fn session(&self, token: &str) -> i64 {
+        let response = self
+            .client
+            .post(self.url("/v1/producers/session"))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("a session");
+        let (status, body) = status_and_json(response).await;
+        assert_eq!(status, 200, "{body}");
+        body["epoch"].as_i64().expect("an epoch")
+    }
+
+    async fn deliver_as(
+        &self,
+        producer: &Producer,
+        epoch: i64,
+        aggregate: &str,
+        body: &Value,
+    ) -> reqwest::Response {
+        self.client
+            .post(self.url(&format!("/v1/aggregates/{aggregate}/messages")))
+            .bearer_auth(&producer.token)
+            .header("Producer-Epoch", epoch.to_string())
+            .json(body)
+            .send()
+            .await
+            .expect("a delivery")
+    }
+
+    async fn deliver(&self, producer: &Producer, aggregate: &str, body: &Value) -> (u16, Value) {
+        status_and_json(
+            self.deliver_as(producer, producer.epoch, aggregate, body)
+                .await,
+        )
+        .await
+    }
+
+    async fn read(&self, path: &str) -> (u16, Value) {
+        let response = self
+            .client
+            .get(self.url(path))
+            .bearer_auth(READER_TOKEN)
+            .send()
+            .await
+            .expect("a read");
+        status_and_json(response).await
+    }
+
+    async fn applied_sequences(&self, aggregate: &str) -> Vec<i64> {
+        let (status, feed) = self
+            .read(&format!("/v1/aggregates/{aggregate}/applied?limit=1000"))
+            .await;
+        assert_eq!(status, 200, "{feed}");
+        sequences(&feed)
+    }
+}
+
+fn sequences(feed: &Value) -> Vec<i64> {
+    feed["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter_map(|entry| entry["sequence"].as_i64())
+        .collect()
+}
+
+fn placed(aggregate: &str, sequence: i64, amount: i64) -> Value {
+    json!({
+        "messageId": format!("{aggregate}-m{sequence}"),
+        "sequence": sequence,
+        "type": PLACED,
+        "payload": {"orderId": format!("o-{sequence}"), "amount": amount},
+    })
+}
+
+on_both_backends!(
+    a_producers_delivery_applies_and_its_entry_is_in_the_applied_feed,
+    a_message_ahead_of_its_turn_is_a_gap_and_applies_once_its_predecessor_did,
+    a_payload_its_schema_refuses_is_quarantined_with_the_validators_reason,
+    a_delivery_under_a_fenced_epoch_is_refused_and_writes_nothing,
+    an_operators_replacement_applies_the_quarantined_message_and_the_held_back_next_then_applies,
+    the_applied_feed_long_poll_answers_as_soon_as_a_message_applies_and_after_pages_on,
+    sixteen_concurrent_producer_tasks_never_see_a_5xx_and_the_feed_is_exactly_one_to_n,
+);
+
+#[tokio::test]
+async fn an_anonymous_write_is_refused_with_401_saying_anonymous_writes_are_off() {
+    let gate = spawn_gate(Backend::Sqlite, Options::default()).await;
+    let response = gate
+        .client
+        .post(gate.url("/v1/aggregates/a-1/messages"))
+        .json(&placed("a-1", 1, 5))
+        .send()
+        .await
+        .expect("a delivery");
+    assert_eq!(response.status(), 401);
+    assert_eq!(content_type(&response), "application/problem+json");
+    assert!(
+        response
+            .headers()
+            .get("www-authenticate")
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|value| value.starts_with("Bearer")),
+        "a Bearer challenge"
+    );
+    let (_, body) = status_and_json(response).await;
+    let detail = body["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("anonymous writes are off"), "{body}");
+    assert!(gate.applied_sequences("a-1").await.is_empty());
+    gate.stop().await;
+}
+
+#[tokio::test]
+async fn an_anonymous_write_applies_when_the_gate_allows_anonymous_writes() {
+    let options = Options {
+        anonymous_writes: true,
+        ..Options::default()
+    };
+    let gate = spawn_gate(Backend::Sqlite, options).await;
+    let response = gate
+        .client
+        .post(gate.url("/v1/aggregates/a-1/messages"))
+        .json(&placed("a-1", 1, 5))
+        .send()
+        .await
+        .expect("a delivery");
+    let (status, body) = status_and_json(response).await;
+    assert_eq!(
+        (status, body["outcome"].as_str()),
+        (200, Some("applied")),
+        "{body}"
+    );
+    gate.stop().await;
+}
+
+async fn a_producers_delivery_applies_and_its_entry_is_in_the_applied_feed(backend: Backend) {
+    let gate = spawn_gate(backend, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    let (status, body) = gate.deliver(&producer, "a-1", &placed("a-1", 1, 5)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body,
+        json!({"outcome": "applied", "aggregateId": "a-1", "messageId": "a-1-m1", "sequence": 1, "superseded": []})
+    );
+    let (status, again) = gate.deliver(&producer, "a-1", &placed("a-1", 1, 5)).await;
+    assert_eq!(
+        (status, again["outcome"].as_str()),
+        (200, Some("replay")),
+        "{again}"
+    );
+    let (_, feed) = gate.read("/v1/aggregates/a-1/applied").await;
+    assert_eq!(feed["messages"][0]["type"], PLACED);
+    assert_eq!(
+        feed["messages"][0]["payload"],
+        json!({"amount": 5, "orderId": "o-1"})
+    );
+    assert_eq!(feed["next"], 1);
+    gate.stop().await;
+}
+
+async fn a_message_ahead_of_its_turn_is_a_gap_and_applies_once_its_predecessor_did(
+    backend: Backend,
+) {
+    let gate = spawn_gate(backend, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    let (status, _) = gate.deliver(&producer, "a-1", &placed("a-1", 1, 5)).await;
+    assert_eq!(status, 200);
+    let (status, gap) = gate.deliver(&producer, "a-1", &placed("a-1", 3, 5)).await;
+    assert_eq!(status, 409, "{gap}");
+    assert_eq!(
+        (gap["outcome"].as_str(), gap["expected"].as_i64()),
+        (Some("gap"), Some(2))
+    );
+    assert_eq!(gap["retryable"], true);
+    let (_, gaps) = gate.read("/v1/aggregates/a-1/gaps").await;
+    assert_eq!(gaps["missing"], json!({"from": 2, "through": 2}), "{gaps}");
+    for sequence in [2, 3] {
+        let (status, body) = gate
+            .deliver(&producer, "a-1", &placed("a-1", sequence, 5))
+            .await;
+        assert_eq!(
+            (status, body["outcome"].as_str()),
+            (200, Some("applied")),
+            "{body}"
+        );
+    }
+    assert_eq!(gate.applied_sequences("a-1").await, vec![1, 2, 3]);
+    gate.stop().await;
+}
+
+async fn a_payload_its_schema_refuses_is_quarantined_with_the_validators_reason(backend: Backend) {
+    let gate = spawn_gate(backend, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    let (status, body) = gate.deliver(&producer, "a-1", &placed("a-1", 1, -5)).await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["outcome"], "quarantined");
+    let reason = body["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.starts_with("payload does not match the schema of 'order.placed': at '/amount'"),
+        "{reason}"
+    );
+    let (status, dead_letters) = gate.read("/v1/deadletters?status=open").await;
+    assert_eq!(status, 200);
+    let dead_letter = &dead_letters["deadLetters"][0];
+    assert_eq!(dead_letter["reason"].as_str(), Some(reason));
+    assert_eq!(
+        dead_letter["payload"],
+        json!({"type": PLACED, "payload": {"orderId": "o-1", "amount": -5}}),
+        "the stored envelope"
+    );
+    assert!(gate.applied_sequences("a-1").await.is_empty());
+    gate.stop().await;
+}
+
+#[tokio::test]
+async fn a_body_over_the_payload_limit_is_413_naming_the_limit() {
+    let options = Options {
+        max_payload_bytes: 512,
+        ..Options::default()
+    };
+    let gate = spawn_gate(Backend::Sqlite, options).await;
+    let producer = gate.producer("orders").await;
+    let mut body = placed("a-1", 1, 5);
+    body["payload"]["note"] = json!("x".repeat(600));
+    let response = gate
+        .deliver_as(&producer, producer.epoch, "a-1", &body)
+        .await;
+    assert_eq!(content_type(&response), "application/problem+json");
+    let (status, problem) = status_and_json(response).await;
+    assert_eq!(status, 413, "{problem}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .is_some_and(|detail| detail.contains("512 bytes")),
+        "{problem}"
+    );
+    let (status, _) = gate.deliver(&producer, "a-1", &placed("a-1", 1, 5)).await;
+    assert_eq!(status, 200, "a body within the limit still applies");
+    gate.stop().await;
+}
+
+#[tokio::test]
+async fn a_request_shape_error_names_the_member_that_is_wrong() {
+    let gate = spawn_gate(Backend::Sqlite, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    for (body, member) in [
+        (
+            json!({"messageId": "m", "sequence": 0, "type": PLACED, "payload": {}}),
+            "sequence",
+        ),
+        (
+            json!({"messageId": "m", "sequence": 1, "type": "has space", "payload": {}}),
+            "type",
+        ),
+        (
+            json!({"messageId": "m", "sequence": 1, "type": PLACED}),
+            "payload",
+        ),
+        (
+            json!({"messageId": "", "sequence": 1, "type": PLACED, "payload": {}}),
+            "messageId",
+        ),
+    ] {
+        let (status, problem) = gate.deliver(&producer, "a-1", &body).await;
+        assert_eq!(status, 400, "{problem}");
+        assert!(
+            problem["detail"]
+                .as_str()
+                .is_some_and(|detail| detail.contains(member)),
+            "{member}: {problem}"
+        );
+    }
+    gate.stop().await;
+}
+
+async fn a_delivery_under_a_fenced_epoch_is_refused_and_writes_nothing(backend: Backend) {
+    let gate = spawn_gate(backend, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    let newer = gate.session(&producer.token).await;
+    assert_eq!(newer, producer.epoch + 1);
+    let response = gate
+        .deliver_as(&producer, producer.epoch, "a-1", &placed("a-1", 1, 5))
+        .await;
+    assert_eq!(content_type(&response), "application/problem+json");
+    let (status, problem) = status_and_json(response).await;
+    assert_eq!(status, 409, "{problem}");
+    assert_eq!(problem["outcome"], "fenced");
+    assert_eq!(problem["currentEpoch"], newer);
+    assert!(gate.applied_sequences("a-1").await.is_empty());
+    gate.stop().await;
+}
+
+#[tokio::test]
+async fn a_producer_over_its_rate_gets_429_with_a_retry_after_of_whole_seconds() {
+    let options = Options {
+        rate: rate(1, 2),
+        ..Options::default()
+    };
+    let gate = spawn_gate(Backend::Sqlite, options).await;
+    let producer = gate.producer("orders").await;
+    for sequence in [1, 2] {
+        let (status, body) = gate
+            .deliver(&producer, "a-1", &placed("a-1", sequence, 5))
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let response = gate
+        .deliver_as(&producer, producer.epoch, "a-1", &placed("a-1", 3, 5))
+        .await;
+    assert_eq!(response.status(), 429);
+    let retry_after: u64 = response
+        .headers()
+        .get("retry-after")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse().ok())
+        .expect("a Retry-After in whole seconds");
+    assert!(retry_after >= 1);
+    let (_, problem) = status_and_json(response).await;
+    assert_eq!(problem["outcome"], "rate limited");
+    assert_eq!(gate.applied_sequences("a-1").await, vec![1, 2]);
+    gate.stop().await;
+}
+
+#[tokio::test]
+async fn reader_routes_answer_401_without_a_token_and_200_with_a_readers_or_an_operators() {
+    let gate = spawn_gate(Backend::Sqlite, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    gate.deliver(&producer, "a-1", &placed("a-1", 1, 5)).await;
+    let routes = [
+        "/v1/aggregates?status=flowing",
+        "/v1/aggregates/a-1",
+        "/v1/aggregates/a-1/timeline",
+        "/v1/aggregates/a-1/gaps",
+        "/v1/aggregates/a-1/applied",
+        "/v1/deadletters",
+        "/v1/resolutions",
+    ];
+    for route in routes {
+        let anonymous = gate
+            .client
+            .get(gate.url(route))
+            .send()
+            .await
+            .expect("a read");
+        assert_eq!(anonymous.status(), 401, "{route}");
+        assert!(
+            anonymous.headers().contains_key("www-authenticate"),
+            "{route}"
+        );
+        let wrong = gate
+            .client
+            .get(gate.url(route))
+            .bearer_auth("not-a-token")
+            .send()
+            .await
+            .expect("a read");
+        assert_eq!(wrong.status(), 401, "{route}");
+        let (status, body) = gate.read(route).await;
+        assert_eq!(status, 200, "{route}: {body}");
+        let (status, body) = gate.as_operator(reqwest::Method::GET, route, None).await;
+        assert_eq!(status, 200, "{route}: {body}");
+    }
+    let (_, inventory) = gate.read("/v1/aggregates?status=flowing").await;
+    assert_eq!(
+        inventory["aggregates"][0]["aggregateId"], "a-1",
+        "{inventory}"
+    );
+    let (_, aggregate) = gate.read("/v1/aggregates/a-1").await;
+    assert_eq!(aggregate["owner"]["producer"], "orders", "{aggregate}");
+    let (status, _) = status_and_json(
+        gate.client
+            .get(gate.url("/v1/producers"))
+            .bearer_auth(READER_TOKEN)
+            .send()
+            .await
+            .expect("a read"),
+    )
+    .await;
+    assert_eq!(status, 401, "a reader does not administer");
+    gate.stop().await;
+}
+
+async fn an_operators_replacement_applies_the_quarantined_message_and_the_held_back_next_then_applies(
+    backend: Backend,
+) {
+    let gate = spawn_gate(backend, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    let (status, _) = gate.deliver(&producer, "a-1", &placed("a-1", 1, -5)).await;
+    assert_eq!(status, 422);
+    let (status, held_back) = gate.deliver(&producer, "a-1", &placed("a-1", 2, 5)).await;
+    assert_eq!(
+        status, 409,
+        "the aggregate waits for its sequence 1: {held_back}"
+    );
+    let decision = json!({
+        "action": "replace",
+        "expectedLast": 0,
+        "reason": "the amount was negated upstream",
+        "replacement": {"type": PLACED, "payload": {"orderId": "o-1", "amount": 5}},
+    });
+    let (status, resolved) = gate
+        .as_operator(
+            reqwest::Method::POST,
+            "/v1/deadletters/resolution?messageId=a-1-m1&producer=orders",
+            Some(decision),
+        )
+        .await;
+    assert_eq!(status, 200, "{resolved}");
+    assert_eq!(resolved["outcome"], "resolved");
+    assert_eq!(resolved["operator"], "ops");
+    assert_eq!(resolved["replacement"]["messageId"], "a-1-m1:replaced");
+    let (status, body) = gate.deliver(&producer, "a-1", &placed("a-1", 2, 5)).await;
+    assert_eq!(
+        (status, body["outcome"].as_str()),
+        (200, Some("applied")),
+        "{body}"
+    );
+    let (_, feed) = gate.read("/v1/aggregates/a-1/applied").await;
+    assert_eq!(sequences(&feed), vec![1, 2]);
+    assert_eq!(feed["messages"][0]["messageId"], "a-1-m1:replaced");
+    assert_eq!(feed["messages"][0]["payload"]["amount"], 5);
+    let (_, trail) = gate.read("/v1/resolutions").await;
+    assert_eq!(trail["resolutions"][0]["action"], "replace", "{trail}");
+    gate.stop().await;
+}
+
+async fn the_applied_feed_long_poll_answers_as_soon_as_a_message_applies_and_after_pages_on(
+    backend: Backend,
+) {
+    let gate = Arc::new(spawn_gate(backend, Options::default()).await);
+    let producer = gate.producer("orders").await;
+    let poll = tokio::spawn({
+        let gate = gate.clone();
+        async move {
+            gate.read("/v1/aggregates/a-1/applied?after=0&waitMs=20000")
+                .await
+        }
+    });
+    // Deliver only once the gate holds the poll's request.
+    poll_until(
+        "the gate received the long poll",
+        || async { gate.long_polls_received.load(Ordering::SeqCst) },
+        |received| *received >= 1,
+    )
+    .await;
+    assert!(!poll.is_finished(), "nothing applied yet: the poll waits");
+    let started = tokio::time::Instant::now();
+    let (status, _) = gate.deliver(&producer, "a-1", &placed("a-1", 1, 5)).await;
+    assert_eq!(status, 200);
+    let (status, feed) = poll.await.expect("the poll");
+    assert_eq!(status, 200, "{feed}");
+    assert_eq!(sequences(&feed), vec![1], "{feed}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "answered when the message applied, not at the wait's end"
+    );
+    for sequence in [2, 3] {
+        gate.deliver(&producer, "a-1", &placed("a-1", sequence, 5))
+            .await;
+    }
+    let (_, page) = gate
+        .read("/v1/aggregates/a-1/applied?after=1&limit=1")
+        .await;
+    assert_eq!(
+        (sequences(&page), page["next"].as_i64()),
+        (vec![2], Some(2))
+    );
+    let (_, page) = gate
+        .read("/v1/aggregates/a-1/applied?after=2&waitMs=1")
+        .await;
+    assert_eq!(
+        (sequences(&page), page["next"].as_i64()),
+        (vec![3], Some(3))
+    );
+    let (_, empty) = gate
+        .read("/v1/aggregates/a-1/applied?after=3&waitMs=50")
+        .await;
+    assert_eq!(
+        (sequences(&empty), empty["next"].as_i64()),
+        (vec![], Some(3))
+    );
+    let (status, _) = gate.read("/v1/aggregates/a-1/applied?waitMs=30001").await;
+    assert_eq!(status, 400);
+    if let Ok(gate) = Arc::try_unwrap(gate) {
+        gate.stop().await;
+    }
+}
+
+async fn sixteen_concurrent_producer_tasks_never_see_a_5xx_and_the_feed_is_exactly_one_to_n(
+    backend: Backend,
+) {
+    const TASKS: i64 = 16;
+    const EACH: i64 = 4;
+    let gate = Arc::new(spawn_gate(backend, Options::default()).await);
+    let producer = Arc::new(gate.producer("orders").await);
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|task| {
+            let (gate, producer) = (gate.clone(), producer.clone());
+            tokio::spawn(async move {
+                for round in 0..EACH {
+                    deliver_until_applied(&gate, &producer, round * TASKS + task + 1).await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("a producer task");
+    }
+    let expected: Vec<i64> = (1..=TASKS * EACH).collect();
+    assert_eq!(gate.applied_sequences("a-1").await, expected);
+    if let Ok(gate) = Arc::try_unwrap(gate) {
+        gate.stop().await;
+    }
+}
+
+/// Delivers `sequence` of `a-1` until it applies; after a gap it waits, on the applied feed's
+/// long poll, for the sequence before it.
+async fn deliver_until_applied(gate: &TestGate, producer: &Producer, sequence: i64) {
+    loop {
+        let (status, body) = gate
+            .deliver(producer, "a-1", &placed("a-1", sequence, 1))
+            .await;
+        assert!(status < 500, "{status}: {body}");
+        match body["outcome"].as_str() {
+            Some("applied") | Some("replay") => return,
+            Some("gap") => {
+                let previous = sequence - 1;
+                let path = format!(
+                    "/v1/aggregates/a-1/applied?after={}&limit=1&waitMs=5000",
+                    previous - 1
+                );
+                let (status, feed) = gate.read(&path).await;
+                assert_eq!(status, 200, "{feed}");
+            }
+            _ => panic!("{status}: {body}"),
+        }
+    }
+}
