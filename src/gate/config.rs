@@ -22,7 +22,7 @@ use serde_json::Value;
 
 use crate::config::{ConnectionLimits, MAX_REQUEST_BODY_BYTES};
 use crate::gate::schemas::MessageTypes;
-use crate::http::tls::{self, TlsError, TlsFiles};
+use crate::http::tls::{self, TlsFiles};
 use crate::observe::LogFormat;
 
 /// Everything `production-lab gate` runs with, checked.
@@ -575,18 +575,11 @@ impl<'a> Checker<'a> {
         if chain.is_err() || private_key.is_err() {
             return None;
         }
-        match tls::server_config(&files) {
-            Ok(_) => Some(Some(files)),
-            Err(error @ TlsError::Pair { .. }) => {
-                self.error("tls", error.to_string());
-                None
-            }
-            // The files changed between two reads.
-            Err(error) => {
-                self.error("tls", error.to_string());
-                None
-            }
-        }
+        // Both files parse: what is left is the pair (a key that is not the certificate's).
+        tls::server_config(&files)
+            .map_err(|error| self.error("tls", error.to_string()))
+            .ok()
+            .map(|_| Some(files))
     }
 
     /// A required key's value; missing is an error, unless the key was named wrong already.
