@@ -14,6 +14,7 @@ mod contracts;
 mod crash;
 mod gap_notices;
 mod gaps;
+mod gate;
 mod gate_config;
 mod gate_core;
 mod gate_routes;

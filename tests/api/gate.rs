@@ -1,0 +1,720 @@
+//! The gate end to end: the real `production-lab gate` process over TLS (a self-signed
+//! certificate made here, on 127.0.0.1), a private nats-server for its input and output streams,
+//! producers over HTTP and NATS, an operator, and a downstream consumer of the output stream.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use async_nats::jetstream::consumer::DeliverPolicy;
+use async_nats::jetstream::consumer::pull::Config as PullConfig;
+use futures_util::StreamExt;
+use lab_testkit::nats::{NatsServer, subject_for};
+use rand::seq::SliceRandom;
+use serde_json::{Value, json};
+use tempfile::TempDir;
+
+use crate::helpers::{command, poll_until_within};
+
+/// The output stream's subjects and name, and the input's, as the test's config sets them.
+const OUTPUT_PREFIX: &str = "gate.out";
+const OUTPUT_STREAM: &str = "GATE_OUT";
+const INPUT_PREFIX: &str = "gate.in";
+const INPUT_STREAM: &str = "GATE_IN";
+
+const PLACED_SCHEMA: &str = r#"{
+  "$schema": "https://json-schema.org/draft/2020-12/schema",
+  "type": "object",
+  "required": ["orderId", "amount"],
+  "properties": {
+    "orderId": {"type": "string", "minLength": 1},
+    "amount": {"type": "integer", "minimum": 0}
+  }
+}"#;
+
+const SHIPPED_SCHEMA: &str = r#"{
+  "$schema": "https://json-schema.org/draft/2020-12/schema",
+  "type": "object",
+  "required": ["orderId", "carrier"],
+  "properties": {
+    "orderId": {"type": "string", "minLength": 1},
+    "carrier": {"type": "string", "minLength": 1}
+  }
+}"#;
+
+/// A self-signed certificate for 127.0.0.1 and localhost, and an HTTPS client that trusts only
+/// it.
+struct Certificate {
+    certificate_pem: String,
+    key_pem: String,
+}
+
+impl Certificate {
+    fn new() -> Certificate {
+        let made = rcgen::generate_simple_self_signed(vec![
+            "127.0.0.1".to_owned(),
+            "localhost".to_owned(),
+        ])
+        .expect("make a self-signed certificate");
+        Certificate {
+            certificate_pem: made.cert.pem(),
+            key_pem: made.signing_key.serialize_pem(),
+        }
+    }
+
+    fn client(&self) -> reqwest::Client {
+        let mut roots = rustls::RootCertStore::empty();
+        let der = rustls_pki_types::CertificateDer::from_pem_slice(self.certificate_pem.as_bytes())
+            .expect("the certificate's PEM");
+        roots.add(der).expect("trust the certificate");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        reqwest::Client::builder()
+            .use_preconfigured_tls(tls)
+            .no_proxy()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .expect("an HTTPS client")
+    }
+}
+
+use rustls_pki_types::pem::PemObject;
+
+/// The gate's directory: its configuration, schemas, certificate and database.
+struct GateFiles {
+    dir: TempDir,
+}
+
+impl GateFiles {
+    fn new(certificate: &Certificate, nats: &NatsServer) -> GateFiles {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+        write("placed.json", PLACED_SCHEMA);
+        write("shipped.json", SHIPPED_SCHEMA);
+        write("cert.pem", &certificate.certificate_pem);
+        write("key.pem", &certificate.key_pem);
+        write(
+            "gate.toml",
+            &format!(
+                r#"
+[listen]
+address = "127.0.0.1:0"
+
+[tls]
+certificate = "cert.pem"
+key = "key.pem"
+
+[store]
+sqlite = "gate.db"
+
+[nats]
+urls = ["{url}"]
+
+[nats.input]
+stream = "{INPUT_STREAM}"
+subject_prefix = "{INPUT_PREFIX}"
+durable = "gate"
+
+[nats.output]
+stream = "{OUTPUT_STREAM}"
+subject_prefix = "{OUTPUT_PREFIX}"
+
+[types."order.placed"]
+schema = "placed.json"
+
+[types."order.shipped"]
+schema = "shipped.json"
+"#,
+                url = nats.url
+            ),
+        );
+        GateFiles { dir }
+    }
+
+    fn config(&self) -> PathBuf {
+        self.dir.path().join("gate.toml")
+    }
+
+    fn database(&self) -> PathBuf {
+        self.dir.path().join("gate.db")
+    }
+}
+
+/// A running `production-lab gate --config FILE`.
+struct GateProcess {
+    child: Child,
+    /// `https://127.0.0.1:PORT`
+    address: String,
+}
+
+impl GateProcess {
+    /// Starts the gate on `config`; its log lines go to `gate.log` beside the file (a pipe no
+    /// one reads would fill and stall the gate).
+    fn start(config: &Path) -> GateProcess {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(config.with_file_name("gate.log"))
+            .expect("the gate's log file");
+        let mut child = command()
+            .arg("gate")
+            .arg("--config")
+            .arg(config)
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("spawn the gate");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let address = loop {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    if let Some(address) = lab_testkit::server::listening_address(&line) {
+                        break address.to_owned();
+                    }
+                }
+                _ => {
+                    let _ = child.wait();
+                    let log = std::fs::read_to_string(config.with_file_name("gate.log"));
+                    panic!(
+                        "the gate exited before listening: {}",
+                        log.unwrap_or_default()
+                    );
+                }
+            }
+        };
+        // Keep reading so that the gate never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines.map_while(Result::ok) {});
+        GateProcess { child, address }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.address, path)
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for GateProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Adds an operator to the gate's registry with the existing command and returns its token.
+fn add_operator(database: &Path, name: &str) -> String {
+    let output = command()
+        .args(["operator", "add", name, "--database"])
+        .arg(database)
+        .output()
+        .expect("run operator add");
+    assert!(
+        output.status.success(),
+        "operator add failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    token_in(&String::from_utf8_lossy(&output.stdout))
+}
+
+/// The token a registry command printed (the last word of its output).
+fn token_in(output: &str) -> String {
+    output
+        .split_whitespace()
+        .last()
+        .expect("a token in the output")
+        .to_owned()
+}
+
+/// One producer: its name, token and session epoch.
+#[derive(Clone)]
+struct Producer {
+    name: String,
+    token: String,
+    epoch: i64,
+}
+
+async fn add_producer(
+    client: &reqwest::Client,
+    gate: &GateProcess,
+    operator: &str,
+    name: &str,
+) -> Producer {
+    let added = client
+        .post(gate.url("/v1/producers"))
+        .bearer_auth(operator)
+        .json(&json!({ "name": name }))
+        .send()
+        .await
+        .expect("add a producer");
+    assert_eq!(
+        added.status(),
+        201,
+        "{}",
+        added.text().await.unwrap_or_default()
+    );
+    let token = added.json::<Value>().await.unwrap()["token"]
+        .as_str()
+        .expect("the producer's token")
+        .to_owned();
+    let session = client
+        .post(gate.url("/v1/producers/session"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .expect("start a session");
+    assert_eq!(session.status(), 200);
+    let epoch = session.json::<Value>().await.unwrap()["epoch"]
+        .as_i64()
+        .expect("an epoch");
+    Producer {
+        name: name.to_owned(),
+        token,
+        epoch,
+    }
+}
+
+/// One message of the workload.
+#[derive(Debug, Clone)]
+struct Message {
+    aggregate: String,
+    sequence: i64,
+    message_id: String,
+    kind: &'static str,
+    payload: Value,
+}
+
+impl Message {
+    fn body(&self) -> Value {
+        json!({
+            "messageId": self.message_id,
+            "sequence": self.sequence,
+            "type": self.kind,
+            "payload": self.payload,
+        })
+    }
+}
+
+/// `sequences` messages for `aggregate`: placed first, then shipped and placed in turn.
+fn messages_of(aggregate: &str, sequences: i64) -> Vec<Message> {
+    (1..=sequences)
+        .map(|sequence| {
+            let (kind, payload) = if sequence % 2 == 1 {
+                (
+                    "order.placed",
+                    json!({ "orderId": aggregate, "amount": sequence * 10 }),
+                )
+            } else {
+                (
+                    "order.shipped",
+                    json!({ "orderId": aggregate, "carrier": "dhl" }),
+                )
+            };
+            Message {
+                aggregate: aggregate.to_owned(),
+                sequence,
+                message_id: format!("{aggregate}-m{sequence}"),
+                kind,
+                payload,
+            }
+        })
+        .collect()
+}
+
+/// Delivers `message` over HTTPS until the gate has decided it (applied, a replay, or
+/// quarantined); an early one is answered 409 gap and sent again, as a sloppy producer's retry.
+async fn deliver_until_decided(
+    client: &reqwest::Client,
+    gate: &str,
+    producer: &Producer,
+    message: &Message,
+) -> u16 {
+    let url = format!("{gate}/v1/aggregates/{}/messages", message.aggregate);
+    poll_until_within(
+        &format!("{} decided", message.message_id),
+        Duration::from_secs(60),
+        || async {
+            client
+                .post(&url)
+                .bearer_auth(&producer.token)
+                .header("Producer-Epoch", producer.epoch.to_string())
+                .json(&message.body())
+                .send()
+                .await
+                .map(|response| response.status().as_u16())
+                .unwrap_or(0)
+        },
+        |status| matches!(status, 200 | 422),
+    )
+    .await
+}
+
+/// Publishes `message` on the gate's input stream as `producer`.
+async fn publish(js: &jetstream::Context, producer: &Producer, message: &Message) {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(
+        "Nats-Msg-Id",
+        format!("{}/{}", producer.name, message.message_id).as_str(),
+    );
+    headers.insert(
+        "Authorization",
+        format!("Bearer {}", producer.token).as_str(),
+    );
+    headers.insert("Producer-Epoch", producer.epoch.to_string().as_str());
+    js.publish_with_headers(
+        subject_for(INPUT_PREFIX, &message.aggregate),
+        headers,
+        message.body().to_string().into(),
+    )
+    .await
+    .expect("publish")
+    .await
+    .expect("PubAck");
+}
+
+/// What a downstream consumer read from the output stream: per aggregate the sequences in the
+/// order they arrived, with their bodies, and every `Nats-Msg-Id`.
+#[derive(Debug, Default)]
+struct Output {
+    by_aggregate: BTreeMap<String, Vec<(i64, Value)>>,
+    ids: Vec<String>,
+}
+
+/// Reads the whole output stream from its start with an ordered view of it.
+async fn read_output(js: &jetstream::Context) -> Output {
+    let Ok(mut stream) = js.get_stream(OUTPUT_STREAM).await else {
+        return Output::default();
+    };
+    let pending = stream
+        .info()
+        .await
+        .map(|info| info.state.messages)
+        .unwrap_or(0);
+    let mut output = Output::default();
+    if pending == 0 {
+        return output;
+    }
+    let consumer = stream
+        .create_consumer(PullConfig {
+            deliver_policy: DeliverPolicy::All,
+            filter_subject: format!("{OUTPUT_PREFIX}.>"),
+            ..Default::default()
+        })
+        .await
+        .expect("a consumer of the output stream");
+    let mut messages = consumer
+        .fetch()
+        .max_messages(pending as usize)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .expect("fetch the output");
+    while let Some(Ok(message)) = messages.next().await {
+        let id = message
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get("Nats-Msg-Id"))
+            .map(|value| value.as_str().to_owned())
+            .unwrap_or_default();
+        let body: Value = serde_json::from_slice(&message.payload).expect("an output body");
+        let aggregate = body["aggregateId"].as_str().unwrap_or_default().to_owned();
+        let sequence = body["sequence"].as_i64().unwrap_or_default();
+        assert_eq!(
+            id,
+            format!("{aggregate}:{sequence}"),
+            "the output's Nats-Msg-Id"
+        );
+        output.ids.push(id);
+        output
+            .by_aggregate
+            .entry(aggregate)
+            .or_default()
+            .push((sequence, body));
+        let _ = message.ack().await;
+    }
+    output
+}
+
+/// Every aggregate's output is exactly 1..=n in order, with no id twice.
+fn assert_in_order_once(output: &Output, expected: &BTreeMap<String, i64>) {
+    let distinct: HashSet<&String> = output.ids.iter().collect();
+    assert_eq!(
+        distinct.len(),
+        output.ids.len(),
+        "a duplicate in the output stream"
+    );
+    for (aggregate, last) in expected {
+        let sequences: Vec<i64> = output
+            .by_aggregate
+            .get(aggregate)
+            .map(|entries| entries.iter().map(|(sequence, _)| *sequence).collect())
+            .unwrap_or_default();
+        assert_eq!(
+            sequences,
+            (1..=*last).collect::<Vec<_>>(),
+            "the output of {aggregate}"
+        );
+    }
+}
+
+async fn output_count(js: &jetstream::Context) -> u64 {
+    match js.get_stream(OUTPUT_STREAM).await {
+        Ok(mut stream) => stream
+            .info()
+            .await
+            .map(|info| info.state.messages)
+            .unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_sloppy_producers_over_https_and_nats_come_out_once_and_in_order_after_an_operator_replaces_a_poison()
+ {
+    let nats = crate::broker::start_nats(None);
+    let certificate = Certificate::new();
+    let files = GateFiles::new(&certificate, &nats);
+    let gate = GateProcess::start(&files.config());
+    assert!(
+        gate.address.starts_with("https://127.0.0.1:"),
+        "{}",
+        gate.address
+    );
+    let client = certificate.client();
+    let operator = add_operator(&files.database(), "alice");
+    let mut producers = Vec::new();
+    for name in ["billing", "shop", "warehouse"] {
+        producers.push(add_producer(&client, &gate, &operator, name).await);
+    }
+    let js = crate::broker::jetstream_of(&nats).await;
+
+    // Six orders of eight messages, two orders per producer; order-2's third message fails its
+    // schema (a negative amount).
+    let mut expected = BTreeMap::new();
+    let mut work = Vec::new();
+    for index in 0..6 {
+        let aggregate = format!("order-{index}");
+        let producer = producers[index % 3].clone();
+        let mut messages = messages_of(&aggregate, 8);
+        if index == 2 {
+            messages[2].payload = json!({ "orderId": aggregate, "amount": -5 });
+        }
+        expected.insert(aggregate, 8);
+        for message in messages {
+            work.push((producer.clone(), message));
+        }
+    }
+    // Shuffled and duplicated; odd sequences over NATS (held when early), even over HTTPS
+    // (retried when early).
+    let mut sends: Vec<_> = work.iter().chain(work.iter()).cloned().collect();
+    sends.shuffle(&mut rand::rng());
+    let mut http = tokio::task::JoinSet::new();
+    for (producer, message) in sends {
+        if message.sequence % 2 == 1 {
+            publish(&js, &producer, &message).await;
+        } else {
+            let (client, gate) = (client.clone(), gate.address.clone());
+            http.spawn(
+                async move { deliver_until_decided(&client, &gate, &producer, &message).await },
+            );
+        }
+    }
+
+    // The poison is quarantined with the schema's first error; the operator replaces it.
+    let dead = poll_until_within(
+        "order-2's third message quarantined",
+        Duration::from_secs(30),
+        || async {
+            let response = client
+                .get(gate.url("/v1/deadletters"))
+                .bearer_auth(&operator)
+                .send()
+                .await
+                .unwrap();
+            response.json::<Value>().await.unwrap_or(Value::Null)
+        },
+        |page| {
+            page["deadLetters"]
+                .as_array()
+                .is_some_and(|items| !items.is_empty())
+        },
+    )
+    .await;
+    let dead = &dead["deadLetters"][0];
+    assert_eq!(dead["messageId"], "order-2-m3", "{dead}");
+    let reason = dead["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("/amount"),
+        "the schema's error names the path: {reason}"
+    );
+    // order-2 is the third producer's.
+    assert_eq!(dead["producer"], "warehouse", "{dead}");
+    let resolved = client
+        .post(gate.url("/v1/deadletters/resolution?messageId=order-2-m3&producer=warehouse"))
+        .bearer_auth(&operator)
+        .json(&json!({
+            "action": "replace",
+            "expectedLast": 2,
+            "reason": "the amount was a refund: corrected",
+            "replacement": { "type": "order.placed", "payload": { "orderId": "order-2", "amount": 5 } }
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resolved.status(),
+        200,
+        "{}",
+        resolved.text().await.unwrap_or_default()
+    );
+
+    while let Some(status) = http.join_next().await {
+        let status = status.expect("a producer task");
+        assert!(matches!(status, 200 | 422), "a delivery answered {status}");
+    }
+    let total: i64 = expected.values().sum();
+    poll_until_within(
+        "every message in the output stream",
+        Duration::from_secs(60),
+        || output_count(&js),
+        |count| *count >= total as u64,
+    )
+    .await;
+    let output = read_output(&js).await;
+    assert_in_order_once(&output, &expected);
+    let replaced = &output.by_aggregate["order-2"][2].1;
+    assert_eq!(
+        replaced["payload"]["amount"], 5,
+        "the replacement is what comes out: {replaced}"
+    );
+    assert_eq!(replaced["type"], "order.placed");
+
+    // Nothing of the lab is there, even for an operator.
+    for (method, path) in [
+        ("POST", "/ordered/apply"),
+        ("GET", "/ordered/state"),
+        ("GET", "/lab/cache"),
+        ("POST", "/outbox/ack/1"),
+        ("GET", "/aggregates/order-1"),
+        ("GET", "/console"),
+    ] {
+        let response = client
+            .request(method.parse().unwrap(), gate.url(path))
+            .bearer_auth(&operator)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 404, "{method} {path}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gate_killed_mid_load_and_restarted_still_emits_every_accepted_message_once_and_in_order()
+{
+    let nats = crate::broker::start_nats(None);
+    let certificate = Certificate::new();
+    let files = GateFiles::new(&certificate, &nats);
+    let gate = GateProcess::start(&files.config());
+    let client = certificate.client();
+    let operator = add_operator(&files.database(), "alice");
+    let producer = add_producer(&client, &gate, &operator, "shop").await;
+    let js = crate::broker::jetstream_of(&nats).await;
+
+    // Four orders of 60 messages, each order sent in sequence by its own task; the gate is
+    // killed once a third of them were acknowledged.
+    let expected: BTreeMap<String, i64> = (0..4).map(|i| (format!("order-{i}"), 60)).collect();
+    let acknowledged = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut senders = tokio::task::JoinSet::new();
+    for aggregate in expected.keys() {
+        let (client, url, producer) = (client.clone(), gate.address.clone(), producer.clone());
+        let (messages, acknowledged) = (messages_of(aggregate, 60), acknowledged.clone());
+        senders.spawn(async move {
+            for message in &messages {
+                let answered = client
+                    .post(format!(
+                        "{url}/v1/aggregates/{}/messages",
+                        message.aggregate
+                    ))
+                    .bearer_auth(&producer.token)
+                    .header("Producer-Epoch", producer.epoch.to_string())
+                    .json(&message.body())
+                    .send()
+                    .await;
+                match answered {
+                    Ok(response) if response.status() == 200 => {
+                        acknowledged.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    // The gate is gone: this producer stops here and resends after the restart.
+                    _ => break,
+                }
+            }
+        });
+    }
+    poll_until_within(
+        "a third of the messages acknowledged",
+        Duration::from_secs(60),
+        || async { acknowledged.load(std::sync::atomic::Ordering::SeqCst) },
+        |count| *count >= 80,
+    )
+    .await;
+    gate.kill();
+    while senders.join_next().await.is_some() {}
+    let before_restart = acknowledged.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        before_restart < 240,
+        "the kill came before the end of the load"
+    );
+
+    // The producers resend everything from the start: what was applied is a replay.
+    let gate = GateProcess::start(&files.config());
+    for aggregate in expected.keys() {
+        for message in messages_of(aggregate, 60) {
+            let status = deliver_until_decided(&client, &gate.address, &producer, &message).await;
+            assert_eq!(status, 200, "{}", message.message_id);
+        }
+    }
+    poll_until_within(
+        "every message in the output stream",
+        Duration::from_secs(60),
+        || output_count(&js),
+        |count| *count >= 240,
+    )
+    .await;
+    let output = read_output(&js).await;
+    assert_in_order_once(&output, &expected);
+}
+
+#[tokio::test]
+async fn a_gate_off_loopback_without_tls_refuses_to_start_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("placed.json"), PLACED_SCHEMA).unwrap();
+    std::fs::write(
+        dir.path().join("gate.toml"),
+        "[listen]\naddress = \"0.0.0.0:0\"\n\n[types.\"order.placed\"]\nschema = \"placed.json\"\n",
+    )
+    .unwrap();
+    let output = command()
+        .arg("gate")
+        .arg("--config")
+        .arg(dir.path().join("gate.toml"))
+        .output()
+        .expect("run the gate");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("tls"), "{stderr}");
+    assert!(
+        !dir.path().join("gate.db").exists(),
+        "nothing was created: {stderr}"
+    );
+}
