@@ -62,6 +62,10 @@ pub use routes::routes;
 /// The counters' name of a delivery the inbox's handler failed (nak'd, to be delivered again).
 pub const HANDLER_FAILED: &str = "handler failed";
 
+/// The counters' and the rejected list's name of a message without a producer's credential that
+/// a consumer refusing anonymous writes terminated.
+pub const ANONYMOUS_REFUSED: &str = "anonymous refused";
+
 /// The longest back-off a nak asks for.
 const MAX_NAK_DELAY: Duration = Duration::from_secs(30);
 /// How long one waiting pull request stays open when nothing is pending; it also bounds how long
@@ -263,6 +267,9 @@ pub struct Consumer {
     consumer: PullConsumer,
     notices: Arc<notices::GapNotifier>,
     body: BodyReader,
+    /// Whether a message without a producer's credential is delivered (the lab's door) or
+    /// refused (the gate, unless its configuration allows anonymous writes).
+    anonymous: bool,
 }
 
 impl Consumer {
@@ -323,6 +330,7 @@ impl Consumer {
             consumer,
             notices,
             body: crate::inbox::input::general_message,
+            anonymous: true,
         })
     }
 
@@ -335,6 +343,12 @@ impl Consumer {
     /// JSON.
     pub fn with_body_reader(self, body: BodyReader) -> Consumer {
         Consumer { body, ..self }
+    }
+
+    /// The same consumer refusing every message without a producer's credential (listed as
+    /// rejected and terminated, never delivered) unless `anonymous`.
+    pub fn with_anonymous_writes(self, anonymous: bool) -> Consumer {
+        Consumer { anonymous, ..self }
     }
 
     /// The start-up line that says what is consumed.
@@ -543,7 +557,20 @@ impl Consumer {
             &header_values(message, wire::PRODUCER_EPOCH_HEADER),
         );
         let credential = match credential {
-            Ok(None) => return Ok(None),
+            Ok(None) if self.anonymous => return Ok(None),
+            Ok(None) => {
+                rejections.push(rejected(
+                    message,
+                    ANONYMOUS_REFUSED,
+                    header_id.clone(),
+                    aggregate_of(),
+                    None,
+                    "anonymous writes are off: send Authorization: Bearer TOKEN and Producer-Epoch"
+                        .to_owned(),
+                ));
+                self.count_outcome(ANONYMOUS_REFUSED);
+                return Err(Action::Term);
+            }
             Ok(Some(credential)) => credential,
             Err(reason) => {
                 if let Some(metrics) = self.lab.inner.metrics.get() {

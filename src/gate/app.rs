@@ -99,7 +99,16 @@ impl GateApplication {
         ));
         let wake = Arc::new(Notify::new());
         let nats = match &config.nats {
-            Some(settings) => Some(Nats::connect(settings, &stores, &metrics, wake.clone()).await?),
+            Some(settings) => Some(
+                Nats::connect(
+                    settings,
+                    &stores,
+                    &metrics,
+                    config.auth.anonymous_writes,
+                    wake.clone(),
+                )
+                .await?,
+            ),
             None => None,
         };
         let (listener, address) = bind(config.listen.address).await?;
@@ -314,6 +323,7 @@ impl Nats {
         settings: &GateNats,
         stores: &Stores,
         metrics: &Metrics,
+        anonymous_writes: bool,
         wake: Arc<Notify>,
     ) -> Result<Nats, StartupError> {
         let mut input = BrokerConfig::new("nats://127.0.0.1:4222")?;
@@ -325,7 +335,8 @@ impl Nats {
         let consumer = Consumer::connect(input, BrokerLab::with_metrics(metrics.clone()))
             .await
             .map_err(|error| StartupError::Gate(format!("nats.input: {error}")))?
-            .with_body_reader(gate_message);
+            .with_body_reader(gate_message)
+            .with_anonymous_writes(anonymous_writes);
         let client = consumer.client();
         let publisher = Publisher::new(
             stores.output.clone(),
@@ -412,26 +423,28 @@ async fn bind(requested: SocketAddr) -> Result<(TcpListener, SocketAddr), Startu
     Ok((listener, address))
 }
 
-/// `production-lab gate --config FILE` once the file is valid: logs, the gate, until SIGTERM or
-/// Ctrl+C.
+/// `production-lab gate --config FILE` once the file is valid: the gate, until SIGTERM or
+/// Ctrl+C. The signal handlers are installed before anything starts, so a SIGTERM that arrives
+/// while the gate is still opening its store is a graceful stop too, not the default action.
 pub async fn run(config: GateConfig) -> anyhow::Result<()> {
+    let stop = shutdown_signal()?;
     let application = GateApplication::build(config).await?;
-    application.run_until_stopped(shutdown_signal()).await?;
+    application.run_until_stopped(stop).await?;
     Ok(())
 }
 
-/// SIGTERM (a supervisor's stop) or Ctrl+C.
-async fn shutdown_signal() {
+/// Resolves at SIGTERM (a supervisor's stop) or Ctrl+C; both handlers installed now.
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut terminate) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = terminate.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            return;
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let interrupt = tokio::signal::ctrl_c();
+    Ok(async move {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt => {}
         }
-    }
-    let _ = tokio::signal::ctrl_c().await;
+        #[cfg(not(unix))]
+        let _ = interrupt.await;
+    })
 }

@@ -718,3 +718,84 @@ async fn a_gate_off_loopback_without_tls_refuses_to_start_naming_the_key() {
         "nothing was created: {stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anonymous_nats_message_is_refused_and_listed_while_anonymous_writes_are_off() {
+    let nats = crate::broker::start_nats(None);
+    let certificate = Certificate::new();
+    let files = GateFiles::new(&certificate, &nats);
+    let gate = GateProcess::start(&files.config());
+    let client = certificate.client();
+    let operator = add_operator(&files.database(), "alice");
+    let js = crate::broker::jetstream_of(&nats).await;
+    let message = &messages_of("order-anon", 1)[0];
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", message.message_id.as_str());
+    js.publish_with_headers(
+        subject_for(INPUT_PREFIX, &message.aggregate),
+        headers,
+        message.body().to_string().into(),
+    )
+    .await
+    .expect("publish")
+    .await
+    .expect("PubAck");
+
+    let listed = poll_until_within(
+        "the anonymous message in the rejected list",
+        Duration::from_secs(20),
+        || async {
+            let response = client
+                .get(gate.url("/v1/rejected"))
+                .bearer_auth(&operator)
+                .send()
+                .await
+                .unwrap();
+            response.json::<Value>().await.unwrap_or(Value::Null)
+        },
+        |page| {
+            page["rejected"]
+                .as_array()
+                .is_some_and(|items| !items.is_empty())
+        },
+    )
+    .await;
+    let entry = &listed["rejected"][0];
+    assert_eq!(entry["outcome"], "anonymous refused", "{entry}");
+    assert_eq!(entry["aggregateId"], "order-anon", "{entry}");
+    let aggregate = client
+        .get(gate.url("/v1/aggregates/order-anon"))
+        .bearer_auth(&operator)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(aggregate.status(), 404, "nothing was written for it");
+    assert_eq!(output_count(&js).await, 0, "nothing came out");
+}
+
+#[tokio::test]
+async fn sigterm_lets_the_gate_finish_and_exit_cleanly() {
+    let nats = crate::broker::start_nats(None);
+    let certificate = Certificate::new();
+    let files = GateFiles::new(&certificate, &nats);
+    let mut gate = GateProcess::start(&files.config());
+    let client = certificate.client();
+    let live = client.get(gate.url("/live")).send().await.unwrap();
+    assert_eq!(live.status(), 200);
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &gate.child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+    let exited = poll_until_within(
+        "the gate exits after SIGTERM",
+        Duration::from_secs(15),
+        || {
+            let exited = gate.child.try_wait().ok().flatten();
+            async move { exited }
+        },
+        Option::is_some,
+    )
+    .await;
+    assert!(exited.is_some_and(|status| status.success()), "{exited:?}");
+}

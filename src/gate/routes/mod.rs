@@ -3,6 +3,8 @@
 //! - [`messages`]: a producer's delivery and its verdict, a producer's new session;
 //! - [`views`]: the evidence a reader reads (aggregates, timeline, gaps, dead letters, the audit
 //!   trail);
+//! - [`dead_letter`]: one dead letter, named in the query;
+//! - [`rejected`]: the NATS deliveries terminated without a verdict;
 //! - [`feed`]: an aggregate's applied messages as the gate emits them, with a long poll;
 //! - [`resolution`]: an operator's audited resolution of a dead letter or a gap;
 //! - [`registry`]: operators add and revoke producers and operators;
@@ -11,10 +13,12 @@
 //! Every handler takes only the parts it uses ([`FromRef`] of [`GateState`]); the library
 //! decides, these modules word the answers.
 
+mod dead_letter;
 mod feed;
 mod messages;
 mod owner;
 mod registry;
+mod rejected;
 mod resolution;
 mod verdicts;
 mod views;
@@ -105,6 +109,8 @@ pub fn router(state: GateState) -> (Router, Document) {
     let (routes, mut document) = OpenApiRouter::with_openapi(GateDoc::openapi())
         .merge(messages::routes(body_limit))
         .merge(views::routes())
+        .merge(dead_letter::routes())
+        .merge(rejected::routes())
         .merge(feed::routes())
         .merge(resolution::routes(body_limit))
         .merge(registry::routes())
