@@ -1,0 +1,75 @@
+//! One dead letter, for a reader: `GET /v1/deadletter?messageId=[&producer=]`, the record with
+//! its lifecycle and resolution. The id is named in the query, not the path: a message id may be
+//! `.` or `..`, which a browser drops from a path before sending, so the console could not
+//! address such a dead letter by path.
+
+use axum::extract::{FromRef, State};
+use axum::http::StatusCode;
+use axum::response::Response;
+use ordered_inbox::views::DeadLetterView;
+use serde::Deserialize;
+use serde_json::json;
+use utoipa::IntoParams;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::gate::auth::{Access, Reader};
+use crate::http::error::{AppError, Query, json_response};
+use crate::inbox::SharedInbox;
+use crate::inbox::input::{identity_words, producer_namespace, validate_message_id};
+
+pub(super) fn routes<S>() -> OpenApiRouter<S>
+where
+    S: Clone + Send + Sync + 'static,
+    SharedInbox: FromRef<S>,
+    Access: FromRef<S>,
+{
+    OpenApiRouter::new().routes(routes!(dead_letter))
+}
+
+/// A dead letter's identity: its message id, and its producer when a producer delivered it.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(rename_all = "camelCase")]
+struct NamedDeadLetter {
+    /// The dead letter's message id (any the doors accept, `.` and `..` included).
+    #[param(min_length = 1, max_length = 100)]
+    message_id: String,
+    /// The producer whose message id it is; absent for an anonymous delivery's dead letter.
+    #[param(min_length = 1, max_length = 64)]
+    producer: Option<String>,
+}
+
+/// `GET /v1/deadletter?messageId=[&producer=]`.
+#[utoipa::path(get, path = "/v1/deadletter", tag = "evidence", params(NamedDeadLetter),
+    security(("reader" = []), ("operator" = [])),
+    responses(
+        (status = 200, description = "The dead letter with its lifecycle and resolution", body = DeadLetterView),
+        (status = 400, response = crate::http::openapi::BadRequest),
+        (status = 401, description = "No reader's or operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No dead letter has this identity", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+        (status = 500, response = crate::http::openapi::StoreFailed),
+        (status = 503, response = crate::http::openapi::StoreUnavailable),
+    ))]
+async fn dead_letter(
+    _reader: Reader,
+    State(inbox): State<SharedInbox>,
+    Query(named): Query<NamedDeadLetter>,
+) -> Result<Response, AppError> {
+    validate_message_id("messageId", &named.message_id)?;
+    let producer = producer_namespace(named.producer)?;
+    match inbox
+        .dead_letter(producer.clone(), named.message_id.clone())
+        .await?
+    {
+        Some(view) => Ok(json_response(StatusCode::OK, json!(view))),
+        None => Err(AppError::problem_with_detail(
+            StatusCode::NOT_FOUND,
+            "No such dead letter",
+            format!(
+                "no dead letter has {}",
+                identity_words(producer.as_deref(), &named.message_id)
+            ),
+        )),
+    }
+}
