@@ -406,6 +406,7 @@ fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) ->
         security: None,
     };
     v1.merge(health::routes(health, config.metrics.public))
+        .merge(super::console::routes())
         .layer(middleware::from_fn_with_state(
             edge,
             crate::observe::http::edge,

@@ -17,11 +17,13 @@
 //! - [`auth`]: producer, reader and operator credentials as extractors; producers' rate limits;
 //! - [`routes`]: the `/v1` routes and their OpenAPI document;
 //! - [`health`]: `/live`, `/ready` and `/metrics`, without a token;
+//! - [`console`]: the operator's console, static pages calling the `/v1` routes with a token;
 //! - [`app`]: `GateApplication::build` and its run until SIGTERM.
 
 pub mod app;
 pub mod auth;
 pub mod config;
+pub mod console;
 pub mod handler;
 pub mod health;
 pub mod output;
