@@ -149,7 +149,7 @@ schema = "shipped.json"
 }
 
 /// A running `production-lab gate --config FILE`.
-struct GateProcess {
+pub(crate) struct GateProcess {
     child: Child,
     /// `https://127.0.0.1:PORT`
     address: String,
@@ -158,7 +158,7 @@ struct GateProcess {
 impl GateProcess {
     /// Starts the gate on `config`; its log lines go to `gate.log` beside the file (a pipe no
     /// one reads would fill and stall the gate).
-    fn start(config: &Path) -> GateProcess {
+    pub(crate) fn start(config: &Path) -> GateProcess {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -196,7 +196,7 @@ impl GateProcess {
         GateProcess { child, address }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("{}{}", self.address, path)
     }
 
@@ -214,7 +214,7 @@ impl Drop for GateProcess {
 }
 
 /// Adds an operator to the gate's registry with the existing command and returns its token.
-fn add_operator(database: &Path, name: &str) -> String {
+pub(crate) fn add_operator(database: &Path, name: &str) -> String {
     let output = command()
         .args(["operator", "add", name, "--database"])
         .arg(database)
@@ -607,7 +607,9 @@ async fn three_sloppy_producers_over_https_and_nats_come_out_once_and_in_order_a
         ("GET", "/lab/cache"),
         ("POST", "/outbox/ack/1"),
         ("GET", "/aggregates/order-1"),
-        ("GET", "/console"),
+        ("GET", "/console/labs"),
+        ("GET", "/console/events"),
+        ("GET", "/console/assets/lesson.js"),
     ] {
         let response = client
             .request(method.parse().unwrap(), gate.url(path))

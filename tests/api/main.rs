@@ -16,6 +16,7 @@ mod gap_notices;
 mod gaps;
 mod gate;
 mod gate_config;
+mod gate_console;
 mod gate_core;
 mod gate_routes;
 mod held;
