@@ -17,6 +17,9 @@ pub enum Bug {
     LoseReplayedUnit = 4,
     /// An older epoch of a producer is accepted.
     AcceptFencedEpoch = 5,
+    /// A transfer from an owner is recorded and answered, but the aggregate's owner columns
+    /// keep the old owner, who may still deliver.
+    TransferKeepsOldOwner = 6,
 }
 
 #[cfg(feature = "planted-bugs")]

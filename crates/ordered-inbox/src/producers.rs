@@ -155,6 +155,11 @@ pub fn decide_transfer(
         held_rejected: inadmissible.len(),
     };
     let mut changes = transfer_changes(&record).to_vec();
+    if record.from_owner.is_some()
+        && crate::planted::active(crate::planted::Bug::TransferKeepsOldOwner)
+    {
+        changes.retain(|change| !matches!(change, Change::SetOwner { .. }));
+    }
     for (held, why) in &inadmissible {
         reject_held(held, why, now, &mut changes);
     }
