@@ -17,6 +17,7 @@ async fn every_planted_bug_is_caught_within_a_bounded_number_of_seeds() {
         Bug::DrainOutOfOrder,
         Bug::LoseReplayedUnit,
         Bug::AcceptFencedEpoch,
+        Bug::TransferKeepsOldOwner,
     ];
     let mut caught = Vec::new();
     for bug in bugs {

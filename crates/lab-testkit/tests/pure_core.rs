@@ -566,6 +566,7 @@ impl MemoryStore {
                 .map(|(m, _)| (m.sequence, named(None, &m.message_id)))
                 .collect(),
             owner: None,
+            transfers: Vec::new(),
         }
     }
 
@@ -867,7 +868,10 @@ fn reached(verdict: &Verdict) {
         Verdict::Failed => "failed",
         Verdict::Resolved => "resolved",
         Verdict::Refused => "refused",
-        Verdict::NotAdmitted(_) | Verdict::Session(_) => "producers' (never drawn)",
+        Verdict::NotAdmitted(_)
+        | Verdict::Session(_)
+        | Verdict::Transferred { .. }
+        | Verdict::TransferRefused { .. } => "producers' (never drawn)",
     };
     REACHED
         .lock()

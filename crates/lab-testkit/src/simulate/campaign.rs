@@ -59,6 +59,11 @@ pub struct Faults {
     pub gap_skips: u64,
     pub sessions: u64,
     pub fenced: u64,
+    /// Operators' transfers, the ones naming a wrong owner or position or sent again, and the
+    /// ones run with the inbox's process killed around them.
+    pub transfers: u64,
+    pub stale_transfers: u64,
+    pub crashed_transfers: u64,
     pub crashes: u64,
 }
 
@@ -184,6 +189,9 @@ impl Report {
         f.gap_skips += o.gap_skips;
         f.sessions += o.sessions;
         f.fenced += o.fenced;
+        f.transfers += o.transfers;
+        f.stale_transfers += o.stale_transfers;
+        f.crashed_transfers += o.crashed_transfers;
         f.crashes += o.crashes;
         self.failures.extend(outcome.failure);
     }
@@ -411,7 +419,10 @@ fn faults_of(history: &[Step]) -> Faults {
         faults.out_of_order += u64::from(delivery.sequence < *top);
         *top = (*top).max(delivery.sequence);
     };
+    // A crash step kills the process around the next step that is not a crash.
+    let mut crash_pending = false;
     for step in history {
+        let crashed = std::mem::replace(&mut crash_pending, matches!(step, Step::Crash(_)));
         match step {
             Step::Deliver(delivery) => count(delivery, &mut faults),
             Step::Batch(deliveries) => {
@@ -429,6 +440,16 @@ fn faults_of(history: &[Step]) -> Faults {
                 faults.stale_resolutions += u64::from(*stale);
             }
             Step::StartSession(_) => faults.sessions += 1,
+            Step::Transfer {
+                stale_owner,
+                stale_last,
+                repeat,
+                ..
+            } => {
+                faults.transfers += 1;
+                faults.stale_transfers += u64::from(*stale_owner || *stale_last || *repeat);
+                faults.crashed_transfers += u64::from(crashed);
+            }
             Step::Crash(_) => faults.crashes += 1,
         }
     }

@@ -68,12 +68,28 @@ pub enum Step {
     /// A producer's new instance starts a session: the producer's next epoch, which fences the
     /// ones before.
     StartSession(String),
+    /// An operator transfers the aggregate to producer `to` (one of [`PRODUCERS`], [`REVOKED`]
+    /// or [`UNKNOWN`]), naming the owner and position it has, or (`stale_owner`) another owner,
+    /// or (`stale_last`) another position; `repeat`: the aggregate's last recorded transfer
+    /// sent again.
+    Transfer {
+        aggregate_id: String,
+        to: String,
+        stale_owner: bool,
+        stale_last: bool,
+        repeat: bool,
+    },
     /// The next step runs with the inbox's process killed at `point`, and the inbox reopened.
     Crash(CrashPoint),
 }
 
 /// The producers of a history whose deliveries are producers'.
 pub const PRODUCERS: [&str; 2] = ["p", "q"];
+/// A producer registered and then revoked, in a history with producers: a transfer to it is
+/// refused.
+pub const REVOKED: &str = "r";
+/// A producer never registered: a transfer to it is refused.
+pub const UNKNOWN: &str = "u";
 
 /// The shape of the histories a campaign draws.
 #[derive(Debug, Clone, Copy)]
@@ -128,6 +144,12 @@ pub fn generate(seed: u64, shape: &Shape) -> Vec<Step> {
                 _ => CrashPoint::After,
             }));
         }
+        // In a history with producers, about one step in sixteen is an operator's transfer (a
+        // draw of its own, so that the histories without producers stay what they were).
+        if producers && rng.random_bool(0.06) {
+            steps.push(transfer(&mut rng, &aggregates));
+            continue;
+        }
         let roll = rng.random_range(0..100);
         let step = match roll {
             0..=4 if producers => {
@@ -155,6 +177,23 @@ pub fn generate(seed: u64, shape: &Shape) -> Vec<Step> {
         steps.push(step);
     }
     steps
+}
+
+fn transfer(rng: &mut StdRng, aggregates: &[String]) -> Step {
+    let aggregate_id = aggregates[rng.random_range(0..aggregates.len())].clone();
+    let to = match rng.random_range(0..10) {
+        0..=3 => PRODUCERS[0],
+        4..=7 => PRODUCERS[1],
+        8 => REVOKED,
+        _ => UNKNOWN,
+    };
+    Step::Transfer {
+        aggregate_id,
+        to: to.to_owned(),
+        stale_owner: rng.random_bool(0.2),
+        stale_last: rng.random_bool(0.1),
+        repeat: rng.random_bool(0.15),
+    }
 }
 
 fn delivery(rng: &mut StdRng, aggregates: &[String], door: DoorKind, producers: bool) -> Delivery {

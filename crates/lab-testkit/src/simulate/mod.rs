@@ -1,8 +1,9 @@
 //! `production-lab simulate`: the ordered inbox checked against a reference model under faults.
 //! A seed decides a whole history — deliveries shuffled, duplicated, conflicting and poisoned, on
 //! the general or the broker door, batches, operators' resolutions (some with a stale
-//! `expectedLast`), and crashes of the inbox's process before, during and after a COMMIT — and
-//! the real library runs it on a real store, compared with the model after every step.
+//! `expectedLast`), producers' sessions, operators' ownership transfers (some naming a wrong
+//! owner), and crashes of the inbox's process before, during and after a COMMIT — and the real
+//! library runs it on a real store, compared with the model after every step.
 //!
 //! - [`model`]: the reference model, sharing no code with the library's decisions;
 //! - [`history`]: the histories, a pure function of their seed;

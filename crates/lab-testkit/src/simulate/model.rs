@@ -33,6 +33,16 @@
 //!    refused (full), and so is a new early message on the broker door of an aggregate holding
 //!    as many as the bound, after the check that its sequence is not held already. A drain never
 //!    meets a full quarantine: the apply that starts it supersedes every open dead letter.
+//! 9. Transfers: an operator gives an aggregate to a producer, naming the owner it believes the
+//!    aggregate has (none: unowned) and its position. Refused, with the owner and the position
+//!    as they are, when the producer is unknown or revoked, else when the owner is not the one
+//!    named, else when the position is not the one named; otherwise the producer owns the
+//!    aggregate under its current epoch (0 before its first session) and the transfer is
+//!    recorded. Nothing else moves: from then on the old owner is a producer that is not the
+//!    owner (rule 6) and the new one is the owner. The same request again names an owner that
+//!    no longer is, and is refused, unless it named the producer it gives the aggregate to.
+//!    Held messages are anonymous, and no anonymous message may write an owned aggregate: a
+//!    transfer rejects every one (they are forgotten, as if never delivered).
 
 use std::collections::BTreeMap;
 
@@ -62,19 +72,59 @@ pub enum Verdict {
     /// (a resolution) resolved, or refused.
     Resolved,
     Refused,
+    /// (a transfer) recorded: the owner before, the new owner's epoch, the held messages
+    /// rejected with it.
+    Transferred {
+        from: Option<String>,
+        epoch: i64,
+        held_rejected: usize,
+    },
+    /// (a transfer) refused (the refusal's name), with the ownership as it is.
+    TransferRefused {
+        refusal: String,
+        owner: Option<Owner>,
+        last: i64,
+    },
+}
+
+/// An aggregate's owner: the producer, and the epoch it owns the aggregate under (the claiming
+/// delivery's, or the producer's current one when a transfer gave it the aggregate).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    pub producer: String,
+    pub epoch: i64,
+}
+
+/// A recorded transfer, as the aggregate's audit shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transferred {
+    pub from: Option<String>,
+    pub to: String,
+    pub epoch: i64,
+}
+
+/// An operator's transfer, as the model chose it: the aggregate, the producer it goes to, and
+/// the owner and position the operator believes it has.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transfer {
+    pub aggregate_id: String,
+    pub to: String,
+    pub expected_owner: Option<String>,
+    pub expected_last: i64,
 }
 
 /// What is stored of one aggregate, as the model and the inbox both show it: the position, the
 /// held sequences, the open dead letters (ids, sorted), the applied messages in order (with
-/// the handler's own row of each), and the owner. An id is written `producer:id` (`:id` for an
-/// anonymous one).
+/// the handler's own row of each), the owner and the transfers recorded, oldest first. An id is
+/// written `producer:id` (`:id` for an anonymous one).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stored {
     pub last: i64,
     pub held: Vec<i64>,
     pub open: Vec<String>,
     pub applied: Vec<(i64, String)>,
-    pub owner: Option<String>,
+    pub owner: Option<Owner>,
+    pub transfers: Vec<Transferred>,
 }
 
 /// A message id in its producer's namespace, as [`Stored`] writes it.
@@ -126,7 +176,10 @@ struct Aggregate {
     open: BTreeMap<String, i64>,
     /// Held messages by sequence: id and value.
     held: BTreeMap<i64, (String, i64)>,
-    owner: Option<String>,
+    owner: Option<Owner>,
+    transfers: Vec<Transferred>,
+    /// The last transfer that was recorded, for the identical repeat.
+    last_transfer: Option<Transfer>,
 }
 
 /// The model's state. Cloned to keep the states a crash may leave.
@@ -137,6 +190,8 @@ pub struct Model {
     aggregates: BTreeMap<String, Aggregate>,
     /// Each producer's current epoch (0: no session yet).
     epochs: BTreeMap<String, i64>,
+    /// The registered producers, and whether each is active (false: revoked).
+    registered: BTreeMap<String, bool>,
     /// Rule 8's bounds; `None`: unbounded.
     bounds: Option<Bounds>,
 }
@@ -225,6 +280,11 @@ impl Model {
         self.aggregates.insert(id.clone(), state);
     }
 
+    /// Registers `producer` (`active` false: and revokes it).
+    pub fn register(&mut self, producer: &str, active: bool) {
+        self.registered.insert(producer.to_owned(), active);
+    }
+
     /// A producer's new session: its next epoch.
     pub fn start_session(&mut self, producer: &str) -> i64 {
         let epoch = self.epochs.entry(producer.to_owned()).or_default();
@@ -259,7 +319,10 @@ impl Model {
                 .aggregates
                 .entry(delivery.aggregate_id.clone())
                 .or_default();
-            state.owner = delivery.producer.clone();
+            state.owner = delivery.producer.clone().map(|producer| Owner {
+                producer,
+                epoch: delivery.epoch,
+            });
         }
         verdict
     }
@@ -271,11 +334,14 @@ impl Model {
             current_epoch: self.epoch(name),
             active: true,
         });
+        let owner = state
+            .and_then(|a| a.owner.as_ref())
+            .map(|o| o.producer.as_str());
         admission(&Admitting {
             producer,
             epoch: delivery.epoch,
-            owner: state.and_then(|a| a.owner.as_deref()),
-            same_owner: state.and_then(|a| a.owner.as_deref()) == delivery.producer.as_deref(),
+            owner,
+            same_owner: owner == delivery.producer.as_deref(),
             history: state.is_some(),
         })
     }
@@ -423,6 +489,97 @@ impl Model {
         Verdict::Resolved
     }
 
+    /// The transfer an operator asks for: the aggregate to `to`, naming its owner and position
+    /// as they are, or (`stale_owner`) another owner, or (`stale_last`) another position;
+    /// `repeat`: the aggregate's last recorded transfer sent again.
+    pub fn transfer_request(
+        &self,
+        aggregate_id: &str,
+        to: &str,
+        stale_owner: bool,
+        stale_last: bool,
+        repeat: bool,
+    ) -> Transfer {
+        let state = self.aggregates.get(aggregate_id);
+        if let Some(last_transfer) = state
+            .and_then(|a| a.last_transfer.as_ref())
+            .filter(|_| repeat)
+        {
+            return last_transfer.clone();
+        }
+        let owner = state
+            .and_then(|a| a.owner.as_ref())
+            .map(|o| o.producer.clone());
+        let last = state.map_or(0, |a| a.last);
+        Transfer {
+            aggregate_id: aggregate_id.to_owned(),
+            to: to.to_owned(),
+            // The wrong owner: none for an owned aggregate, the receiving producer for an
+            // unowned one.
+            expected_owner: match (stale_owner, owner) {
+                (false, owner) => owner,
+                (true, Some(_)) => None,
+                (true, None) => Some(to.to_owned()),
+            },
+            expected_last: if stale_last { last + 1 } else { last },
+        }
+    }
+
+    /// Rule 9: transfers the aggregate as the inbox must, or refuses with how it is.
+    pub fn transfer(&mut self, transfer: &Transfer) -> Verdict {
+        let state = self.aggregates.get(&transfer.aggregate_id);
+        let owner = state.and_then(|a| a.owner.clone());
+        let last = state.map_or(0, |a| a.last);
+        let refused = |refusal: &str| Verdict::TransferRefused {
+            refusal: refusal.to_owned(),
+            owner: owner.clone(),
+            last,
+        };
+        if self.registered.get(&transfer.to) != Some(&true) {
+            return refused("unknown producer");
+        }
+        if owner.as_ref().map(|o| o.producer.as_str()) != transfer.expected_owner.as_deref() {
+            return refused("owner mismatch");
+        }
+        if transfer.expected_last != last {
+            return refused("last mismatch");
+        }
+        let epoch = self.epoch(&transfer.to);
+        let state = self
+            .aggregates
+            .entry(transfer.aggregate_id.clone())
+            .or_default();
+        let held_rejected: Vec<String> = std::mem::take(&mut state.held)
+            .into_values()
+            .map(|(id, _)| id)
+            .collect();
+        state.owner = Some(Owner {
+            producer: transfer.to.clone(),
+            epoch,
+        });
+        state.transfers.push(Transferred {
+            from: owner.as_ref().map(|o| o.producer.clone()),
+            to: transfer.to.clone(),
+            epoch,
+        });
+        state.last_transfer = Some(transfer.clone());
+        for id in &held_rejected {
+            self.known.remove(id);
+        }
+        Verdict::Transferred {
+            from: owner.map(|o| o.producer),
+            epoch,
+            held_rejected: held_rejected.len(),
+        }
+    }
+
+    /// Whether `producer` owned the aggregate before a transfer took it away.
+    pub fn was_owner(&self, aggregate_id: &str, producer: &str) -> bool {
+        self.aggregates
+            .get(aggregate_id)
+            .is_some_and(|a| (a.transfers.iter()).any(|t| t.from.as_deref() == Some(producer)))
+    }
+
     /// What is stored of the aggregate.
     pub fn stored(&self, aggregate_id: &str) -> Stored {
         match self.aggregates.get(aggregate_id) {
@@ -432,6 +589,7 @@ impl Model {
                 open: a.open.keys().cloned().collect(),
                 applied: a.applied.clone(),
                 owner: a.owner.clone(),
+                transfers: a.transfers.clone(),
             },
             None => Stored::default(),
         }

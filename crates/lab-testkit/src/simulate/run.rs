@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use super::history::{CrashPoint, Delivery, PRODUCERS, Step};
+use super::history::{CrashPoint, Delivery, PRODUCERS, REVOKED, Step};
 use super::host::Hosted;
 use super::model::{Model, Stored, Verdict};
 use super::system::{Command, Direct};
@@ -64,11 +64,17 @@ impl fmt::Display for Divergence {
     }
 }
 
-/// What a history did.
+/// What a history did. The transfer counts are of the steps run without a crash around them
+/// (after a crash, which state the inbox was left in is the run's, not the seed's).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Ran {
     pub steps: u64,
     pub crashes: u64,
+    /// Transfers asked for, and the ones recorded.
+    pub transfers: u64,
+    pub transferred: u64,
+    /// Deliveries refused to a producer a transfer took the aggregate from.
+    pub old_owner_refused: u64,
 }
 
 /// How a history runs: the namespace in front of its ids, and whether a batch commits as one
@@ -86,9 +92,7 @@ impl Runner {
         let mut crash = None;
         let mut ran = Ran::default();
         if history.iter().any(has_producers) {
-            let producers = PRODUCERS.iter().map(|p| self.id(p)).collect();
-            system
-                .run(&Command::Register(producers))
+            self.register(system, &mut model)
                 .await
                 .map_err(|what| Divergence { step: 0, what })?;
         }
@@ -102,7 +106,7 @@ impl Runner {
             ran.steps += 1;
             match crash.take() {
                 None => self
-                    .step(system, &mut model, &command)
+                    .step(system, &mut model, &command, &mut ran)
                     .await
                     .map_err(failed)?,
                 Some(point) => {
@@ -114,6 +118,21 @@ impl Runner {
             }
         }
         Ok(ran)
+    }
+
+    /// Registers the history's producers, and one more that is revoked at once, in the inbox
+    /// and in the model.
+    async fn register(&self, system: &mut System, model: &mut Model) -> Result<(), String> {
+        let active: Vec<String> = PRODUCERS.iter().map(|p| self.id(p)).collect();
+        let revoked = self.id(REVOKED);
+        let everyone = active.iter().cloned().chain([revoked.clone()]).collect();
+        system.run(&Command::Register(everyone)).await?;
+        system.run(&Command::Revoke(vec![revoked.clone()])).await?;
+        for producer in &active {
+            model.register(producer, true);
+        }
+        model.register(&revoked, false);
+        Ok(())
     }
 
     /// The command of `step`, with the namespace in front of every id; a resolution names the
@@ -144,6 +163,19 @@ impl Runner {
                 repeat,
             } => Command::SkipGap(model.gap_skip(&self.id(aggregate_id), *extra, *stale, *repeat)),
             Step::StartSession(producer) => Command::StartSession(self.id(producer)),
+            Step::Transfer {
+                aggregate_id,
+                to,
+                stale_owner,
+                stale_last,
+                repeat,
+            } => Command::Transfer(model.transfer_request(
+                &self.id(aggregate_id),
+                &self.id(to),
+                *stale_owner,
+                *stale_last,
+                *repeat,
+            )),
             Step::Crash(_) => unreachable!("a crash is not a command"),
         }
     }
@@ -181,6 +213,7 @@ impl Runner {
         system: &mut System,
         model: &mut Model,
         command: &Command,
+        ran: &mut Ran,
     ) -> Result<(), String> {
         let real = system.run(command).await?;
         let expected = decide(model, command);
@@ -189,6 +222,7 @@ impl Runner {
                 "{command:?}: the inbox answered {real:?}, the model {expected:?}"
             ));
         }
+        tally(model, command, &expected, ran);
         for aggregate_id in touched(command) {
             let stored = system.stored(&aggregate_id).await?;
             let modelled = model.stored(&aggregate_id);
@@ -275,6 +309,27 @@ impl Runner {
     }
 }
 
+/// Counts the transfers of a step, and the deliveries refused to an owner a transfer replaced.
+fn tally(model: &Model, command: &Command, verdicts: &[Verdict], ran: &mut Ran) {
+    let deliveries = match command {
+        Command::Deliver(delivery) => std::slice::from_ref(delivery),
+        Command::Batch(deliveries) => deliveries.as_slice(),
+        Command::Transfer(_) => {
+            ran.transfers += 1;
+            let recorded = matches!(verdicts, [Verdict::Transferred { .. }]);
+            ran.transferred += u64::from(recorded);
+            return;
+        }
+        _ => return,
+    };
+    for (delivery, verdict) in deliveries.iter().zip(verdicts) {
+        let refused = *verdict == Verdict::NotAdmitted("not the owner".to_owned());
+        let old_owner = (delivery.producer.as_deref())
+            .is_some_and(|producer| model.was_owner(&delivery.aggregate_id, producer));
+        ran.old_owner_refused += u64::from(refused && old_owner);
+    }
+}
+
 /// The model's verdicts on `command`, which it applies to itself.
 fn decide(model: &mut Model, command: &Command) -> Vec<Verdict> {
     match command {
@@ -283,13 +338,14 @@ fn decide(model: &mut Model, command: &Command) -> Vec<Verdict> {
         Command::Resolve(resolution) => vec![model.resolve(resolution)],
         Command::StartSession(producer) => vec![Verdict::Session(model.start_session(producer))],
         Command::SkipGap(skip) => vec![model.skip_gap(skip)],
-        Command::Register(_) => Vec::new(),
+        Command::Transfer(transfer) => vec![model.transfer(transfer)],
+        Command::Register(_) | Command::Revoke(_) => Vec::new(),
     }
 }
 
 fn has_producers(step: &Step) -> bool {
     match step {
-        Step::StartSession(_) => true,
+        Step::StartSession(_) | Step::Transfer { .. } => true,
         Step::Deliver(delivery) => delivery.producer.is_some(),
         Step::Batch(deliveries) => deliveries.iter().any(|d| d.producer.is_some()),
         Step::Resolve { .. } | Step::SkipGap { .. } | Step::Crash(_) => false,
@@ -302,7 +358,8 @@ fn touched(command: &Command) -> Vec<String> {
         Command::Batch(deliveries) => deliveries.iter().map(|d| d.aggregate_id.clone()).collect(),
         Command::Resolve(resolution) => vec![resolution.aggregate_id.clone()],
         Command::SkipGap(skip) => vec![skip.aggregate_id.clone()],
-        Command::StartSession(_) | Command::Register(_) => Vec::new(),
+        Command::Transfer(transfer) => vec![transfer.aggregate_id.clone()],
+        Command::StartSession(_) | Command::Register(_) | Command::Revoke(_) => Vec::new(),
     };
     aggregates.sort();
     aggregates.dedup();

@@ -8,9 +8,11 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use ordered_inbox::gaps::{GapRequest, GapResolutionError};
 use ordered_inbox::postgres::{PostgresHandler, PostgresInbox, Target};
-use ordered_inbox::records::{SequenceRange, refusal_outcome};
+use ordered_inbox::producers::TransferRequest;
+use ordered_inbox::records::{SequenceRange, TransferRefusal, refusal_outcome};
 use ordered_inbox::resolution::{Action, Mode, ResolutionError, ResolutionRequest};
 use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, Store, Synchronous, schema};
+use ordered_inbox::timeline::TimelineKind;
 use ordered_inbox::views::PageRequest;
 use ordered_inbox::{
     ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
@@ -20,7 +22,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::history::{Delivery, DoorKind};
-use super::model::{GapSkip, Resolution, Stored, Verdict, fails, named};
+use super::model::{
+    GapSkip, Owner, Resolution, Stored, Transfer, Transferred, Verdict, fails, named,
+};
 
 /// The operator every simulated resolution is made by.
 pub const OPERATOR: &str = "simulator";
@@ -33,8 +37,11 @@ pub enum Command {
     Resolve(Resolution),
     SkipGap(GapSkip),
     StartSession(String),
+    Transfer(Transfer),
     /// Registers producers (a history's, in its namespace) before its first step.
     Register(Vec<String>),
+    /// Revokes registered producers.
+    Revoke(Vec<String>),
 }
 
 /// Where the inbox keeps its state.
@@ -164,13 +171,63 @@ impl Direct {
                 Ok(vec![Verdict::Session(epoch)])
             }
             Command::SkipGap(skip) => self.skip_gap(skip).await.map(|v| vec![v]),
+            Command::Transfer(transfer) => self.transfer(transfer).await.map(|v| vec![v]),
             Command::Register(producers) => {
                 for producer in producers {
                     self.register(producer).await?;
                 }
                 Ok(Vec::new())
             }
+            Command::Revoke(producers) => {
+                for producer in producers {
+                    self.revoke(producer).await?;
+                }
+                Ok(Vec::new())
+            }
         }
+    }
+
+    async fn transfer(&self, transfer: &Transfer) -> Result<Verdict, String> {
+        let request = TransferRequest {
+            aggregate_id: transfer.aggregate_id.clone(),
+            operator: OPERATOR.to_owned(),
+            producer: transfer.to.clone(),
+            expected_owner: transfer.expected_owner.clone(),
+            expected_last: transfer.expected_last,
+            reason: "simulated transfer".to_owned(),
+        };
+        let answer = self
+            .inbox
+            .transfer_owner(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(match answer {
+            Ok(record) => Verdict::Transferred {
+                from: record.from_owner,
+                epoch: record.epoch,
+                held_rejected: record.held_rejected,
+            },
+            Err(conflict) => Verdict::TransferRefused {
+                refusal: transfer_refusal(&conflict.refusal).to_owned(),
+                owner: conflict.current.owner.map(owner_of),
+                last: conflict.current.last,
+            },
+        })
+    }
+
+    async fn revoke(&self, producer: &str) -> Result<(), String> {
+        let registry = ordered_inbox::operators::Registry::Producers;
+        match &self.backend {
+            Backend::Sqlite(path) => {
+                ordered_inbox::sqlite::operators::revoke_in(registry, path, producer).map(drop)
+            }
+            Backend::Postgres(url) => {
+                ordered_inbox::postgres::operators::revoke_in(registry, url, producer)
+                    .await
+                    .map(drop)
+            }
+        }
+        .map_err(|e| e.to_string())
     }
 
     async fn skip_gap(&self, skip: &GapSkip) -> Result<Verdict, String> {
@@ -280,6 +337,7 @@ impl Direct {
                     open,
                     applied: Vec::new(),
                     owner: None,
+                    transfers: Vec::new(),
                 }
             }
             None => Stored::default(),
@@ -291,7 +349,8 @@ impl Direct {
             .await
             .map_err(|e| e.to_string())?
             .owner
-            .map(|owner| owner.producer);
+            .map(owner_of);
+        stored.transfers = self.transfers(aggregate_id).await?;
         // The handler sees a message's id, not its producer's namespace.
         let effects = self.effects(aggregate_id).await?;
         let applied: Vec<(i64, String)> = stored
@@ -346,6 +405,28 @@ impl Direct {
             match page.next {
                 Some(next) => after = next,
                 None => return Ok(applied),
+            }
+        }
+    }
+
+    /// The aggregate's recorded transfers, oldest first, from its timeline.
+    async fn transfers(&self, aggregate_id: &str) -> Result<Vec<Transferred>, String> {
+        let mut transfers = Vec::new();
+        let mut after = 0;
+        loop {
+            let page = self
+                .inbox
+                .timeline(aggregate_id.to_owned(), PageRequest { after, limit: 1000 })
+                .await
+                .map_err(|e| e.to_string())?;
+            for event in page.items {
+                if event.kind == TimelineKind::OwnerTransferred {
+                    transfers.push(transferred_of(event.detail.as_ref())?);
+                }
+            }
+            match page.next {
+                Some(next) => after = next,
+                None => return Ok(transfers),
             }
         }
     }
@@ -450,6 +531,39 @@ fn claim_of(delivery: &Delivery) -> Option<ProducerClaim> {
         producer: producer.clone(),
         epoch: delivery.epoch,
     })
+}
+
+fn owner_of(owner: ordered_inbox::records::AggregateOwner) -> Owner {
+    Owner {
+        producer: owner.producer,
+        epoch: owner.epoch,
+    }
+}
+
+/// A transfer's timeline event (`from`, `to`, `epoch`), in the model's words.
+fn transferred_of(detail: Option<&serde_json::Value>) -> Result<Transferred, String> {
+    let detail = detail.ok_or("a transfer's timeline event has no detail")?;
+    let to = detail["to"]
+        .as_str()
+        .ok_or("a transfer's event names no `to`")?;
+    let epoch = detail["epoch"]
+        .as_i64()
+        .ok_or("a transfer's event has no epoch")?;
+    Ok(Transferred {
+        from: detail["from"].as_str().map(str::to_owned),
+        to: to.to_owned(),
+        epoch,
+    })
+}
+
+/// A transfer refusal's name, as the model gives it.
+fn transfer_refusal(refusal: &TransferRefusal) -> &'static str {
+    match refusal {
+        TransferRefusal::Unauthorized => "unauthorized",
+        TransferRefusal::UnknownProducer => "unknown producer",
+        TransferRefusal::OwnerMismatch => "owner mismatch",
+        TransferRefusal::LastMismatch => "last mismatch",
+    }
 }
 
 /// What the real inbox answered, in the model's words.
