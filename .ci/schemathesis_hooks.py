@@ -24,6 +24,19 @@ FAULT_SWITCHES = {
 ALWAYS_FAILS = {("POST", "/contracts/change/{phase}")}
 
 
+# The gate's applied feed waits up to waitMs (at most 30 s) for a message when there is none yet:
+# a long wait is its documented behaviour, and longer than the run's request timeout.
+LONG_POLLS = {"/v1/aggregates/{aggregate_id}/applied": "waitms"}
+LONGEST_WAIT_MS = 2000
+
+
+def _waits_long(value):
+    try:
+        return int(str(value).strip()) > LONGEST_WAIT_MS
+    except ValueError:
+        return False
+
+
 def _is_one(value):
     try:
         return int(str(value).strip()) == 1
@@ -45,6 +58,9 @@ def filter_case(ctx, case):
     if path in GATES:
         # POST /lab/*/gate/close: a closed gate holds later requests until it is opened.
         return str((case.path_parameters or {}).get("action")) != "close"
+    if path in LONG_POLLS:
+        # GET /v1/aggregates/{id}/applied?waitMs=30000 on an empty aggregate waits 30 s.
+        return not _any(case.query, LONG_POLLS[path], _waits_long)
     if path == "/stream":
         # GET /stream?abortAfter=1 cuts the connection after the first line, on purpose.
         return not _any(case.query, "abortafter", _is_one)

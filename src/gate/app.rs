@@ -405,12 +405,50 @@ fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) ->
         metrics: background.metrics.clone(),
         security: None,
     };
-    v1.merge(health::routes(health, config.metrics.public))
-        .merge(super::console::routes())
-        .layer(middleware::from_fn_with_state(
-            edge,
-            crate::observe::http::edge,
-        ))
+    let router = v1
+        .merge(health::routes(health, config.metrics.public))
+        .merge(super::console::routes());
+    let router = match proxy_only(config) {
+        Some(proxy) => router.layer(middleware::from_fn_with_state(proxy, only_from_proxy)),
+        None => router,
+    };
+    router.layer(middleware::from_fn_with_state(
+        edge,
+        crate::observe::http::edge,
+    ))
+}
+
+/// The proxy every request must come through: when the gate serves plain HTTP beyond loopback,
+/// which the configuration allows only behind `listen.trusted_proxy` (it terminates TLS), a
+/// request from any other peer would have crossed the network in clear.
+fn proxy_only(config: &GateConfig) -> Option<std::net::IpAddr> {
+    let plain_beyond_loopback = config.tls.is_none() && !config.listen.address.ip().is_loopback();
+    config
+        .listen
+        .trusted_proxy
+        .filter(|_| plain_beyond_loopback)
+}
+
+/// Middleware: a request from a peer that is neither the trusted proxy nor loopback is answered
+/// 403 problem+json and never reaches a route.
+async fn only_from_proxy(
+    axum::extract::State(proxy): axum::extract::State<std::net::IpAddr>,
+    request: axum::extract::Request,
+    next: middleware::Next,
+) -> axum::response::Response {
+    let peer = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        .map(|info| info.0.ip().to_canonical());
+    match peer {
+        Some(peer) if peer == proxy || peer.is_loopback() => next.run(request).await,
+        _ => crate::http::error::problem_response_with(
+            axum::http::StatusCode::FORBIDDEN,
+            "Not through the proxy",
+            Some("this gate serves plain HTTP only to its trusted proxy, which terminates TLS"),
+            serde_json::json!({}),
+        ),
+    }
 }
 
 /// The listener on `requested`, and the address it really has (a port for `:0`).
@@ -448,4 +486,35 @@ fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'stati
         #[cfg(not(unix))]
         let _ = interrupt.await;
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::extract::ConnectInfo;
+    use axum::routing::get;
+    use tower::ServiceExt;
+
+    async fn status_from(peer: &str) -> u16 {
+        let proxy: std::net::IpAddr = "10.0.0.2".parse().unwrap();
+        let router = Router::new()
+            .route("/v1/x", get(|| async { "ok" }))
+            .layer(middleware::from_fn_with_state(proxy, only_from_proxy));
+        let mut request = axum::http::Request::get("/v1/x")
+            .body(Body::empty())
+            .unwrap();
+        let peer: SocketAddr = peer.parse().unwrap();
+        request.extensions_mut().insert(ConnectInfo(peer));
+        router.oneshot(request).await.unwrap().status().as_u16()
+    }
+
+    #[tokio::test]
+    async fn plain_http_beyond_loopback_answers_only_the_trusted_proxy_and_loopback() {
+        assert_eq!(status_from("10.0.0.2:40000").await, 200);
+        assert_eq!(status_from("[::ffff:10.0.0.2]:40000").await, 200);
+        assert_eq!(status_from("127.0.0.1:40000").await, 200);
+        assert_eq!(status_from("10.0.0.3:40000").await, 403);
+        assert_eq!(status_from("192.0.2.9:40000").await, 403);
+    }
 }
