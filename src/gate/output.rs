@@ -20,6 +20,9 @@ use tokio_postgres::types::Type;
 /// The most rows one read answers.
 pub const MAX_LIMIT: usize = 1000;
 
+/// The most rows of one aggregate one read of the pending rows answers.
+pub const PENDING_PER_AGGREGATE: usize = 16;
+
 /// The table on SQLite, beside the inbox's. Idempotent.
 const SQLITE_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS gate_output(
@@ -189,12 +192,19 @@ impl OutputStore {
         }
     }
 
-    /// Rows not yet published, in (aggregate, sequence) order, at most `limit`
-    /// (1..=[`MAX_LIMIT`]).
+    /// Rows not yet published, in (aggregate, sequence) order: the first
+    /// [`PENDING_PER_AGGREGATE`] of each aggregate, at most `limit` (1..=[`MAX_LIMIT`]) in all.
     pub async fn pending(&self, limit: usize) -> Result<Vec<OutputEntry>, OutputError> {
         let limit = bounded(limit)?;
-        let unpublished = "FROM gate_output WHERE published_at IS NULL
-              ORDER BY aggregate_id, sequence LIMIT";
+        // At most PER_AGGREGATE rows of each aggregate: a round then spans many aggregates,
+        // which the publisher sends at once, instead of the first aggregates' whole backlogs,
+        // which it must send one acknowledgement after another.
+        let unpublished = format!(
+            "FROM (SELECT {COLUMNS}, ROW_NUMBER() OVER (PARTITION BY aggregate_id ORDER BY sequence) AS turn
+                     FROM gate_output WHERE published_at IS NULL) AS pending
+              WHERE turn <= {PENDING_PER_AGGREGATE}
+              ORDER BY aggregate_id, sequence LIMIT"
+        );
         match self {
             OutputStore::Sqlite(store) => {
                 let sql = format!("SELECT {COLUMNS} {unpublished} ?1");

@@ -28,7 +28,7 @@ use super::output::{OutputEntry, OutputError, OutputStore};
 use crate::broker::wire;
 
 /// Rows one round reads and publishes.
-pub const BATCH: usize = 256;
+pub const BATCH: usize = crate::gate::output::MAX_LIMIT;
 /// How often the publisher looks for rows when nobody woke it.
 pub const INTERVAL: Duration = Duration::from_millis(500);
 /// The output stream's duplicate window: a copy of a row published again inside it is dropped.

@@ -285,6 +285,38 @@ async fn messages_delivered_three_one_two_come_out_as_one_two_three(backend: Bac
     );
 }
 
+async fn the_pending_rows_span_every_aggregate_rather_than_the_first_ones_backlog(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    for sequence in 1..=40 {
+        let delivery =
+            BatchDelivery::anonymous(placed("order-a", sequence, order(sequence)), Door::Broker);
+        gate.inbox
+            .deliver_batch(vec![delivery])
+            .await
+            .expect("delivered");
+    }
+    let delivery = BatchDelivery::anonymous(placed("order-b", 1, order(1)), Door::Broker);
+    gate.inbox
+        .deliver_batch(vec![delivery])
+        .await
+        .expect("delivered");
+    let pending = gate.output.pending(1000).await.expect("pending");
+    let of = |aggregate: &str| {
+        pending
+            .iter()
+            .filter(|entry| entry.aggregate_id == aggregate)
+            .map(|entry| entry.sequence)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        of("order-a"),
+        (1..=production_lab::gate::output::PENDING_PER_AGGREGATE as i64).collect::<Vec<_>>()
+    );
+    assert_eq!(of("order-b"), [1]);
+}
+
 async fn a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages(
     backend: Backend,
 ) {
@@ -513,6 +545,7 @@ on_both_backends!(
     a_schema_invalid_message_is_quarantined_with_the_validators_first_error_and_no_output,
     an_unknown_type_at_the_expected_sequence_is_poison,
     messages_delivered_three_one_two_come_out_as_one_two_three,
+    the_pending_rows_span_every_aggregate_rather_than_the_first_ones_backlog,
     a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages,
     the_publisher_publishes_each_aggregates_rows_in_order_with_their_ids,
     a_restarted_publisher_sends_unmarked_rows_again_and_the_consumer_sees_each_once,

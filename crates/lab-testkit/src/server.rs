@@ -160,9 +160,12 @@ impl ServerUnderTest {
         dir: tempfile::TempDir,
         database: PathBuf,
     ) -> Result<ServerUnderTest, ServerError> {
+        // A bench prints its own figures: the servers log only warnings (the gate's JSON lines
+        // would bury them).
         let mut child = Command::new(binary)
             .args(arguments)
             .env_remove("LAB_LOG")
+            .env("GATE_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
