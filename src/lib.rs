@@ -18,7 +18,8 @@
 //!    operator's pages).
 //! 8. [`observe`]: the edge middleware (request ids, request lines, HTTP metrics) and `/live`,
 //!    `/ready`, `/metrics`.
-//! 9. [`app`]: the application that assembles the floors into one router and its state.
+//! 9. [`app`]: the application that assembles the floors into one router and its state; beside it
+//!    [`gate`], the deployable ordering gate, assembled from the same floors with no lab in it.
 //!
 //! The command line (`src/main.rs` and `src/cli/`) is the binary's, above all of them; the bench
 //! workloads and the private services tests start live in the `lab-testkit` crate.
