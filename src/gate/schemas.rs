@@ -43,9 +43,14 @@ impl MessageTypes {
             return Err(bounded(format!("unknown message type '{message_type}'")));
         };
         validator.validate(payload).map_err(|error| {
+            let path = error.instance_path().to_string();
+            let at = if path.is_empty() {
+                "at the top level".to_owned()
+            } else {
+                format!("at '{path}'")
+            };
             bounded(format!(
-                "payload does not match the schema of '{message_type}': at '{}': {error}",
-                error.instance_path()
+                "payload does not match the schema of '{message_type}': {at}: {error}"
             ))
         })
     }
@@ -123,7 +128,7 @@ mod tests {
             .expect_err("refused");
         assert_eq!(
             missing,
-            "payload does not match the schema of 'order.placed': at '': \
+            "payload does not match the schema of 'order.placed': at the top level: \
              \"amount\" is a required property"
         );
     }
