@@ -139,6 +139,18 @@ schema = "shipped.json"
         GateFiles { dir }
     }
 
+    /// The same files with the store in the PostgreSQL database whose URL is in
+    /// `GATE_DATABASE_URL`.
+    fn on_postgres(self) -> GateFiles {
+        let text = std::fs::read_to_string(self.config()).unwrap();
+        let text = text.replace(
+            "sqlite = \"gate.db\"",
+            "postgres_url_env = \"GATE_DATABASE_URL\"",
+        );
+        std::fs::write(self.config(), text).unwrap();
+        self
+    }
+
     fn config(&self) -> PathBuf {
         self.dir.path().join("gate.toml")
     }
@@ -159,12 +171,18 @@ impl GateProcess {
     /// Starts the gate on `config`; its log lines go to `gate.log` beside the file (a pipe no
     /// one reads would fill and stall the gate).
     pub(crate) fn start(config: &Path) -> GateProcess {
+        GateProcess::start_with_env(config, &[])
+    }
+
+    /// [`GateProcess::start`] with environment variables for the process.
+    fn start_with_env(config: &Path, env: &[(&str, &str)]) -> GateProcess {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(config.with_file_name("gate.log"))
             .expect("the gate's log file");
         let mut child = command()
+            .envs(env.iter().copied())
             .arg("gate")
             .arg("--config")
             .arg(config)
@@ -800,4 +818,55 @@ async fn sigterm_lets_the_gate_finish_and_exit_cleanly() {
     )
     .await;
     assert!(exited.is_some_and(|status| status.success()), "{exited:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order() {
+    let nats = crate::broker::start_nats(None);
+    let certificate = Certificate::new();
+    let files = GateFiles::new(&certificate, &nats).on_postgres();
+    let database = crate::postgres::fresh_database();
+    let env = [("GATE_DATABASE_URL", database.as_str())];
+    let first = GateProcess::start_with_env(&files.config(), &env);
+    let second = GateProcess::start_with_env(&files.config(), &env);
+    let output = command()
+        .args(["operator", "add", "alice", "--inbox", &database])
+        .output()
+        .expect("run operator add");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let operator = token_in(&String::from_utf8_lossy(&output.stdout));
+    let client = certificate.client();
+    let producer = add_producer(&client, &first, &operator, "shop").await;
+    let js = crate::broker::jetstream_of(&nats).await;
+
+    // Four orders of 30 messages, shuffled, each sent to one gate or the other until decided.
+    let expected: BTreeMap<String, i64> = (0..4).map(|i| (format!("order-{i}"), 30)).collect();
+    let mut sends: Vec<Message> = expected
+        .keys()
+        .flat_map(|aggregate| messages_of(aggregate, 30))
+        .collect();
+    sends.shuffle(&mut rand::rng());
+    let mut senders = tokio::task::JoinSet::new();
+    for (index, message) in sends.into_iter().enumerate() {
+        let gate = if index % 2 == 0 { &first } else { &second };
+        let (client, url, producer) = (client.clone(), gate.address.clone(), producer.clone());
+        senders
+            .spawn(async move { deliver_until_decided(&client, &url, &producer, &message).await });
+    }
+    while let Some(status) = senders.join_next().await {
+        assert_eq!(status.expect("a sender"), 200);
+    }
+    poll_until_within(
+        "every message in the output stream",
+        Duration::from_secs(60),
+        || output_count(&js),
+        |count| *count >= 120,
+    )
+    .await;
+    let output = read_output(&js).await;
+    assert_in_order_once(&output, &expected);
 }
