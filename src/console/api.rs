@@ -20,9 +20,8 @@ use utoipa_axum::routes;
 
 use crate::http::error::{AppError, Path, Query, json_response};
 use crate::inbox::SharedInbox;
-use crate::inbox::input::{
-    identity_words, producer_namespace, validate_aggregate_id, validate_message_id,
-};
+use crate::inbox::answers::find_dead_letter;
+use crate::inbox::input::validate_aggregate_id;
 use crate::inbox::ledger::views::AppliedMessage;
 use crate::inbox::pages::{page_body, page_request};
 
@@ -135,7 +134,7 @@ async fn dead_letter(
     Path(message_id): Path<String>,
     Query(of): Query<DeadLetterOf>,
 ) -> Result<Response, AppError> {
-    find_dead_letter(inbox, message_id, of.producer).await
+    find_dead_letter(&inbox, message_id, of.producer).await
 }
 
 /// A dead letter named in the query: its message id, and its producer when a producer's.
@@ -162,28 +161,5 @@ async fn dead_letter_named_in_query(
     State(inbox): State<SharedInbox>,
     Query(named): Query<NamedDeadLetter>,
 ) -> Result<Response, AppError> {
-    find_dead_letter(inbox, named.message_id, named.producer).await
-}
-
-async fn find_dead_letter(
-    inbox: SharedInbox,
-    message_id: String,
-    producer: Option<String>,
-) -> Result<Response, AppError> {
-    validate_message_id("messageId", &message_id)?;
-    let producer = producer_namespace(producer)?;
-    match inbox
-        .dead_letter(producer.clone(), message_id.clone())
-        .await?
-    {
-        Some(view) => Ok(json_response(StatusCode::OK, json!(view))),
-        None => Err(AppError::problem_with_detail(
-            StatusCode::NOT_FOUND,
-            "No such dead letter",
-            format!(
-                "no dead letter has {}",
-                identity_words(producer.as_deref(), &message_id)
-            ),
-        )),
-    }
+    find_dead_letter(&inbox, named.message_id, named.producer).await
 }

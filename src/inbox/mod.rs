@@ -1,17 +1,22 @@
 //! The inbox's wiring in the server, below every door that delivers to it: the shared handle
 //! ([`SharedInbox`], whatever store is underneath), its observing wrapper ([`observed`]: every
 //! verdict counted, logged and told to open consoles where it is decided), the feed of committed
-//! changes ([`changes`]), the message input both doors parse ([`input`], [`pages`]), and the
+//! changes ([`changes`]), the message input both doors parse ([`input`], [`pages`]), the answers
+//! every door words alike ([`answers`]) and the operator requests and evidence
+//! queries it reads alike ([`requests`], [`queries`]), and the
 //! lesson's ledger, the handler the inbox runs for every applied message ([`ledger`]).
 //!
 //! The doors (the labs' HTTP routes, the broker's consumer), the console and the operator routes
 //! stand on this floor; it knows none of them.
 
+pub mod answers;
 pub mod changes;
 pub mod input;
 pub mod ledger;
 pub mod observed;
 pub mod pages;
+pub mod queries;
+pub mod requests;
 
 use std::sync::Arc;
 

@@ -4,19 +4,17 @@
 //! address such a dead letter by path.
 
 use axum::extract::{FromRef, State};
-use axum::http::StatusCode;
 use axum::response::Response;
 use ordered_inbox::views::DeadLetterView;
 use serde::Deserialize;
-use serde_json::json;
 use utoipa::IntoParams;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::gate::auth::{Access, Reader};
-use crate::http::error::{AppError, Query, json_response};
+use crate::http::error::{AppError, Query};
 use crate::inbox::SharedInbox;
-use crate::inbox::input::{identity_words, producer_namespace, validate_message_id};
+use crate::inbox::answers::find_dead_letter;
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -56,20 +54,5 @@ async fn dead_letter(
     State(inbox): State<SharedInbox>,
     Query(named): Query<NamedDeadLetter>,
 ) -> Result<Response, AppError> {
-    validate_message_id("messageId", &named.message_id)?;
-    let producer = producer_namespace(named.producer)?;
-    match inbox
-        .dead_letter(producer.clone(), named.message_id.clone())
-        .await?
-    {
-        Some(view) => Ok(json_response(StatusCode::OK, json!(view))),
-        None => Err(AppError::problem_with_detail(
-            StatusCode::NOT_FOUND,
-            "No such dead letter",
-            format!(
-                "no dead letter has {}",
-                identity_words(producer.as_deref(), &named.message_id)
-            ),
-        )),
-    }
+    find_dead_letter(&inbox, named.message_id, named.producer).await
 }

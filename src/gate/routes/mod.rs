@@ -27,7 +27,6 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::FromRef;
-use axum::http::StatusCode;
 use axum::routing::get;
 use ordered_inbox::InboxError;
 use utoipa::openapi::OpenApi as Document;
@@ -185,39 +184,5 @@ impl From<OutputError> for AppError {
             OutputError::Unavailable(reason) => AppError::Inbox(InboxError::Unavailable(reason)),
             OutputError::Failed(reason) => AppError::Inbox(InboxError::Failed(reason)),
         }
-    }
-}
-
-/// The 404 of an aggregate no message was ever recorded for.
-fn unknown_aggregate(aggregate_id: &str) -> AppError {
-    AppError::problem_with_detail(
-        StatusCode::NOT_FOUND,
-        "Unknown aggregate",
-        format!(
-            "no message has been recorded for aggregate '{aggregate_id}'; it expects sequence 1"
-        ),
-    )
-}
-
-/// The longest reason an operator may give, in characters.
-const MAX_REASON: usize = 500;
-
-/// An operator's stated reason, trimmed, or the 400 that says what it must be.
-fn reason(text: &str) -> Result<String, AppError> {
-    let reason = text.trim();
-    if reason.is_empty() || reason.chars().count() > MAX_REASON {
-        return Err(AppError::bad_request(format!(
-            "reason must say why, in 1 to {MAX_REASON} characters"
-        )));
-    }
-    Ok(reason.to_owned())
-}
-
-/// `dryRun` as a resolution's mode.
-fn mode(dry_run: Option<bool>) -> ordered_inbox::Mode {
-    if dry_run.unwrap_or(false) {
-        ordered_inbox::Mode::DryRun
-    } else {
-        ordered_inbox::Mode::Commit
     }
 }

@@ -13,11 +13,11 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::reason;
 use crate::gate::auth::{Operator, operator_revoked};
 use crate::http::error::{AppError, Json, Path, RequestBody, json_response, problem_response_with};
 use crate::inbox::SharedInbox;
 use crate::inbox::input::{validate_aggregate_id, validate_sequence};
+use crate::inbox::requests::reason;
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where

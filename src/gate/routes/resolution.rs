@@ -10,23 +10,29 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::views::CurrentState;
 use ordered_inbox::{
-    Action, ConflictKind, GapConflict, GapRecord, GapRequest, GapResolutionError, GapResolved,
-    ResolutionError, ResolutionRecord, ResolutionRequest, Resolved, SequenceRange,
+    Action, GapRecord, GapResolutionError, GapResolved, ResolutionError, ResolutionRecord,
+    ResolutionRequest, Resolved,
 };
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use super::PayloadLimit;
 use super::messages::{validate_type, within_limit};
-use super::{PayloadLimit, mode, reason, unknown_aggregate};
 use crate::gate::auth::{Operator, operator_revoked};
-use crate::http::error::{AppError, Json, Path, Query, RequestBody, problem_response_with};
+use crate::http::error::{AppError, Json, Path, Query, RequestBody};
 use crate::inbox::SharedInbox;
+use crate::inbox::answers::{
+    DeadLetterConflictWords, conflict_response, dead_letter_conflict_words, gap_conflict_words,
+    no_such_dead_letter, unknown_aggregate,
+};
 use crate::inbox::input::{
-    identity_words, producer_namespace, validate_aggregate_id, validate_message_id,
-    validate_sequence,
+    producer_namespace, validate_aggregate_id, validate_message_id, validate_sequence,
+};
+use crate::inbox::requests::{
+    GapResolutionInput, ReplacementShape, dead_letter_action, mode, parse_replacement, reason,
 };
 
 pub(super) fn routes<S>(body_limit: usize) -> OpenApiRouter<S>
@@ -90,21 +96,12 @@ impl ResolutionInput {
     ) -> Result<ResolutionRequest, AppError> {
         validate_sequence("expectedLast", self.expected_last, 0)?;
         let reason = reason(&self.reason)?;
-        let action = match (self.action.as_str(), self.replacement) {
-            ("skip", Value::Null) => Action::Skip,
-            ("skip", _) => {
-                return Err(AppError::bad_request(
-                    "a skip takes no replacement: it records the sequence as taken with no effect",
-                ));
-            }
-            ("replace", Value::Null) => {
-                return Err(AppError::bad_request(
-                    "replace needs a replacement: {\"type\": a message type, \"payload\": its JSON}",
-                ));
-            }
-            ("replace", replacement) => replacement_of(replacement, &dead_letter_id)?,
-            _ => return Err(AppError::bad_request("action must be replace or skip")),
-        };
+        let action = dead_letter_action(
+            &self.action,
+            self.replacement,
+            &REPLACEMENT_SHAPE,
+            |replacement| replacement_of(&replacement, &dead_letter_id),
+        )?;
         Ok(ResolutionRequest {
             producer,
             dead_letter_id,
@@ -116,23 +113,16 @@ impl ResolutionInput {
     }
 }
 
+/// What the gate's replacement carries, for the 400s of a missing or a malformed one.
+const REPLACEMENT_SHAPE: ReplacementShape = ReplacementShape {
+    described: "{\"type\": a message type, \"payload\": its JSON}",
+    members: "{\"type\", \"payload\"}",
+};
+
 /// A replacement's action: its id (given, or derived from the dead letter's so that an
 /// identical repeat names the same one) and its envelope.
-fn replacement_of(replacement: Value, dead_letter_id: &str) -> Result<Action, AppError> {
-    if !replacement.is_object() {
-        return Err(AppError::bad_request(
-            "replacement must be an object {\"type\", \"payload\"}",
-        ));
-    }
-    let replacement: ReplacementInput =
-        crate::http::error::parse_body(replacement.to_string().as_bytes()).map_err(|error| {
-            match error {
-                AppError::BadRequest(detail) => {
-                    AppError::bad_request(format!("replacement: {detail}"))
-                }
-                other => other,
-            }
-        })?;
+fn replacement_of(replacement: &Value, dead_letter_id: &str) -> Result<Action, AppError> {
+    let replacement: ReplacementInput = parse_replacement(replacement)?;
     let message_id = replacement
         .message_id
         .unwrap_or_else(|| format!("{dead_letter_id}:replaced"));
@@ -227,23 +217,12 @@ fn resolution_answer(outcome: &'static str, dry_run: bool, record: ResolutionRec
 
 fn resolution_refused(producer: Option<&str>, error: ResolutionError) -> Response {
     match error {
-        ResolutionError::NotFound(message_id) => AppError::problem_with_detail(
-            StatusCode::NOT_FOUND,
-            "No such dead letter",
-            format!(
-                "no dead letter has {}",
-                identity_words(producer, &message_id)
-            ),
-        )
-        .into_response(),
+        ResolutionError::NotFound(message_id) => {
+            no_such_dead_letter(producer, &message_id).into_response()
+        }
         ResolutionError::Conflict { kind, current } => {
-            let (title, detail) = conflict_words(&kind);
-            problem_response_with(
-                StatusCode::CONFLICT,
-                title,
-                Some(&detail),
-                json!({"current": current}),
-            )
+            let (title, detail) = dead_letter_conflict_words(&kind, &CONFLICT_WORDS);
+            conflict_response(title, &detail, current)
         }
         ResolutionError::ReplacementQuarantined(reason) => AppError::problem_with_detail(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -256,101 +235,14 @@ fn resolution_refused(producer: Option<&str>, error: ResolutionError) -> Respons
     }
 }
 
-/// The title and detail of a dead letter resolution's 409: what failed, and what to do.
-fn conflict_words(kind: &ConflictKind) -> (&'static str, String) {
-    match kind {
-        ConflictKind::AlreadyResolved => (
-            "The dead letter is already resolved",
-            "a different resolution was recorded for it; only an identical repeat by the same operator answers 200".to_owned(),
-        ),
-        ConflictKind::NotOpen(status) => (
-            "The dead letter is not open",
-            format!("it is {status}: another message already took its sequence"),
-        ),
-        ConflictKind::SequenceUnknown => (
-            "The dead letter's sequence is unknown",
-            "it was recorded without a sequence or payload; send a corrected message under a new id instead".to_owned(),
-        ),
-        ConflictKind::ExpectedLastMismatch {
-            expected_last,
-            last,
-        } => expected_last_words(*expected_last, *last),
-        ConflictKind::NotNextSequence { sequence, needed } => (
-            "The dead letter does not hold the next sequence",
-            format!("it holds sequence {sequence}, and the aggregate needs {needed}"),
-        ),
-        ConflictKind::ReplacementIdUsed { message_id } => (
-            "The replacement's message id is already used",
-            format!(
-                "message id '{message_id}' is already known; a replacement is a new message and needs a new id (replacement.messageId)"
-            ),
-        ),
-    }
-}
+/// How the gate words the dead letter conflicts where its words differ from the lab's.
+const CONFLICT_WORDS: DeadLetterConflictWords = DeadLetterConflictWords {
+    sequence_unknown: "it was recorded without a sequence or payload; send a corrected message under a new id instead",
+    new_id_hint: " (replacement.messageId)",
+};
 
-fn expected_last_words(expected_last: i64, last: i64) -> (&'static str, String) {
-    (
-        "The aggregate is not at the expected last sequence",
-        format!(
-            "expectedLast is {expected_last} but the aggregate's last sequence is {last}: review the current state and decide again"
-        ),
-    )
-}
-
-/// An operator's decision on a gap: skip `from` through `through`. Names bind
-/// case-insensitively.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-struct GapResolutionInput {
-    #[schema(pattern = "^skip$", example = "skip")]
-    action: String,
-    /// The aggregate's expected sequence: the first one that never arrived.
-    #[schema(minimum = 1, maximum = 9007199254740992_i64)]
-    from: i64,
-    /// The last sequence to go on without (at least `from`).
-    #[schema(minimum = 1, maximum = 9007199254740992_i64)]
-    through: i64,
-    /// The aggregate's last sequence the operator decided on; a different one answers 409.
-    #[schema(minimum = 0, maximum = 9007199254740992_i64)]
-    expected_last: i64,
-    /// Why, for the audit trail: 1 to 500 characters, not blank.
-    #[schema(min_length = 1, max_length = 500, pattern = "\\S")]
-    reason: String,
-}
-
-impl RequestBody for GapResolutionInput {
-    const FIELDS: &'static [&'static str] =
-        &["action", "from", "through", "expectedLast", "reason"];
-}
-
-impl GapResolutionInput {
-    fn into_request(self, aggregate_id: String, operator: String) -> Result<GapRequest, AppError> {
-        if self.action != "skip" {
-            return Err(AppError::bad_request(
-                "action must be skip: a gap resolution goes on without the missing sequences",
-            ));
-        }
-        validate_sequence("from", self.from, 1)?;
-        validate_sequence("through", self.through, 1)?;
-        if self.through < self.from {
-            return Err(AppError::bad_request(format!(
-                "through ({}) must be at least from ({})",
-                self.through, self.from
-            )));
-        }
-        validate_sequence("expectedLast", self.expected_last, 0)?;
-        Ok(GapRequest {
-            aggregate_id,
-            operator,
-            range: SequenceRange {
-                from: self.from,
-                through: self.through,
-            },
-            expected_last: self.expected_last,
-            reason: reason(&self.reason)?,
-        })
-    }
-}
+/// How a gap's 409 names the gate's dead-letter resolution.
+const DEAD_LETTER_ROUTE: &str = "/v1/deadletters/resolution?messageId=";
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -441,65 +333,10 @@ async fn gap_refused(
         }
         GapResolutionError::Conflict(conflict) => {
             let current = inbox.aggregate(aggregate_id.to_owned()).await?;
-            let (title, detail) = gap_conflict_words(&conflict);
-            problem_response_with(
-                StatusCode::CONFLICT,
-                title,
-                Some(&detail),
-                json!({"current": current}),
-            )
+            let (title, detail) = gap_conflict_words(&conflict, DEAD_LETTER_ROUTE);
+            conflict_response(title, &detail, current)
         }
         GapResolutionError::Unauthorized => operator_revoked(),
         GapResolutionError::Store(error) => AppError::from(error).into_response(),
     })
-}
-
-/// The title and detail of a gap resolution's 409: what failed, and what to do.
-fn gap_conflict_words(conflict: &GapConflict) -> (&'static str, String) {
-    match conflict {
-        GapConflict::AlreadySkipped {
-            resolution_id,
-            range,
-        } => (
-            "The gap is already resolved",
-            format!(
-                "resolution {} skipped sequences {} through {}; only an identical repeat by the same operator answers 200",
-                resolution_id.unwrap_or_default(),
-                range.from,
-                range.through
-            ),
-        ),
-        GapConflict::AppliedInRange {
-            sequence,
-            message_id,
-        } => (
-            "A message took a sequence of the range",
-            format!(
-                "message '{message_id}' was applied at sequence {sequence}: it is not missing; review the current state and decide again"
-            ),
-        ),
-        GapConflict::ExpectedLastMismatch {
-            expected_last,
-            last,
-        } => expected_last_words(*expected_last, *last),
-        GapConflict::NotExpected { from, expected } => (
-            "The range does not start at the expected sequence",
-            format!("from is {from}, and the aggregate expects sequence {expected}"),
-        ),
-        GapConflict::DeadLetterOpen { message_id } => (
-            "A dead letter holds the first sequence",
-            format!(
-                "dead letter '{message_id}' holds it: resolve it with POST /v1/deadletters/resolution?messageId= instead"
-            ),
-        ),
-        GapConflict::HeldInRange {
-            sequence,
-            message_id,
-        } => (
-            "A held message lies inside the range",
-            format!(
-                "message '{message_id}' is held at sequence {sequence}: it is not missing; skip only the sequences below it"
-            ),
-        ),
-    }
 }

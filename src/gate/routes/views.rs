@@ -5,24 +5,24 @@
 
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use ordered_inbox::views::{
-    AggregateView, DeadLetterFilter, DeadLetterView, InventoryEntry, MissingRange, Page,
-    TimelineEvent,
-};
-use ordered_inbox::{AggregateStatus, DeadLetterStatus, GapRecord, ResolutionRecord};
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use axum::response::Response;
+use ordered_inbox::views::{AggregateView, DeadLetterView, InventoryEntry, Page, TimelineEvent};
+use ordered_inbox::{AggregateStatus, GapRecord, ResolutionRecord};
+use serde::Deserialize;
+use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::unknown_aggregate;
 use crate::gate::auth::{Access, Reader};
 use crate::http::error::{AppError, Path, Query, json_response};
 use crate::inbox::SharedInbox;
+use crate::inbox::answers::{merged_trail, unknown_aggregate};
 use crate::inbox::input::validate_aggregate_id;
-use crate::inbox::pages::{page_body, page_request, validate_limit};
+use crate::inbox::pages::{page_body, validate_limit};
+use crate::inbox::queries::{
+    AuditQuery, DeadLetterQuery, Gaps, PageQuery, aggregate_status, gaps_of,
+};
 
 /// The deepest `after` an inventory page may start at: each page reads the ones before it.
 const MAX_INVENTORY_OFFSET: i64 = 10_000;
@@ -82,11 +82,7 @@ async fn inventory(
     State(inbox): State<SharedInbox>,
     Query(query): Query<InventoryQuery>,
 ) -> Result<Response, AppError> {
-    let status: AggregateStatus = query
-        .status
-        .as_deref()
-        .and_then(|status| status.parse().ok())
-        .ok_or_else(|| AppError::bad_request("status must be blocked, waiting or flowing"))?;
+    let status = aggregate_status(query.status.as_deref())?;
     let after = query.after.unwrap_or(0);
     if !(0..=MAX_INVENTORY_OFFSET).contains(&after) {
         return Err(AppError::bad_request(format!(
@@ -141,17 +137,6 @@ async fn aggregate(
     Ok(json_response(StatusCode::OK, body))
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-struct PageQuery {
-    /// The cursor: the `next` of the previous page (0 or absent for the first).
-    #[param(minimum = 0)]
-    after: Option<i64>,
-    /// At most this many (default 100).
-    #[param(minimum = 1, maximum = 1000)]
-    limit: Option<i64>,
-}
-
 /// One page of an aggregate's timeline.
 #[derive(ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -183,25 +168,12 @@ async fn timeline(
     Query(query): Query<PageQuery>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
-    let page = page_request(query.after, query.limit)?;
+    let page = query.page()?;
     let events = inbox.timeline(aggregate_id.clone(), page).await?;
     Ok(json_response(
         StatusCode::OK,
         page_body(json!({"aggregateId": aggregate_id}), "events", events),
     ))
-}
-
-/// What a waiting aggregate is missing.
-#[derive(Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-struct Gaps {
-    aggregate_id: String,
-    /// From the expected sequence through one below the lowest seen ahead of it since the last
-    /// apply; null unless the aggregate waits (`through` null when nothing ahead is known).
-    missing: Option<MissingRange>,
-    waiting_since: Option<String>,
-    /// The sequences held ahead of the gap, lowest first.
-    held_sequences: Vec<i64>,
 }
 
 /// `GET /v1/aggregates/{id}/gaps`: the missing range, for a producer that can resend it.
@@ -222,35 +194,7 @@ async fn gaps(
     State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
 ) -> Result<Response, AppError> {
-    validate_aggregate_id("aggregateId", &aggregate_id)?;
-    let Some(view) = inbox.aggregate(aggregate_id.clone()).await? else {
-        return Err(unknown_aggregate(&aggregate_id));
-    };
-    let body = Gaps {
-        aggregate_id,
-        missing: view.missing,
-        waiting_since: view.waiting_since,
-        held_sequences: view.held_sequences,
-    };
-    Ok((StatusCode::OK, axum::Json(body)).into_response())
-}
-
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(rename_all = "camelCase")]
-struct DeadLetterQuery {
-    /// Only dead letters in this status.
-    #[param(value_type = Option<DeadLetterStatus>)]
-    status: Option<String>,
-    /// Only this aggregate's.
-    #[param(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
-    aggregate_id: Option<String>,
-    /// The cursor: the `next` of the previous page.
-    #[param(minimum = 0)]
-    after: Option<i64>,
-    /// At most this many (default 100).
-    #[param(minimum = 1, maximum = 1000)]
-    limit: Option<i64>,
+    gaps_of(&inbox, aggregate_id).await
 }
 
 /// One page of dead letters.
@@ -280,43 +224,12 @@ async fn dead_letters(
     State(inbox): State<SharedInbox>,
     Query(query): Query<DeadLetterQuery>,
 ) -> Result<Response, AppError> {
-    let status = query
-        .status
-        .as_deref()
-        .map(|status| {
-            status
-                .parse::<DeadLetterStatus>()
-                .map_err(|_| AppError::bad_request("status must be open, resolved or superseded"))
-        })
-        .transpose()?;
-    if let Some(aggregate_id) = query.aggregate_id.as_deref() {
-        validate_aggregate_id("aggregateId", aggregate_id)?;
-    }
-    let page = page_request(query.after, query.limit)?;
-    let filter = DeadLetterFilter {
-        status,
-        aggregate_id: query.aggregate_id,
-    };
+    let (filter, page) = query.into_parts()?;
     let listed = inbox.dead_letters(filter, page).await?;
     Ok(json_response(
         StatusCode::OK,
         page_body(json!({}), "deadLetters", listed),
     ))
-}
-
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(rename_all = "camelCase")]
-struct AuditQuery {
-    /// Only this aggregate's resolutions.
-    #[param(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
-    aggregate_id: Option<String>,
-    /// The cursor: the `next` of the previous page.
-    #[param(minimum = 0)]
-    after: Option<i64>,
-    /// At most this many (default 100).
-    #[param(minimum = 1, maximum = 1000)]
-    limit: Option<i64>,
 }
 
 /// One row of the audit trail: a dead letter's resolution (`messageId`, `sequence`) or a gap's
@@ -355,16 +268,13 @@ async fn resolutions(
     State(inbox): State<SharedInbox>,
     Query(query): Query<AuditQuery>,
 ) -> Result<Response, AppError> {
-    if let Some(aggregate_id) = query.aggregate_id.as_deref() {
-        validate_aggregate_id("aggregateId", aggregate_id)?;
-    }
-    let page = page_request(query.after, query.limit)?;
+    let (aggregate_id, page) = query.into_parts()?;
     let dead_letters = inbox
-        .resolutions(query.aggregate_id.clone(), page)
+        .resolutions(aggregate_id.clone(), page)
         .await?
         .map(|record| (record.resolution_id, json!(record)));
     let gaps = inbox
-        .gap_resolutions(query.aggregate_id, page)
+        .gap_resolutions(aggregate_id, page)
         .await?
         .map(|record| (record.resolution_id, json!(record)));
     Ok(json_response(
@@ -372,65 +282,7 @@ async fn resolutions(
         page_body(
             json!({}),
             "resolutions",
-            merged(dead_letters, gaps, page.limit),
+            merged_trail(dead_letters, gaps, page.limit),
         ),
     ))
-}
-
-/// Two pages of the one numbered trail, read from the same cursor, as one page in number order:
-/// another page exists when either had more, or when together they hold more than `limit`.
-fn merged(
-    first: Page<(Option<i64>, Value)>,
-    second: Page<(Option<i64>, Value)>,
-    limit: i64,
-) -> Page<Value> {
-    let more = first.next.is_some() || second.next.is_some();
-    let mut rows: Vec<(i64, Value)> = first
-        .items
-        .into_iter()
-        .chain(second.items)
-        .map(|(id, row)| (id.unwrap_or(0), row))
-        .collect();
-    rows.sort_by_key(|(id, _)| *id);
-    let limit = usize::try_from(limit).unwrap_or(0);
-    let more = more || rows.len() > limit;
-    rows.truncate(limit);
-    Page {
-        next: if more {
-            rows.last().map(|(id, _)| *id)
-        } else {
-            None
-        },
-        items: rows.into_iter().map(|(_, row)| row).collect(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn page(ids: &[i64], more: bool) -> Page<(Option<i64>, Value)> {
-        Page {
-            items: ids
-                .iter()
-                .map(|id| (Some(*id), json!({"resolutionId": id})))
-                .collect(),
-            next: more.then(|| ids.last().copied().unwrap_or(0)),
-        }
-    }
-
-    #[test]
-    fn two_pages_of_the_trail_merge_in_number_order_and_say_whether_more_follow() {
-        let both = merged(page(&[1, 4], false), page(&[2, 3], false), 3);
-        let ids: Vec<i64> = both
-            .items
-            .iter()
-            .filter_map(|row| row["resolutionId"].as_i64())
-            .collect();
-        assert_eq!((ids, both.next), (vec![1, 2, 3], Some(3)));
-        let short = merged(page(&[1], true), page(&[2], false), 3);
-        assert_eq!(short.next, Some(2));
-        let end = merged(page(&[1], false), page(&[], false), 3);
-        assert_eq!(end.next, None);
-    }
 }

@@ -5,8 +5,8 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use ordered_inbox::views::{DeadLetterFilter, DeadLetterView, TimelineEvent};
-use ordered_inbox::{AggregateStatus, DeadLetterStatus, Door};
+use ordered_inbox::views::{DeadLetterView, TimelineEvent};
+use ordered_inbox::{AggregateStatus, Door};
 use serde::Deserialize;
 use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
@@ -17,9 +17,11 @@ use super::producers::{producer_claim, refused};
 use super::verdicts::{DeliveryAccepted, DeliveryRefused, Quarantined, verdict_response};
 use crate::http::error::{AppError, Json, Path, Query, json_response};
 use crate::inbox::SharedInbox;
+use crate::inbox::answers::unknown_aggregate;
 use crate::inbox::input::{MessageInput, validate_aggregate_id};
 use crate::inbox::ledger::views::{AggregateView, InventoryEntry};
-use crate::inbox::pages::{page_body, page_request, validate_limit};
+use crate::inbox::pages::{page_body, validate_limit};
+use crate::inbox::queries::{DeadLetterQuery, PageQuery, aggregate_status};
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -109,13 +111,7 @@ async fn aggregate(
             }
             Ok(json_response(StatusCode::OK, body))
         }
-        None => Err(AppError::problem_with_detail(
-            StatusCode::NOT_FOUND,
-            "Unknown aggregate",
-            format!(
-                "no message has been recorded for aggregate '{aggregate_id}'; it expects sequence 1"
-            ),
-        )),
+        None => Err(unknown_aggregate(&aggregate_id)),
     }
 }
 
@@ -149,11 +145,7 @@ async fn inventory(
     State(inbox): State<SharedInbox>,
     Query(query): Query<InventoryQuery>,
 ) -> Result<Response, AppError> {
-    let status: AggregateStatus = query
-        .status
-        .as_deref()
-        .and_then(|status| status.parse().ok())
-        .ok_or_else(|| AppError::bad_request("status must be blocked, waiting or flowing"))?;
+    let status = aggregate_status(query.status.as_deref())?;
     let limit = validate_limit(query.limit)?;
     let aggregates: Vec<InventoryEntry> = inbox
         .inventory(status, limit)
@@ -165,17 +157,6 @@ async fn inventory(
         StatusCode::OK,
         json!({"status": status, "aggregates": aggregates}),
     ))
-}
-
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-pub(super) struct PageQuery {
-    /// The cursor: the `next` of the previous page (0 or absent for the first).
-    #[param(minimum = 0)]
-    after: Option<i64>,
-    /// At most this many (default 100).
-    #[param(minimum = 1, maximum = 1000)]
-    limit: Option<i64>,
 }
 
 /// One page of an aggregate's timeline.
@@ -207,30 +188,12 @@ async fn timeline(
     Query(query): Query<PageQuery>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
-    let page = page_request(query.after, query.limit)?;
+    let page = query.page()?;
     let events = inbox.timeline(aggregate_id.clone(), page).await?;
     Ok(json_response(
         StatusCode::OK,
         page_body(json!({"aggregateId": aggregate_id}), "events", events),
     ))
-}
-
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(rename_all = "camelCase")]
-struct DeadLetterQuery {
-    /// Only dead letters in this status.
-    #[param(value_type = Option<DeadLetterStatus>)]
-    status: Option<String>,
-    /// Only this aggregate's.
-    #[param(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
-    aggregate_id: Option<String>,
-    /// The cursor: the `next` of the previous page.
-    #[param(minimum = 0)]
-    after: Option<i64>,
-    /// At most this many (default 100).
-    #[param(minimum = 1, maximum = 1000)]
-    limit: Option<i64>,
 }
 
 /// One page of dead letters.
@@ -256,21 +219,7 @@ async fn dead_letters(
     State(inbox): State<SharedInbox>,
     Query(query): Query<DeadLetterQuery>,
 ) -> Result<Response, AppError> {
-    let status =
-        match query.status.as_deref() {
-            None => None,
-            Some(status) => Some(status.parse::<DeadLetterStatus>().map_err(|_| {
-                AppError::bad_request("status must be open, resolved or superseded")
-            })?),
-        };
-    if let Some(aggregate_id) = query.aggregate_id.as_deref() {
-        validate_aggregate_id("aggregateId", aggregate_id)?;
-    }
-    let page = page_request(query.after, query.limit)?;
-    let filter = DeadLetterFilter {
-        status,
-        aggregate_id: query.aggregate_id,
-    };
+    let (filter, page) = query.into_parts()?;
     let listed = inbox.dead_letters(filter, page).await?;
     Ok(json_response(
         StatusCode::OK,

@@ -7,23 +7,21 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use ordered_inbox::views::MissingRange;
-use ordered_inbox::{
-    DrainedMessage, GapConflict, GapRecord, GapRequest, GapResolutionError, GapResolved, Mode,
-    SequenceRange,
-};
+use ordered_inbox::{DrainedMessage, GapRecord, GapResolutionError, GapResolved};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::operator::{MAX_REASON, authenticate};
-use crate::http::error::{AppError, Json, Path, Query, RequestBody, problem_response_with};
+use super::operator::authenticate;
+use crate::http::error::{AppError, Json, Path, Query};
 use crate::inbox::SharedInbox;
-use crate::inbox::input::{validate_aggregate_id, validate_sequence};
+use crate::inbox::answers::{conflict_response, gap_conflict_words, unknown_aggregate};
+use crate::inbox::input::validate_aggregate_id;
 use crate::inbox::ledger::total_in;
 use crate::inbox::ledger::views::{AggregateView, Position};
+use crate::inbox::queries::{Gaps, gaps_of};
+use crate::inbox::requests::{GapResolutionInput, mode};
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -33,19 +31,6 @@ where
     OpenApiRouter::with_openapi(GapSchemas::openapi())
         .routes(routes!(gaps))
         .routes(routes!(resolve_gap))
-}
-
-/// What a waiting aggregate is missing.
-#[derive(Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-struct Gaps {
-    aggregate_id: String,
-    /// From the expected sequence through one below the lowest seen ahead of it since the last
-    /// apply; null unless the aggregate waits (`through` null when nothing ahead is known).
-    missing: Option<MissingRange>,
-    waiting_since: Option<String>,
-    /// The sequences held ahead of the gap, lowest first.
-    held_sequences: Vec<i64>,
 }
 
 /// `GET /aggregates/{aggregateId}/gaps`: the missing range, for a producer that can resend it.
@@ -63,89 +48,11 @@ async fn gaps(
     State(inbox): State<SharedInbox>,
     Path(aggregate_id): Path<String>,
 ) -> Result<Response, AppError> {
-    validate_aggregate_id("aggregateId", &aggregate_id)?;
-    let Some(view) = inbox.aggregate(aggregate_id.clone()).await? else {
-        return Err(unknown_aggregate(&aggregate_id));
-    };
-    let body = Gaps {
-        aggregate_id,
-        missing: view.missing,
-        waiting_since: view.waiting_since,
-        held_sequences: view.held_sequences,
-    };
-    Ok((StatusCode::OK, axum::Json(body)).into_response())
+    gaps_of(&inbox, aggregate_id).await
 }
 
-fn unknown_aggregate(aggregate_id: &str) -> AppError {
-    AppError::problem_with_detail(
-        StatusCode::NOT_FOUND,
-        "Unknown aggregate",
-        format!(
-            "no message has been recorded for aggregate '{aggregate_id}'; it expects sequence 1"
-        ),
-    )
-}
-
-/// An operator's decision on a gap: skip `from` through `through`. Names bind
-/// case-insensitively.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-struct GapResolutionInput {
-    #[schema(pattern = "^skip$", example = "skip")]
-    action: String,
-    /// The aggregate's expected sequence: the first one that never arrived.
-    #[schema(minimum = 1, maximum = 9007199254740992_i64)]
-    from: i64,
-    /// The last sequence to go on without (at least `from`).
-    #[schema(minimum = 1, maximum = 9007199254740992_i64)]
-    through: i64,
-    /// The aggregate's last sequence the operator decided on; a different one answers 409.
-    #[schema(minimum = 0, maximum = 9007199254740992_i64)]
-    expected_last: i64,
-    /// Why, for the audit trail: 1 to 500 characters, not blank.
-    #[schema(min_length = 1, max_length = 500, pattern = "\\S")]
-    reason: String,
-}
-
-impl RequestBody for GapResolutionInput {
-    const FIELDS: &'static [&'static str] =
-        &["action", "from", "through", "expectedLast", "reason"];
-}
-
-impl GapResolutionInput {
-    fn into_request(self, aggregate_id: String, operator: String) -> Result<GapRequest, AppError> {
-        if self.action != "skip" {
-            return Err(AppError::bad_request(
-                "action must be skip: a gap resolution goes on without the missing sequences",
-            ));
-        }
-        validate_sequence("from", self.from, 1)?;
-        validate_sequence("through", self.through, 1)?;
-        if self.through < self.from {
-            return Err(AppError::bad_request(format!(
-                "through ({}) must be at least from ({})",
-                self.through, self.from
-            )));
-        }
-        validate_sequence("expectedLast", self.expected_last, 0)?;
-        let reason = self.reason.trim();
-        if reason.is_empty() || reason.chars().count() > MAX_REASON {
-            return Err(AppError::bad_request(format!(
-                "reason must say why, in 1 to {MAX_REASON} characters"
-            )));
-        }
-        Ok(GapRequest {
-            aggregate_id,
-            operator,
-            range: SequenceRange {
-                from: self.from,
-                through: self.through,
-            },
-            expected_last: self.expected_last,
-            reason: reason.to_owned(),
-        })
-    }
-}
+/// How a gap's 409 names the lab's dead-letter resolution.
+const DEAD_LETTER_ROUTE: &str = "/deadletters/{messageId}/resolution";
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -287,19 +194,16 @@ async fn resolve_gap(
     };
     let Json(input) = body?;
     let request = input.into_request(aggregate_id, operator)?;
-    let mode = if options.dry_run.unwrap_or(false) {
-        Mode::DryRun
-    } else {
-        Mode::Commit
-    };
     let aggregate_id = request.aggregate_id.clone();
-    Ok(match inbox.resolve_gap(request, mode).await {
-        Ok(GapResolved::New(record) | GapResolved::Repeated(record)) => {
-            answer("resolved", false, record)
-        }
-        Ok(GapResolved::DryRun(record)) => answer("dry run", true, record),
-        Err(error) => refusal(&inbox, &aggregate_id, error).await?,
-    })
+    Ok(
+        match inbox.resolve_gap(request, mode(options.dry_run)).await {
+            Ok(GapResolved::New(record) | GapResolved::Repeated(record)) => {
+                answer("resolved", false, record)
+            }
+            Ok(GapResolved::DryRun(record)) => answer("dry run", true, record),
+            Err(error) => refusal(&inbox, &aggregate_id, error).await?,
+        },
+    )
 }
 
 fn answer(outcome: &'static str, dry_run: bool, record: GapRecord) -> Response {
@@ -325,72 +229,12 @@ async fn refusal(
                 .aggregate(aggregate_id.to_owned())
                 .await?
                 .map(AggregateView::from);
-            let (title, detail) = conflict_words(&conflict);
-            problem_response_with(
-                StatusCode::CONFLICT,
-                title,
-                Some(&detail),
-                json!({"current": current}),
-            )
+            let (title, detail) = gap_conflict_words(&conflict, DEAD_LETTER_ROUTE);
+            conflict_response(title, &detail, current)
         }
         GapResolutionError::Unauthorized => super::operator::unauthorized(
             "the operator's token was revoked before the change".to_owned(),
         ),
         GapResolutionError::Store(error) => AppError::from(error).into_response(),
     })
-}
-
-/// The title and detail of a 409: what failed, and what the operator can do.
-fn conflict_words(conflict: &GapConflict) -> (&'static str, String) {
-    match conflict {
-        GapConflict::AlreadySkipped {
-            resolution_id,
-            range,
-        } => (
-            "The gap is already resolved",
-            format!(
-                "resolution {} skipped sequences {} through {}; only an identical repeat by the same operator answers 200",
-                resolution_id.unwrap_or_default(),
-                range.from,
-                range.through
-            ),
-        ),
-        GapConflict::AppliedInRange {
-            sequence,
-            message_id,
-        } => (
-            "A message took a sequence of the range",
-            format!(
-                "message '{message_id}' was applied at sequence {sequence}: it is not missing; review the current state and decide again"
-            ),
-        ),
-        GapConflict::ExpectedLastMismatch {
-            expected_last,
-            last,
-        } => (
-            "The aggregate is not at the expected last sequence",
-            format!(
-                "expectedLast is {expected_last} but the aggregate's last sequence is {last}: review the current state and decide again"
-            ),
-        ),
-        GapConflict::NotExpected { from, expected } => (
-            "The range does not start at the expected sequence",
-            format!("from is {from}, and the aggregate expects sequence {expected}"),
-        ),
-        GapConflict::DeadLetterOpen { message_id } => (
-            "A dead letter holds the first sequence",
-            format!(
-                "dead letter '{message_id}' holds it: resolve it with POST /deadletters/{{messageId}}/resolution instead"
-            ),
-        ),
-        GapConflict::HeldInRange {
-            sequence,
-            message_id,
-        } => (
-            "A held message lies inside the range",
-            format!(
-                "message '{message_id}' is held at sequence {sequence}: it is not missing; skip only the sequences below it"
-            ),
-        ),
-    }
 }

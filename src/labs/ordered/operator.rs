@@ -1,6 +1,6 @@
 //! An operator's authority, shared by every route an operator acts through (a dead letter's
 //! resolution, a gap's, an aggregate's transfer): the bearer token checked against the active
-//! operators, the 401 that says what is missing, and the bound of a stated reason.
+//! operators, and the 401 that says what is missing.
 
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
@@ -9,8 +9,6 @@ use crate::http::credential::{Credential, credential};
 use crate::http::error::AppError;
 use crate::inbox::SharedInbox;
 
-/// The longest reason an operator may give, in characters.
-pub(super) const MAX_REASON: usize = 500;
 const UNAUTHORIZED_TITLE: &str = "Operator authentication required";
 /// How to register the first operator, for answers given while there is none.
 const ADD_HINT: &str = "production-lab operator add NAME --database PATH";

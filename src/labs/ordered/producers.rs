@@ -22,10 +22,10 @@ use crate::http::credential::{Credential, credential};
 use crate::http::error::{AppError, Json, Path, RequestBody, json_response, problem_response_with};
 use crate::inbox::SharedInbox;
 use crate::inbox::input::{validate_aggregate_id, validate_sequence};
+use crate::inbox::requests::reason;
 
 /// The header a producer's delivery names its session's epoch in.
 pub const PRODUCER_EPOCH: HeaderName = HeaderName::from_static("producer-epoch");
-const MAX_REASON: usize = 500;
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -322,19 +322,14 @@ async fn transfer(
         ));
     };
     validate_sequence("expectedLast", input.expected_last, 0)?;
-    let reason = input.reason.trim();
-    if reason.is_empty() || reason.chars().count() > MAX_REASON {
-        return Err(AppError::bad_request(format!(
-            "reason must say why, in 1 to {MAX_REASON} characters"
-        )));
-    }
+    let reason = reason(&input.reason)?;
     let request = TransferRequest {
         aggregate_id,
         operator,
         producer: input.producer,
         expected_owner,
         expected_last: input.expected_last,
-        reason: reason.to_owned(),
+        reason,
     };
     Ok(match inbox.transfer_owner(request).await? {
         Ok(record) => json_response(

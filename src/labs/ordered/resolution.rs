@@ -6,22 +6,27 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use ordered_inbox::{Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved};
+use ordered_inbox::{Action, ResolutionError, ResolutionRequest, Resolved};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::operator::{MAX_REASON, authenticate, unauthorized};
-use crate::http::error::{
-    AppError, Json, Path, Query, RequestBody, json_response, parse_body, problem_response_with,
-};
+use super::operator::{authenticate, unauthorized};
+use crate::http::error::{AppError, Json, Path, Query, RequestBody, json_response};
 use crate::inbox::SharedInbox;
-use crate::inbox::input::{validate_aggregate_id, validate_message_id, validate_sequence};
+use crate::inbox::answers::{
+    DeadLetterConflictWords, conflict_response, dead_letter_conflict_words, merged_trail,
+    no_such_dead_letter,
+};
+use crate::inbox::input::{validate_message_id, validate_sequence};
 use crate::inbox::ledger::{self, views::CurrentState, views::ResolutionRecord};
-use crate::inbox::pages::{page_body, page_request};
-use ordered_inbox::views::Page;
+use crate::inbox::pages::page_body;
+use crate::inbox::queries::AuditQuery;
+use crate::inbox::requests::{
+    ReplacementShape, dead_letter_action, mode, parse_replacement, reason,
+};
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -102,6 +107,12 @@ impl RequestBody for ReplacementInput {
     const FIELDS: &'static [&'static str] = &["messageId", "amount"];
 }
 
+/// What the lesson's replacement carries, for the 400s of a missing or a malformed one.
+const REPLACEMENT_SHAPE: ReplacementShape = ReplacementShape {
+    described: "{\"messageId\": a new id, \"amount\": a 32-bit integer}",
+    members: "{\"messageId\", \"amount\"}",
+};
+
 impl ResolutionInput {
     fn into_request(
         self,
@@ -110,52 +121,27 @@ impl ResolutionInput {
         operator: String,
     ) -> Result<ResolutionRequest, AppError> {
         validate_sequence("expectedLast", self.expected_last, 0)?;
-        let reason = self.reason.trim();
-        if reason.is_empty() || reason.chars().count() > MAX_REASON {
-            return Err(AppError::bad_request(format!(
-                "reason must say why, in 1 to {MAX_REASON} characters"
-            )));
-        }
-        let action = match (self.action.as_str(), self.replacement) {
-            ("skip", Value::Null) => Action::Skip,
-            ("skip", _) => {
-                return Err(AppError::bad_request(
-                    "a skip takes no replacement: it records the sequence as taken with no effect",
-                ));
-            }
-            ("replace", Value::Null) => {
-                return Err(AppError::bad_request(
-                    "replace needs a replacement: {\"messageId\": a new id, \"amount\": a 32-bit integer}",
-                ));
-            }
-            ("replace", replacement @ Value::Object(_)) => {
-                let replacement: ReplacementInput = parse_body(replacement.to_string().as_bytes())
-                    .map_err(|error| match error {
-                        AppError::BadRequest(detail) => {
-                            AppError::bad_request(format!("replacement: {detail}"))
-                        }
-                        other => other,
-                    })?;
+        let reason = reason(&self.reason)?;
+        let action = dead_letter_action(
+            &self.action,
+            self.replacement,
+            &REPLACEMENT_SHAPE,
+            |replacement| {
+                let replacement: ReplacementInput = parse_replacement(&replacement)?;
                 validate_message_id("replacement.messageId", &replacement.message_id)?;
-                Action::Replace {
+                Ok(Action::Replace {
                     message_id: replacement.message_id,
                     payload: ledger::payload(i64::from(replacement.amount)),
-                }
-            }
-            ("replace", _) => {
-                return Err(AppError::bad_request(
-                    "replacement must be an object {\"messageId\", \"amount\"}",
-                ));
-            }
-            _ => return Err(AppError::bad_request("action must be replace or skip")),
-        };
+                })
+            },
+        )?;
         Ok(ResolutionRequest {
             producer,
             dead_letter_id,
             operator,
             action,
             expected_last: self.expected_last,
-            reason: reason.to_owned(),
+            reason,
         })
     }
 }
@@ -304,12 +290,7 @@ async fn resolve(
     let producer = crate::inbox::input::producer_namespace(options.producer)?;
     let Json(input) = body?;
     let request = input.into_request(producer.clone(), dead_letter_id, operator)?;
-    let mode = if options.dry_run.unwrap_or(false) {
-        Mode::DryRun
-    } else {
-        Mode::Commit
-    };
-    Ok(match inbox.resolve(request, mode).await {
+    Ok(match inbox.resolve(request, mode(options.dry_run)).await {
         Ok(Resolved::New(record) | Resolved::Repeated(record)) => {
             resolution_answer("resolved", false, record.into())
         }
@@ -339,23 +320,12 @@ fn resolution_answer(outcome: &'static str, dry_run: bool, record: ResolutionRec
 
 fn refusal(producer: Option<&str>, error: ResolutionError) -> Response {
     match error {
-        ResolutionError::NotFound(message_id) => AppError::problem_with_detail(
-            StatusCode::NOT_FOUND,
-            "No such dead letter",
-            format!(
-                "no dead letter has {}",
-                crate::inbox::input::identity_words(producer, &message_id)
-            ),
-        )
-        .into_response(),
+        ResolutionError::NotFound(message_id) => {
+            no_such_dead_letter(producer, &message_id).into_response()
+        }
         ResolutionError::Conflict { kind, current } => {
-            let (title, detail) = conflict_words(&kind);
-            problem_response_with(
-                StatusCode::CONFLICT,
-                title,
-                Some(&detail),
-                json!({"current": CurrentState::from(*current)}),
-            )
+            let (title, detail) = dead_letter_conflict_words(&kind, &CONFLICT_WORDS);
+            conflict_response(title, &detail, CurrentState::from(*current))
         }
         ResolutionError::ReplacementQuarantined(reason) => AppError::problem_with_detail(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -372,58 +342,11 @@ fn refusal(producer: Option<&str>, error: ResolutionError) -> Response {
     }
 }
 
-/// The title and detail of a 409: what failed, and what the operator can do.
-fn conflict_words(kind: &ConflictKind) -> (&'static str, String) {
-    const NOT_NEXT: &str = "The dead letter does not hold the next sequence";
-    match kind {
-        ConflictKind::AlreadyResolved => (
-            "The dead letter is already resolved",
-            "a different resolution was recorded for it; only an identical repeat by the same operator answers 200".to_owned(),
-        ),
-        ConflictKind::NotOpen(status) => (
-            "The dead letter is not open",
-            format!("it is {status}: another message already took its sequence"),
-        ),
-        ConflictKind::SequenceUnknown => (
-            "The dead letter's sequence is unknown",
-            "it was recorded by an earlier version that kept no sequence or payload; send a corrected message under a new id instead".to_owned(),
-        ),
-        ConflictKind::ExpectedLastMismatch {
-            expected_last,
-            last,
-        } => (
-            "The aggregate is not at the expected last sequence",
-            format!(
-                "expectedLast is {expected_last} but the aggregate's last sequence is {last}: review the current state and decide again"
-            ),
-        ),
-        ConflictKind::NotNextSequence { sequence, needed } => (
-            NOT_NEXT,
-            format!("it holds sequence {sequence}, and the aggregate needs {needed}"),
-        ),
-        ConflictKind::ReplacementIdUsed { message_id } => (
-            "The replacement's message id is already used",
-            format!(
-                "message id '{message_id}' is already known; a replacement is a new message and needs a new id"
-            ),
-        ),
-    }
-}
-
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(rename_all = "camelCase")]
-struct AuditQuery {
-    /// Only this aggregate's resolutions.
-    #[param(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
-    aggregate_id: Option<String>,
-    /// The cursor: the `next` of the previous page.
-    #[param(minimum = 0)]
-    after: Option<i64>,
-    /// At most this many (default 100).
-    #[param(minimum = 1, maximum = 1000)]
-    limit: Option<i64>,
-}
+/// How the lab words the dead letter conflicts where its words differ from the gate's.
+const CONFLICT_WORDS: DeadLetterConflictWords = DeadLetterConflictWords {
+    sequence_unknown: "it was recorded by an earlier version that kept no sequence or payload; send a corrected message under a new id instead",
+    new_id_hint: "",
+};
 
 /// One page of the audit trail.
 #[derive(ToSchema)]
@@ -457,16 +380,13 @@ async fn audit_trail(
     State(inbox): State<SharedInbox>,
     Query(query): Query<AuditQuery>,
 ) -> Result<Response, AppError> {
-    if let Some(aggregate_id) = query.aggregate_id.as_deref() {
-        validate_aggregate_id("aggregateId", aggregate_id)?;
-    }
-    let page = page_request(query.after, query.limit)?;
+    let (aggregate_id, page) = query.into_parts()?;
     let dead_letters = inbox
-        .resolutions(query.aggregate_id.clone(), page)
+        .resolutions(aggregate_id.clone(), page)
         .await?
         .map(|record| (record.resolution_id, json!(ResolutionRecord::from(record))));
     let gaps = inbox
-        .gap_resolutions(query.aggregate_id, page)
+        .gap_resolutions(aggregate_id, page)
         .await?
         .map(|record| {
             let id = record.resolution_id;
@@ -477,35 +397,7 @@ async fn audit_trail(
         page_body(
             json!({}),
             "resolutions",
-            merged(dead_letters, gaps, page.limit),
+            merged_trail(dead_letters, gaps, page.limit),
         ),
     ))
-}
-
-/// Two pages of the one numbered trail, read from the same cursor, as one page in number order:
-/// another page exists when either had more, or when together they hold more than `limit`.
-fn merged(
-    first: Page<(Option<i64>, Value)>,
-    second: Page<(Option<i64>, Value)>,
-    limit: i64,
-) -> Page<Value> {
-    let more = first.next.is_some() || second.next.is_some();
-    let mut rows: Vec<(i64, Value)> = first
-        .items
-        .into_iter()
-        .chain(second.items)
-        .map(|(id, row)| (id.unwrap_or(0), row))
-        .collect();
-    rows.sort_by_key(|(id, _)| *id);
-    let limit = usize::try_from(limit).unwrap_or(0);
-    let more = more || rows.len() > limit;
-    rows.truncate(limit);
-    Page {
-        next: if more {
-            rows.last().map(|(id, _)| *id)
-        } else {
-            None
-        },
-        items: rows.into_iter().map(|(_, row)| row).collect(),
-    }
 }
