@@ -369,9 +369,39 @@ fn gate_message(aggregate_id: String, body: &[u8]) -> Result<OrderedMessage, Str
         .map_err(|error| error.to_string())
 }
 
-/// The `/v1` routes and the health routes, behind the edge middleware (request ids, the request
-/// line, HTTP metrics, bare statuses as problems) without any lab's.
+/// The `/v1` routes, the health routes and the console, one document describing them all (every
+/// route goes through `routes!`), behind the edge middleware (request ids, the request line,
+/// HTTP metrics, bare statuses as problems) without any lab's.
 fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) -> Router {
+    let state = gate_state(config, stores, background);
+    let published = state.document();
+    let health = Health {
+        inbox: background.inbox.clone(),
+        metrics: background.metrics.clone(),
+        store: stores.sqlite.clone(),
+        nats: background.nats.as_ref().map(|nats| nats.client.clone()),
+    };
+    let documented = routes::api(state)
+        .merge(health::routes(health, config.metrics.public))
+        .merge(super::console::routes());
+    let (router, _document) = routes::finish(documented, &published);
+    let edge = crate::observe::http::Edge {
+        metrics: background.metrics.clone(),
+        security: None,
+    };
+    let router = match proxy_only(config) {
+        Some(proxy) => router.layer(middleware::from_fn_with_state(proxy, only_from_proxy)),
+        None => router,
+    };
+    router.layer(middleware::from_fn_with_state(
+        edge,
+        crate::observe::http::edge,
+    ))
+}
+
+/// What the `/v1` routes share: the observed inbox, the output, the credentials and budgets,
+/// the registry, the change feed.
+fn gate_state(config: &GateConfig, stores: &Stores, background: &Background) -> GateState {
     let limits = &config.limits;
     let access = Access::new(
         config.auth.anonymous_writes,
@@ -385,7 +415,7 @@ fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) ->
             burst: limits.producer_burst,
         },
     );
-    let state = GateState::new(GateParts {
+    GateState::new(GateParts {
         inbox: background.inbox.clone(),
         output: stores.output.clone(),
         access,
@@ -393,29 +423,7 @@ fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) ->
         changes: background.changes.clone(),
         metrics: background.metrics.clone(),
         max_payload_bytes: limits.max_payload_bytes,
-    });
-    let (v1, _document) = routes::router(state);
-    let health = Health {
-        inbox: background.inbox.clone(),
-        metrics: background.metrics.clone(),
-        store: stores.sqlite.clone(),
-        nats: background.nats.as_ref().map(|nats| nats.client.clone()),
-    };
-    let edge = crate::observe::http::Edge {
-        metrics: background.metrics.clone(),
-        security: None,
-    };
-    let router = v1
-        .merge(health::routes(health, config.metrics.public))
-        .merge(super::console::routes());
-    let router = match proxy_only(config) {
-        Some(proxy) => router.layer(middleware::from_fn_with_state(proxy, only_from_proxy)),
-        None => router,
-    };
-    router.layer(middleware::from_fn_with_state(
-        edge,
-        crate::observe::http::edge,
-    ))
+    })
 }
 
 /// The proxy every request must come through: when the gate serves plain HTTP beyond loopback,
@@ -493,13 +501,13 @@ mod tests {
     use super::*;
     use axum::body::Body;
     use axum::extract::ConnectInfo;
-    use axum::routing::get;
     use tower::ServiceExt;
 
     async fn status_from(peer: &str) -> u16 {
         let proxy: std::net::IpAddr = "10.0.0.2".parse().unwrap();
-        let router = Router::new()
-            .route("/v1/x", get(|| async { "ok" }))
+        // Any request reaches the fallback once the middleware lets it through.
+        let router = Router::<()>::default()
+            .fallback(|| async { "ok" })
             .layer(middleware::from_fn_with_state(proxy, only_from_proxy));
         let mut request = axum::http::Request::get("/v1/x")
             .body(Body::empty())

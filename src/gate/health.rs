@@ -3,12 +3,13 @@
 //! makes it public, `GET /metrics`. They carry no secret and change nothing, so a load balancer
 //! and a scraper need no token.
 
+use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::{Json, Router};
 use serde_json::json;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::http::error::problem_response_with;
 use crate::inbox::SharedInbox;
@@ -27,25 +28,33 @@ pub struct Health {
     pub nats: Option<async_nats::Client>,
 }
 
-/// `/live`, `/ready`, and `/metrics` when `public_metrics`.
-pub fn routes(health: Health, public_metrics: bool) -> Router {
-    let router = Router::new()
-        .route("/live", get(live))
-        .route("/ready", get(ready));
+/// `/live`, `/ready`, and `/metrics` when `public_metrics`, documented.
+pub fn routes(health: Health, public_metrics: bool) -> OpenApiRouter {
+    let router = OpenApiRouter::new()
+        .routes(routes!(live))
+        .routes(routes!(ready));
     let router = if public_metrics {
-        router.route("/metrics", get(metrics))
+        router.routes(routes!(metrics))
     } else {
         router
     };
     router.with_state(health)
 }
 
+/// The process answers (it says nothing of the store: see `/ready`).
+#[utoipa::path(get, path = "/live", tag = "operating", responses(
+    (status = 200, description = "The process answers", body = String, content_type = "text/plain", example = "live"),
+))]
 async fn live() -> &'static str {
     "live"
 }
 
 /// 200 `{"status":"ready","checks":{"store":"ok","nats":"ok"|"absent"}}`, or 503 problem+json
 /// naming what is not ready.
+#[utoipa::path(get, path = "/ready", tag = "operating", responses(
+    (status = 200, description = "The store answers a read and, with NATS configured, the connection is up", body = Object, content_type = "application/json"),
+    (status = 503, description = "Not ready: `detail` names what is not", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+))]
 async fn ready(State(health): State<Health>) -> Response {
     let mut problems = Vec::new();
     let store = match health.inbox.health().await {
@@ -83,6 +92,9 @@ async fn ready(State(health): State<Health>) -> Response {
 }
 
 /// Every metric in the Prometheus text format; the inbox's gauges are read now.
+#[utoipa::path(get, path = "/metrics", tag = "operating", responses(
+    (status = 200, description = "Every metric, Prometheus text format 0.0.4", body = String, content_type = "text/plain"),
+))]
 async fn metrics(State(health): State<Health>) -> Response {
     let figures = match health.inbox.health().await {
         Ok(figures) => Some(figures),

@@ -63,21 +63,33 @@ fn render(page: &Page) -> Response {
 }
 
 /// `GET /console`: sign-in, then the inventory of aggregates.
+#[utoipa::path(get, path = "/console", tag = "console", responses(
+    (status = 200, description = "The sign-in page, then the inventory of aggregates", body = String, content_type = "text/html"),
+))]
 pub(super) async fn sign_in_page() -> Response {
     render(&SIGN_IN)
 }
 
 /// `GET /console/aggregate?id=`: one aggregate (its script reads the id).
+#[utoipa::path(get, path = "/console/aggregate", tag = "console", responses(
+    (status = 200, description = "One aggregate's page (the id is in its query, read by its script)", body = String, content_type = "text/html"),
+))]
 pub(super) async fn aggregate_page() -> Response {
     render(&AGGREGATE)
 }
 
 /// `GET /console/deadletter?messageId=&producer=`: one dead letter (its script reads the id).
+#[utoipa::path(get, path = "/console/deadletter", tag = "console", responses(
+    (status = 200, description = "One dead letter's page (its identity is in its query, read by its script)", body = String, content_type = "text/html"),
+))]
 pub(super) async fn dead_letter_page() -> Response {
     render(&DEAD_LETTER)
 }
 
 /// `GET /console/producers`: the registry of producers and operators.
+#[utoipa::path(get, path = "/console/producers", tag = "console", responses(
+    (status = 200, description = "The registry of producers and operators", body = String, content_type = "text/html"),
+))]
 pub(super) async fn producers_page() -> Response {
     render(&PRODUCERS)
 }
@@ -116,6 +128,15 @@ const ASSETS: &[(&str, &str, &str)] = &[
 ];
 
 /// `GET /console/assets/{name}`: one of [`ASSETS`], else 404.
+#[utoipa::path(get, path = "/console/assets/{name}", tag = "console",
+    params(("name" = String, Path, description = "console.css, gate.js, a page's script, favicon.svg")),
+    responses(
+        (status = 200, description = "The file", content(
+            (String = "text/css"), (String = "text/javascript"), (String = "image/svg+xml"),
+        )),
+        (status = 404, description = "The console has no such file", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+    ),
+)]
 pub(super) async fn asset(Path(name): Path<String>) -> Result<Response, AppError> {
     let Some((_, content_type, body)) = ASSETS.iter().find(|(known, _, _)| *known == name) else {
         return Err(AppError::problem_with_detail(

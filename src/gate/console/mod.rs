@@ -13,25 +13,25 @@
 
 mod assets;
 
-use axum::Router;
 use axum::http::{HeaderName, HeaderValue, header};
 use axum::middleware;
 use axum::response::Response;
-use axum::routing::get;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// Everything from this origin only: no inline script, no inline style attribute, no
 /// third-party anything; no framing, no `<base>`, forms post here.
 pub const CONTENT_SECURITY_POLICY: &str =
     "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
-/// The console's pages and static files, each response with [`protect`]'s headers.
-pub fn routes() -> Router {
-    Router::new()
-        .route("/console", get(assets::sign_in_page))
-        .route("/console/aggregate", get(assets::aggregate_page))
-        .route("/console/deadletter", get(assets::dead_letter_page))
-        .route("/console/producers", get(assets::producers_page))
-        .route("/console/assets/{name}", get(assets::asset))
+/// The console's pages and static files, documented, each response with [`protect`]'s headers.
+pub fn routes() -> OpenApiRouter {
+    OpenApiRouter::new()
+        .routes(routes!(assets::sign_in_page))
+        .routes(routes!(assets::aggregate_page))
+        .routes(routes!(assets::dead_letter_page))
+        .routes(routes!(assets::producers_page))
+        .routes(routes!(assets::asset))
         .layer(middleware::map_response(protect))
 }
 

@@ -23,16 +23,18 @@ mod resolution;
 mod verdicts;
 mod views;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use axum::Router;
-use axum::extract::FromRef;
-use axum::routing::get;
+use axum::extract::{FromRef, State};
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
 use ordered_inbox::InboxError;
 use utoipa::openapi::OpenApi as Document;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::gate::auth::Access;
 use crate::gate::output::{OutputError, OutputStore};
@@ -44,9 +46,9 @@ use crate::telemetry::metrics::Metrics;
 pub use messages::GateMessageInput;
 pub use registry::RegistryStore;
 
-/// Everything the routes use. Cheap to clone.
+/// Everything the routes use, and the document they serve. Cheap to clone.
 #[derive(Clone)]
-pub struct GateState(pub Arc<GateParts>);
+pub struct GateState(pub Arc<GateParts>, PublishedDocument);
 
 /// The parts of [`GateState`].
 pub struct GateParts {
@@ -76,7 +78,12 @@ impl FromRef<GateState> for PayloadLimit {
 
 impl GateState {
     pub fn new(parts: GateParts) -> GateState {
-        GateState(Arc::new(parts))
+        GateState(Arc::new(parts), PublishedDocument::default())
+    }
+
+    /// Where this gate's rendered document will be (set by [`finish`]).
+    pub fn document(&self) -> PublishedDocument {
+        self.1.clone()
     }
 }
 
@@ -104,8 +111,15 @@ part_from_state!(
 /// The `/v1` routes with `state`, and the OpenAPI document that describes them (also served at
 /// `GET /v1/openapi.json`).
 pub fn router(state: GateState) -> (Router, Document) {
+    let published = state.1.clone();
+    finish(api(state), &published)
+}
+
+/// The `/v1` routes with `state`, documented by their annotations: the gate merges its health
+/// routes and its console beside them before [`finish`].
+pub fn api(state: GateState) -> OpenApiRouter {
     let body_limit = state.0.max_payload_bytes;
-    let (routes, mut document) = OpenApiRouter::with_openapi(GateDoc::openapi())
+    OpenApiRouter::with_openapi(GateDoc::openapi())
         .merge(messages::routes(body_limit))
         .merge(views::routes())
         .merge(dead_letter::routes())
@@ -114,14 +128,48 @@ pub fn router(state: GateState) -> (Router, Document) {
         .merge(resolution::routes(body_limit))
         .merge(registry::routes())
         .merge(owner::routes())
-        .split_for_parts();
+        .routes(routes!(openapi_json))
+        .with_state(state)
+}
+
+/// The router and its document, with the shared components and the reader's scheme; the
+/// document is what this gate's `GET /v1/openapi.json` answers from now on.
+pub fn finish(routes: OpenApiRouter, published: &PublishedDocument) -> (Router, Document) {
+    let (router, mut document) = routes.split_for_parts();
     crate::http::openapi::Shared.modify(&mut document);
     ReaderScheme.modify(&mut document);
-    let served = axum::Json(document.clone());
-    let router = routes
-        .route("/v1/openapi.json", get(move || async move { served }))
-        .with_state(state);
+    let rendered = document.to_json().unwrap_or_else(|error| {
+        tracing::error!(%error, "the gate's OpenAPI document could not be rendered");
+        "{}".to_owned()
+    });
+    let _ = published.0.set(rendered);
     (router, document)
+}
+
+/// The rendered document of one gate's routes, set once its router is built.
+#[derive(Clone, Default)]
+pub struct PublishedDocument(Arc<OnceLock<String>>);
+
+impl FromRef<GateState> for PublishedDocument {
+    fn from_ref(state: &GateState) -> PublishedDocument {
+        state.1.clone()
+    }
+}
+
+/// This document: OpenAPI 3.1, generated from the handlers.
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "operating", responses(
+    (status = 200, description = "The OpenAPI 3.1 document of every route of the gate", body = Object, content_type = "application/json"),
+))]
+async fn openapi_json(State(published): State<PublishedDocument>) -> Response {
+    let document = published.0.get().map_or("{}", String::as_str).to_owned();
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        document,
+    )
+        .into_response()
 }
 
 /// The root of the gate's document: its info and the components every route refers to.
@@ -151,6 +199,8 @@ pub fn router(state: GateState) -> (Router, Document) {
         (name = "evidence", description = "What the inbox holds, for readers and operators"),
         (name = "feed", description = "Each aggregate's applied messages, in order"),
         (name = "operators", description = "Resolutions, producers, operators, ownership"),
+        (name = "operating", description = "Health, metrics and this document, without a token"),
+        (name = "console", description = "The operator's pages (static; their data comes from /v1 with a token)"),
     )
 )]
 struct GateDoc;
