@@ -321,10 +321,12 @@ async fn an_operator_replaces_a_quarantined_message_after_a_dry_run_and_sees_the
                     text.starts_with("payload does not match the schema of 'order.placed'")
                 })
                 .await;
+            // The page fills the form after it showed the reason: wait for the fact.
             let form: (String, bool) = browser
-                .js(
+                .wait_js(
+                    "the replacement form filled from the dead letter",
                     "return [document.getElementById('replacement-type').value, document.getElementById('resolve-button').disabled];",
-                    vec![],
+                    |(kind, _): &(String, bool)| !kind.is_empty(),
                 )
                 .await;
             assert_eq!(
