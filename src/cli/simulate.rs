@@ -107,7 +107,8 @@ fn render(report: &Report) -> String {
         "simulate {}: seeds {}..{} ({} run), {} steps, {} crashes, {:.1} s, {:.0} seeds/s\n\
          faults: {} deliveries ({} poison, {} duplicates, {} out of order) in {} batches and \
          alone; {} resolutions and {} gap skips ({} with a stale expectedLast); {} sessions, \
-         {} fenced deliveries; {} crash points\n",
+         {} fenced deliveries; {} transfers ({} naming a stale owner or position, {} with a \
+         crash around them); {} crash points\n",
         report.backend,
         report.first_seed,
         report.first_seed + report.seeds.saturating_sub(1),
@@ -126,6 +127,9 @@ fn render(report: &Report) -> String {
         f.stale_resolutions,
         f.sessions,
         f.fenced,
+        f.transfers,
+        f.stale_transfers,
+        f.crashed_transfers,
         f.crashes,
     );
     for failure in &report.failures {
