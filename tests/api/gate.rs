@@ -19,6 +19,7 @@ use serde_json::{Value, json};
 use tempfile::TempDir;
 
 use crate::helpers::{command, poll_until_within};
+use crate::https::HttpsClient;
 
 /// The output stream's subjects and name, and the input's, as the test's config sets them.
 const OUTPUT_PREFIX: &str = "gate.out";
@@ -66,27 +67,10 @@ impl Certificate {
         }
     }
 
-    fn client(&self) -> reqwest::Client {
-        let mut roots = rustls::RootCertStore::empty();
-        let der = rustls_pki_types::CertificateDer::from_pem_slice(self.certificate_pem.as_bytes())
-            .expect("the certificate's PEM");
-        roots.add(der).expect("trust the certificate");
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let tls = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .expect("TLS versions")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        reqwest::Client::builder()
-            .use_preconfigured_tls(tls)
-            .no_proxy()
-            .timeout(Duration::from_secs(30))
-            .build()
-            .expect("an HTTPS client")
+    fn client(&self) -> HttpsClient {
+        HttpsClient::trusting(&self.certificate_pem)
     }
 }
-
-use rustls_pki_types::pem::PemObject;
 
 /// The gate's directory: its configuration, schemas, certificate and database.
 struct GateFiles {
@@ -264,7 +248,7 @@ struct Producer {
 }
 
 async fn add_producer(
-    client: &reqwest::Client,
+    client: &HttpsClient,
     gate: &GateProcess,
     operator: &str,
     name: &str,
@@ -353,7 +337,7 @@ fn messages_of(aggregate: &str, sequences: i64) -> Vec<Message> {
 /// Delivers `message` over HTTPS until the gate has decided it (applied, a replay, or
 /// quarantined); an early one is answered 409 gap and sent again, as a sloppy producer's retry.
 async fn deliver_until_decided(
-    client: &reqwest::Client,
+    client: &HttpsClient,
     gate: &str,
     producer: &Producer,
     message: &Message,

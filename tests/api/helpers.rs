@@ -75,8 +75,6 @@ pub struct TestApp {
 }
 
 pub fn client() -> reqwest::Client {
-    // reqwest's rustls has no provider of its own here: ring, as the server's TLS uses.
-    let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(30))

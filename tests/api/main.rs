@@ -3,6 +3,7 @@
 
 mod browser;
 mod helpers;
+mod https;
 mod postgres;
 
 mod aggregates;
