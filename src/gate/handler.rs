@@ -10,14 +10,13 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use ordered_inbox::postgres::PostgresHandler;
+use ordered_inbox::postgres::{HandlerClient, PostgresHandler};
 use ordered_inbox::sqlite::SqliteHandler;
 use ordered_inbox::{
     ApplyOutcome, Check, Detail, HandlerError, OrderedMessage, Poison, canonical_json, clock,
 };
 use rusqlite::Connection;
 use serde_json::{Value, json};
-use tokio_postgres::Client;
 use tokio_postgres::types::Type;
 
 use super::schemas::MessageTypes;
@@ -154,7 +153,7 @@ impl SqliteHandler for GateHandler {
 impl PostgresHandler for GateHandler {
     async fn apply(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         let row = match output_row(message) {
@@ -162,16 +161,29 @@ impl PostgresHandler for GateHandler {
             Err(poison) => return Ok(poison),
         };
         let now = clock::now();
-        client
-            .query_typed(
+        let insert = client
+            .prepare_typed_cached(
                 POSTGRES_INSERT,
                 &[
-                    (&message.aggregate_id, Type::TEXT),
-                    (&message.sequence, Type::INT8),
-                    (&message.message_id, Type::TEXT),
-                    (&row.message_type, Type::TEXT),
-                    (&row.payload, Type::TEXT),
-                    (&now, Type::TEXT),
+                    Type::TEXT,
+                    Type::INT8,
+                    Type::TEXT,
+                    Type::TEXT,
+                    Type::TEXT,
+                    Type::TEXT,
+                ],
+            )
+            .await?;
+        client
+            .execute(
+                &insert,
+                &[
+                    &message.aggregate_id,
+                    &message.sequence,
+                    &message.message_id,
+                    &row.message_type,
+                    &row.payload,
+                    &now,
                 ],
             )
             .await?;
@@ -182,7 +194,7 @@ impl PostgresHandler for GateHandler {
     /// applies there, as the default's would: the ones before it are written, it is poison.
     async fn apply_many(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         messages: &[&OrderedMessage],
     ) -> Result<Vec<ApplyOutcome>, HandlerError> {
         let mut rows = Vec::with_capacity(messages.len());
@@ -206,12 +218,13 @@ impl PostgresHandler for GateHandler {
 
     async fn state(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         aggregate_id: &str,
     ) -> Result<Option<Value>, HandlerError> {
-        let rows = client
-            .query_typed(POSTGRES_EMITTED, &[(&aggregate_id, Type::TEXT)])
+        let emitted = client
+            .prepare_typed_cached(POSTGRES_EMITTED, &[Type::TEXT])
             .await?;
+        let rows = client.query(&emitted, &[&aggregate_id]).await?;
         match rows.first() {
             Some(row) => Ok(emitted_state(row.try_get(0)?)),
             None => Ok(None),
@@ -219,7 +232,7 @@ impl PostgresHandler for GateHandler {
     }
 }
 
-async fn insert_many(client: &Client, rows: &[OutputRow<'_>]) -> Result<(), HandlerError> {
+async fn insert_many(client: &HandlerClient, rows: &[OutputRow<'_>]) -> Result<(), HandlerError> {
     let aggregates: Vec<&str> = rows
         .iter()
         .map(|row| row.message.aggregate_id.as_str())
@@ -232,17 +245,23 @@ async fn insert_many(client: &Client, rows: &[OutputRow<'_>]) -> Result<(), Hand
     let types: Vec<&str> = rows.iter().map(|row| row.message_type).collect();
     let payloads: Vec<&str> = rows.iter().map(|row| row.payload.as_str()).collect();
     let now = clock::now();
-    client
-        .query_typed(
+    let insert = client
+        .prepare_typed_cached(
             POSTGRES_INSERT_MANY,
             &[
-                (&aggregates, Type::TEXT_ARRAY),
-                (&sequences, Type::INT8_ARRAY),
-                (&ids, Type::TEXT_ARRAY),
-                (&types, Type::TEXT_ARRAY),
-                (&payloads, Type::TEXT_ARRAY),
-                (&now, Type::TEXT),
+                Type::TEXT_ARRAY,
+                Type::INT8_ARRAY,
+                Type::TEXT_ARRAY,
+                Type::TEXT_ARRAY,
+                Type::TEXT_ARRAY,
+                Type::TEXT,
             ],
+        )
+        .await?;
+    client
+        .execute(
+            &insert,
+            &[&aggregates, &sequences, &ids, &types, &payloads, &now],
         )
         .await?;
     Ok(())

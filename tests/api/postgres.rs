@@ -754,3 +754,62 @@ async fn a_batch_with_producer_claims_is_checked_message_by_message_in_postgresq
         [[Some("0".to_owned())]]
     );
 }
+
+/// The ledger's `ordered_inbox.amount` as an earlier build kept it: a plain column that a
+/// `BEFORE INSERT` trigger filled.
+const TRIGGER_FILLED_AMOUNT: &str = r#"
+ALTER TABLE ordered_inbox DROP COLUMN amount;
+ALTER TABLE ordered_inbox ADD COLUMN amount bigint;
+UPDATE ordered_inbox SET amount = (payload::jsonb ->> 'Amount')::bigint;
+CREATE FUNCTION ledger_amount() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.amount IS NULL AND (NEW.payload::jsonb ->> 'Amount') ~ '^-?[0-9]{1,18}$' THEN
+        NEW.amount := (NEW.payload::jsonb ->> 'Amount')::bigint;
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER ledger_amount BEFORE INSERT ON ordered_inbox
+    FOR EACH ROW EXECUTE FUNCTION ledger_amount();
+"#;
+
+async fn deliver_to_acct(
+    app: &crate::helpers::TestApp,
+    id: &str,
+    sequence: i64,
+    amount: i64,
+) -> u16 {
+    let body = json!({"messageId": id, "sequence": sequence, "amount": amount});
+    status_and_json(app.post_json("/aggregates/acct/messages", &body).await)
+        .await
+        .0
+}
+
+#[tokio::test]
+async fn a_database_whose_amounts_a_trigger_filled_keeps_them_in_a_generated_column() {
+    use crate::helpers::{Backend, spawn_app_on};
+    let app = spawn_app_on(Backend::Postgres).await;
+    assert_eq!(deliver_to_acct(&app, "m-1", 1, 7).await, 200);
+    assert_eq!(deliver_to_acct(&app, "m-2", 2, 5).await, 200);
+    let url = app.inbox_url.clone().expect("a PostgreSQL inbox");
+    let (dir, config) = app.stop().await;
+    query_text(&url, TRIGGER_FILLED_AMOUNT);
+
+    let app = crate::helpers::start(dir, config).await;
+    assert_eq!(deliver_to_acct(&app, "m-3", 3, 11).await, 200);
+    let amounts = query_text(
+        &url,
+        "SELECT message_id || '=' || amount FROM ordered_inbox ORDER BY sequence",
+    );
+    assert_eq!(
+        amounts,
+        [["m-1=7"], ["m-2=5"], ["m-3=11"]].map(|[row]| vec![Some(row.to_owned())])
+    );
+    let shape = query_text(
+        &url,
+        "SELECT (SELECT attgenerated FROM pg_attribute
+                  WHERE attrelid = 'ordered_inbox'::regclass AND attname = 'amount')
+             || (SELECT COUNT(*) FROM pg_trigger WHERE tgname = 'ledger_amount')",
+    );
+    assert_eq!(shape, [vec![Some("s0".to_owned())]]);
+    app.stop().await;
+}

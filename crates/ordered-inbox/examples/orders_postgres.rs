@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use lab_testkit::pg::{ClusterOptions, PrivateCluster};
-use ordered_inbox::postgres::{PostgresHandler, PostgresInbox, Target};
+use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox, Target};
 use ordered_inbox::{ApplyOutcome, HandlerError, Limits, OrderedMessage};
 use orders::{Failure, OrderLines, line, verdict_on};
 use serde_json::{Value, json};
@@ -31,7 +31,7 @@ use tokio_postgres::Client;
 impl PostgresHandler for OrderLines {
     async fn apply(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         let line = match line(message) {
@@ -56,7 +56,11 @@ impl PostgresHandler for OrderLines {
     }
 
     /// What an operator's resolution records of the order before and after it.
-    async fn state(&self, client: &Client, order: &str) -> Result<Option<Value>, HandlerError> {
+    async fn state(
+        &self,
+        client: &HandlerClient,
+        order: &str,
+    ) -> Result<Option<Value>, HandlerError> {
         Ok(Some(json!({ "units": units_of(client, order).await? })))
     }
 }

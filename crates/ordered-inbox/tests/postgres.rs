@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use ordered_inbox::postgres::{PostgresHandler, PostgresInbox, Target};
+use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox, Target};
 use ordered_inbox::{
     Action, ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
     Mode, OrderedMessage, Outcome, Poison, ResolutionError, ResolutionRequest, Resolved,
@@ -148,7 +148,7 @@ impl Check for Orders {
 impl PostgresHandler for Orders {
     async fn apply(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         let quantity = message.payload["quantity"].as_i64().unwrap_or(0);
@@ -195,7 +195,7 @@ impl PostgresHandler for Orders {
 
     async fn state(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         aggregate_id: &str,
     ) -> Result<Option<Value>, HandlerError> {
         let ordered: Option<i64> = client
@@ -440,7 +440,7 @@ impl Check for Tally {
 impl PostgresHandler for Tally {
     async fn apply(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         client

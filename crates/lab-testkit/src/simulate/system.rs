@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use ordered_inbox::gaps::{GapRequest, GapResolutionError};
-use ordered_inbox::postgres::{PostgresHandler, PostgresInbox, Target};
+use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox, Target};
 use ordered_inbox::producers::TransferRequest;
 use ordered_inbox::records::{SequenceRange, TransferRefusal, refusal_outcome};
 use ordered_inbox::resolution::{Action, Mode, ResolutionError, ResolutionRequest};
@@ -98,7 +98,7 @@ impl SqliteHandler for Effects {
 impl PostgresHandler for Effects {
     async fn apply(
         &self,
-        client: &tokio_postgres::Client,
+        client: &HandlerClient,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         client

@@ -36,7 +36,7 @@ use tokio_postgres::types::ToSql;
 use super::connection::{Client, Counters, Failure};
 use super::engine::{Run, Unit, decided};
 use super::facts::{PRODUCER_FACTS, delivery_facts_from_row, message_key, ownership_facts};
-use super::handler::PostgresHandler;
+use super::handler::{HandlerClient, PostgresHandler};
 use super::rows::namespace;
 use super::writes::{Param, Write, append, commit, execute_all, flush, param, write, writes_for};
 use crate::change::Change;
@@ -275,7 +275,7 @@ async fn apply_round(
     if messages.is_empty() {
         return Ok(Some(Vec::new()));
     }
-    let client: &tokio_postgres::Client = means.client;
+    let client: &HandlerClient = means.client;
     let outcomes = means.handler.apply_many(client, &messages).await;
     means.counters.trip();
     let Ok(outcomes) = outcomes else {

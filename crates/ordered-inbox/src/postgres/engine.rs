@@ -18,7 +18,7 @@ use tokio_postgres::types::ToSql;
 
 use super::connection::{Client, Counters, Failure};
 use super::facts::{PRODUCER_ROW_LOCKED, resolution_facts, transfer_facts};
-use super::handler::PostgresHandler;
+use super::handler::{HandlerClient, PostgresHandler};
 use super::rows::producer_fact_from_row;
 use super::views;
 use super::writes::{Write, commit, flush, record_rejected as rejected_write, writes_for};
@@ -328,7 +328,7 @@ async fn apply(
     report: &mut Report,
     writes: &mut Vec<Write>,
 ) -> Result<Result<Detail, Ran>, Failure> {
-    let client: &tokio_postgres::Client = unit.client;
+    let client: &HandlerClient = unit.client;
     let first = report.details.is_empty();
     let savepoint = OptionFuture::from(first.then(|| client.batch_execute("SAVEPOINT handler")));
     let (savepoint, flushed, applied) = join!(

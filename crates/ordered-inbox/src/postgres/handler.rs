@@ -3,18 +3,25 @@
 
 use async_trait::async_trait;
 use serde_json::Value;
-use tokio_postgres::Client;
 
 use crate::content::{AcceptAll, ApplyOutcome, Check};
 use crate::error::HandlerError;
 use crate::model::OrderedMessage;
+
+/// The client a handler is given: the pooled connection of the inbox's open transaction. It
+/// dereferences to [`tokio_postgres::Client`] for every query, and keeps a cache of prepared
+/// statements per connection (`prepare_cached`, `prepare_typed_cached`): a handler's statement
+/// prepared once is planned once per connection, where `query_typed` or a query by text is
+/// parsed and planned again at every call (for a statement of a few joins, planning can cost
+/// more than running it).
+pub type HandlerClient = deadpool_postgres::ClientWrapper;
 
 /// An application's handler for the PostgreSQL inbox: its pure [`Check`], and what applying a
 /// message does to the application's own tables.
 ///
 /// `apply` is called for each message the inbox applies (delivered, drained from the held set,
 /// or an operator's replacement), after its check accepted it, with the client of the open
-/// transaction that records it (the aggregate and the message ids locked): the inbox's rows and
+/// transaction ([`HandlerClient`]) that records it (the aggregate and the message ids locked): the inbox's rows and
 /// the handler's commit together or not at all. It may read and write any table but the
 /// inbox's own, and must act only through `client`, without transaction statements (no
 /// `COMMIT`, `ROLLBACK` or `SAVEPOINT` of its own): the inbox rolls its writes back to a
@@ -28,7 +35,7 @@ pub trait PostgresHandler: Check {
     /// whole delivery back (it fails alone, and may be delivered again).
     async fn apply(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError>;
 
@@ -43,7 +50,7 @@ pub trait PostgresHandler: Check {
     /// trip.
     async fn apply_many(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         messages: &[&OrderedMessage],
     ) -> Result<Vec<ApplyOutcome>, HandlerError> {
         let mut outcomes = Vec::with_capacity(messages.len());
@@ -62,7 +69,7 @@ pub trait PostgresHandler: Check {
     /// `after`), read in the resolution's transaction. `None` by default.
     async fn state(
         &self,
-        client: &Client,
+        client: &HandlerClient,
         aggregate_id: &str,
     ) -> Result<Option<Value>, HandlerError> {
         let _ = (client, aggregate_id);
@@ -72,7 +79,11 @@ pub trait PostgresHandler: Check {
 
 #[async_trait]
 impl PostgresHandler for AcceptAll {
-    async fn apply(&self, _: &Client, _: &OrderedMessage) -> Result<ApplyOutcome, HandlerError> {
+    async fn apply(
+        &self,
+        _: &HandlerClient,
+        _: &OrderedMessage,
+    ) -> Result<ApplyOutcome, HandlerError> {
         Ok(ApplyOutcome::applied())
     }
 }

@@ -59,7 +59,7 @@ use tokio_postgres::NoTls;
 pub use connection::{
     ATTEMPTS, CONNECT_TIMEOUT, Counters, POOL_SIZE, POOL_WAIT, PostgresError, PostgresStats, Target,
 };
-pub use handler::PostgresHandler;
+pub use handler::{HandlerClient, PostgresHandler};
 pub use writer::{GROUP_CAP, WRITERS};
 
 use connection::{Client, Failure, release_after_failure};
