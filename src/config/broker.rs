@@ -50,10 +50,16 @@ pub struct BrokerConfig {
 }
 
 impl BrokerConfig {
-    /// The defaults for `urls` (a comma-separated list), checked to be loopback.
+    /// The defaults for `urls` (a comma-separated list), checked to be loopback (`serve`'s rule).
     pub fn new(urls: &str) -> Result<BrokerConfig, StartupError> {
-        Ok(BrokerConfig {
-            urls: parse_nats_urls(urls)?,
+        Ok(BrokerConfig::with_checked_urls(parse_nats_urls(urls)?))
+    }
+
+    /// The defaults for URLs its caller has already checked by its own rule (the gate's
+    /// configuration allows any host).
+    pub fn with_checked_urls(urls: Vec<String>) -> BrokerConfig {
+        BrokerConfig {
+            urls,
             stream: DEFAULT_STREAM.to_owned(),
             subject_prefix: DEFAULT_SUBJECT_PREFIX.to_owned(),
             durable: DEFAULT_DURABLE.to_owned(),
@@ -64,7 +70,7 @@ impl BrokerConfig {
             nak_delay: DEFAULT_NAK_DELAY,
             gap_notice_interval: DEFAULT_GAP_NOTICE_INTERVAL,
             gap_notices_per_tick: DEFAULT_GAP_NOTICES_PER_TICK,
-        })
+        }
     }
 
     /// Checks the names and the partition; each refusal is one line.

@@ -326,8 +326,7 @@ impl Nats {
         anonymous_writes: bool,
         wake: Arc<Notify>,
     ) -> Result<Nats, StartupError> {
-        let mut input = BrokerConfig::new("nats://127.0.0.1:4222")?;
-        input.urls = settings.urls.clone();
+        let mut input = BrokerConfig::with_checked_urls(settings.urls.clone());
         input.stream = settings.input.stream.clone();
         input.subject_prefix = settings.input.subject_prefix.clone();
         input.durable = settings.input.durable.clone();
