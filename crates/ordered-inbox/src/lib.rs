@@ -109,7 +109,8 @@
 //! ```
 //!
 //! On PostgreSQL the same check goes with a [`postgres::PostgresHandler`], whose `apply` gets the
-//! client inside the open transaction. Handlers may also define what "the same content" means
+//! client inside the open transaction (a [`postgres::HandlerClient`], with a statement cache per
+//! connection). Handlers may also define what "the same content" means
 //! ([`Check::canonical`], see [`content`]); the default is the payload's canonical JSON.
 //!
 //! ## Examples

@@ -4,7 +4,7 @@
 //!
 //! - [`schema`]: the inbox's tables and their versioned migrations, run under an advisory lock;
 //! - [`handler`]: the application's handler, run in the operation's transaction;
-//! - `writer`, `batch`: the group commit of deliveries: one queue, a few writer tasks, one
+//! - `writer`, `batch`: the group commit of deliveries: one queue, its writer task, one
 //!   transaction per group (locks in one global order, the facts of the group in one
 //!   statement, the core's decisions in arrival order, the handler's applies in one call, the
 //!   rows set-based, one COMMIT; a failing delivery replayed alone in a savepoint);
