@@ -3,21 +3,12 @@
 //! read the query string themselves and render it as text).
 
 use axum::extract::Path;
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::Response;
 
 use crate::http::error::AppError;
+use crate::http::pages::{self, Asset, JAVASCRIPT, Page, render};
 
 const LAYOUT: &str = include_str!("assets/layout.html");
-
-/// One page: its name (the nav entry and its script), its title and its `<main>` content.
-struct Page {
-    name: &'static str,
-    title: &'static str,
-    main: &'static str,
-    /// The nav entry to mark as current.
-    nav: &'static str,
-}
 
 const LESSON: Page = Page {
     name: "lesson",
@@ -50,96 +41,66 @@ const LABS: Page = Page {
     nav: "labs",
 };
 
-/// The page's HTML: the layout with the page's title, scripts, current nav entry and `<main>`.
-fn html(page: &Page) -> String {
-    let current = format!("data-nav=\"{}\"", page.nav);
-    LAYOUT
-        .replace("{{title}}", page.title)
-        .replace("{{page}}", page.name)
-        .replace(&current, &format!("{current} aria-current=\"page\""))
-        .replace("{{main}}", page.main)
-}
-
-fn render(page: &Page) -> Response {
-    let mut response = Html(html(page)).into_response();
-    response
-        .headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
-}
-
 #[utoipa::path(get, path = "/console", tag = "console", responses(
     (status = 200, description = "The lesson page", body = String, content_type = "text/html"),
 ))]
 pub(super) async fn lesson_page() -> Response {
-    render(&LESSON)
+    render(LAYOUT, &LESSON)
 }
 
 #[utoipa::path(get, path = "/console/aggregates", tag = "console", responses(
     (status = 200, description = "The aggregates page", body = String, content_type = "text/html"),
 ))]
 pub(super) async fn aggregates_page() -> Response {
-    render(&AGGREGATES)
+    render(LAYOUT, &AGGREGATES)
 }
 
 #[utoipa::path(get, path = "/console/aggregate", tag = "console", responses(
     (status = 200, description = "One aggregate's page (the id is in its query, read by its script)", body = String, content_type = "text/html"),
 ))]
 pub(super) async fn aggregate_page() -> Response {
-    render(&AGGREGATE)
+    render(LAYOUT, &AGGREGATE)
 }
 
 #[utoipa::path(get, path = "/console/deadletter", tag = "console", responses(
     (status = 200, description = "One dead letter's page (the id is in its query, read by its script)", body = String, content_type = "text/html"),
 ))]
 pub(super) async fn dead_letter_page() -> Response {
-    render(&DEAD_LETTER)
+    render(LAYOUT, &DEAD_LETTER)
 }
 
 #[utoipa::path(get, path = "/console/labs", tag = "console", responses(
     (status = 200, description = "The labs page", body = String, content_type = "text/html"),
 ))]
 pub(super) async fn labs_page() -> Response {
-    render(&LABS)
+    render(LAYOUT, &LABS)
 }
 
 /// The static files: name, content type, content.
-const ASSETS: &[(&str, &str, &str)] = &[
+const ASSETS: &[Asset] = &[
     (
         "console.css",
         "text/css; charset=utf-8",
         include_str!("assets/console.css"),
     ),
-    (
-        "console.js",
-        "text/javascript; charset=utf-8",
-        include_str!("assets/console.js"),
-    ),
-    (
-        "lesson.js",
-        "text/javascript; charset=utf-8",
-        include_str!("assets/lesson.js"),
-    ),
+    ("console.js", JAVASCRIPT, include_str!("assets/console.js")),
+    ("lesson.js", JAVASCRIPT, include_str!("assets/lesson.js")),
     (
         "aggregates.js",
-        "text/javascript; charset=utf-8",
+        JAVASCRIPT,
         include_str!("assets/aggregates.js"),
     ),
     (
         "aggregate.js",
-        "text/javascript; charset=utf-8",
+        JAVASCRIPT,
         include_str!("assets/aggregate.js"),
     ),
     (
         "deadletter.js",
-        "text/javascript; charset=utf-8",
+        JAVASCRIPT,
         include_str!("assets/deadletter.js"),
     ),
-    (
-        "labs.js",
-        "text/javascript; charset=utf-8",
-        include_str!("assets/labs.js"),
-    ),
+    ("labs.js", JAVASCRIPT, include_str!("assets/labs.js")),
     (
         "favicon.svg",
         "image/svg+xml",
@@ -158,22 +119,7 @@ const ASSETS: &[(&str, &str, &str)] = &[
     ),
 )]
 pub(super) async fn asset(Path(name): Path<String>) -> Result<Response, AppError> {
-    let Some((_, content_type, body)) = ASSETS.iter().find(|(known, _, _)| *known == name) else {
-        return Err(AppError::problem_with_detail(
-            StatusCode::NOT_FOUND,
-            "No such console file",
-            "the console serves only the files it was built with",
-        ));
-    };
-    Ok((
-        [
-            (header::CONTENT_TYPE, HeaderValue::from_static(content_type)),
-            // Revalidate each load: a rebuilt server serves new files at the same names.
-            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
-        ],
-        *body,
-    )
-        .into_response())
+    pages::asset(ASSETS, &name)
 }
 
 #[cfg(test)]
@@ -182,32 +128,10 @@ mod tests {
 
     #[test]
     fn every_page_names_its_script_and_fills_its_main() {
-        for page in [&LESSON, &AGGREGATES, &AGGREGATE, &DEAD_LETTER, &LABS] {
-            let html = html(page);
-            assert!(
-                html.contains("aria-current=\"page\""),
-                "{} marks its nav entry",
-                page.name
-            );
-            assert!(!html.contains("{{"), "{} leaves a placeholder", page.name);
-            let script = format!("/console/assets/{}.js", page.name);
-            assert!(html.contains(&script), "{} loads {script}", page.name);
-            assert!(
-                ASSETS
-                    .iter()
-                    .any(|(name, _, _)| format!("/console/assets/{name}") == script),
-                "{script} is served"
-            );
-            assert!(
-                !page.main.contains("<script"),
-                "no inline script in {}",
-                page.name
-            );
-            assert!(
-                !page.main.contains("style="),
-                "no inline style in {}",
-                page.name
-            );
-        }
+        pages::assert_well_formed(
+            LAYOUT,
+            &[&LESSON, &AGGREGATES, &AGGREGATE, &DEAD_LETTER, &LABS],
+            ASSETS,
+        );
     }
 }

@@ -17,20 +17,14 @@ mod assets;
 pub mod events;
 
 use axum::extract::FromRef;
-use axum::http::{HeaderName, HeaderValue, header};
 use axum::middleware;
-use axum::response::Response;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 pub use events::ConsoleEvents;
 
+use crate::http::pages;
 use crate::inbox::SharedInbox;
-
-/// The console's Content-Security-Policy: everything from this origin only, so no inline script,
-/// no inline style attribute, no third-party anything; no framing, no `<base>`, forms post here.
-pub const CONTENT_SECURITY_POLICY: &str =
-    "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
 pub fn routes<S>() -> OpenApiRouter<S>
 where
@@ -47,29 +41,5 @@ where
         .routes(routes!(assets::asset))
         .routes(routes!(events::events))
         .merge(api::routes())
-        .layer(middleware::map_response(protect))
-}
-
-/// The headers every console response carries, whatever its status.
-async fn protect(mut response: Response) -> Response {
-    let headers = response.headers_mut();
-    let set = [
-        (
-            header::CONTENT_SECURITY_POLICY,
-            HeaderValue::from_static(CONTENT_SECURITY_POLICY),
-        ),
-        (
-            header::X_CONTENT_TYPE_OPTIONS,
-            HeaderValue::from_static("nosniff"),
-        ),
-        (
-            header::REFERRER_POLICY,
-            HeaderValue::from_static("no-referrer"),
-        ),
-        (header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")),
-    ];
-    for (name, value) in set {
-        headers.insert::<HeaderName>(name, value);
-    }
-    response
+        .layer(middleware::map_response(pages::protect))
 }

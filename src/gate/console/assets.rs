@@ -4,20 +4,12 @@
 //! lab console's files, included as they are: static text, no route of the lab's.
 
 use axum::extract::Path;
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::Response;
 
 use crate::http::error::AppError;
+use crate::http::pages::{self, Asset, JAVASCRIPT, Page, render};
 
 const LAYOUT: &str = include_str!("assets/layout.html");
-
-/// One page: its name (its script), its title, its `<main>` content and its nav entry.
-struct Page {
-    name: &'static str,
-    title: &'static str,
-    main: &'static str,
-    nav: &'static str,
-}
 
 const SIGN_IN: Page = Page {
     name: "signin",
@@ -44,30 +36,12 @@ const PRODUCERS: Page = Page {
     nav: "producers",
 };
 
-/// The page's HTML: the layout with the page's title, script, current nav entry and `<main>`.
-fn html(page: &Page) -> String {
-    let current = format!("data-nav=\"{}\"", page.nav);
-    LAYOUT
-        .replace("{{title}}", page.title)
-        .replace("{{page}}", page.name)
-        .replace(&current, &format!("{current} aria-current=\"page\""))
-        .replace("{{main}}", page.main)
-}
-
-fn render(page: &Page) -> Response {
-    let mut response = Html(html(page)).into_response();
-    response
-        .headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
-}
-
 /// `GET /console`: sign-in, then the inventory of aggregates.
 #[utoipa::path(get, path = "/console", tag = "console", responses(
     (status = 200, description = "The sign-in page, then the inventory of aggregates", body = String, content_type = "text/html"),
 ))]
 pub(super) async fn sign_in_page() -> Response {
-    render(&SIGN_IN)
+    render(LAYOUT, &SIGN_IN)
 }
 
 /// `GET /console/aggregate?id=`: one aggregate (its script reads the id).
@@ -75,7 +49,7 @@ pub(super) async fn sign_in_page() -> Response {
     (status = 200, description = "One aggregate's page (the id is in its query, read by its script)", body = String, content_type = "text/html"),
 ))]
 pub(super) async fn aggregate_page() -> Response {
-    render(&AGGREGATE)
+    render(LAYOUT, &AGGREGATE)
 }
 
 /// `GET /console/deadletter?messageId=&producer=`: one dead letter (its script reads the id).
@@ -83,7 +57,7 @@ pub(super) async fn aggregate_page() -> Response {
     (status = 200, description = "One dead letter's page (its identity is in its query, read by its script)", body = String, content_type = "text/html"),
 ))]
 pub(super) async fn dead_letter_page() -> Response {
-    render(&DEAD_LETTER)
+    render(LAYOUT, &DEAD_LETTER)
 }
 
 /// `GET /console/producers`: the registry of producers and operators.
@@ -91,13 +65,11 @@ pub(super) async fn dead_letter_page() -> Response {
     (status = 200, description = "The registry of producers and operators", body = String, content_type = "text/html"),
 ))]
 pub(super) async fn producers_page() -> Response {
-    render(&PRODUCERS)
+    render(LAYOUT, &PRODUCERS)
 }
 
-const JAVASCRIPT: &str = "text/javascript; charset=utf-8";
-
 /// The static files: name, content type, content.
-const ASSETS: &[(&str, &str, &str)] = &[
+const ASSETS: &[Asset] = &[
     (
         "console.css",
         "text/css; charset=utf-8",
@@ -138,22 +110,7 @@ const ASSETS: &[(&str, &str, &str)] = &[
     ),
 )]
 pub(super) async fn asset(Path(name): Path<String>) -> Result<Response, AppError> {
-    let Some((_, content_type, body)) = ASSETS.iter().find(|(known, _, _)| *known == name) else {
-        return Err(AppError::problem_with_detail(
-            StatusCode::NOT_FOUND,
-            "No such console file",
-            "the console serves only the files it was built with",
-        ));
-    };
-    Ok((
-        [
-            (header::CONTENT_TYPE, HeaderValue::from_static(content_type)),
-            // Revalidate each load: a rebuilt gate serves new files at the same names.
-            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
-        ],
-        *body,
-    )
-        .into_response())
+    pages::asset(ASSETS, &name)
 }
 
 #[cfg(test)]
@@ -162,27 +119,10 @@ mod tests {
 
     #[test]
     fn every_page_names_its_script_and_fills_its_main_without_inline_code() {
-        for page in [&SIGN_IN, &AGGREGATE, &DEAD_LETTER, &PRODUCERS] {
-            let html = html(page);
-            assert!(html.contains("aria-current=\"page\""), "{}", page.name);
-            assert!(!html.contains("{{"), "{} leaves a placeholder", page.name);
-            let script = format!("{}.js", page.name);
-            assert!(
-                html.contains(&format!("/console/assets/{script}")),
-                "{} loads {script}",
-                page.name
-            );
-            assert!(ASSETS.iter().any(|(name, _, _)| *name == script));
-            assert!(
-                !page.main.contains("<script"),
-                "inline script in {}",
-                page.name
-            );
-            assert!(
-                !page.main.contains("style="),
-                "inline style in {}",
-                page.name
-            );
-        }
+        pages::assert_well_formed(
+            LAYOUT,
+            &[&SIGN_IN, &AGGREGATE, &DEAD_LETTER, &PRODUCERS],
+            ASSETS,
+        );
     }
 }

@@ -13,18 +13,13 @@
 
 mod assets;
 
-use axum::http::{HeaderName, HeaderValue, header};
 use axum::middleware;
-use axum::response::Response;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-/// Everything from this origin only: no inline script, no inline style attribute, no
-/// third-party anything; no framing, no `<base>`, forms post here.
-pub const CONTENT_SECURITY_POLICY: &str =
-    "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
+use crate::http::pages;
 
-/// The console's pages and static files, documented, each response with [`protect`]'s headers.
+/// The console's pages and static files, documented, each response with [`pages::protect`]'s headers.
 pub fn routes() -> OpenApiRouter {
     OpenApiRouter::new()
         .routes(routes!(assets::sign_in_page))
@@ -32,29 +27,5 @@ pub fn routes() -> OpenApiRouter {
         .routes(routes!(assets::dead_letter_page))
         .routes(routes!(assets::producers_page))
         .routes(routes!(assets::asset))
-        .layer(middleware::map_response(protect))
-}
-
-/// The headers every console response carries, whatever its status.
-async fn protect(mut response: Response) -> Response {
-    let headers = response.headers_mut();
-    let set = [
-        (
-            header::CONTENT_SECURITY_POLICY,
-            HeaderValue::from_static(CONTENT_SECURITY_POLICY),
-        ),
-        (
-            header::X_CONTENT_TYPE_OPTIONS,
-            HeaderValue::from_static("nosniff"),
-        ),
-        (
-            header::REFERRER_POLICY,
-            HeaderValue::from_static("no-referrer"),
-        ),
-        (header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")),
-    ];
-    for (name, value) in set {
-        headers.insert::<HeaderName>(name, value);
-    }
-    response
+        .layer(middleware::map_response(pages::protect))
 }
