@@ -87,7 +87,13 @@ fn operator_command_on(args: &[&str], store: &[std::ffi::OsString]) -> std::proc
 
 /// Registers an operator through the CLI and returns the token it printed.
 pub(crate) fn add_operator(app: &TestApp, name: &str) -> String {
-    let output = operator_command(&["add", name], app);
+    add_operator_on(&app.operator_store_args(), name)
+}
+
+/// Registers an operator through the CLI in `store` (`--database PATH` or `--inbox URL`) and
+/// returns the token it printed, its output alone.
+pub(crate) fn add_operator_on(store: &[std::ffi::OsString], name: &str) -> String {
+    let output = operator_command_on(&["add", name], store);
     assert!(
         output.status.success(),
         "operator add failed: {}",

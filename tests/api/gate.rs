@@ -18,6 +18,7 @@ use rand::seq::SliceRandom;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
+use crate::aggregates::add_operator_on;
 use crate::helpers::{command, poll_until_within};
 use crate::https::HttpsClient;
 
@@ -217,26 +218,7 @@ impl Drop for GateProcess {
 
 /// Adds an operator to the gate's registry with the existing command and returns its token.
 pub(crate) fn add_operator(database: &Path, name: &str) -> String {
-    let output = command()
-        .args(["operator", "add", name, "--database"])
-        .arg(database)
-        .output()
-        .expect("run operator add");
-    assert!(
-        output.status.success(),
-        "operator add failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    token_in(&String::from_utf8_lossy(&output.stdout))
-}
-
-/// The token a registry command printed (the last word of its output).
-fn token_in(output: &str) -> String {
-    output
-        .split_whitespace()
-        .last()
-        .expect("a token in the output")
-        .to_owned()
+    add_operator_on(&["--database".into(), database.into()], name)
 }
 
 /// One producer: its name, token and session epoch.
@@ -813,16 +795,7 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
     let env = [("GATE_DATABASE_URL", database.as_str())];
     let first = GateProcess::start_with_env(&files.config(), &env);
     let second = GateProcess::start_with_env(&files.config(), &env);
-    let output = command()
-        .args(["operator", "add", "alice", "--inbox", &database])
-        .output()
-        .expect("run operator add");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let operator = token_in(&String::from_utf8_lossy(&output.stdout));
+    let operator = add_operator_on(&["--inbox".into(), database.as_str().into()], "alice");
     let client = certificate.client();
     let producer = add_producer(&client, &first, &operator, "shop").await;
     let js = crate::broker::jetstream_of(&nats).await;

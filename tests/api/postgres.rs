@@ -104,7 +104,8 @@ use std::time::{Duration, Instant};
 use lab_testkit::bench::{AggregateStream, amount, workload};
 use serde_json::{Value, json};
 
-use crate::helpers::{ServerProcess, client, command, poll_until, settings_dir, status_and_json};
+use crate::aggregates::add_operator_on;
+use crate::helpers::{ServerProcess, client, poll_until, settings_dir, status_and_json};
 
 /// `serve --inbox URL` as a process, with its own SQLite file for the other labs.
 fn start_server(dir: &Path, name: &str, settings: &Path, url: &str) -> ServerProcess {
@@ -376,18 +377,7 @@ async fn two_operators_resolving_one_dead_letter_through_two_servers_exactly_one
     let (dir, settings) = settings_dir();
     let a = start_server(dir.path(), "a", &settings, &url);
     let b = start_server(dir.path(), "b", &settings, &url);
-    let token = |name: &str| {
-        let output = command()
-            .args(["operator", "add", name, "--inbox", &url])
-            .output()
-            .expect("run operator add");
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8(output.stdout).unwrap().trim().to_owned()
-    };
+    let token = |name: &str| add_operator_on(&["--inbox".into(), url.as_str().into()], name);
     let (alice, bob) = (token("alice"), token("bob"));
     let http = client();
     for round in 0..4 {
