@@ -19,7 +19,8 @@ use utoipa_axum::routes;
 
 use crate::http::pages;
 
-/// The console's pages and static files, documented, each response with [`pages::protect`]'s headers.
+/// The console's pages and static files, documented, each response with [`pages::protect`]'s
+/// headers.
 pub fn routes() -> OpenApiRouter {
     OpenApiRouter::new()
         .routes(routes!(assets::sign_in_page))

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
-use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox};
+use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox, apply_one_by_one};
 use ordered_inbox::{ApplyOutcome, HandlerError, OrderedMessage};
 use serde_json::Value;
 use tokio_postgres::types::Type;
@@ -86,24 +86,6 @@ fn returned_total(rows: &[tokio_postgres::Row]) -> Result<i64, HandlerError> {
     }
 }
 
-/// Each apply in turn (the trait's way), for a group the one statement does not cover.
-async fn one_by_one(
-    ledger: &Ledger,
-    client: &HandlerClient,
-    messages: &[&OrderedMessage],
-) -> Result<Vec<ApplyOutcome>, HandlerError> {
-    let mut outcomes = Vec::with_capacity(messages.len());
-    for message in messages {
-        let outcome = ledger.apply(client, message).await?;
-        let applied = matches!(outcome, ApplyOutcome::Applied { .. });
-        outcomes.push(outcome);
-        if !applied {
-            break;
-        }
-    }
-    Ok(outcomes)
-}
-
 #[async_trait]
 impl PostgresHandler for Ledger {
     async fn apply(
@@ -139,7 +121,7 @@ impl PostgresHandler for Ledger {
         for message in messages {
             match applicable(message) {
                 Ok(amount) if amount >= 0 => amounts.push(amount),
-                Ok(_) => return one_by_one(self, client, messages).await,
+                Ok(_) => return apply_one_by_one(self, client, messages).await,
                 Err(outcome) => {
                     poison = Some(outcome);
                     break;

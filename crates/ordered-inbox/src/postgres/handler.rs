@@ -20,9 +20,9 @@ pub type HandlerClient = deadpool_postgres::ClientWrapper;
 /// message does to the application's own tables.
 ///
 /// `apply` is called for each message the inbox applies (delivered, drained from the held set,
-/// or an operator's replacement), after its check accepted it, with the client of the open
-/// transaction ([`HandlerClient`]) that records it (the aggregate and the message ids locked): the inbox's rows and
-/// the handler's commit together or not at all. It may read and write any table but the
+/// or an operator's replacement), after its check accepted it, with the client
+/// ([`HandlerClient`]) of the open transaction that records it (the aggregate and the message
+/// ids locked): the inbox's rows and the handler's commit together or not at all. It may read and write any table but the
 /// inbox's own, and must act only through `client`, without transaction statements (no
 /// `COMMIT`, `ROLLBACK` or `SAVEPOINT` of its own): the inbox rolls its writes back to a
 /// savepoint when it returns a poison and decides again, and retries a whole operation after a
@@ -47,22 +47,13 @@ pub trait PostgresHandler: Check {
     /// message is applied alone with `apply` in a savepoint of its own. The default applies one
     /// after another; a handler whose `apply` is a single statement may send them all at once
     /// (pipelined statements run in the order sent), which makes a batch's applies one round
-    /// trip.
+    /// trip, and fall back on [`apply_one_by_one`] for a batch it does not cover.
     async fn apply_many(
         &self,
         client: &HandlerClient,
         messages: &[&OrderedMessage],
     ) -> Result<Vec<ApplyOutcome>, HandlerError> {
-        let mut outcomes = Vec::with_capacity(messages.len());
-        for message in messages {
-            let outcome = self.apply(client, message).await?;
-            let applied = matches!(outcome, ApplyOutcome::Applied { .. });
-            outcomes.push(outcome);
-            if !applied {
-                break;
-            }
-        }
-        Ok(outcomes)
+        apply_one_by_one(self, client, messages).await
     }
 
     /// What the application shows of an aggregate in a resolution's audit row (`before` and
@@ -75,6 +66,25 @@ pub trait PostgresHandler: Check {
         let _ = (client, aggregate_id);
         Ok(None)
     }
+}
+
+/// [`PostgresHandler::apply_many`]'s default: `handler`'s `apply` for each message in turn,
+/// ending at the first outcome that is not [`ApplyOutcome::Applied`].
+pub async fn apply_one_by_one<H: PostgresHandler + ?Sized>(
+    handler: &H,
+    client: &HandlerClient,
+    messages: &[&OrderedMessage],
+) -> Result<Vec<ApplyOutcome>, HandlerError> {
+    let mut outcomes = Vec::with_capacity(messages.len());
+    for message in messages {
+        let outcome = handler.apply(client, message).await?;
+        let applied = matches!(outcome, ApplyOutcome::Applied { .. });
+        outcomes.push(outcome);
+        if !applied {
+            break;
+        }
+    }
+    Ok(outcomes)
 }
 
 #[async_trait]

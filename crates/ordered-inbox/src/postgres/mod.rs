@@ -59,7 +59,7 @@ use tokio_postgres::NoTls;
 pub use connection::{
     ATTEMPTS, CONNECT_TIMEOUT, Counters, POOL_SIZE, POOL_WAIT, PostgresError, PostgresStats, Target,
 };
-pub use handler::{HandlerClient, PostgresHandler};
+pub use handler::{HandlerClient, PostgresHandler, apply_one_by_one};
 pub use writer::{GROUP_CAP, WRITERS};
 
 use connection::{Client, Failure, release_after_failure};

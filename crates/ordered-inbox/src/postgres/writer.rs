@@ -1,7 +1,7 @@
 //! The group commit on PostgreSQL: every delivery of a server (the doors' `deliver_as`, a
-//! broker's `deliver_batch`, `deliver`) is a job on one bounded queue, and the writer tasks ([`WRITERS`])
-//! each take every job waiting (up to [`GROUP_CAP`] deliveries; a job is never split) into one
-//! transaction (`batch`), and answer each job only after its COMMIT.
+//! broker's `deliver_batch`, `deliver`) is a job on one bounded queue, and the writer task
+//! ([`WRITERS`]) takes every job waiting (up to [`GROUP_CAP`] deliveries; a job is never split)
+//! into one transaction (`batch`), and answers each job only after its COMMIT.
 //!
 //! A group that PostgreSQL asks to retry (a deadlock, a serialization failure, a unique
 //! violation, a pooled connection found closed before COMMIT) is attempted again whole, at most
@@ -28,10 +28,11 @@ pub const GROUP_CAP: usize = 256;
 /// Writer tasks per inbox: one, so that every delivery waiting goes into one group. A group
 /// costs PostgreSQL about as much CPU again as eight of its deliveries (its statements, BEGIN
 /// and COMMIT), so larger groups are cheaper per delivery: in `bench ordered --backend
-/// postgres`, one writer per server reached 1.2× the throughput of two on one server and 1.8×
-/// on two servers (whose groups two writers each halved), at two thirds of PostgreSQL's CPU
-/// per message; two writers taking turns to form groups (one forming while the other commits)
-/// did not do better than two free ones. Several servers on one database are several writers.
+/// postgres`, one writer per server kept one server's throughput at about three quarters of
+/// PostgreSQL's CPU per message, and gave two servers (whose groups two writers each halved)
+/// 1.3× their throughput; two writers taking turns to form groups (one forming while the other
+/// commits) did no better than two free ones. Several servers on one database are several
+/// writers.
 pub const WRITERS: usize = 1;
 /// Jobs waiting at most; a caller beyond it waits for room.
 const QUEUE: usize = 4096;
