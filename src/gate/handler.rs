@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use ordered_inbox::postgres::{HandlerClient, PostgresHandler};
-use ordered_inbox::sqlite::SqliteHandler;
+use ordered_inbox::sqlite::{SqliteHandler, WriterConnection};
 use ordered_inbox::{
     ApplyOutcome, Check, Detail, HandlerError, OrderedMessage, Poison, canonical_json, clock,
 };
@@ -119,7 +119,7 @@ fn emitted_state(count: i64) -> Option<Value> {
 impl SqliteHandler for GateHandler {
     fn apply(
         &self,
-        connection: &Connection,
+        connection: &WriterConnection<'_>,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         let row = match output_row(message) {

@@ -21,7 +21,9 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind, Message, stream};
 use futures_util::StreamExt;
-use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, schema};
+use ordered_inbox::sqlite::{
+    SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, WriterConnection, schema,
+};
 use ordered_inbox::{
     ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, Limits, OrderedMessage, Outcome,
     Poison, Undelivered,
@@ -47,7 +49,7 @@ impl Check for OrderLines {
 impl SqliteHandler for OrderLines {
     fn apply(
         &self,
-        connection: &Connection,
+        connection: &WriterConnection<'_>,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         connection.execute(

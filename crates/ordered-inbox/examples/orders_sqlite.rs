@@ -22,7 +22,9 @@ mod orders;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, schema};
+use ordered_inbox::sqlite::{
+    SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, WriterConnection, schema,
+};
 use ordered_inbox::{ApplyOutcome, HandlerError, Limits, OrderedMessage};
 use orders::{Failure, OrderLines, line, verdict_on};
 use rusqlite::Connection;
@@ -35,7 +37,7 @@ use serde_json::{Value, json};
 impl SqliteHandler for OrderLines {
     fn apply(
         &self,
-        connection: &Connection,
+        connection: &WriterConnection<'_>,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         let line = match line(message) {

@@ -27,7 +27,9 @@
 //! ```
 //! use std::sync::Arc;
 //!
-//! use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, schema};
+//! use ordered_inbox::sqlite::{
+//!     SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, WriterConnection, schema,
+//! };
 //! use ordered_inbox::{
 //!     ApplyOutcome, Check, Door, HandlerError, Inbox, Limits, OrderedMessage, Outcome, Poison,
 //! };
@@ -48,7 +50,7 @@
 //! impl SqliteHandler for OrderBook {
 //!     fn apply(
 //!         &self,
-//!         connection: &Connection,
+//!         connection: &WriterConnection<'_>,
 //!         message: &OrderedMessage,
 //!     ) -> Result<ApplyOutcome, HandlerError> {
 //!         let sku = message.payload["sku"].as_str().unwrap_or_default();

@@ -174,9 +174,15 @@ impl TimelineDetail {
     /// The stored text: `None` for an applied event without a detail.
     pub fn to_json(&self) -> Option<String> {
         match self {
-            TimelineDetail::Applied(detail) if detail.is_empty() => None,
+            TimelineDetail::Applied(detail) => TimelineDetail::applied_json(detail),
             other => Some(serde_json::to_string(other).unwrap_or_default()),
         }
+    }
+
+    /// The stored text of `Applied(detail)`, from the borrowed detail (the writer stores it
+    /// at every apply).
+    pub fn applied_json(detail: &Detail) -> Option<String> {
+        (!detail.is_empty()).then(|| serde_json::to_string(detail).unwrap_or_default())
     }
 }
 

@@ -1,7 +1,7 @@
 //! The ledger on SQLite: `apply` on the writer's connection, in the inbox's unit, and the
 //! virtual column `ordered_inbox.amount`.
 
-use ordered_inbox::sqlite::SqliteHandler;
+use ordered_inbox::sqlite::{SqliteHandler, WriterConnection};
 use ordered_inbox::{ApplyOutcome, HandlerError, OrderedMessage};
 use std::cell::Cell;
 
@@ -12,7 +12,8 @@ use serde_json::Value;
 use super::{Ledger, applicable, applied, state};
 
 /// The aggregate's new total, on the row the facts already read (the inbox writes the row's
-/// position right after, and keeps the total), in one statement: `ledger_add` (see
+/// position right after, and keeps the total), in one statement prepared for the writer's life:
+/// `ledger_add` (see
 /// [`register_functions`]) adds the amount and hands the new total back to `apply` on the way.
 /// Reading the total first cost a statement of its own; `… RETURNING` cost more than both, as
 /// SQLite collects the returned rows in a temporary table first.
@@ -96,7 +97,7 @@ fn register_functions(connection: &Connection) -> rusqlite::Result<()> {
 impl SqliteHandler for Ledger {
     fn apply(
         &self,
-        connection: &Connection,
+        connection: &WriterConnection<'_>,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         let amount = match applicable(message) {
@@ -105,11 +106,11 @@ impl SqliteHandler for Ledger {
         };
         ADDED.set(None);
         let updated = connection
-            .prepare_cached(ADD_TOTAL)?
+            .prepared(ADD_TOTAL)?
             .execute(params![message.aggregate_id, amount])?;
         let total = if updated == 0 {
             connection
-                .prepare_cached(FIRST_TOTAL)?
+                .prepared(FIRST_TOTAL)?
                 .execute(params![message.aggregate_id, amount])?;
             amount
         } else {
@@ -223,6 +224,7 @@ mod tests {
             )
             .unwrap();
         register_functions(&connection).unwrap();
+        let writer = WriterConnection::new(&connection);
         let message = |amount: i64| OrderedMessage {
             message_id: format!("m-{amount}"),
             aggregate_id: "acct".into(),
@@ -234,15 +236,15 @@ mod tests {
             ApplyOutcome::Poison(poison) => panic!("{poison:?}"),
         };
         assert_eq!(
-            total_of(Ledger.apply(&connection, &message(5)).unwrap()),
+            total_of(Ledger.apply(&writer, &message(5)).unwrap()),
             Some(5)
         );
         assert_eq!(
-            total_of(Ledger.apply(&connection, &message(7)).unwrap()),
+            total_of(Ledger.apply(&writer, &message(7)).unwrap()),
             Some(12)
         );
         assert_eq!(
-            total_of(Ledger.apply(&connection, &message(i64::MAX)).unwrap()),
+            total_of(Ledger.apply(&writer, &message(i64::MAX)).unwrap()),
             Some(i64::MAX)
         );
         let stored: i64 = connection

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ordered_inbox::sqlite::SqliteHandler;
 use ordered_inbox::sqlite::engine::Unit;
+use ordered_inbox::sqlite::{SqliteHandler, WriterConnection};
 use ordered_inbox::{AcceptAll, Door, Limits, Outcome};
 use rusqlite::Connection;
 use serde::Serialize;
@@ -382,6 +382,7 @@ pub fn raw_baseline(
 ) -> Result<f64, BenchError> {
     let dir = tempfile::tempdir()?;
     let connection = raw_connection(&dir.path().join("raw.db"), synchronous, application)?;
+    let connection = WriterConnection::new(&connection);
     let limits = Limits::default();
     let mut count = 0usize;
     let started = Instant::now();

@@ -11,7 +11,9 @@ use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox, Tar
 use ordered_inbox::producers::TransferRequest;
 use ordered_inbox::records::{SequenceRange, TransferRefusal, refusal_outcome};
 use ordered_inbox::resolution::{Action, Mode, ResolutionError, ResolutionRequest};
-use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, Store, Synchronous, schema};
+use ordered_inbox::sqlite::{
+    SqliteHandler, SqliteInbox, Store, Synchronous, WriterConnection, schema,
+};
 use ordered_inbox::timeline::TimelineKind;
 use ordered_inbox::views::PageRequest;
 use ordered_inbox::{
@@ -82,7 +84,7 @@ impl Check for Effects {
 impl SqliteHandler for Effects {
     fn apply(
         &self,
-        connection: &rusqlite::Connection,
+        connection: &WriterConnection<'_>,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         connection

@@ -17,6 +17,7 @@ use std::convert::Infallible;
 
 use rusqlite::Connection;
 
+use super::connection::WriterConnection;
 use super::facts::{
     DeliveryRead, delivery_facts, ownership_facts, producer_fact, resolution_facts, transfer_facts,
 };
@@ -41,8 +42,8 @@ use crate::views::{CurrentState, TransferConflict};
 /// One unit of work's means: the writer's connection, the application's handler, the store's
 /// bounds and the time that stamps every row.
 #[derive(Clone, Copy)]
-pub struct Unit<'a> {
-    pub connection: &'a Connection,
+pub struct Unit<'a, 'c> {
+    pub connection: &'a WriterConnection<'c>,
     pub handler: &'a dyn SqliteHandler,
     pub limits: &'a Limits,
     pub now: &'a str,
@@ -51,7 +52,7 @@ pub struct Unit<'a> {
 /// Decides and records one anonymous delivery, without an ownership check. The inner `Err`:
 /// the handler failed, and nothing of the delivery was recorded.
 pub fn deliver_in(
-    unit: Unit<'_>,
+    unit: Unit<'_, '_>,
     message: &OrderedMessage,
     door: Door,
 ) -> Result<Result<Outcome, HandlerError>, StoreError> {
@@ -71,7 +72,7 @@ pub fn deliver_in(
 /// ownership facts read in the same unit as the write. A refusal or a handler failure writes
 /// nothing.
 pub fn deliver_as_in(
-    unit: Unit<'_>,
+    unit: Unit<'_, '_>,
     message: &OrderedMessage,
     door: Door,
     claim: Option<&ProducerClaim>,
@@ -102,7 +103,7 @@ pub fn deliver_as_in(
 /// do and writes nothing. The audit row's `before` and `after` carry the handler's `state` of
 /// the aggregate (a dry run's replacement is not applied, so its `after` has none).
 pub fn resolve_in(
-    unit: Unit<'_>,
+    unit: Unit<'_, '_>,
     request: &ResolutionRequest,
     mode: Mode,
 ) -> Result<Resolved, ResolutionError> {
@@ -138,7 +139,11 @@ fn handler_failure(error: HandlerError) -> ResolutionError {
     ResolutionError::Store(InboxError::Handler(error))
 }
 
-fn refusal_error(unit: Unit<'_>, request: &ResolutionRequest, refusal: Refusal) -> ResolutionError {
+fn refusal_error(
+    unit: Unit<'_, '_>,
+    request: &ResolutionRequest,
+    refusal: Refusal,
+) -> ResolutionError {
     match refusal {
         Refusal::NotFound => ResolutionError::NotFound(request.dead_letter_id.clone()),
         Refusal::ReplacementQuarantined(reason) => ResolutionError::ReplacementQuarantined(reason),
@@ -207,7 +212,7 @@ pub fn start_session_in(
 /// event, and the held messages it made inadmissible rejected. A refusal carries the aggregate's
 /// ownership as it is now. A transfer applies no message, so the handler has no part in it.
 pub fn transfer_in(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     request: &TransferRequest,
     now: &str,
 ) -> Result<Result<TransferRecord, TransferConflict>, StoreError> {
@@ -250,7 +255,7 @@ enum Ran {
 /// more of the plan's messages poison, so the rounds are bounded by the messages one plan can
 /// apply (the delivered one and every held one).
 pub(super) fn decided<P: Plan, R>(
-    unit: Unit<'_>,
+    unit: Unit<'_, '_>,
     states: Option<&States<'_>>,
     mut decide: impl FnMut(Context<'_>) -> Result<P, R>,
 ) -> Result<Run<P, R>, StoreError> {
@@ -294,7 +299,7 @@ pub(super) fn decided<P: Plan, R>(
 /// Writes `changes` in order; before each applied message is recorded, runs the handler's
 /// `apply` for it, and records the message with the detail it reported.
 fn write_plan(
-    unit: Unit<'_>,
+    unit: Unit<'_, '_>,
     changes: &[Change],
     states: Option<&States<'_>>,
 ) -> Result<Ran, StoreError> {
@@ -332,7 +337,7 @@ fn write_plan(
 /// Runs the handler's `apply` for `message`: its detail, or how the plan ends. After a
 /// resolution's first apply (its replacement's) the handler's state of the aggregate is noted.
 fn apply(
-    unit: Unit<'_>,
+    unit: Unit<'_, '_>,
     message: &OrderedMessage,
     states: Option<&States<'_>>,
     report: &mut Report,
@@ -428,7 +433,7 @@ mod tests {
         door: Door,
         at: &str,
     ) -> Outcome {
-        deliver_in(unit(connection, at), message, door)
+        deliver_in(unit(&WriterConnection::new(connection), at), message, door)
             .unwrap()
             .unwrap()
     }
@@ -563,7 +568,7 @@ mod tests {
         let connection = migrated();
         connection.execute("DELETE FROM timeline_ids", []).unwrap();
         let refused = deliver_in(
-            unit(&connection, "t1"),
+            unit(&WriterConnection::new(&connection), "t1"),
             &message("m-1", "a", 1, 5),
             Door::General,
         );
@@ -621,11 +626,19 @@ mod tests {
             reason: "duplicate order".into(),
         };
         let before = snapshot(&connection);
-        let rehearsal = resolve_in(unit(&connection, "t1"), &skip, Mode::DryRun).unwrap();
+        let rehearsal = resolve_in(
+            unit(&WriterConnection::new(&connection), "t1"),
+            &skip,
+            Mode::DryRun,
+        )
+        .unwrap();
         assert_eq!(snapshot(&connection), before);
-        let Resolved::New(record) =
-            resolve_in(unit(&connection, "t1"), &skip, Mode::Commit).unwrap()
-        else {
+        let Resolved::New(record) = resolve_in(
+            unit(&WriterConnection::new(&connection), "t1"),
+            &skip,
+            Mode::Commit,
+        )
+        .unwrap() else {
             panic!("expected a resolution");
         };
         assert_eq!(record.resolution_id, Some(1));
@@ -660,7 +673,7 @@ mod tests {
             )]
         );
         let refused = resolve_in(
-            unit(&connection, "t2"),
+            unit(&WriterConnection::new(&connection), "t2"),
             &ResolutionRequest {
                 reason: "again".into(),
                 ..skip
@@ -690,7 +703,7 @@ mod tests {
                 message_id: Some("m".into()),
                 detail: TimelineDetail::Expected { expected: 1 },
             };
-            append(&connection, &entry).unwrap();
+            append(&WriterConnection::new(&connection), &entry).unwrap();
         }
         let state_event = TimelineEntry {
             aggregate_id: "b".into(),
@@ -703,7 +716,7 @@ mod tests {
                 detail: detail(json!({"quantity": -1})),
             },
         };
-        append(&connection, &state_event).unwrap();
+        append(&WriterConnection::new(&connection), &state_event).unwrap();
         assert_eq!(
             rows(
                 &connection,
@@ -752,7 +765,10 @@ mod tests {
         let next = message("m-5", "a", 5, 1);
         for _ in 0..20 {
             let by_resolution = held_for(&connection, "a").unwrap();
-            let by_delivery = delivery_facts(&connection, None, &next).unwrap().facts.held;
+            let by_delivery = delivery_facts(&WriterConnection::new(&connection), None, &next)
+                .unwrap()
+                .facts
+                .held;
             for held in [by_resolution, by_delivery] {
                 let sequences: Vec<i64> = held.iter().map(|row| row.message.sequence).collect();
                 assert_eq!(sequences, [2, 3, 4]);
@@ -812,15 +828,35 @@ mod tests {
         deliver(&connection, &message("m-1", "a", 1, 1), "t1");
         deliver(&connection, &message("m-3", "a", 3, 1), "t2");
         deliver_through(&connection, &message("m-4", "a", 4, 1), Door::Broker, "t3");
-        let applied = delivery_facts(&connection, None, &message("m-1", "a", 1, 1)).unwrap();
+        let applied = delivery_facts(
+            &WriterConnection::new(&connection),
+            None,
+            &message("m-1", "a", 1, 1),
+        )
+        .unwrap();
         assert_eq!(applied.facts.applied.unwrap().sequence, Some(1));
         assert_eq!(applied.facts.aggregate.unwrap().last, 1);
-        let gap = delivery_facts(&connection, None, &message("m-3", "a", 3, 1)).unwrap();
+        let gap = delivery_facts(
+            &WriterConnection::new(&connection),
+            None,
+            &message("m-3", "a", 3, 1),
+        )
+        .unwrap();
         assert!(gap.facts.applied.is_none());
         assert_eq!(gap.facts.held.len(), 1);
-        let held = delivery_facts(&connection, None, &message("m-4", "a", 4, 1)).unwrap();
+        let held = delivery_facts(
+            &WriterConnection::new(&connection),
+            None,
+            &message("m-4", "a", 4, 1),
+        )
+        .unwrap();
         assert_eq!(held.facts.held_message.unwrap().message.sequence, 4);
-        let producers = delivery_facts(&connection, Some("p"), &message("m-1", "a", 1, 1)).unwrap();
+        let producers = delivery_facts(
+            &WriterConnection::new(&connection),
+            Some("p"),
+            &message("m-1", "a", 1, 1),
+        )
+        .unwrap();
         assert!(producers.facts.applied.is_none() && producers.facts.held_message.is_none());
         assert!(producers.owner.is_none());
     }
@@ -972,7 +1008,7 @@ mod tests {
             .unwrap();
         let before = snapshot(&connection);
         let failed = deliver_in(
-            unit(&connection, "t1"),
+            unit(&WriterConnection::new(&connection), "t1"),
             &message("m-1", "a", 1, 2),
             Door::General,
         )
@@ -1060,7 +1096,11 @@ mod tests {
             expected_last: 1,
             reason: "corrected upstream".into(),
         };
-        resolve_in(unit(connection, at), &request, Mode::Commit)
+        resolve_in(
+            unit(&WriterConnection::new(connection), at),
+            &request,
+            Mode::Commit,
+        )
     }
 
     /// `a` at last 1 (an order of 1), blocked by `bad-2`, with `m-3` (3) held behind it.
@@ -1129,9 +1169,12 @@ mod tests {
             expected_last: 1,
             reason: "cancelled".into(),
         };
-        let Resolved::New(record) =
-            resolve_in(unit(&connection, "t1"), &skip, Mode::Commit).unwrap()
-        else {
+        let Resolved::New(record) = resolve_in(
+            unit(&WriterConnection::new(&connection), "t1"),
+            &skip,
+            Mode::Commit,
+        )
+        .unwrap() else {
             panic!("expected a resolution");
         };
         assert_eq!(record.before.state, Some(json!({"ordered": 1})));

@@ -3,6 +3,7 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
+use super::connection::WriterConnection;
 use super::rows::{
     HELD_COLUMNS, aggregate_from, applied_from, dead_letter_from, held_from, namespace, owner_from,
     parsed,
@@ -29,7 +30,7 @@ pub(super) struct DeliveryRead {
 /// One statement reads every seek's rows ([`DELIVERY_FACTS`]); only a blocked aggregate needs a
 /// second for its open dead letters.
 pub(super) fn delivery_facts(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     producer: Option<&str>,
     message: &OrderedMessage,
 ) -> rusqlite::Result<DeliveryRead> {
@@ -37,7 +38,7 @@ pub(super) fn delivery_facts(
         facts: DeliveryFacts::default(),
         owner: None,
     };
-    let mut statement = connection.prepare_cached(DELIVERY_FACTS)?;
+    let mut statement = connection.prepared(DELIVERY_FACTS)?;
     let mut rows = statement.query(params![
         namespace(producer),
         message.message_id,

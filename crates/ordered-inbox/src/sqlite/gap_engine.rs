@@ -12,7 +12,7 @@ use crate::resolution::Mode;
 /// writes nothing: the facts, the core's decision, the audit row and the drain through the
 /// handler, in this unit of the writer.
 pub fn resolve_gap_in(
-    unit: Unit<'_>,
+    unit: Unit<'_, '_>,
     request: &GapRequest,
     mode: Mode,
 ) -> Result<GapResolved, GapResolutionError> {

@@ -4,6 +4,7 @@
 use rusqlite::Connection;
 use serde_json::Value;
 
+use super::connection::WriterConnection;
 use crate::content::{AcceptAll, ApplyOutcome, Check};
 use crate::error::HandlerError;
 use crate::model::OrderedMessage;
@@ -15,7 +16,9 @@ use crate::model::OrderedMessage;
 /// or an operator's replacement), after its check accepted it, on the writer's connection inside
 /// the transaction that records it: the inbox's rows and the handler's commit together or not
 /// at all. It may read and write any table of the file but the inbox's own, and must act only
-/// through `connection` (no transaction statements, nothing outside the database): the writer
+/// through `connection` (no transaction statements, nothing outside the database; it derefs to
+/// a [`rusqlite::Connection`], and [`WriterConnection::prepared`] keeps a statement of fixed SQL
+/// prepared for the writer's life): the writer
 /// may run a unit again after another unit of its group failed, and the inbox runs a decision
 /// again after `apply` found a poison, each time with the earlier run's writes rolled back.
 pub trait SqliteHandler: Check {
@@ -24,7 +27,7 @@ pub trait SqliteHandler: Check {
     /// nothing of the delivery (it fails alone, and may be delivered again).
     fn apply(
         &self,
-        connection: &Connection,
+        connection: &WriterConnection<'_>,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError>;
 
@@ -41,7 +44,11 @@ pub trait SqliteHandler: Check {
 }
 
 impl SqliteHandler for AcceptAll {
-    fn apply(&self, _: &Connection, _: &OrderedMessage) -> Result<ApplyOutcome, HandlerError> {
+    fn apply(
+        &self,
+        _: &WriterConnection<'_>,
+        _: &OrderedMessage,
+    ) -> Result<ApplyOutcome, HandlerError> {
         Ok(ApplyOutcome::applied())
     }
 }

@@ -3,6 +3,7 @@
 //! of its own.
 //!
 //! - [`store`]: the writer thread, group commit, read connections;
+//! - [`connection`]: the writer's connection, with statements prepared once for its life;
 //! - [`schema`]: the inbox's tables and migrations;
 //! - [`handler`]: the application's handler, run in the inbox's transaction;
 //! - [`engine`]: facts read, core decision, handler run and changes written, in one unit of
@@ -13,6 +14,7 @@
 //! - [`operators`]: the operator and producer registry commands on a file;
 //! - `rejected`: the rejected list's rows.
 
+pub mod connection;
 pub mod engine;
 mod facts;
 mod gap_engine;
@@ -38,6 +40,7 @@ pub use store::{
     WriterObserver, is_busy, is_constraint,
 };
 
+pub use connection::{WriterConnection, WriterStatement};
 pub use handler::SqliteHandler;
 
 use crate::clock;
@@ -113,7 +116,7 @@ impl SqliteInbox {
     /// Runs `work` as a unit of the writer with this inbox's handler, bounds and the time now.
     async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
-        F: Fn(Unit<'_>) -> Result<T, E> + Send + 'static,
+        F: Fn(Unit<'_, '_>) -> Result<T, E> + Send + 'static,
         T: Send + 'static,
         E: From<StoreError> + Send + 'static,
     {

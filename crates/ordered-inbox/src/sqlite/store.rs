@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 use rusqlite::{Connection, ErrorCode, OpenFlags, Statement};
 use tokio::sync::oneshot;
 
+use super::connection::{WriterConnection, prepare_persistent};
+
 /// SQLite's busy timeout on every connection, as the seed's `DefaultTimeout = 1`.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(1);
 /// The most requests one commit may carry; bounds the latency a batch adds to its last member.
@@ -170,7 +172,7 @@ enum WriterMessage {
 trait WriteJob: Send {
     /// Runs the work in the open transaction and keeps its outcome; returns whether the outcome
     /// is a success (whether its changes may be kept). Runs again if the batch is replayed.
-    fn run(&mut self, connection: &Connection) -> bool;
+    fn run(&mut self, connection: &WriterConnection<'_>) -> bool;
     /// Records `error` as the outcome without running (its savepoint could not be opened).
     fn fail(&mut self, error: StoreError);
     /// Answers with the last outcome once the batch has committed (`Ok`), or with the error
@@ -186,11 +188,11 @@ struct TypedJob<F, T, E> {
 
 impl<F, T, E> WriteJob for TypedJob<F, T, E>
 where
-    F: FnMut(&Connection) -> Result<T, E> + Send + 'static,
+    F: FnMut(&WriterConnection<'_>) -> Result<T, E> + Send + 'static,
     T: Send + 'static,
     E: From<StoreError> + Send + 'static,
 {
-    fn run(&mut self, connection: &Connection) -> bool {
+    fn run(&mut self, connection: &WriterConnection<'_>) -> bool {
         let outcome = catch_unwind(AssertUnwindSafe(|| (self.work)(connection)))
             .unwrap_or_else(|_| Err(E::from(StoreError::Panicked)));
         let succeeded = outcome.is_ok();
@@ -303,7 +305,7 @@ impl Store {
     /// must act only through the connection, never on anything outside the transaction.
     pub async fn write<F, T, E>(&self, work: F) -> Result<T, E>
     where
-        F: FnMut(&Connection) -> Result<T, E> + Send + 'static,
+        F: FnMut(&WriterConnection<'_>) -> Result<T, E> + Send + 'static,
         T: Send + 'static,
         E: From<StoreError> + Send + 'static,
     {
@@ -416,6 +418,7 @@ fn writer_loop(
         Ok(control) => control,
         Err(error) => return refuse_all(&receiver, stats, &error),
     };
+    let writer = WriterConnection::new(&connection);
     let mut stopping = false;
     while !stopping {
         let Ok(first) = receiver.recv() else { break };
@@ -438,7 +441,7 @@ fn writer_loop(
         stats
             .queued
             .fetch_sub(batch.len() as u64, Ordering::Relaxed);
-        run_batch(&connection, &mut control, batch, stats);
+        run_batch(&writer, &mut control, batch, stats);
     }
     // Dropping the connection here closes it (and checkpoints the WAL when it is the last one).
 }
@@ -472,12 +475,12 @@ struct TransactionControl<'c> {
 impl<'c> TransactionControl<'c> {
     fn prepare(connection: &'c Connection) -> rusqlite::Result<TransactionControl<'c>> {
         Ok(TransactionControl {
-            begin: connection.prepare("BEGIN IMMEDIATE")?,
-            savepoint: connection.prepare("SAVEPOINT work")?,
-            release: connection.prepare("RELEASE work")?,
-            rollback_to: connection.prepare("ROLLBACK TO work")?,
-            commit: connection.prepare("COMMIT")?,
-            rollback: connection.prepare("ROLLBACK")?,
+            begin: prepare_persistent(connection, "BEGIN IMMEDIATE")?,
+            savepoint: prepare_persistent(connection, "SAVEPOINT work")?,
+            release: prepare_persistent(connection, "RELEASE work")?,
+            rollback_to: prepare_persistent(connection, "ROLLBACK TO work")?,
+            commit: prepare_persistent(connection, "COMMIT")?,
+            rollback: prepare_persistent(connection, "ROLLBACK")?,
         })
     }
 }
@@ -489,7 +492,7 @@ fn run(statement: &mut Statement<'_>) -> Result<(), rusqlite::Error> {
 /// Runs one group transaction and answers every unit in it: first every unit in the bare
 /// transaction, and only if one fails, again with each unit in its own savepoint.
 fn run_batch(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     control: &mut TransactionControl<'_>,
     mut batch: Vec<Box<dyn WriteJob>>,
     stats: &WriterStats,
@@ -572,7 +575,7 @@ impl Drop for BareAttempt {
 /// own savepoint, so a failing unit's changes go and the others' stay. On `Err` (why every unit
 /// must be refused) the transaction has been rolled back.
 fn run_in_savepoints(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     control: &mut TransactionControl<'_>,
     batch: &mut [Box<dyn WriteJob>],
 ) -> Result<(), String> {

@@ -12,6 +12,7 @@
 use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::{Value, json};
 
+use super::connection::WriterConnection;
 use super::engine::Unit;
 use super::handler::SqliteHandler;
 use crate::content::{ApplyOutcome, Check, Detail, Poison};
@@ -43,7 +44,7 @@ impl Check for Orders {
 impl SqliteHandler for Orders {
     fn apply(
         &self,
-        connection: &Connection,
+        connection: &WriterConnection<'_>,
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         let quantity = message.payload["quantity"].as_i64().unwrap_or(0);
@@ -132,7 +133,7 @@ pub(crate) const LIMITS: Limits = Limits {
 };
 
 /// A unit on `connection` with the order book's handler, stamped `now`.
-pub(crate) fn unit<'a>(connection: &'a Connection, now: &'a str) -> Unit<'a> {
+pub(crate) fn unit<'a, 'c>(connection: &'a WriterConnection<'c>, now: &'a str) -> Unit<'a, 'c> {
     Unit {
         connection,
         handler: &Orders,

@@ -559,6 +559,7 @@ pub fn producers(connection: &Connection) -> rusqlite::Result<Vec<ProducerView>>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sqlite::WriterConnection;
     use crate::sqlite::schema::query_plan;
 
     #[test]
@@ -624,9 +625,13 @@ mod tests {
 
         let deliver = |id: &str, aggregate: &str, sequence, quantity, at: &str| {
             let message = order(id, aggregate, sequence, quantity);
-            crate::sqlite::engine::deliver_in(unit(&connection, at), &message, Door::General)
-                .unwrap()
-                .unwrap();
+            crate::sqlite::engine::deliver_in(
+                unit(&WriterConnection::new(&connection), at),
+                &message,
+                Door::General,
+            )
+            .unwrap()
+            .unwrap();
         };
         deliver("f1", "flowing", 1, 1, "2026-01-01T00:00:00.000Z");
         deliver("w1", "waiting", 1, 1, "2026-01-01T00:00:00.000Z");
@@ -637,7 +642,10 @@ mod tests {
         // Through the broker door a message ahead of its turn is held (the aggregate waits).
         let ahead = order("h2", "holding", 2, 1);
         crate::sqlite::engine::deliver_in(
-            unit(&connection, "2026-01-01T00:06:00.000Z"),
+            unit(
+                &WriterConnection::new(&connection),
+                "2026-01-01T00:06:00.000Z",
+            ),
             &ahead,
             Door::Broker,
         )

@@ -1,8 +1,9 @@
 //! The SQL of each [`Change`]: one short function per variant, and [`write`], which picks it.
 //! Every statement is a primary-key or index seek, prepared once per connection.
 
-use rusqlite::{Connection, params};
+use rusqlite::params;
 
+use super::connection::WriterConnection;
 use super::rows::namespace;
 use crate::change::Change;
 use crate::content::Detail;
@@ -16,7 +17,7 @@ use crate::timeline::{OBSERVATIONS_KEPT, TimelineDetail, TimelineEntry};
 /// [`Change::InsertApplied`]. Returns the id of the resolution row, if the change wrote one.
 /// Exhaustive on purpose: a new kind of change does not compile until it is written here.
 pub(super) fn write(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     change: &Change,
     detail: &Detail,
 ) -> rusqlite::Result<Option<i64>> {
@@ -106,12 +107,12 @@ pub(super) fn write(
 /// A new row gets 0 in the seed's `total` column, which the inbox does not own (an
 /// application's handler may); an existing row keeps it.
 fn put_aggregate(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     aggregate_id: &str,
     row: &AggregateRow,
 ) -> rusqlite::Result<()> {
     let moved = connection
-        .prepare_cached(
+        .prepared(
             "UPDATE aggregate_state SET last_sequence = ?2
               WHERE aggregate_id = ?1 AND status = ?3 AND status_since IS ?4",
         )?
@@ -125,7 +126,7 @@ fn put_aggregate(
         return Ok(());
     }
     connection
-        .prepare_cached(
+        .prepared(
             "INSERT INTO aggregate_state(aggregate_id, last_sequence, total, status, status_since)
              VALUES (?1, ?2, 0, ?3, ?4)
              ON CONFLICT(aggregate_id) DO UPDATE SET
@@ -145,7 +146,7 @@ fn put_aggregate(
 /// The applied message's row, carrying its `applied` event (schema version 7): the event's
 /// number and the handler's detail (schema version 10), rather than a timeline row of its own.
 fn insert_applied(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     producer: Option<&str>,
     message: &OrderedMessage,
     payload: &str,
@@ -153,9 +154,9 @@ fn insert_applied(
     detail: &Detail,
 ) -> rusqlite::Result<()> {
     advance_event_counter(connection)?;
-    let detail = TimelineDetail::Applied(detail.clone()).to_json();
+    let detail = TimelineDetail::applied_json(detail);
     connection
-        .prepare_cached(
+        .prepared(
             "INSERT INTO ordered_inbox(message_id, payload, aggregate_id, sequence, applied_at,
                                        producer, event_id, applied_detail)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, (SELECT last_id FROM timeline_ids WHERE id = 1), ?7)",
@@ -173,7 +174,7 @@ fn insert_applied(
 }
 
 fn insert_dead_letter(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     producer: Option<&str>,
     message: &OrderedMessage,
     payload: &str,
@@ -181,7 +182,7 @@ fn insert_dead_letter(
     at: &str,
 ) -> rusqlite::Result<()> {
     connection
-        .prepare_cached(
+        .prepared(
             "INSERT INTO deadletters(id, message_id, reason, aggregate_id, sequence, payload,
                                      first_seen, last_seen, observations, status, producer)
              VALUES ((SELECT IFNULL(MAX(id), 0) + 1 FROM deadletters),
@@ -200,14 +201,14 @@ fn insert_dead_letter(
 }
 
 fn observe_dead_letter(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     producer: Option<&str>,
     message_id: &str,
     observations: i64,
     at: &str,
 ) -> rusqlite::Result<()> {
     connection
-        .prepare_cached(
+        .prepared(
             "UPDATE deadletters SET observations = ?2, last_seen = ?3
               WHERE producer = ?4 AND message_id = ?1",
         )?
@@ -216,13 +217,13 @@ fn observe_dead_letter(
 }
 
 fn supersede_dead_letters(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     aggregate_id: &str,
     message_ids: &[String],
     by: &str,
     at: &str,
 ) -> rusqlite::Result<()> {
-    let mut statement = connection.prepare_cached(
+    let mut statement = connection.prepared(
         "UPDATE deadletters SET status = 'superseded', superseded_by = ?2, closed_at = ?3
           WHERE aggregate_id = ?4 AND message_id = ?1 AND status = 'open'",
     )?;
@@ -233,13 +234,13 @@ fn supersede_dead_letters(
 }
 
 fn resolve_dead_letter(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     producer: Option<&str>,
     message_id: &str,
     at: &str,
 ) -> rusqlite::Result<()> {
     connection
-        .prepare_cached(
+        .prepared(
             "UPDATE deadletters SET status = 'resolved', closed_at = ?2
               WHERE producer = ?3 AND message_id = ?1",
         )?
@@ -250,13 +251,13 @@ fn resolve_dead_letter(
 /// A held message: its canonical content, and the payload as delivered, which a drain hands
 /// to the handler.
 fn insert_held(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     message: &OrderedMessage,
     payload: &str,
     at: &str,
 ) -> rusqlite::Result<()> {
     connection
-        .prepare_cached(
+        .prepared(
             "INSERT INTO held_messages(message_id, aggregate_id, sequence, payload,
                                        message_payload, held_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
@@ -272,9 +273,9 @@ fn insert_held(
     Ok(())
 }
 
-fn release_held(connection: &Connection, message_id: &str) -> rusqlite::Result<()> {
+fn release_held(connection: &WriterConnection<'_>, message_id: &str) -> rusqlite::Result<()> {
     connection
-        .prepare_cached("DELETE FROM held_messages WHERE message_id = ?1")?
+        .prepared("DELETE FROM held_messages WHERE message_id = ?1")?
         .execute([message_id])?;
     Ok(())
 }
@@ -282,13 +283,13 @@ fn release_held(connection: &Connection, message_id: &str) -> rusqlite::Result<(
 /// The aggregate's owner columns, with the aggregate's row if it has none yet (last 0,
 /// flowing; 0 in the seed's `total`, as [`put_aggregate`] writes).
 fn set_owner(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     aggregate_id: &str,
     owner: &AggregateOwner,
     at: &str,
 ) -> rusqlite::Result<()> {
     connection
-        .prepare_cached(
+        .prepared(
             "INSERT INTO aggregate_state(aggregate_id, last_sequence, total, status, status_since,
                                          owner, owner_epoch, owner_since)
              VALUES (?1, 0, 0, 'flowing', ?4, ?2, ?3, ?4)
@@ -302,16 +303,23 @@ fn set_owner(
 }
 
 /// The single writer serializes every delivery: one row per producer costs nothing.
-fn touch_producer(connection: &Connection, producer: &str, at: &str) -> rusqlite::Result<()> {
+fn touch_producer(
+    connection: &WriterConnection<'_>,
+    producer: &str,
+    at: &str,
+) -> rusqlite::Result<()> {
     connection
-        .prepare_cached("UPDATE producers SET last_delivery_at = ?2 WHERE name = ?1")?
+        .prepared("UPDATE producers SET last_delivery_at = ?2 WHERE name = ?1")?
         .execute(params![producer, at])?;
     Ok(())
 }
 
-fn record_transfer(connection: &Connection, record: &TransferRecord) -> rusqlite::Result<()> {
+fn record_transfer(
+    connection: &WriterConnection<'_>,
+    record: &TransferRecord,
+) -> rusqlite::Result<()> {
     connection
-        .prepare_cached(
+        .prepared(
             "INSERT INTO ownership_transfers(aggregate_id, operator, from_owner, to_owner, epoch,
                                              last, reason, transferred_at, held_rejected)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
@@ -332,7 +340,10 @@ fn record_transfer(connection: &Connection, record: &TransferRecord) -> rusqlite
 
 /// The audit row, its link from the dead letter, and its `resolved` event (whose detail carries
 /// the id the row got). Returns that id.
-fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusqlite::Result<i64> {
+fn record_resolution(
+    connection: &WriterConnection<'_>,
+    record: &ResolutionRecord,
+) -> rusqlite::Result<i64> {
     let replacement = record.replacement.as_ref();
     let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
     let id: i64 = connection
@@ -366,7 +377,7 @@ fn record_resolution(connection: &Connection, record: &ResolutionRecord) -> rusq
             |row| row.get(0),
         )?;
     connection
-        .prepare_cached(
+        .prepared(
             "UPDATE deadletters SET resolution_id = ?2 WHERE producer = ?3 AND message_id = ?1",
         )?
         .execute(params![
@@ -394,25 +405,28 @@ ON CONFLICT(aggregate_id) DO UPDATE SET
     after_last = excluded.after_last";
 
 fn note_gap(
-    connection: &Connection,
+    connection: &WriterConnection<'_>,
     aggregate_id: &str,
     last: i64,
     sequence: i64,
 ) -> rusqlite::Result<()> {
     connection
-        .prepare_cached(NOTE_GAP)?
+        .prepared(NOTE_GAP)?
         .execute(params![aggregate_id, last, sequence])?;
     Ok(())
 }
 
 /// The audit row and its `gap skipped` event. Returns the row's number.
-fn record_gap_resolution(connection: &Connection, record: &GapRecord) -> rusqlite::Result<i64> {
+fn record_gap_resolution(
+    connection: &WriterConnection<'_>,
+    record: &GapRecord,
+) -> rusqlite::Result<i64> {
     let id: i64 = connection
-        .prepare_cached(NEXT_RESOLUTION_ID)?
+        .prepared(NEXT_RESOLUTION_ID)?
         .query_row([], |row| row.get(0))?;
     let state = |state: &Option<serde_json::Value>| state.as_ref().map(ToString::to_string);
     connection
-        .prepare_cached(
+        .prepared(
             "INSERT INTO gap_resolutions(id, aggregate_id, from_sequence, through_sequence,
                                          operator, reason, expected_last, before_last,
                                          before_state, after_last, after_state, drained,
@@ -443,9 +457,9 @@ fn record_gap_resolution(connection: &Connection, record: &GapRecord) -> rusqlit
 /// one sequence, so the view can merge them in the order they happened. (Not `RETURNING`: SQLite
 /// collects returned rows in a temporary B-tree, which cost more than the insert it numbers.)
 /// A file whose counter row is gone fails the write rather than store events without numbers.
-fn advance_event_counter(connection: &Connection) -> rusqlite::Result<()> {
+fn advance_event_counter(connection: &WriterConnection<'_>) -> rusqlite::Result<()> {
     let changed = connection
-        .prepare_cached("UPDATE timeline_ids SET last_id = last_id + 1 WHERE id = 1")?
+        .prepared("UPDATE timeline_ids SET last_id = last_id + 1 WHERE id = 1")?
         .execute([])?;
     match changed {
         1 => Ok(()),
@@ -456,12 +470,15 @@ fn advance_event_counter(connection: &Connection) -> rusqlite::Result<()> {
 /// Appends a timeline entry. An observation is numbered per aggregate and the ones that fell out
 /// of the newest [`OBSERVATIONS_KEPT`] are dropped; both statements seek the partial index on
 /// `(aggregate_id, observation_no)`, so the cost does not grow with the history.
-pub(super) fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite::Result<()> {
+pub(super) fn append(
+    connection: &WriterConnection<'_>,
+    entry: &TimelineEntry,
+) -> rusqlite::Result<()> {
     let detail = entry.detail.to_json();
     advance_event_counter(connection)?;
     if !entry.kind.is_observation() {
         connection
-            .prepare_cached(
+            .prepared(
                 "INSERT INTO aggregate_timeline(id, aggregate_id, at, kind, sequence, message_id,
                                                 detail)
                  VALUES ((SELECT last_id FROM timeline_ids WHERE id = 1), ?1, ?2, ?3, ?4, ?5, ?6)",
@@ -476,7 +493,7 @@ pub(super) fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite
             ])?;
         return Ok(());
     }
-    let number: i64 = connection.prepare_cached(OBSERVATION_INSERT)?.query_row(
+    let number: i64 = connection.prepared(OBSERVATION_INSERT)?.query_row(
         params![
             entry.aggregate_id,
             entry.at,
@@ -489,7 +506,7 @@ pub(super) fn append(connection: &Connection, entry: &TimelineEntry) -> rusqlite
     )?;
     if number > OBSERVATIONS_KEPT {
         connection
-            .prepare_cached(OBSERVATION_PRUNE)?
+            .prepared(OBSERVATION_PRUNE)?
             .execute(params![entry.aggregate_id, number - OBSERVATIONS_KEPT])?;
     }
     Ok(())
