@@ -127,6 +127,24 @@ impl MessageInput {
     }
 }
 
+/// What an answer to a delivery says of its message: its aggregate, id and sequence. The route
+/// keeps these and hands the message itself (its payload with it) to the inbox.
+pub struct Delivered {
+    pub aggregate_id: String,
+    pub message_id: String,
+    pub sequence: i64,
+}
+
+impl Delivered {
+    pub fn of(message: &OrderedMessage) -> Delivered {
+        Delivered {
+            aggregate_id: message.aggregate_id.clone(),
+            message_id: message.message_id.clone(),
+            sequence: message.sequence,
+        }
+    }
+}
+
 /// A general-door body for `aggregate_id`, checked exactly as the HTTP door checks it (the
 /// aggregate id, then the JSON); the error is the detail a 400 would carry.
 pub fn general_message(aggregate_id: String, body: &[u8]) -> Result<OrderedMessage, String> {

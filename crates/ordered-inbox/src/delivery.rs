@@ -617,7 +617,7 @@ impl Delivery<'_> {
         let mut changes = vec![Change::InsertApplied {
             producer: self.producer.map(str::to_owned),
             message: self.message.clone(),
-            payload: self.payload.clone(),
+            payload: self.payload,
             applied_at: self.now.to_owned(),
         }];
         let superseded = supersede_at(

@@ -18,7 +18,9 @@ use crate::gate::auth::{Access, active_producer, delivery_claim, producer_unauth
 use crate::http::credential::{Credential, credential};
 use crate::http::error::{AppError, Json, Path, RequestBody, json_response};
 use crate::inbox::SharedInbox;
-use crate::inbox::input::{validate_aggregate_id, validate_message_id, validate_sequence};
+use crate::inbox::input::{
+    Delivered, validate_aggregate_id, validate_message_id, validate_sequence,
+};
 
 const MAX_TYPE: usize = 64;
 
@@ -161,13 +163,11 @@ async fn deliver(
         Ok(claim) => claim,
         Err(response) => return Ok(response),
     };
+    let delivered = Delivered::of(&message);
     Ok(
-        match inbox
-            .deliver_as(message.clone(), Door::General, claim)
-            .await?
-        {
-            Ok(outcome) => verdict_response(&message, outcome),
-            Err(refusal) => refused(&message, refusal),
+        match inbox.deliver_as(message, Door::General, claim).await? {
+            Ok(outcome) => verdict_response(&delivered, outcome),
+            Err(refusal) => refused(&delivered, refusal),
         },
     )
 }

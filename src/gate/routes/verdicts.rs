@@ -5,19 +5,18 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::delivery::AppliedRecord;
-use ordered_inbox::{
-    DeadLetterNote, DeadLetterStatus, OrderedMessage, Outcome, ProducerRefusal, QuarantineReason,
-};
+use ordered_inbox::{DeadLetterNote, DeadLetterStatus, Outcome, ProducerRefusal, QuarantineReason};
 use serde::Serialize;
 use serde_json::{Value, json};
 use utoipa::ToSchema;
 
 use crate::gate::auth::producer_unauthorized;
 use crate::http::error::problem_response_with;
+use crate::inbox::input::Delivered;
 
 /// Each verdict with its status code: 200 applied or replay, 409 gap, stale or payload
 /// conflict, 422 quarantined, 429 quarantine full.
-pub(super) fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Response {
+pub(super) fn verdict_response(message: &Delivered, outcome: Outcome) -> Response {
     let about = About::of(message);
     match outcome {
         Outcome::Applied {
@@ -84,7 +83,7 @@ struct About<'a> {
 }
 
 impl<'a> About<'a> {
-    fn of(message: &'a OrderedMessage) -> About<'a> {
+    fn of(message: &'a Delivered) -> About<'a> {
         About {
             aggregate_id: &message.aggregate_id,
             message_id: &message.message_id,
@@ -293,7 +292,7 @@ fn quarantine_full(about: About<'_>, expected: i64, open: usize, limit: usize) -
 }
 
 /// The answer to a delivery the inbox refused before deciding it: nothing was written.
-pub(super) fn refused(message: &OrderedMessage, refusal: ProducerRefusal) -> Response {
+pub(super) fn refused(message: &Delivered, refusal: ProducerRefusal) -> Response {
     let about = |outcome: &str, key: &str, value: Value| {
         let mut body = json!({
             "outcome": outcome,

@@ -113,9 +113,11 @@ pub fn describe_reasons(document: &mut utoipa::openapi::OpenApi) {
 
 /// What applying `amount` did: the `applied` event's detail `{"amount":a,"total":t}`.
 fn applied(amount: i64, total: i64) -> ApplyOutcome {
-    ApplyOutcome::Applied {
-        detail: detail(json!({ "amount": amount, "total": total })),
-    }
+    // Built member by member at its final size: every apply builds one.
+    let mut detail = Detail::with_capacity(2);
+    detail.insert("amount".to_owned(), amount.into());
+    detail.insert("total".to_owned(), total.into());
+    ApplyOutcome::Applied { detail }
 }
 
 /// The ledger's state of an aggregate: `{"total": t}`.

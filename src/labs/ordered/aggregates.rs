@@ -18,7 +18,7 @@ use super::verdicts::{DeliveryAccepted, DeliveryRefused, Quarantined, verdict_re
 use crate::http::error::{AppError, Json, Path, Query, json_response};
 use crate::inbox::SharedInbox;
 use crate::inbox::answers::unknown_aggregate;
-use crate::inbox::input::{MessageInput, validate_aggregate_id};
+use crate::inbox::input::{Delivered, MessageInput, validate_aggregate_id};
 use crate::inbox::ledger::views::{AggregateView, InventoryEntry};
 use crate::inbox::pages::{page_body, validate_limit};
 use crate::inbox::queries::{DeadLetterQuery, PageQuery, aggregate_status};
@@ -76,13 +76,11 @@ async fn deliver(
         Ok(claim) => claim,
         Err(response) => return Ok(response),
     };
+    let delivered = Delivered::of(&message);
     Ok(
-        match inbox
-            .deliver_as(message.clone(), Door::General, claim)
-            .await?
-        {
-            Ok(outcome) => verdict_response(&message, outcome),
-            Err(refusal) => refused(&message, refusal),
+        match inbox.deliver_as(message, Door::General, claim).await? {
+            Ok(outcome) => verdict_response(&delivered, outcome),
+            Err(refusal) => refused(&delivered, refusal),
         },
     )
 }

@@ -20,6 +20,7 @@ use super::quarantine_full;
 use crate::http::aspnet::is_blank_or_longer_than;
 use crate::http::error::{AppError, Json, RequestBody, json_response};
 use crate::inbox::SharedInbox;
+use crate::inbox::input::Delivered;
 
 pub(super) fn routes<S>() -> OpenApiRouter<S>
 where
@@ -145,19 +146,17 @@ async fn apply(
 ) -> Result<Response, AppError> {
     let message = input.validate()?;
     // Anonymous, with the owner checked in the write's transaction like any delivery.
+    let delivered = Delivered::of(&message);
     Ok(
-        match inbox
-            .deliver_as(message.clone(), Door::Classroom, None)
-            .await?
-        {
-            Ok(outcome) => classroom_response(&message, &outcome),
-            Err(refusal) => refused(&message, refusal),
+        match inbox.deliver_as(message, Door::Classroom, None).await? {
+            Ok(outcome) => classroom_response(&delivered, &outcome),
+            Err(refusal) => refused(&delivered, refusal),
         },
     )
 }
 
 /// The seed's exact status codes and bodies for each outcome.
-fn classroom_response(message: &OrderedMessage, outcome: &Outcome) -> Response {
+fn classroom_response(message: &Delivered, outcome: &Outcome) -> Response {
     match outcome {
         Outcome::Applied { sequence, .. } => json_response(
             StatusCode::OK,

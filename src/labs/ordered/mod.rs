@@ -23,12 +23,12 @@ mod verdicts;
 use axum::extract::FromRef;
 use axum::http::StatusCode;
 use axum::response::Response;
-use ordered_inbox::OrderedMessage;
 use serde_json::json;
 use utoipa_axum::router::OpenApiRouter;
 
 use crate::http::error::problem_response_with;
 use crate::inbox::SharedInbox;
+use crate::inbox::input::Delivered;
 
 pub fn routes<S>() -> OpenApiRouter<S>
 where
@@ -45,7 +45,7 @@ where
 
 /// 429: a new poison message for an aggregate whose quarantine is full. Nothing was recorded
 /// but one (bounded) timeline observation.
-fn quarantine_full(message: &OrderedMessage, expected: i64, open: usize, limit: usize) -> Response {
+fn quarantine_full(message: &Delivered, expected: i64, open: usize, limit: usize) -> Response {
     problem_response_with(
         StatusCode::TOO_MANY_REQUESTS,
         "Quarantine full",

@@ -8,9 +8,7 @@ use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::views::{OwnershipState, ProducerView};
-use ordered_inbox::{
-    OrderedMessage, ProducerClaim, ProducerRefusal, TransferRefusal, TransferRequest,
-};
+use ordered_inbox::{ProducerClaim, ProducerRefusal, TransferRefusal, TransferRequest};
 use serde::{Deserialize, Deserializer};
 use serde_json::json;
 use utoipa::ToSchema;
@@ -21,7 +19,7 @@ use super::operator::{authenticate, unauthorized};
 use crate::http::credential::{Credential, credential};
 use crate::http::error::{AppError, Json, Path, RequestBody, json_response, problem_response_with};
 use crate::inbox::SharedInbox;
-use crate::inbox::input::{validate_aggregate_id, validate_sequence};
+use crate::inbox::input::{Delivered, validate_aggregate_id, validate_sequence};
 use crate::inbox::requests::reason;
 
 /// The header a producer's delivery names its session's epoch in.
@@ -143,7 +141,7 @@ fn epoch_header(headers: &HeaderMap) -> Result<i64, AppError> {
 }
 
 /// The answer to a delivery the inbox refused before deciding it: nothing was written.
-pub(super) fn refused(message: &OrderedMessage, refusal: ProducerRefusal) -> Response {
+pub(crate) fn refused(message: &Delivered, refusal: ProducerRefusal) -> Response {
     let about = |outcome: &str| {
         json!({
             "outcome": outcome,

@@ -4,16 +4,15 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::delivery::AppliedRecord;
-use ordered_inbox::{
-    DeadLetterNote, DeadLetterStatus, Detail, OrderedMessage, Outcome, QuarantineReason,
-};
+use ordered_inbox::{DeadLetterNote, DeadLetterStatus, Detail, Outcome, QuarantineReason};
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::quarantine_full;
+use crate::inbox::input::Delivered;
 
 /// Each verdict with its status code.
-pub(super) fn verdict_response(message: &OrderedMessage, outcome: Outcome) -> Response {
+pub(crate) fn verdict_response(message: &Delivered, outcome: Outcome) -> Response {
     let about = About {
         aggregate_id: &message.aggregate_id,
         message_id: &message.message_id,
@@ -169,7 +168,7 @@ pub(super) struct OutOfOrder<'a> {
     skipped_by: Option<i64>,
 }
 
-fn gap<'a>(about: About<'a>, message: &OrderedMessage, expected: i64) -> OutOfOrder<'a> {
+fn gap<'a>(about: About<'a>, message: &Delivered, expected: i64) -> OutOfOrder<'a> {
     OutOfOrder {
         outcome: "gap",
         about,
@@ -183,7 +182,7 @@ fn gap<'a>(about: About<'a>, message: &OrderedMessage, expected: i64) -> OutOfOr
 
 fn stale<'a>(
     about: About<'a>,
-    message: &OrderedMessage,
+    message: &Delivered,
     expected: i64,
     skipped_by: Option<i64>,
 ) -> OutOfOrder<'a> {
@@ -254,7 +253,7 @@ pub(super) struct Quarantined<'a> {
 
 fn quarantined<'a>(
     about: About<'a>,
-    message: &OrderedMessage,
+    message: &Delivered,
     expected: i64,
     reason: QuarantineReason,
     note: Option<DeadLetterNote>,
