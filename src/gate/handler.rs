@@ -126,7 +126,7 @@ impl SqliteHandler for GateHandler {
             Ok(row) => row,
             Err(poison) => return Ok(poison),
         };
-        connection.prepare_cached(SQLITE_INSERT)?.execute((
+        connection.prepared(SQLITE_INSERT)?.execute((
             &message.aggregate_id,
             message.sequence,
             &message.message_id,

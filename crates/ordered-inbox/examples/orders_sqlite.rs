@@ -44,17 +44,19 @@ impl SqliteHandler for OrderLines {
             Ok(line) => line,
             Err(poison) => return Ok(ApplyOutcome::Poison(poison)),
         };
-        connection.execute(
-            "INSERT INTO orders(order_id, sequence, message_id, sku, quantity)
-             VALUES (?1, ?2, ?3, ?4, ?5)",
-            (
+        // A statement of fixed SQL, prepared once for the writer's life.
+        connection
+            .prepared(
+                "INSERT INTO orders(order_id, sequence, message_id, sku, quantity)
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+            )?
+            .execute((
                 &message.aggregate_id,
                 message.sequence,
                 &message.message_id,
                 line.sku,
                 line.quantity,
-            ),
-        )?;
+            ))?;
         // Poison past the order's limit, from what the table says (see `verdict_on`).
         Ok(verdict_on(units_of(connection, &message.aggregate_id)?))
     }
