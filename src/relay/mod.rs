@@ -11,7 +11,7 @@
 //! acked is leased again once its lease expires and published again; JetStream's duplicate window
 //! drops that copy, and past the window the inbox's identity check does.
 //!
-//! Beside that loop the relay answers the consumer's gap notices ([`notices`]): it takes the
+//! Beside that loop the relay answers the consumer's gap notices (`notices`): it takes the
 //! aggregate's events again from the missing sequence and publishes them as resends.
 
 mod notices;
@@ -90,7 +90,7 @@ pub struct RelayReport {
     pub fenced: u64,
     /// Publishes that got no PubAck after the retries; left for the next lease.
     pub unpublished: u64,
-    /// Gap notices received (see [`notices`]).
+    /// Gap notices received (see `notices`).
     pub notices: u64,
     /// Events published again, PubAcked, on a gap notice.
     pub resent: u64,

@@ -1,14 +1,14 @@
 //! The gate's `/v1` routes and their OpenAPI document, built from the handlers' annotations:
 //!
-//! - [`messages`]: a producer's delivery and its verdict, a producer's new session;
-//! - [`views`]: the evidence a reader reads (aggregates, timeline, gaps, dead letters, the audit
+//! - `messages`: a producer's delivery and its verdict, a producer's new session;
+//! - `views`: the evidence a reader reads (aggregates, timeline, gaps, dead letters, the audit
 //!   trail);
-//! - [`dead_letter`]: one dead letter, named in the query;
-//! - [`rejected`]: the NATS deliveries terminated without a verdict;
-//! - [`feed`]: an aggregate's applied messages as the gate emits them, with a long poll;
-//! - [`resolution`]: an operator's audited resolution of a dead letter or a gap;
-//! - [`registry`]: operators add and revoke producers and operators;
-//! - [`owner`]: an operator's transfer of an aggregate to another producer.
+//! - `dead_letter`: one dead letter, named in the query;
+//! - `rejected`: the NATS deliveries terminated without a verdict;
+//! - `feed`: an aggregate's applied messages as the gate emits them, with a long poll;
+//! - `resolution`: an operator's audited resolution of a dead letter or a gap;
+//! - `registry`: operators add and revoke producers and operators;
+//! - `owner`: an operator's transfer of an aggregate to another producer.
 //!
 //! Every handler takes only the parts it uses ([`FromRef`] of [`GateState`]); the library
 //! decides, these modules word the answers.

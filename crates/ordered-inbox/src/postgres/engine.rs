@@ -1,7 +1,7 @@
 //! The PostgreSQL side of the write operations other than deliveries (which the group commit
 //! of `batch` writes): lock, read the facts, let the core decide, run the application's handler
 //! at each applied message, write the decided changes, all in one transaction (see the `facts`
-//! module for the locks). [`decided`] is shared with the group commit's replay, where each
+//! module for the locks). `decided` is shared with the group commit's replay, where each
 //! delivery is written alone.
 //!
 //! Round trips: the statements of one phase are pipelined on the connection: BEGIN, the locks

@@ -6,7 +6,7 @@
 //! The handler seam: before each applied message is recorded, the handler's `apply` runs on the
 //! same connection. A plan that applies messages is undone to its start when `apply` declares
 //! poison or fails (in the writer's bare attempt by sending the batch to its replay, where the
-//! plan runs in a savepoint of its own: see [`Guard`]). A poison
+//! plan runs in a savepoint of its own: see `Guard`). A poison
 //! from `apply` rolls the plan back (the handler's partial writes with it) and
 //! the core decides again with that message marked poison, so the quarantine is recorded exactly
 //! as a poison from `check` would be; a handler error rolls it back and fails this delivery
