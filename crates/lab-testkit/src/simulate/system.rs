@@ -88,7 +88,7 @@ impl SqliteHandler for Effects {
         message: &OrderedMessage,
     ) -> Result<ApplyOutcome, HandlerError> {
         connection
-            .prepare_cached(
+            .prepared(
                 "INSERT INTO sim_effects(message_id, aggregate_id, sequence) VALUES (?1, ?2, ?3)",
             )?
             .execute((&message.message_id, &message.aggregate_id, message.sequence))?;
