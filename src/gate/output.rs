@@ -5,8 +5,8 @@
 //!
 //! `payload` holds the inner payload's canonical JSON (the envelope's `payload`, not the
 //! envelope), `applied_at` the inbox's clock format, `published_at` stays NULL until JetStream
-//! acknowledged the row. A partial index keeps the publisher's scan of unpublished rows as
-//! short as the backlog.
+//! acknowledged the row. A partial index of the unpublished rows keeps the publisher's read of
+//! them as short as its answer.
 
 use std::sync::Arc;
 
@@ -22,6 +22,55 @@ pub const MAX_LIMIT: usize = 1000;
 
 /// The most rows of one aggregate one read of the pending rows answers.
 pub const PENDING_PER_AGGREGATE: usize = 16;
+
+/// What [`OutputStore::pending`] runs on SQLite (`?1`: the limit): at most
+/// [`PENDING_PER_AGGREGATE`] rows of each aggregate, so that a round spans many aggregates,
+/// which the publisher sends at once, rather than the first aggregates' whole backlogs, which
+/// it must send one acknowledgement after another. Every step is an index seek on the
+/// unpublished rows: the next aggregate with any (a recursive walk that stops after `limit`
+/// aggregates), then that aggregate's rows up to its 16th, so an aggregate's backlog behind
+/// them is never read (numbering every unpublished row, as a window function does, read the
+/// whole backlog at every round). `CROSS JOIN` keeps the walk the outer loop and `INDEXED BY`
+/// keeps both reads of rows on the partial index: without them SQLite may scan every
+/// unpublished row for the join, or an aggregate's published history for its 16th row.
+pub const PENDING_SQLITE: &str = "
+WITH RECURSIVE pending_aggregate(id, n) AS (
+    SELECT (SELECT aggregate_id FROM gate_output WHERE published_at IS NULL
+             ORDER BY aggregate_id LIMIT 1), 1
+    UNION ALL
+    SELECT (SELECT aggregate_id FROM gate_output
+             WHERE published_at IS NULL AND aggregate_id > pending_aggregate.id
+             ORDER BY aggregate_id LIMIT 1), n + 1
+      FROM pending_aggregate WHERE id IS NOT NULL AND n < ?1
+)
+SELECT o.aggregate_id, o.sequence, o.message_id, o.message_type, o.payload, o.applied_at
+  FROM pending_aggregate a CROSS JOIN gate_output o INDEXED BY gate_output_unpublished
+ WHERE o.aggregate_id = a.id AND o.published_at IS NULL
+   AND o.sequence <= COALESCE(
+           (SELECT g.sequence FROM gate_output g INDEXED BY gate_output_unpublished
+             WHERE g.aggregate_id = a.id AND g.published_at IS NULL
+             ORDER BY g.sequence LIMIT 1 OFFSET 15),
+           9223372036854775807)
+ ORDER BY o.aggregate_id, o.sequence LIMIT ?1";
+
+/// [`PENDING_SQLITE`] on PostgreSQL (`$1`: the limit), each aggregate's rows in a `LATERAL`
+/// read of its first 16.
+pub const PENDING_POSTGRES: &str = "
+WITH RECURSIVE pending_aggregate(id, n) AS (
+    SELECT (SELECT aggregate_id FROM gate_output WHERE published_at IS NULL
+             ORDER BY aggregate_id LIMIT 1), 1::bigint
+    UNION ALL
+    SELECT (SELECT aggregate_id FROM gate_output
+             WHERE published_at IS NULL AND aggregate_id > pending_aggregate.id
+             ORDER BY aggregate_id LIMIT 1), n + 1
+      FROM pending_aggregate WHERE id IS NOT NULL AND n < $1
+)
+SELECT o.aggregate_id, o.sequence, o.message_id, o.message_type, o.payload, o.applied_at
+  FROM pending_aggregate a CROSS JOIN LATERAL (
+       SELECT * FROM gate_output
+        WHERE aggregate_id = a.id AND published_at IS NULL
+        ORDER BY sequence LIMIT 16) o
+ ORDER BY o.aggregate_id, o.sequence LIMIT $1";
 
 /// The table on SQLite, beside the inbox's. Idempotent.
 const SQLITE_SCHEMA: &str = "
@@ -194,28 +243,20 @@ impl OutputStore {
 
     /// Rows not yet published, in (aggregate, sequence) order: the first
     /// [`PENDING_PER_AGGREGATE`] of each aggregate, at most `limit` (1..=[`MAX_LIMIT`]) in all.
+    /// The read costs what it answers, whatever the backlog behind it ([`PENDING_SQLITE`]).
     pub async fn pending(&self, limit: usize) -> Result<Vec<OutputEntry>, OutputError> {
         let limit = bounded(limit)?;
-        // At most PER_AGGREGATE rows of each aggregate: a round then spans many aggregates,
-        // which the publisher sends at once, instead of the first aggregates' whole backlogs,
-        // which it must send one acknowledgement after another.
-        let unpublished = format!(
-            "FROM (SELECT {COLUMNS}, ROW_NUMBER() OVER (PARTITION BY aggregate_id ORDER BY sequence) AS turn
-                     FROM gate_output WHERE published_at IS NULL) AS pending
-              WHERE turn <= {PENDING_PER_AGGREGATE}
-              ORDER BY aggregate_id, sequence LIMIT"
-        );
         match self {
             OutputStore::Sqlite(store) => {
-                let sql = format!("SELECT {COLUMNS} {unpublished} ?1");
                 store
-                    .read(move |connection| sqlite_entries(connection, &sql, [limit]))
+                    .read(move |connection| sqlite_entries(connection, PENDING_SQLITE, [limit]))
                     .await
             }
             OutputStore::Postgres(inbox) => {
-                let sql = format!("SELECT {COLUMNS} {unpublished} $1");
                 let client = inbox.pool().get().await.map_err(unavailable)?;
-                let rows = client.query_typed(&sql, &[(&limit, Type::INT8)]).await?;
+                let rows = client
+                    .query_typed(PENDING_POSTGRES, &[(&limit, Type::INT8)])
+                    .await?;
                 rows.iter().map(postgres_entry).collect()
             }
         }
@@ -354,6 +395,14 @@ impl StoredRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pending_statements_take_as_many_rows_of_an_aggregate_as_the_constant_says() {
+        let offset = format!("LIMIT 1 OFFSET {}", PENDING_PER_AGGREGATE - 1);
+        let limit = format!("ORDER BY sequence LIMIT {})", PENDING_PER_AGGREGATE);
+        assert!(PENDING_SQLITE.contains(&offset), "{PENDING_SQLITE}");
+        assert!(PENDING_POSTGRES.contains(&limit), "{PENDING_POSTGRES}");
+    }
 
     #[test]
     fn a_read_takes_between_one_and_a_thousand_rows() {

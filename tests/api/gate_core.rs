@@ -317,6 +317,83 @@ async fn the_pending_rows_span_every_aggregate_rather_than_the_first_ones_backlo
     assert_eq!(of("order-b"), [1]);
 }
 
+/// Rows written past the gate: `aggregate`'s sequences `from..=to`, published or waiting.
+fn rows(gate: &Gate, aggregate: &str, from: i64, to: i64, published: bool) {
+    let published = if published { "'now'" } else { "NULL" };
+    let rows = match gate.database {
+        Database::Sqlite { .. } => format!(
+            "WITH RECURSIVE n(i) AS (SELECT {from} UNION ALL SELECT i + 1 FROM n WHERE i < {to})
+             INSERT INTO gate_output
+             SELECT '{aggregate}', i, 'm-' || i, '{PLACED}', '{{}}', 'now', {published} FROM n"
+        ),
+        Database::Postgres { .. } => format!(
+            "INSERT INTO gate_output
+             SELECT '{aggregate}', i, 'm-' || i, '{PLACED}', '{{}}', 'now', {published}
+               FROM generate_series({from}, {to}) AS i;
+             ANALYZE gate_output"
+        ),
+    };
+    gate.execute(&rows);
+}
+
+/// How much of the table one pending read of at most 1,000 rows touches: on SQLite the virtual
+/// machine's steps, on PostgreSQL the rows its scans of `gate_output` read (kept or filtered).
+fn pending_read_cost(gate: &Gate) -> u64 {
+    match &gate.database {
+        Database::Sqlite { path, .. } => {
+            let connection = rusqlite::Connection::open(path).expect("the gate's file");
+            let mut statement = connection.prepare(output::PENDING_SQLITE).expect("prepare");
+            let rows = statement
+                .query_map([1000], |_| Ok(()))
+                .expect("query")
+                .count();
+            assert!(rows > 0);
+            statement.get_status(rusqlite::StatementStatus::VmStep) as u64
+        }
+        Database::Postgres { url } => {
+            let explain = format!(
+                "EXPLAIN (ANALYZE, FORMAT JSON) {}",
+                output::PENDING_POSTGRES.replace("$1", "1000")
+            );
+            let text = query_text(url, &explain)[0][0].clone().expect("a plan");
+            let plan: Value = serde_json::from_str(&text).expect("the plan's JSON");
+            rows_read_of(&plan[0]["Plan"], "gate_output")
+        }
+    }
+}
+
+/// The rows the plan's scans of `table` read: returned plus filtered out, in every loop.
+fn rows_read_of(node: &Value, table: &str) -> u64 {
+    let number = |key: &str| node[key].as_f64().unwrap_or_default();
+    let own = if node["Relation Name"] == table {
+        ((number("Actual Rows") + number("Rows Removed by Filter")) * number("Actual Loops")) as u64
+    } else {
+        0
+    };
+    let children = node["Plans"].as_array().map_or(0, |plans| {
+        plans.iter().map(|plan| rows_read_of(plan, table)).sum()
+    });
+    own + children
+}
+
+async fn a_pending_read_costs_the_same_whatever_backlog_stands_behind_its_answer(backend: Backend) {
+    let gate = open_gate(backend).await;
+    rows(&gate, "order-a", 1, 40, false);
+    rows(&gate, "order-b", 1, 3, false);
+    rows(&gate, "order-c", 20_001, 20_002, false);
+    let first = pending_read_cost(&gate);
+    // Behind the answer: order-a's backlog grows; before it: order-c's published history.
+    rows(&gate, "order-a", 41, 20_000, false);
+    rows(&gate, "order-c", 1, 20_000, true);
+    let then = pending_read_cost(&gate);
+    let pending = gate.output.pending(1000).await.expect("pending");
+    assert_eq!(pending.len(), output::PENDING_PER_AGGREGATE + 3 + 2);
+    assert!(
+        then <= first + 10,
+        "behind 20,000 waiting and 20,000 published rows a read cost {then}, before them {first}"
+    );
+}
+
 async fn a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages(
     backend: Backend,
 ) {
@@ -546,6 +623,7 @@ on_both_backends!(
     an_unknown_type_at_the_expected_sequence_is_poison,
     messages_delivered_three_one_two_come_out_as_one_two_three,
     the_pending_rows_span_every_aggregate_rather_than_the_first_ones_backlog,
+    a_pending_read_costs_the_same_whatever_backlog_stands_behind_its_answer,
     a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages,
     the_publisher_publishes_each_aggregates_rows_in_order_with_their_ids,
     a_restarted_publisher_sends_unmarked_rows_again_and_the_consumer_sees_each_once,
