@@ -343,7 +343,8 @@ impl Nats {
             settings.output.stream.clone(),
             settings.output.subject_prefix.clone(),
             wake,
-        );
+        )
+        .with_metrics(metrics.clone());
         publisher
             .ensure_stream()
             .await

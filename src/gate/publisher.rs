@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::output::{OutputEntry, OutputError, OutputStore};
 use crate::broker::wire;
+use crate::telemetry::metrics::Metrics;
 
 /// Rows one round reads and publishes.
 pub const BATCH: usize = crate::gate::output::MAX_LIMIT;
@@ -51,6 +52,8 @@ pub struct Publisher {
     stream: String,
     subject_prefix: String,
     wake: Arc<Notify>,
+    /// Where the rows published and the failed rounds are counted, if anywhere.
+    metrics: Option<Metrics>,
 }
 
 /// What one aggregate's run of rows came to: the rows acknowledged, in order, and the failure
@@ -76,7 +79,15 @@ impl Publisher {
             stream,
             subject_prefix,
             wake,
+            metrics: None,
         }
+    }
+
+    /// Counts the rows it publishes and the rounds that fail into `metrics`.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Publisher {
+        metrics.register_gate_publisher();
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Creates the output stream (subjects `<prefix>.>`, duplicate window two minutes) unless
@@ -108,6 +119,9 @@ impl Publisher {
                     None
                 }
                 Err(error) => {
+                    if let Some(metrics) = &self.metrics {
+                        metrics.gate_publish_failed();
+                    }
                     tracing::warn!(%error, retry_in_ms = backoff.as_millis(), "gate publisher");
                     let pause = backoff;
                     backoff = (backoff * 2).min(BACKOFF_LAST);
@@ -134,6 +148,9 @@ impl Publisher {
             failure = failure.or(run.failure);
         }
         self.output.mark_published(&acknowledged).await?;
+        if let Some(metrics) = &self.metrics {
+            metrics.gate_published(acknowledged.len());
+        }
         match failure {
             Some(reason) => Err(PublisherError::Nats(reason)),
             None => Ok(pending.len()),

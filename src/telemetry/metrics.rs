@@ -40,6 +40,8 @@ pub const REPLAYED_BATCHES: &str = "inbox_writer_replayed_batches_total";
 pub const OUTBOX_LEASED: &str = "outbox_leased_total";
 pub const OUTBOX_ACKS: &str = "outbox_acks_total";
 pub const HTTP_REQUESTS: &str = "http_requests_total";
+pub const GATE_PUBLISHED: &str = "gate_output_published_total";
+pub const GATE_PUBLISH_FAILURES: &str = "gate_publish_failures_total";
 pub const HTTP_DURATION: &str = "http_request_duration_seconds";
 
 /// The route label of a request that matched no route (404s, and refusals before routing).
@@ -122,6 +124,14 @@ const DESCRIPTIONS: &[Description] = &[
     Description::counter(
         OUTBOX_ACKS,
         "General outbox acknowledgements per event, by verdict (acked, fenced, unknown)",
+    ),
+    Description::counter(
+        GATE_PUBLISHED,
+        "Gate output rows acknowledged by JetStream and marked published",
+    ),
+    Description::counter(
+        GATE_PUBLISH_FAILURES,
+        "Gate publisher rounds that ended on a failure (NATS or the store), each retried after a pause",
     ),
 ];
 
@@ -346,6 +356,24 @@ impl Metrics {
                 metrics::counter!(OUTBOX_ACKS, "verdict" => verdict).increment(count as u64);
             }
         });
+    }
+
+    /// The gate publisher's counters at zero: only a process that runs one shows them.
+    pub fn register_gate_publisher(&self) {
+        self.with(|| {
+            metrics::counter!(GATE_PUBLISHED).increment(0);
+            metrics::counter!(GATE_PUBLISH_FAILURES).increment(0);
+        });
+    }
+
+    /// Counts the gate's output rows one publisher round got acknowledged and marked.
+    pub fn gate_published(&self, rows: usize) {
+        self.with(|| metrics::counter!(GATE_PUBLISHED).increment(rows as u64));
+    }
+
+    /// Counts one publisher round that ended on a failure.
+    pub fn gate_publish_failed(&self) {
+        self.with(|| metrics::counter!(GATE_PUBLISH_FAILURES).increment(1));
     }
 
     /// Counts one broker message refused for malformed producer headers (terminated, never

@@ -452,6 +452,21 @@ fn assert_in_order_once(output: &Output, expected: &BTreeMap<String, i64>) {
     }
 }
 
+/// `gate_output_published_total` on the gate's `/metrics`, if the scrape has it.
+async fn published_rows(client: &HttpsClient, gate: &GateProcess) -> Option<u64> {
+    let text = client
+        .get(gate.url("/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines()
+        .find_map(|line| line.strip_prefix("gate_output_published_total "))
+        .and_then(|count| count.trim().parse().ok())
+}
+
 async fn output_count(js: &jetstream::Context) -> u64 {
     match js.get_stream(OUTPUT_STREAM).await {
         Ok(mut stream) => stream
@@ -577,6 +592,14 @@ async fn three_sloppy_producers_over_https_and_nats_come_out_once_and_in_order_a
     .await;
     let output = read_output(&js).await;
     assert_in_order_once(&output, &expected);
+    // Each row out is counted once as published, once its mark is written.
+    poll_until_within(
+        "every output row counted as published",
+        Duration::from_secs(10),
+        || published_rows(&client, &gate),
+        |count| *count == Some(total as u64),
+    )
+    .await;
     let replaced = &output.by_aggregate["order-2"][2].1;
     assert_eq!(
         replaced["payload"]["amount"], 5,

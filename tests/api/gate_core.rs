@@ -15,6 +15,7 @@ use production_lab::gate::handler::{GateHandler, envelope};
 use production_lab::gate::output::{self, OutputEntry, OutputError, OutputStore};
 use production_lab::gate::publisher::Publisher;
 use production_lab::gate::schemas::MessageTypes;
+use production_lab::telemetry::metrics::Metrics;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::sync::Notify;
@@ -421,14 +422,31 @@ async fn a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_me
 
 /// A publisher of the gate's output to `js`, running until the token is cancelled.
 async fn start_publisher(gate: &Gate, js: &jetstream::Context) -> (CancellationToken, Arc<Notify>) {
-    let wake = Arc::new(Notify::new());
-    let publisher = Publisher::new(
+    start_counted_publisher(gate, js, None).await
+}
+
+fn publisher_of(gate: &Gate, js: &jetstream::Context, wake: Arc<Notify>) -> Publisher {
+    Publisher::new(
         gate.output.clone(),
         js.clone(),
         OUTPUT_STREAM.to_owned(),
         OUTPUT_PREFIX.to_owned(),
-        wake.clone(),
-    );
+        wake,
+    )
+}
+
+/// A publisher run in the background (counting into `metrics` when given), after it made sure
+/// of the output stream.
+async fn start_counted_publisher(
+    gate: &Gate,
+    js: &jetstream::Context,
+    metrics: Option<Metrics>,
+) -> (CancellationToken, Arc<Notify>) {
+    let wake = Arc::new(Notify::new());
+    let mut publisher = publisher_of(gate, js, wake.clone());
+    if let Some(metrics) = metrics {
+        publisher = publisher.with_metrics(metrics);
+    }
     publisher.ensure_stream().await.expect("the output stream");
     let stop = CancellationToken::new();
     tokio::spawn(publisher.run(stop.clone()));
@@ -614,6 +632,51 @@ async fn the_publisher_carries_on_in_order_after_the_nats_server_restarts() {
         ids_of(&read, "order-1"),
         ["order-1:1", "order-1:2", "order-1:3", "order-1:4"]
     );
+}
+
+/// A counter's value in `metrics`' scrape text.
+fn counted(metrics: &Metrics, series: &str) -> u64 {
+    metrics
+        .render(None, 0)
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in the scrape"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_publisher_counts_the_rows_it_publishes_and_the_rounds_that_fail() {
+    let gate = open_gate(Backend::Sqlite).await;
+    let nats = start_nats(None);
+    let js = jetstream_of(&nats).await;
+    let metrics = Metrics::new();
+    let (stop, wake) = start_counted_publisher(&gate, &js, Some(metrics.clone())).await;
+    // Without its stream a publish finds no responder: the round fails and the row waits.
+    js.delete_stream(OUTPUT_STREAM)
+        .await
+        .expect("the output stream deleted");
+    deliver_orders(&gate, "order-1", 2).await;
+    wake.notify_one();
+    poll_until(
+        "a failed round counted",
+        || std::future::ready(counted(&metrics, "gate_publish_failures_total")),
+        |failed| *failed >= 1,
+    )
+    .await;
+    assert_eq!(counted(&metrics, "gate_output_published_total"), 0);
+    assert_eq!(gate.pending_count().await, 2);
+    publisher_of(&gate, &js, wake.clone())
+        .ensure_stream()
+        .await
+        .expect("the output stream again");
+    poll_until(
+        "both rows counted as published",
+        || std::future::ready(counted(&metrics, "gate_output_published_total")),
+        |published| *published == 2,
+    )
+    .await;
+    assert_eq!(gate.pending_count().await, 0);
+    stop.cancel();
 }
 
 on_both_backends!(
