@@ -131,19 +131,28 @@ mod tests {
         connection
     }
 
+    fn insert_0_1_2(writer: &WriterConnection<'_>) {
+        for value in 0..3 {
+            writer.prepared(INSERT).unwrap().execute([value]).unwrap();
+        }
+    }
+
     #[test]
     fn a_statement_is_prepared_once_and_reused() {
         let connection = table();
         let writer = WriterConnection::new(&connection);
-        for value in 0..3 {
-            writer.prepared(INSERT).unwrap().execute([value]).unwrap();
-        }
+        insert_0_1_2(&writer);
         let count: i64 = writer
             .prepared(COUNT)
             .unwrap()
             .query_row([], |row| row.get(0))
             .unwrap();
         assert_eq!(count, 3);
+        let runs = writer
+            .prepared(INSERT)
+            .unwrap()
+            .get_status(rusqlite::StatementStatus::Run);
+        assert_eq!(runs, 3, "the three inserts ran one statement");
         assert_eq!(writer.idle.borrow().len(), 2, "one statement per SQL text");
     }
 
@@ -166,9 +175,7 @@ mod tests {
     fn a_statement_given_back_unfinished_runs_from_the_start_next_time() {
         let connection = table();
         let writer = WriterConnection::new(&connection);
-        for value in 0..3 {
-            writer.prepared(INSERT).unwrap().execute([value]).unwrap();
-        }
+        insert_0_1_2(&writer);
         const VALUES: &str = "SELECT v FROM t ORDER BY v";
         {
             let mut statement = writer.prepared(VALUES).unwrap();
