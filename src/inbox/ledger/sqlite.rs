@@ -1,10 +1,10 @@
 //! The ledger on SQLite: `apply` on the writer's connection, in the inbox's unit, and the
 //! virtual column `ordered_inbox.amount`.
 
-use ordered_inbox::sqlite::{SqliteHandler, WriterConnection};
-use ordered_inbox::{ApplyOutcome, HandlerError, OrderedMessage};
 use std::cell::Cell;
 
+use ordered_inbox::sqlite::{SqliteHandler, WriterConnection};
+use ordered_inbox::{ApplyOutcome, HandlerError, OrderedMessage};
 use rusqlite::functions::FunctionFlags;
 use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::Value;
@@ -13,8 +13,8 @@ use super::{Ledger, applicable, applied, state};
 
 /// The aggregate's new total, on the row the facts already read (the inbox writes the row's
 /// position right after, and keeps the total), in one statement prepared for the writer's life:
-/// `ledger_add` (see
-/// [`register_functions`]) adds the amount and hands the new total back to `apply` on the way.
+/// `ledger_add` (see [`register_functions`]) adds the amount and hands the new total back to
+/// `apply` on the way.
 /// Reading the total first cost a statement of its own; `… RETURNING` cost more than both, as
 /// SQLite collects the returned rows in a temporary table first.
 const ADD_TOTAL: &str =

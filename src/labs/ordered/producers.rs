@@ -141,7 +141,7 @@ fn epoch_header(headers: &HeaderMap) -> Result<i64, AppError> {
 }
 
 /// The answer to a delivery the inbox refused before deciding it: nothing was written.
-pub(crate) fn refused(message: &Delivered, refusal: ProducerRefusal) -> Response {
+pub(super) fn refused(message: &Delivered, refusal: ProducerRefusal) -> Response {
     let about = |outcome: &str| {
         json!({
             "outcome": outcome,

@@ -12,7 +12,7 @@ use super::quarantine_full;
 use crate::inbox::input::Delivered;
 
 /// Each verdict with its status code.
-pub(crate) fn verdict_response(message: &Delivered, outcome: Outcome) -> Response {
+pub(super) fn verdict_response(message: &Delivered, outcome: Outcome) -> Response {
     let about = About {
         aggregate_id: &message.aggregate_id,
         message_id: &message.message_id,

@@ -131,6 +131,15 @@ mod tests {
         connection
     }
 
+    /// The one value of `sql`'s first row, through the writer's statement.
+    fn first_value(writer: &WriterConnection<'_>, sql: &'static str) -> i64 {
+        writer
+            .prepared(sql)
+            .unwrap()
+            .query_row([], |row| row.get(0))
+            .unwrap()
+    }
+
     fn insert_0_1_2(writer: &WriterConnection<'_>) {
         for value in 0..3 {
             writer.prepared(INSERT).unwrap().execute([value]).unwrap();
@@ -142,12 +151,7 @@ mod tests {
         let connection = table();
         let writer = WriterConnection::new(&connection);
         insert_0_1_2(&writer);
-        let count: i64 = writer
-            .prepared(COUNT)
-            .unwrap()
-            .query_row([], |row| row.get(0))
-            .unwrap();
-        assert_eq!(count, 3);
+        assert_eq!(first_value(&writer, COUNT), 3);
         let runs = writer
             .prepared(INSERT)
             .unwrap()
@@ -165,10 +169,7 @@ mod tests {
         outer.execute([2]).unwrap();
         drop(outer);
         assert_eq!(writer.idle.borrow().len(), 1);
-        let values: i64 = writer
-            .query_row("SELECT sum(v) FROM t", [], |row| row.get(0))
-            .unwrap();
-        assert_eq!(values, 3);
+        assert_eq!(first_value(&writer, "SELECT sum(v) FROM t"), 3);
     }
 
     #[test]
@@ -182,11 +183,6 @@ mod tests {
             let mut rows = statement.query([]).unwrap();
             assert!(rows.next().unwrap().is_some());
         }
-        let first: i64 = writer
-            .prepared(VALUES)
-            .unwrap()
-            .query_row([], |row| row.get(0))
-            .unwrap();
-        assert_eq!(first, 0);
+        assert_eq!(first_value(&writer, VALUES), 0);
     }
 }
