@@ -2,7 +2,7 @@
 //! publishes one bounded event per committed change, whatever door, route or consumer made it,
 //! and whoever listens (the console's live pages) subscribes. Nobody listening is fine.
 
-use ordered_inbox::{Outcome, ResolutionRecord, TransferRecord};
+use ordered_inbox::{GapRecord, Outcome, ResolutionRecord, TransferRecord};
 use serde::Serialize;
 use tokio::sync::broadcast;
 
@@ -15,7 +15,8 @@ pub const EVENTS_KEPT: usize = 64;
 pub struct InboxChange {
     pub aggregate_id: String,
     pub message_id: String,
-    /// What happened: a delivery's verdict (`applied`, `gap`, `quarantined` …) or `resolved`.
+    /// What happened: a delivery's verdict (`applied`, `gap`, `quarantined` …), `resolved`,
+    /// `gap resolved` or `owner transferred`.
     pub change: &'static str,
 }
 
@@ -84,6 +85,16 @@ impl InboxChanges {
             aggregate_id: record.aggregate_id.clone(),
             message_id: record.message_id.clone(),
             change: "resolved",
+        });
+    }
+
+    /// An operator's new gap resolution (the held successors it drained with it). It names no
+    /// message: the skipped range was never delivered.
+    pub fn gap_resolved(&self, record: &GapRecord) {
+        self.publish(InboxChange {
+            aggregate_id: record.aggregate_id.clone(),
+            message_id: String::new(),
+            change: "gap resolved",
         });
     }
 

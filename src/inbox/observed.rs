@@ -170,6 +170,7 @@ impl Inbox for ObservedInbox {
         mode: Mode,
     ) -> Result<GapResolved, GapResolutionError> {
         let resolved = self.inner.resolve_gap(request, mode).await;
+        self.metrics.gap_resolution(resolved.as_ref());
         if let Ok(GapResolved::New(record)) = &resolved {
             tracing::info!(
                 target: TARGET,
@@ -181,6 +182,7 @@ impl Inbox for ObservedInbox {
                 drained = record.drained.len(),
                 "gap skipped by an operator"
             );
+            self.changes.gap_resolved(record);
         }
         resolved
     }

@@ -20,7 +20,8 @@ use metrics_exporter_prometheus::{
 use ordered_inbox::sqlite::{BatchCommitted, WriterObserver};
 use ordered_inbox::views::InboxHealth;
 use ordered_inbox::{
-    ActionKind, AggregateStatus, Door, Outcome, ProducerRefusal, ResolutionError, Resolved,
+    ActionKind, AggregateStatus, Door, GapResolutionError, GapResolved, Outcome, ProducerRefusal,
+    ResolutionError, Resolved,
 };
 
 pub const DELIVERIES: &str = "inbox_deliveries_total";
@@ -60,7 +61,7 @@ const DESCRIPTIONS: &[Description] = &[
     ),
     Description::counter(
         RESOLUTIONS,
-        "Operator resolutions of dead letters, by action and outcome",
+        "Operator resolutions of dead letters and gaps, by action and outcome",
     ),
     Description::counter(
         PRODUCER_REFUSALS,
@@ -208,7 +209,14 @@ fn register_zero_counters() {
                 .increment(0);
         }
     }
+    for outcome in ResolutionOutcome::OF_GAPS {
+        metrics::counter!(RESOLUTIONS, "action" => GAP_SKIP, "outcome" => outcome.label())
+            .increment(0);
+    }
 }
+
+/// The `action` label of a gap resolution: an operator goes on without a missing range.
+const GAP_SKIP: &str = "skip_gap";
 
 /// This application's recorder and the handles it renders. Cheap to clone.
 #[derive(Clone)]
@@ -330,6 +338,15 @@ impl Metrics {
         let outcome = ResolutionOutcome::of(result);
         self.with(|| {
             metrics::counter!(RESOLUTIONS, "action" => action.as_str(), "outcome" => outcome.label())
+                .increment(1);
+        });
+    }
+
+    /// Counts one gap resolution request that reached the inbox.
+    pub fn gap_resolution(&self, result: Result<&GapResolved, &GapResolutionError>) {
+        let outcome = ResolutionOutcome::of_gap(result);
+        self.with(|| {
+            metrics::counter!(RESOLUTIONS, "action" => GAP_SKIP, "outcome" => outcome.label())
                 .increment(1);
         });
     }
@@ -581,6 +598,29 @@ impl ResolutionOutcome {
         ResolutionOutcome::Unauthorized,
         ResolutionOutcome::Failed,
     ];
+
+    /// The outcomes a gap resolution can have: it carries no replacement to quarantine.
+    const OF_GAPS: [ResolutionOutcome; 7] = [
+        ResolutionOutcome::Resolved,
+        ResolutionOutcome::Repeated,
+        ResolutionOutcome::DryRun,
+        ResolutionOutcome::NotFound,
+        ResolutionOutcome::Conflict,
+        ResolutionOutcome::Unauthorized,
+        ResolutionOutcome::Failed,
+    ];
+
+    fn of_gap(result: Result<&GapResolved, &GapResolutionError>) -> ResolutionOutcome {
+        match result {
+            Ok(GapResolved::New(_)) => ResolutionOutcome::Resolved,
+            Ok(GapResolved::Repeated(_)) => ResolutionOutcome::Repeated,
+            Ok(GapResolved::DryRun(_)) => ResolutionOutcome::DryRun,
+            Err(GapResolutionError::NotFound(_)) => ResolutionOutcome::NotFound,
+            Err(GapResolutionError::Conflict(_)) => ResolutionOutcome::Conflict,
+            Err(GapResolutionError::Unauthorized) => ResolutionOutcome::Unauthorized,
+            Err(GapResolutionError::Store(_)) => ResolutionOutcome::Failed,
+        }
+    }
 
     fn of(result: Result<&Resolved, &ResolutionError>) -> ResolutionOutcome {
         match result {

@@ -315,7 +315,7 @@ async fn percent_encoded_dots_decode_to_the_id_and_the_query_forms_reach_dot_ids
 }
 
 /// Reads server-sent events off a response until one named `name` arrives; returns its data.
-async fn next_event(
+pub(crate) async fn next_event(
     stream: &mut (impl futures_util::Stream<Item = reqwest::Result<axum::body::Bytes>> + Unpin),
     buffer: &mut String,
     name: &str,

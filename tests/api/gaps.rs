@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use crate::aggregates::{add_operator, resolve_at};
 use crate::broker::{jetstream_of, publish_ordered, spawn_consumer_on, start_nats};
+use crate::console::next_event;
 use crate::helpers::{
     Backend, TestApp, assert_bad_request, command, content_type, poll_until, spawn_app_on,
     status_and_json,
@@ -568,3 +569,41 @@ crate::on_both_backends!(
     a_gap_resolution_against_the_state_answers_409_with_the_current_state,
     a_malformed_gap_resolution_answers_400_problems,
 );
+
+#[tokio::test]
+async fn a_gap_resolution_is_counted_and_told_to_the_console_event_stream() {
+    let app = spawn_app_on(Backend::Sqlite).await;
+    let operator = add_operator(&app, "alice");
+    waiting_without_5(&app, "acct").await;
+    let events = app.get("/console/events").await;
+    assert_eq!(events.status(), 200);
+    let mut stream = events.bytes_stream();
+    let mut buffer = String::new();
+    assert_eq!(next_event(&mut stream, &mut buffer, "hello").await, "live");
+
+    let (status, preview) = resolve_gap(
+        &app,
+        Some(&operator),
+        "acct",
+        "?dryRun=true",
+        &skip(5, 5, 4),
+    )
+    .await;
+    assert_eq!(status, 200, "{preview}");
+    let (status, resolved) = resolve_gap(&app, Some(&operator), "acct", "", &skip(5, 5, 4)).await;
+    assert_eq!(status, 200, "{resolved}");
+    // The dry run wrote nothing and says nothing: the first change is the resolution.
+    let change: Value =
+        serde_json::from_str(&next_event(&mut stream, &mut buffer, "change").await).expect("json");
+    assert_eq!(
+        change,
+        json!({"aggregateId": "acct", "messageId": "", "change": "gap resolved"})
+    );
+
+    let counted = |outcome: &str| {
+        format!(r#"inbox_resolutions_total{{action="skip_gap",outcome="{outcome}"}}"#)
+    };
+    assert_eq!(metric(&app, &counted("dry_run")).await, 1.0);
+    assert_eq!(metric(&app, &counted("resolved")).await, 1.0);
+    assert_eq!(metric(&app, &counted("conflict")).await, 0.0);
+}
