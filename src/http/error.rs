@@ -180,6 +180,14 @@ impl IntoResponse for AppError {
     }
 }
 
+/// `response` with `Retry-After: seconds`: every 429 says when to come back.
+pub fn with_retry_after(mut response: Response, seconds: u32) -> Response {
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, header::HeaderValue::from(seconds));
+    response
+}
+
 /// How long a client is asked to wait before retrying after a 503 store answer, in seconds.
 pub const STORE_RETRY_AFTER_SECONDS: u32 = 1;
 

@@ -15,6 +15,10 @@ use crate::http::error::{AppError, json_response, problem_response_with};
 use crate::inbox::SharedInbox;
 use crate::inbox::input::{identity_words, producer_namespace, validate_message_id};
 
+/// The `Retry-After` of a 429 "quarantine full", in seconds: the quarantine empties only as an
+/// operator resolves its dead letters, which takes minutes rather than seconds.
+pub const QUARANTINE_FULL_RETRY_AFTER_SECONDS: u32 = 60;
+
 /// The 404 of an aggregate no message was ever recorded for.
 pub fn unknown_aggregate(aggregate_id: &str) -> AppError {
     AppError::problem_with_detail(

@@ -22,7 +22,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::config::StartupError;
-use crate::http::error::{AppError, Json, Path, RequestBody};
+use crate::http::error::{AppError, Json, Path, RequestBody, with_retry_after};
 use crate::labs::context::StartupContext;
 use crate::labs::gate::LabGate;
 
@@ -253,13 +253,15 @@ async fn enqueue(
     match lab.queue.try_send(item) {
         Ok(()) => {}
         Err(TrySendError::Full(_)) => {
-            return Err(AppError::problem_with_detail(
+            let full = AppError::problem_with_detail(
                 StatusCode::TOO_MANY_REQUESTS,
                 "The work queue is full",
                 format!(
                     "{QUEUE_CAPACITY} items are already waiting for the worker; try again later"
                 ),
-            ));
+            );
+            // An item takes the worker well under a second.
+            return Ok(with_retry_after(full.into_response(), 1));
         }
         Err(TrySendError::Closed(_)) => return Err(shutting_down()),
     }

@@ -34,6 +34,7 @@ struct Options {
     anonymous_writes: bool,
     rate: DeliveryRate,
     max_payload_bytes: usize,
+    limits: Limits,
 }
 
 impl Default for Options {
@@ -42,6 +43,7 @@ impl Default for Options {
             anonymous_writes: false,
             rate: rate(10_000, 10_000),
             max_payload_bytes: 65_536,
+            limits: Limits::default(),
         }
     }
 }
@@ -77,9 +79,11 @@ fn types() -> MessageTypes {
     MessageTypes::compile(vec![(PLACED.to_owned(), schema)]).expect("the schema")
 }
 
-/// The inbox, its output and its registry on `backend`, and the first operator's token.
+/// The inbox with `limits`, its output and its registry on `backend`, and the first operator's
+/// token.
 async fn open_store(
     backend: Backend,
+    limits: Limits,
 ) -> (
     Arc<dyn Inbox>,
     OutputStore,
@@ -100,7 +104,7 @@ async fn open_store(
             })
             .expect("the gate's SQLite file");
             let token = ordered_inbox::sqlite::operators::add(&path, "ops").expect("an operator");
-            let inbox = SqliteInbox::with_handler(store.clone(), Limits::default(), handler);
+            let inbox = SqliteInbox::with_handler(store.clone(), limits, handler);
             let output = OutputStore::sqlite(store);
             (
                 Arc::new(inbox),
@@ -113,7 +117,7 @@ async fn open_store(
         Backend::Postgres => {
             let url = crate::postgres::fresh_database();
             let target = Target::parse(&url).expect("the database's URL");
-            let inbox = PostgresInbox::open_with_handler(target, Limits::default(), handler)
+            let inbox = PostgresInbox::open_with_handler(target, limits, handler)
                 .await
                 .expect("the gate's PostgreSQL inbox");
             output::install_postgres(&inbox)
@@ -135,7 +139,7 @@ async fn open_store(
 }
 
 async fn spawn_gate(backend: Backend, options: Options) -> TestGate {
-    let (inbox, output, registry, operator_token, dir) = open_store(backend).await;
+    let (inbox, output, registry, operator_token, dir) = open_store(backend, options.limits).await;
     let metrics = Metrics::new();
     let changes = InboxChanges::new();
     let observed = ObservedInbox::new(inbox, metrics.clone(), changes.clone());
@@ -779,4 +783,37 @@ async fn deliver_until_applied(gate: &TestGate, producer: &Producer, sequence: i
             _ => panic!("{status}: {body}"),
         }
     }
+}
+
+#[tokio::test]
+async fn a_poison_message_over_a_full_quarantine_gets_429_with_a_retry_after() {
+    let options = Options {
+        limits: Limits {
+            max_open_dead_letters: 1,
+            ..Limits::default()
+        },
+        ..Options::default()
+    };
+    let gate = spawn_gate(Backend::Sqlite, options).await;
+    let producer = gate.producer("orders").await;
+    let (status, body) = gate
+        .deliver(&producer, "full", &placed("full", 1, -1))
+        .await;
+    assert_eq!(status, 422, "{body}");
+    let mut second = placed("full", 1, -2);
+    second["messageId"] = json!("full-m1-again");
+    let response = gate
+        .deliver_as(&producer, producer.epoch, "full", &second)
+        .await;
+    assert_eq!(response.status(), 429);
+    let retry_after: u64 = response
+        .headers()
+        .get("retry-after")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse().ok())
+        .expect("a Retry-After in whole seconds");
+    assert!(retry_after >= 1);
+    let (_, problem) = status_and_json(response).await;
+    assert_eq!(problem["outcome"], "quarantine full", "{problem}");
+    gate.stop().await;
 }

@@ -151,8 +151,12 @@ async fn with_the_gate_closed_one_held_item_and_four_queued_make_the_sixth_a_429
     .await;
     assert_eq!(queue, json!({"capacity": 4, "queued": 4, "gate": "closed"}));
 
-    let (status, problem) =
-        status_and_json(app.post_json("/worker", &json!({"value": 6})).await).await;
+    let full = app.post_json("/worker", &json!({"value": 6})).await;
+    assert_eq!(
+        full.headers().get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    let (status, problem) = status_and_json(full).await;
     assert_eq!(status, 429, "{problem}");
     assert_eq!(problem["title"], "The work queue is full");
     assert!(!held.is_finished() && queued.iter().all(|post| !post.is_finished()));

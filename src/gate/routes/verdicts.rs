@@ -11,7 +11,8 @@ use serde_json::{Value, json};
 use utoipa::ToSchema;
 
 use crate::gate::auth::producer_unauthorized;
-use crate::http::error::problem_response_with;
+use crate::http::error::{problem_response_with, with_retry_after};
+use crate::inbox::answers::QUARANTINE_FULL_RETRY_AFTER_SECONDS;
 use crate::inbox::input::Delivered;
 
 /// Each verdict with its status code: 200 applied or replay, 409 gap, stale or payload
@@ -272,7 +273,7 @@ fn quarantined(
 /// 429: a new poison message for an aggregate whose quarantine is full. Nothing was recorded
 /// but one (bounded) timeline observation.
 fn quarantine_full(about: About<'_>, expected: i64, open: usize, limit: usize) -> Response {
-    problem_response_with(
+    let response = problem_response_with(
         StatusCode::TOO_MANY_REQUESTS,
         "Quarantine full",
         Some(&format!(
@@ -288,7 +289,8 @@ fn quarantine_full(about: About<'_>, expected: i64, open: usize, limit: usize) -
             "limit": limit,
             "retryable": false,
         }),
-    )
+    );
+    with_retry_after(response, QUARANTINE_FULL_RETRY_AFTER_SECONDS)
 }
 
 /// The answer to a delivery the inbox refused before deciding it: nothing was written.

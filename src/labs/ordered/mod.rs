@@ -26,8 +26,9 @@ use axum::response::Response;
 use serde_json::json;
 use utoipa_axum::router::OpenApiRouter;
 
-use crate::http::error::problem_response_with;
+use crate::http::error::{problem_response_with, with_retry_after};
 use crate::inbox::SharedInbox;
+use crate::inbox::answers::QUARANTINE_FULL_RETRY_AFTER_SECONDS;
 use crate::inbox::input::Delivered;
 
 pub fn routes<S>() -> OpenApiRouter<S>
@@ -46,7 +47,7 @@ where
 /// 429: a new poison message for an aggregate whose quarantine is full. Nothing was recorded
 /// but one (bounded) timeline observation.
 fn quarantine_full(message: &Delivered, expected: i64, open: usize, limit: usize) -> Response {
-    problem_response_with(
+    let response = problem_response_with(
         StatusCode::TOO_MANY_REQUESTS,
         "Quarantine full",
         Some(&format!(
@@ -62,5 +63,6 @@ fn quarantine_full(message: &Delivered, expected: i64, open: usize, limit: usize
             "limit": limit,
             "retryable": false,
         }),
-    )
+    );
+    with_retry_after(response, QUARANTINE_FULL_RETRY_AFTER_SECONDS)
 }
