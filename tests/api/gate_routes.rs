@@ -817,3 +817,71 @@ async fn a_poison_message_over_a_full_quarantine_gets_429_with_a_retry_after() {
     assert_eq!(problem["outcome"], "quarantine full", "{problem}");
     gate.stop().await;
 }
+
+/// The aggregate ids of an inventory page, in its order.
+fn listed(page: &Value) -> Vec<&str> {
+    page["aggregates"]
+        .as_array()
+        .expect("aggregates")
+        .iter()
+        .filter_map(|entry| entry["aggregateId"].as_str())
+        .collect()
+}
+
+#[tokio::test]
+async fn the_inventory_without_a_status_lists_blocked_then_waiting_then_flowing_paged() {
+    let gate = spawn_gate(Backend::Sqlite, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    // Each status's aggregates in the order they entered it: the longest-standing first.
+    let deliveries = [
+        ("flowing-1", 1, 5, 200),
+        ("waiting-1", 1, 5, 200),
+        ("waiting-1", 3, 5, 409),
+        ("blocked-1", 1, 5, 200),
+        ("blocked-1", 2, -1, 422),
+        ("flowing-2", 1, 5, 200),
+        ("blocked-2", 1, 5, 200),
+        ("blocked-2", 2, -1, 422),
+        ("waiting-2", 1, 5, 200),
+        ("waiting-2", 3, 5, 409),
+    ];
+    for (aggregate, sequence, amount, verdict) in deliveries {
+        let (status, body) = gate
+            .deliver(&producer, aggregate, &placed(aggregate, sequence, amount))
+            .await;
+        assert_eq!(status, verdict, "{aggregate} {sequence}: {body}");
+    }
+    let (status, all) = gate.read("/v1/aggregates").await;
+    assert_eq!(status, 200, "{all}");
+    assert_eq!(
+        listed(&all),
+        [
+            "blocked-1",
+            "blocked-2",
+            "waiting-1",
+            "waiting-2",
+            "flowing-1",
+            "flowing-2"
+        ]
+    );
+    assert_eq!(all["status"], Value::Null);
+    assert_eq!(all["next"], Value::Null);
+
+    // Paged as with a status: `next` is the following page's `after`.
+    let (_, first) = gate.read("/v1/aggregates?limit=4").await;
+    assert_eq!(
+        listed(&first),
+        ["blocked-1", "blocked-2", "waiting-1", "waiting-2"]
+    );
+    assert_eq!(first["next"], 4);
+    let (_, rest) = gate.read("/v1/aggregates?limit=4&after=4").await;
+    assert_eq!(listed(&rest), ["flowing-1", "flowing-2"]);
+    assert_eq!(rest["next"], Value::Null);
+
+    // A status still filters, and an unknown one is still a 400.
+    let (_, waiting) = gate.read("/v1/aggregates?status=waiting").await;
+    assert_eq!(listed(&waiting), ["waiting-1", "waiting-2"]);
+    let (status, problem) = gate.read("/v1/aggregates?status=stuck").await;
+    assert_eq!(status, 400, "{problem}");
+    gate.stop().await;
+}

@@ -1,7 +1,8 @@
-//! The evidence, for a reader (a configured reader's token or an operator's): the aggregates in a
-//! status, one aggregate with its open dead letters and held sequences, its timeline, what a
-//! waiting aggregate is missing, the dead letters, and the audit trail of resolutions. Payloads
-//! are the stored envelopes (`{"type", "payload"}`), as the producer sent them.
+//! The evidence, for a reader (a configured reader's token or an operator's): the aggregates (in
+//! a status, or all of them), one aggregate with its open dead letters and held sequences, its
+//! timeline, what a waiting aggregate is missing, the dead letters, and the audit trail of
+//! resolutions. Payloads are the stored envelopes (`{"type", "payload"}`), as the producer sent
+//! them.
 
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
@@ -45,8 +46,8 @@ where
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 struct InventoryQuery {
-    /// Which aggregates to list.
-    #[param(value_type = AggregateStatus, required = true)]
+    /// Which aggregates to list; absent: all of them, blocked then waiting then flowing.
+    #[param(value_type = Option<AggregateStatus>)]
     status: Option<String>,
     /// How many of the list to pass over: the `next` of the previous page (0 or absent first).
     #[param(minimum = 0, maximum = 10000)]
@@ -56,22 +57,32 @@ struct InventoryQuery {
     limit: Option<i64>,
 }
 
-/// The aggregates in one status, the longest-standing first.
+/// The aggregates in one status (or in every status), the longest-standing first.
 #[derive(ToSchema)]
 #[allow(dead_code)]
 struct Inventory {
-    status: AggregateStatus,
+    /// The status asked for; null when every aggregate is listed.
+    #[schema(required = true)]
+    status: Option<AggregateStatus>,
     aggregates: Vec<InventoryEntry>,
     /// The `after` of the following page; null at the end.
     #[schema(required = true)]
     next: Option<i64>,
 }
 
-/// `GET /v1/aggregates?status=blocked|waiting|flowing&after=&limit=`.
+/// The order of the list without a status: what needs an operator first.
+const EVERY_STATUS: [AggregateStatus; 3] = [
+    AggregateStatus::Blocked,
+    AggregateStatus::Waiting,
+    AggregateStatus::Flowing,
+];
+
+/// `GET /v1/aggregates?status=blocked|waiting|flowing&after=&limit=`; without `status`, every
+/// aggregate: the blocked, then the waiting, then the flowing.
 #[utoipa::path(get, path = "/v1/aggregates", tag = "evidence", params(InventoryQuery),
     security(("reader" = []), ("operator" = [])),
     responses(
-        (status = 200, description = "The aggregates in that status, the longest-standing first", body = Inventory),
+        (status = 200, description = "The aggregates in that status (without one: blocked, then waiting, then flowing), each status the longest-standing first", body = Inventory),
         (status = 400, response = crate::http::openapi::BadRequest),
         (status = 401, description = "No reader's or operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
         (status = 500, response = crate::http::openapi::StoreFailed),
@@ -82,7 +93,10 @@ async fn inventory(
     State(inbox): State<SharedInbox>,
     Query(query): Query<InventoryQuery>,
 ) -> Result<Response, AppError> {
-    let status = aggregate_status(query.status.as_deref())?;
+    let status = match query.status.as_deref() {
+        None => None,
+        given => Some(aggregate_status(given)?),
+    };
     let after = query.after.unwrap_or(0);
     if !(0..=MAX_INVENTORY_OFFSET).contains(&after) {
         return Err(AppError::bad_request(format!(
@@ -91,7 +105,11 @@ async fn inventory(
     }
     let limit = validate_limit(query.limit)?;
     // One more than the page, to know whether another page exists.
-    let mut aggregates = inbox.inventory(status, after + limit + 1).await?;
+    let wanted = after + limit + 1;
+    let mut aggregates = match status {
+        Some(status) => inbox.inventory(status, wanted).await?,
+        None => every_aggregate(&inbox, wanted).await?,
+    };
     let skipped = usize::try_from(after).unwrap_or(usize::MAX);
     aggregates.drain(..skipped.min(aggregates.len()));
     let page = Page::from_rows(
@@ -104,6 +122,23 @@ async fn inventory(
         StatusCode::OK,
         page_body(json!({"status": status}), "aggregates", page),
     ))
+}
+
+/// The first `wanted` aggregates of every status, in [`EVERY_STATUS`] order: a status is read
+/// only when the ones before it fall short.
+async fn every_aggregate(
+    inbox: &SharedInbox,
+    wanted: i64,
+) -> Result<Vec<InventoryEntry>, AppError> {
+    let mut aggregates = Vec::new();
+    for status in EVERY_STATUS {
+        let missing = wanted - i64::try_from(aggregates.len()).unwrap_or(i64::MAX);
+        if missing <= 0 {
+            break;
+        }
+        aggregates.extend(inbox.inventory(status, missing).await?);
+    }
+    Ok(aggregates)
 }
 
 /// `GET /v1/aggregates/{id}`: the position, status, open dead letters, held sequences, what a
