@@ -380,6 +380,7 @@ fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) ->
         metrics: background.metrics.clone(),
         store: stores.sqlite.clone(),
         nats: background.nats.as_ref().map(|nats| nats.client.clone()),
+        access: state.0.access.clone(),
     };
     let documented = routes::api(state)
         .merge(health::routes(health, config.metrics.public))

@@ -1,16 +1,18 @@
 //! The gate's unauthenticated routes: `GET /live` (the process answers), `GET /ready` (the store
 //! answers a read and, with NATS configured, the connection is up) and, when the configuration
 //! makes it public, `GET /metrics`. They carry no secret and change nothing, so a load balancer
-//! and a scraper need no token.
+//! and a scraper need no token. When the metrics are not public, `GET /metrics` asks for a
+//! reader's or an operator's token.
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{FromRef, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use crate::gate::auth::{Access, Reader};
 use crate::http::error::problem_response_with;
 use crate::inbox::SharedInbox;
 use crate::observe::routes::PROMETHEUS_CONTENT_TYPE;
@@ -26,9 +28,24 @@ pub struct Health {
     pub store: Option<Store>,
     /// The NATS connection, when the gate has one: `/ready` needs it connected.
     pub nats: Option<async_nats::Client>,
+    /// The readers' tokens, for `/metrics` when it is not public.
+    pub access: Access,
 }
 
-/// `/live`, `/ready`, and `/metrics` when `public_metrics`, documented.
+impl FromRef<Health> for Access {
+    fn from_ref(health: &Health) -> Access {
+        health.access.clone()
+    }
+}
+
+impl FromRef<Health> for SharedInbox {
+    fn from_ref(health: &Health) -> SharedInbox {
+        health.inbox.clone()
+    }
+}
+
+/// `/live`, `/ready`, and `/metrics`: for anyone when `public_metrics`, otherwise for a reader
+/// or an operator. Documented.
 pub fn routes(health: Health, public_metrics: bool) -> OpenApiRouter {
     let router = OpenApiRouter::new()
         .routes(routes!(live))
@@ -36,7 +53,7 @@ pub fn routes(health: Health, public_metrics: bool) -> OpenApiRouter {
     let router = if public_metrics {
         router.routes(routes!(metrics))
     } else {
-        router
+        router.routes(routes!(metrics_for_readers))
     };
     router.with_state(health)
 }
@@ -96,6 +113,22 @@ async fn ready(State(health): State<Health>) -> Response {
     (status = 200, description = "Every metric, Prometheus text format 0.0.4", body = String, content_type = "text/plain"),
 ))]
 async fn metrics(State(health): State<Health>) -> Response {
+    render_metrics(&health).await
+}
+
+/// Every metric, as [`metrics`], for a reader's or an operator's token.
+#[utoipa::path(get, path = "/metrics", tag = "operating",
+    security(("reader" = []), ("operator" = [])),
+    responses(
+        (status = 200, description = "Every metric, Prometheus text format 0.0.4", body = String, content_type = "text/plain"),
+        (status = 401, description = "No reader's or operator's token", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
+    ))]
+async fn metrics_for_readers(_reader: Reader, State(health): State<Health>) -> Response {
+    render_metrics(&health).await
+}
+
+/// The Prometheus text of every metric, the inbox's gauges read now.
+async fn render_metrics(health: &Health) -> Response {
     let figures = match health.inbox.health().await {
         Ok(figures) => Some(figures),
         Err(error) => {

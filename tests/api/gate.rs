@@ -850,3 +850,60 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
     let output = read_output(&js).await;
     assert_in_order_once(&output, &expected);
 }
+
+/// A loopback gate without `[tls]` or `[nats]`: one message type, one reader, `extra` appended
+/// to the file. Answers its directory and its config's path.
+fn plain_gate_files(extra: &str) -> (TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    std::fs::write(dir.path().join("placed.json"), PLACED_SCHEMA).expect("the schema");
+    let config = dir.path().join("gate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[listen]
+address = "127.0.0.1:0"
+
+[store]
+sqlite = "gate.db"
+
+[auth]
+readers = [{{ name = "dashboard", token = "{PLAIN_READER_TOKEN}" }}]
+
+[types."order.placed"]
+schema = "placed.json"
+{extra}"#
+        ),
+    )
+    .expect("the config");
+    (dir, config)
+}
+
+const PLAIN_READER_TOKEN: &str = "reader-token-of-the-plain-gate";
+
+#[tokio::test]
+async fn metrics_that_are_not_public_answer_a_readers_or_an_operators_token_and_401_without() {
+    let (dir, config) = plain_gate_files("\n[metrics]\npublic = false\n");
+    let gate = GateProcess::start(&config);
+    let operator = add_operator(&dir.path().join("gate.db"), "alice");
+    let http = crate::helpers::client();
+    let scrape = |token: Option<&str>| {
+        let request = http.get(gate.url("/metrics"));
+        match token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+        .send()
+    };
+    let anonymous = scrape(None).await.expect("GET /metrics");
+    assert_eq!(anonymous.status(), 401);
+    assert!(anonymous.headers().contains_key("www-authenticate"));
+    let wrong = scrape(Some("not-a-token")).await.expect("GET /metrics");
+    assert_eq!(wrong.status(), 401);
+    for token in [PLAIN_READER_TOKEN, operator.as_str()] {
+        let response = scrape(Some(token)).await.expect("GET /metrics");
+        assert_eq!(response.status(), 200);
+        let text = response.text().await.expect("the metrics");
+        assert!(text.contains("inbox_resolutions_total"), "{text}");
+    }
+}
