@@ -148,7 +148,7 @@ impl GateApplication {
         self,
         stop: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        println!("{LISTENING_PREFIX}{}", self.url());
+        let url = self.url();
         let GateApplication {
             listener,
             router,
@@ -160,9 +160,17 @@ impl GateApplication {
         } = self;
         let shutdown = CancellationToken::new();
         let tasks = TaskTracker::new();
-        if let Some(tls) = &tls {
-            tls.spawn_reload_on_sighup(shutdown.clone())?;
+        // Before the listening line: a SIGHUP sent once the gate is up must find a handler,
+        // or its default action ends the process.
+        match &tls {
+            Some(tls) => {
+                tls.spawn_reload_on_sighup(shutdown.clone())?;
+            }
+            None => {
+                log_sighup_without_tls(shutdown.clone())?;
+            }
         }
+        println!("{LISTENING_PREFIX}{url}");
         background.start(&tasks, &shutdown);
         let served = serve(listener, router, tls, limits, shutdown.clone(), stop).await;
         shutdown.cancel();
@@ -171,6 +179,25 @@ impl GateApplication {
         stores.close().await;
         served
     }
+}
+
+/// Without `[tls]` a SIGHUP (a supervisor's habitual "reload") has nothing to reload: it is
+/// logged as such until `stop` is cancelled, instead of ending the process.
+fn log_sighup_without_tls(stop: CancellationToken) -> std::io::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hangups = signal(SignalKind::hangup())?;
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                received = hangups.recv() => match received {
+                    Some(()) => tracing::info!(target: "production_lab::gate", "SIGHUP received: the gate has no [tls], nothing to reload"),
+                    None => return,
+                },
+                () = stop.cancelled() => return,
+            }
+        }
+    });
+    Ok(())
 }
 
 /// The connection server, over TLS when `tls` is given, until `stop` resolves.

@@ -882,6 +882,32 @@ schema = "placed.json"
 const PLAIN_READER_TOKEN: &str = "reader-token-of-the-plain-gate";
 
 #[tokio::test]
+async fn sighup_to_a_gate_without_tls_is_logged_as_nothing_to_reload_and_the_gate_answers_on() {
+    let (dir, config) = plain_gate_files("");
+    let mut gate = GateProcess::start(&config);
+    let http = crate::helpers::client();
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &gate.child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+    let log = dir.path().join("gate.log");
+    poll_until_within(
+        "the gate logs that SIGHUP had nothing to reload",
+        Duration::from_secs(15),
+        || std::future::ready(std::fs::read_to_string(&log).unwrap_or_default()),
+        |text| text.contains("nothing to reload"),
+    )
+    .await;
+    assert!(
+        gate.child.try_wait().ok().flatten().is_none(),
+        "the gate is still running"
+    );
+    let live = http.get(gate.url("/live")).send().await.expect("GET /live");
+    assert_eq!(live.status(), 200);
+}
+
+#[tokio::test]
 async fn metrics_that_are_not_public_answer_a_readers_or_an_operators_token_and_401_without() {
     let (dir, config) = plain_gate_files("\n[metrics]\npublic = false\n");
     let gate = GateProcess::start(&config);
