@@ -449,7 +449,7 @@ impl Consumer {
 
     /// Pushes back the ack deadline of the parked messages that need it.
     async fn refresh_parked(&self) {
-        let due = self.parked().to_refresh();
+        let due = self.parked().due_for_refresh();
         for message in due {
             if let Err(error) = message.ack_with(AckKind::Progress).await {
                 self.lab

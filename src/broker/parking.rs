@@ -68,10 +68,10 @@ impl Parking {
         aggregate: &str,
         sequence: i64,
         message: jetstream::Message,
-    ) -> Result<(), jetstream::Message> {
+    ) -> Result<(), Box<jetstream::Message>> {
         let size = message.payload.len();
         if self.messages >= MAX_PARKED || self.bytes.saturating_add(size) > MAX_PARKED_BYTES {
-            return Err(message);
+            return Err(Box::new(message));
         }
         let stream_sequence = message.info().map_or(0, |info| info.stream_sequence);
         let now = Instant::now();
@@ -139,7 +139,7 @@ impl Parking {
     }
 
     /// The parked messages whose ack deadline is due to be pushed back, marked as refreshed.
-    pub(super) fn to_refresh(&mut self) -> Vec<jetstream::Message> {
+    pub(super) fn due_for_refresh(&mut self) -> Vec<jetstream::Message> {
         let now = Instant::now();
         let mut due = Vec::new();
         for parked in self.aggregates.values_mut() {

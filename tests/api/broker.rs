@@ -810,7 +810,10 @@ async fn a_producers_broker_messages_claim_its_aggregate_and_apply_in_its_namesp
     let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
     assert_eq!(status["counters"]["terminated"], 0, "{status}");
     // m-3 was decided before m-2 applied, so at least once it was a gap, parked, not nak'd.
-    assert!(status["counters"]["outcomes"]["gap"].as_u64() >= Some(1), "{status}");
+    assert!(
+        status["counters"]["outcomes"]["gap"].as_u64() >= Some(1),
+        "{status}"
+    );
     assert_eq!(status["counters"]["nakd"], 0, "{status}");
     assert!(rejected_list(&app).await.is_empty());
     app.stop().await;
