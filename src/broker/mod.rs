@@ -22,6 +22,7 @@
 //! the test-only fault switch (`POST /lab/broker/pause-after-commit`) in [`routes`].
 
 pub mod notices;
+mod parking;
 mod routes;
 pub mod wire;
 
@@ -270,6 +271,8 @@ pub struct Consumer {
     /// Whether a message without a producer's credential is delivered (the lab's door) or
     /// refused (the gate, unless its configuration allows anonymous writes).
     anonymous: bool,
+    /// Messages whose aggregate cannot take them yet, kept unanswered until it moves.
+    parking: Arc<Mutex<parking::Parking>>,
 }
 
 impl Consumer {
@@ -323,6 +326,7 @@ impl Consumer {
             &config,
             lab.clone(),
         ));
+        let parking = parking::Parking::new(config.nak_delay, config.ack_wait);
         Ok(Consumer {
             lab,
             config,
@@ -331,6 +335,7 @@ impl Consumer {
             notices,
             body: crate::inbox::input::general_message,
             anonymous: true,
+            parking: Arc::new(Mutex::new(parking)),
         })
     }
 
@@ -381,7 +386,8 @@ impl Consumer {
     async fn consume(&self, inbox: &SharedInbox, stop: &CancellationToken) {
         let mut failures: u32 = 0;
         while !stop.is_cancelled() {
-            let batch = match self.fetch().await {
+            self.refresh_parked().await;
+            let batch = match self.next_batch().await {
                 Ok(batch) => {
                     failures = 0;
                     batch
@@ -408,7 +414,61 @@ impl Consumer {
                 return;
             }
         }
+        self.release_parked().await;
         let _ = tokio::time::timeout(Duration::from_secs(2), self.client.flush()).await;
+    }
+
+    /// The parked messages that are due (their aggregate moved, or their back-off ran out), at
+    /// most half a batch, ahead of what the broker has pending; without any due, a fetch that
+    /// may wait for the next message.
+    async fn next_batch(&self) -> Result<Vec<jetstream::Message>, async_nats::Error> {
+        let limit = (self.config.batch / 2).max(1);
+        let mut due = self.parked().take_due(limit);
+        if due.is_empty() {
+            return self.fetch().await;
+        }
+        let room = self.config.batch.saturating_sub(due.len()).max(1);
+        let request = self.consumer.fetch().max_messages(room);
+        match request.messages().await {
+            Ok(pending) => {
+                // The parked ones are processed even if the fetch breaks off.
+                let _ = collect(pending, &mut due).await;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "broker fetch failed; delivering the parked messages that are due")
+            }
+        }
+        Ok(due)
+    }
+
+    fn parked(&self) -> std::sync::MutexGuard<'_, parking::Parking> {
+        self.parking
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Pushes back the ack deadline of the parked messages that need it.
+    async fn refresh_parked(&self) {
+        let due = self.parked().due_for_refresh();
+        for message in due {
+            if let Err(error) = message.ack_with(AckKind::Progress).await {
+                self.lab
+                    .count(|c| c.last_error = Some(format!("ack progress: {error}")));
+            }
+        }
+    }
+
+    /// The consumer stops: every parked message goes back to the broker at once.
+    async fn release_parked(&self) {
+        let parked = self.parked().drain();
+        for message in parked {
+            match message.ack_with(AckKind::Nak(None)).await {
+                Ok(()) => self.lab.count(|c| c.nakd += 1),
+                Err(error) => self
+                    .lab
+                    .count(|c| c.last_error = Some(format!("ack: {error}"))),
+            }
+        }
     }
 
     /// Whatever is pending now, up to one batch; when nothing is, waits (at most [`PULL_WAIT`])
@@ -455,7 +515,7 @@ impl Consumer {
         let mut in_hand = self.read_batch(inbox, &batch).await;
         self.deliver(inbox, &batch, &mut in_hand).await;
         let started_waiting = std::mem::take(&mut in_hand.started_waiting);
-        if !self.answer_batch(inbox, &batch, in_hand, stop).await {
+        if !self.answer_batch(inbox, batch, in_hand, stop).await {
             return false;
         }
         self.notices.notice_started(inbox, started_waiting).await;
@@ -467,6 +527,7 @@ impl Consumer {
     async fn read_batch(&self, inbox: &SharedInbox, batch: &[jetstream::Message]) -> BatchInHand {
         let mut in_hand = BatchInHand {
             actions: Vec::with_capacity(batch.len()),
+            positions: vec![None; batch.len()],
             ..BatchInHand::default()
         };
         // Token → active producer, looked up once per batch (a read, as the HTTP door's); the
@@ -656,6 +717,12 @@ impl Consumer {
             {
                 in_hand.started_waiting.push(ordered.aggregate_id.clone());
             }
+            if matches!(outcome, Ok(Outcome::Applied { .. })) {
+                in_hand.moved.push(ordered.aggregate_id.clone());
+            }
+            if let Some(slot) = in_hand.positions.get_mut(index) {
+                *slot = Some((ordered.aggregate_id.clone(), ordered.sequence));
+            }
             let action = self.verdict_action(
                 message,
                 outcome,
@@ -725,7 +792,7 @@ impl Consumer {
     async fn answer_batch(
         &self,
         inbox: &SharedInbox,
-        batch: &[jetstream::Message],
+        batch: Vec<jetstream::Message>,
         in_hand: BatchInHand,
         stop: &CancellationToken,
     ) -> bool {
@@ -747,10 +814,29 @@ impl Consumer {
             stop.cancelled().await;
             return false;
         }
-        for (message, action) in batch.iter().zip(actions) {
-            self.answer(message, action.unwrap_or(Action::Nak)).await;
+        let mut positions = in_hand.positions.into_iter();
+        for (message, action) in batch.into_iter().zip(actions) {
+            let position = positions.next().flatten();
+            match (action.unwrap_or(Action::Nak), position) {
+                (Action::Wait, Some((aggregate, sequence))) => {
+                    self.park_or_nak(&aggregate, sequence, message).await;
+                }
+                (action, _) => self.answer(&message, action).await,
+            }
+        }
+        let mut parking = self.parked();
+        for aggregate in &in_hand.moved {
+            parking.moved(aggregate);
         }
         true
+    }
+
+    /// Parks a message its aggregate cannot take yet; when parking is full, nak'd instead.
+    async fn park_or_nak(&self, aggregate: &str, sequence: i64, message: jetstream::Message) {
+        let parked = self.parked().park(aggregate, sequence, message);
+        if let Err(message) = parked {
+            self.answer(&message, Action::Nak).await;
+        }
     }
 
     fn count_outcome(&self, name: &'static str) {
@@ -820,13 +906,15 @@ impl Consumer {
         let kind = match action {
             Action::Ack => AckKind::Ack,
             Action::Term => AckKind::Term,
-            Action::Nak => AckKind::Nak(Some(back_off(self.config.nak_delay, delivered))),
+            Action::Nak | Action::Wait => {
+                AckKind::Nak(Some(back_off(self.config.nak_delay, delivered)))
+            }
         };
         match message.ack_with(kind).await {
             Ok(()) => self.lab.count(|c| match action {
                 Action::Ack => c.acked += 1,
                 Action::Term => c.terminated += 1,
-                Action::Nak => c.nakd += 1,
+                Action::Nak | Action::Wait => c.nakd += 1,
             }),
             // The message is redelivered after the ack wait, and answers replay then.
             Err(error) => self
@@ -851,6 +939,10 @@ struct BatchInHand {
     /// The aggregates whose first held message this batch holds, each once: a gap notice each,
     /// once the batch is answered.
     started_waiting: Vec<String>,
+    /// One slot per fetched message: its aggregate and sequence, when it was delivered.
+    positions: Vec<Option<(String, i64)>>,
+    /// The aggregates a message of this batch was applied to: their parked messages are due.
+    moved: Vec<String>,
 }
 
 /// A verdict that holds an aggregate's first message ahead of its turn: it starts waiting.
@@ -903,6 +995,9 @@ pub enum Action {
     Ack,
     Nak,
     Term,
+    /// Its aggregate cannot take it yet: parked until the aggregate moves (nak'd when parking
+    /// is full).
+    Wait,
 }
 
 /// The broker action for a committed verdict.
@@ -913,10 +1008,10 @@ pub fn action_for(outcome: &Outcome) -> Action {
         | Outcome::Held { .. }
         | Outcome::Quarantined { .. } => Action::Ack,
         Outcome::Stale { .. } | Outcome::PayloadConflict => Action::Term,
+        // Not recorded: it is tried again once its aggregate moves.
+        Outcome::HoldFull { .. } | Outcome::Gap { .. } => Action::Wait,
         // Not recorded: the broker keeps it and offers it again after a delay.
-        Outcome::HoldFull { .. } | Outcome::QuarantineFull { .. } | Outcome::Gap { .. } => {
-            Action::Nak
-        }
+        Outcome::QuarantineFull { .. } => Action::Nak,
     }
 }
 

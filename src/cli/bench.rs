@@ -25,6 +25,24 @@ pub enum BenchCommand {
     /// The gate from its NATS input stream to its in-order output stream (a private
     /// nats-server), with `bench broker` beside it in the same run.
     Gate(BenchGateArgs),
+    /// The broker door under one aggregate's flood of early messages: how long another
+    /// aggregate's message waits, and how fast the flooded one catches up once its gap fills.
+    Flood(BenchFloodArgs),
+}
+
+#[derive(Args)]
+pub struct BenchFloodArgs {
+    /// Early messages of the flooded aggregate (its sequence 1 is sent after them).
+    #[arg(long, default_value_t = 5_000)]
+    pub early: usize,
+    /// The consumer's --nats-batch.
+    #[arg(long, default_value_t = production_lab::broker::DEFAULT_BATCH)]
+    pub batch: usize,
+    #[arg(long, value_enum, default_value = "full")]
+    pub synchronous: Synchronous,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -144,6 +162,17 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
                 };
                 (
                     Rendered::of(&bench::broker::run(&options).await?)?,
+                    args.json,
+                )
+            }
+            BenchCommand::Flood(args) => {
+                let options = bench::flood::FloodBenchOptions {
+                    early: args.early,
+                    batch: args.batch,
+                    synchronous: args.synchronous.into(),
+                };
+                (
+                    Rendered::of(&bench::flood::run(&options).await?)?,
                     args.json,
                 )
             }

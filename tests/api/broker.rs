@@ -636,46 +636,62 @@ fn a_nats_url_off_loopback_is_refused_at_start_with_one_line() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn past_the_hold_limit_a_message_is_nakd_and_applies_when_redelivered() {
+async fn past_the_hold_limit_messages_wait_in_the_consumer_and_apply_in_order_once_their_aggregate_moves()
+ {
     let nats = start_nats(None);
     let mut broker = BrokerConfig::new(&nats.url).unwrap();
-    broker.nak_delay = Duration::from_millis(100);
+    // Parked messages outlive several ack waits: progress acks keep them from redelivery.
+    broker.ack_wait = Duration::from_secs(1);
+    broker.nak_delay = Duration::from_millis(200);
     let app = spawn_app_with(move |config| {
         config.nats = Some(broker);
         config.max_held_per_aggregate = 2;
     })
     .await;
     let js = jetstream_of(&nats).await;
-    for sequence in [5, 4, 3, 2] {
-        publish(&js, &message("h", sequence, sequence)).await;
+    for sequence in (2..=41).rev() {
+        publish(&js, &message("flood", sequence, 1)).await;
     }
-    let status = poll_until(
-        "two held, the others nak'd",
+    publish(&js, &message("other", 1, 7)).await;
+    aggregate_at(&app, "other", 1).await;
+    // 38 over the limit, tried again after 0.2 s, 0.4 s, 0.8 s and 1.6 s without their
+    // aggregate moving: three seconds parked, three ack waits.
+    let status = poll_until_within(
+        "the flood's early messages tried again while their aggregate does not move",
+        Duration::from_secs(20),
         || broker_status(&app.address),
-        |status| status["counters"]["nakd"].as_i64().unwrap_or(0) >= 2,
+        |status| {
+            status["counters"]["outcomes"]["hold full"]
+                .as_i64()
+                .unwrap_or(0)
+                >= 38 * 5
+        },
     )
     .await;
     assert_eq!(status["counters"]["outcomes"]["held"], 2, "{status}");
-    let (_, view) = status_and_json(app.get("/aggregates/h").await).await;
-    assert_eq!(view["heldSequences"], json!([4, 5]), "{view}");
-    let (_, waiting) = status_and_json(app.get("/aggregates?status=waiting").await).await;
-    assert_eq!(waiting["aggregates"][0]["held"], 2, "{waiting}");
-    publish(&js, &message("h", 1, 1)).await;
-    poll_until(
-        "the nak'd messages redelivered and everything applied",
-        || async { status_and_json(app.get("/aggregates/h").await).await.1 },
-        |view| view["last"] == 5 && view["status"] == "flowing",
-    )
-    .await;
+    assert_eq!(status["counters"]["nakd"], 0, "{status}");
+    let (_, view) = status_and_json(app.get("/aggregates/flood").await).await;
+    assert_eq!(view["heldSequences"], json!([40, 41]), "{view}");
+
+    publish(&js, &message("flood", 1, 1)).await;
+    aggregate_at(&app, "flood", 41).await;
     let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
-    assert!(
-        status["counters"]["outcomes"]["hold full"]
-            .as_i64()
-            .unwrap_or(0)
-            >= 2,
-        "{status}"
+    assert_eq!(status["counters"]["nakd"], 0, "{status}");
+    let consumer_info = js
+        .get_stream("ORDERED")
+        .await
+        .expect("the stream")
+        .consumer_info(BrokerConfig::new(&nats.url).unwrap().durable_name())
+        .await
+        .expect("the consumer");
+    assert_eq!(consumer_info.num_redelivered, 0, "{consumer_info:?}");
+    let applied = app.inbox_rows(
+        // A rowid table: rows in the order they were inserted, i.e. applied.
+        "SELECT sequence FROM ordered_inbox WHERE aggregate_id = 'flood' ORDER BY rowid",
     );
-    assert_eq!(aggregates_in(&app.database)["h"], (5, 15, 5, 0));
+    let in_order: Vec<String> = (1..=41).map(|sequence| sequence.to_string()).collect();
+    assert_eq!(applied, in_order);
+    assert_eq!(aggregates_in(&app.database)["flood"], (41, 41, 41, 0));
     app.stop().await;
 }
 
@@ -718,7 +734,7 @@ async fn publish_as(
 }
 
 /// Settings whose messages come back quickly: an un-acked one after 5 s, a nak'd one (a
-/// producer's early message is nak'd) after 50 ms.
+/// handler failure) or a parked one without a sign of movement after 50 ms.
 pub(crate) fn quick_redelivery(nats: &NatsServer) -> BrokerConfig {
     let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
     broker.ack_wait = Duration::from_secs(5);
@@ -778,8 +794,8 @@ async fn a_producers_broker_messages_claim_its_aggregate_and_apply_in_its_namesp
     let billing = session.on_wire();
 
     publish_as(&js, billing, "acct", "m-1", 1).await;
-    // Ahead of its turn: a producer's message is not held (held rows are anonymous) but nak'd,
-    // and applies when it comes back after m-2.
+    // Ahead of its turn: a producer's message is not held (held rows are anonymous); it waits
+    // in the consumer and applies right after m-2.
     publish_as(&js, billing, "acct", "m-3", 3).await;
     publish_as(&js, billing, "acct", "m-2", 2).await;
     let view = aggregate_at(&app, "acct", 3).await;
@@ -793,8 +809,12 @@ async fn a_producers_broker_messages_claim_its_aggregate_and_apply_in_its_namesp
     assert_eq!(timeline["events"][0]["kind"], "claimed", "{timeline}");
     let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
     assert_eq!(status["counters"]["terminated"], 0, "{status}");
-    // m-3 was decided before m-2 applied, so at least once it was a gap and nak'd.
-    assert!(status["counters"]["nakd"].as_u64() >= Some(1), "{status}");
+    // m-3 was decided before m-2 applied, so at least once it was a gap, parked, not nak'd.
+    assert!(
+        status["counters"]["outcomes"]["gap"].as_u64() >= Some(1),
+        "{status}"
+    );
+    assert_eq!(status["counters"]["nakd"], 0, "{status}");
     assert!(rejected_list(&app).await.is_empty());
     app.stop().await;
 }

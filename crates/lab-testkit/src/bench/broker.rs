@@ -119,7 +119,7 @@ fn epoch_millis() -> i64 {
 
 /// Publishes every message to `PREFIX.AGGREGATE` on the broker door's wire format, awaiting the
 /// PubAcks in windows; returns each message's publish instant (epoch ms) by message id.
-async fn publish(
+pub(super) async fn publish(
     context: &jetstream::Context,
     prefix: &str,
     messages: &[&OrderedMessage],
@@ -282,17 +282,22 @@ async fn consume_through_server(
 
 /// `GET /broker`'s counters: the batches the consumer fetched and the messages in them.
 async fn consumer_counters(address: &str) -> Result<(u64, u64), BenchError> {
-    let status: Value = http_client(1, Duration::from_secs(30))?
+    let counters = broker_counters(address).await?;
+    Ok((
+        counters["batches"].as_u64().unwrap_or(0),
+        counters["messages"].as_u64().unwrap_or(0),
+    ))
+}
+
+/// `GET /broker`'s `counters` object.
+pub(super) async fn broker_counters(address: &str) -> Result<Value, BenchError> {
+    let mut status: Value = http_client(1, Duration::from_secs(30))?
         .get(format!("{address}/broker"))
         .send()
         .await?
         .json()
         .await?;
-    let counters = &status["counters"];
-    Ok((
-        counters["batches"].as_u64().unwrap_or(0),
-        counters["messages"].as_u64().unwrap_or(0),
-    ))
+    Ok(status["counters"].take())
 }
 
 pub async fn run(options: &BrokerBenchOptions) -> Result<BrokerReport, BenchError> {

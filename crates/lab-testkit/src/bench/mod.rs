@@ -9,11 +9,14 @@
 //!   pgbench;
 //! - [`stampede`]: concurrent callers of the cache's shared key behind the lab gate;
 //! - [`broker`]: NATS JetStream through the inbox against a raw consume-and-ack baseline;
+//! - [`flood`]: the broker door's fairness and catch-up under one aggregate's flood of early
+//!   messages;
 //! - [`relay`]: an outbox through `relay` processes and JetStream to another server's inbox;
 //! - [`gate`]: the gate from its input stream to its in-order output stream, beside [`broker`].
 
 pub mod broker;
 mod database;
+pub mod flood;
 pub mod gate;
 pub mod ordered;
 pub mod peer;
