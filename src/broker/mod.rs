@@ -8,7 +8,8 @@
 //! |---|---|
 //! | applied, replay, held (new or again), quarantined | ack |
 //! | stale, payload conflict, malformed, a producer refusal | listed in `GET /broker/rejected` (in the inbox's store), then term |
-//! | hold full, quarantine full, a gap (a producer's early message), a store failure | nak with a back-off delay |
+//! | hold full, a gap (a producer's early message) | parked unanswered until the aggregate moves (the `parking` module); nak'd with a back-off delay when parking is full |
+//! | quarantine full, a store failure | nak with a back-off delay |
 //!
 //! A message with `Authorization: Bearer TOKEN` and `Producer-Epoch: N` is delivered with its
 //! producer's claim, checked by the inbox in the transaction that writes it (epoch fencing,
