@@ -388,7 +388,7 @@ impl Consumer {
         let mut failures: u32 = 0;
         while !stop.is_cancelled() {
             self.refresh_parked().await;
-            let batch = match self.next_batch().await {
+            let (batch, retried) = match self.next_batch().await {
                 Ok(batch) => {
                     failures = 0;
                     batch
@@ -410,7 +410,7 @@ impl Consumer {
             if batch.is_empty() {
                 continue;
             }
-            if !self.handle(inbox, batch, stop).await {
+            if !self.handle(inbox, batch, retried, stop).await {
                 // The fault switch: stopped between COMMIT and ack, as a crash would.
                 return;
             }
@@ -421,12 +421,14 @@ impl Consumer {
 
     /// The parked messages that are due (their aggregate moved, or their back-off ran out), at
     /// most half a batch, ahead of what the broker has pending; without any due, a fetch that
-    /// may wait for the next message.
-    async fn next_batch(&self) -> Result<Vec<jetstream::Message>, async_nats::Error> {
+    /// may wait for the next message. With the batch, how many of its first messages are parked
+    /// ones tried again.
+    async fn next_batch(&self) -> Result<(Vec<jetstream::Message>, usize), async_nats::Error> {
         let limit = (self.config.batch / 2).max(1);
         let mut due = self.parked().take_due(limit);
+        let retried = due.len();
         if due.is_empty() {
-            return self.fetch().await;
+            return Ok((self.fetch().await?, 0));
         }
         let room = self.config.batch.saturating_sub(due.len()).max(1);
         let request = self.consumer.fetch().max_messages(room);
@@ -439,7 +441,7 @@ impl Consumer {
                 tracing::warn!(%error, "broker fetch failed; delivering the parked messages that are due")
             }
         }
-        Ok(due)
+        Ok((due, retried))
     }
 
     fn parked(&self) -> std::sync::MutexGuard<'_, parking::Parking> {
@@ -505,15 +507,17 @@ impl Consumer {
         Ok(messages)
     }
 
-    /// Delivers one fetched batch in one inbox call, then answers every message. Returns false
-    /// when the fault switch stopped the consumer before its acks.
+    /// Delivers one fetched batch (its first `retried` messages parked ones tried again) in one
+    /// inbox call, then answers every message. Returns false when the fault switch stopped the
+    /// consumer before its acks.
     async fn handle(
         &self,
         inbox: &SharedInbox,
         batch: Vec<jetstream::Message>,
+        retried: usize,
         stop: &CancellationToken,
     ) -> bool {
-        let mut in_hand = self.read_batch(inbox, &batch).await;
+        let mut in_hand = self.read_batch(inbox, &batch, retried).await;
         self.deliver(inbox, &batch, &mut in_hand).await;
         let started_waiting = std::mem::take(&mut in_hand.started_waiting);
         if !self.answer_batch(inbox, batch, in_hand, stop).await {
@@ -525,10 +529,16 @@ impl Consumer {
 
     /// Reads every fetched message into a delivery, or decides its answer at once when it cannot
     /// be delivered (malformed, a token that is no active producer's, a token not checked).
-    async fn read_batch(&self, inbox: &SharedInbox, batch: &[jetstream::Message]) -> BatchInHand {
+    async fn read_batch(
+        &self,
+        inbox: &SharedInbox,
+        batch: &[jetstream::Message],
+        retried: usize,
+    ) -> BatchInHand {
         let mut in_hand = BatchInHand {
             actions: Vec::with_capacity(batch.len()),
             positions: vec![None; batch.len()],
+            retried,
             ..BatchInHand::default()
         };
         // Token → active producer, looked up once per batch (a read, as the HTTP door's); the
@@ -575,6 +585,12 @@ impl Consumer {
             |aggregate_id| (self.body)(aggregate_id, &message.payload),
         );
         match read {
+            Ok(ordered) if index >= in_hand.retried && self.parks_unasked(&ordered) => {
+                if let Some(slot) = in_hand.positions.get_mut(index) {
+                    *slot = Some((ordered.aggregate_id, ordered.sequence));
+                }
+                Some(Action::Wait)
+            }
             Ok(ordered) => {
                 in_hand.deliveries.push(BatchDelivery {
                     message: ordered,
@@ -718,8 +734,12 @@ impl Consumer {
             {
                 in_hand.started_waiting.push(ordered.aggregate_id.clone());
             }
-            if matches!(outcome, Ok(Outcome::Applied { .. })) {
-                in_hand.moved.push(ordered.aggregate_id.clone());
+            match outcome {
+                Ok(Outcome::Applied { .. }) => in_hand.moved.push(ordered.aggregate_id.clone()),
+                Ok(Outcome::HoldFull { expected, .. }) => {
+                    in_hand.full.push((ordered.aggregate_id.clone(), expected))
+                }
+                _ => {}
             }
             if let Some(slot) = in_hand.positions.get_mut(index) {
                 *slot = Some((ordered.aggregate_id.clone(), ordered.sequence));
@@ -826,10 +846,23 @@ impl Consumer {
             }
         }
         let mut parking = self.parked();
+        for (aggregate, expected) in &in_hand.full {
+            parking.full(aggregate, *expected);
+        }
         for aggregate in &in_hand.moved {
             parking.moved(aggregate);
         }
         true
+    }
+
+    /// Whether a newly fetched message goes to parking without asking the inbox: its aggregate
+    /// answered `hold full` here and has not moved since, and the message is beyond the
+    /// sequence it expects (the expected one itself, and earlier ones, are delivered). This
+    /// spares the inbox a flood's verdicts; the parked messages are asked once their aggregate
+    /// moves or their back-off runs out.
+    fn parks_unasked(&self, message: &OrderedMessage) -> bool {
+        self.parked()
+            .is_full_before(&message.aggregate_id, message.sequence)
     }
 
     /// Parks a message its aggregate cannot take yet; when parking is full, nak'd instead.
@@ -944,6 +977,10 @@ struct BatchInHand {
     positions: Vec<Option<(String, i64)>>,
     /// The aggregates a message of this batch was applied to: their parked messages are due.
     moved: Vec<String>,
+    /// The aggregates that answered `hold full`, with the sequence each expects.
+    full: Vec<(String, i64)>,
+    /// How many of the batch's first messages are parked ones tried again.
+    retried: usize,
 }
 
 /// A verdict that holds an aggregate's first message ahead of its turn: it starts waiting.

@@ -22,8 +22,9 @@ use tokio::time::Instant;
 pub const MAX_PARKED: usize = 10_000;
 /// The most payload bytes the consumer parks at once.
 pub const MAX_PARKED_BYTES: usize = 64 * 1024 * 1024;
-/// The longest an aggregate's parked messages wait for another try without a sign of movement.
-const MAX_RETRY: Duration = Duration::from_secs(30);
+/// The longest an aggregate's parked messages wait for another try without a sign of movement
+/// here (another consumer, the HTTP door or an operator may have moved it).
+const MAX_RETRY: Duration = Duration::from_secs(5);
 
 /// The parked messages of every aggregate.
 pub(super) struct Parking {
@@ -43,6 +44,8 @@ struct Parked {
     /// When its lowest messages are tried again without a sign of movement.
     due: Instant,
     retry: Duration,
+    /// The sequence it expected when it last answered `hold full` here, until it moves.
+    full_before: Option<i64>,
 }
 
 struct ParkedMessage {
@@ -83,6 +86,7 @@ impl Parking {
                 messages: BTreeMap::new(),
                 due: now + first_retry,
                 retry: first_retry,
+                full_before: None,
             });
         // The broker last heard of it when it was fetched, or, when it comes back from a try,
         // maybe a whole refresh interval ago: its deadline is pushed back at the next round.
@@ -106,7 +110,24 @@ impl Parking {
         if let Some(parked) = self.aggregates.get_mut(aggregate) {
             parked.due = Instant::now();
             parked.retry = self.first_retry;
+            parked.full_before = None;
         }
+    }
+
+    /// `aggregate`, which has parked messages, answered `hold full` expecting `expected`.
+    pub(super) fn full(&mut self, aggregate: &str, expected: i64) {
+        if let Some(parked) = self.aggregates.get_mut(aggregate) {
+            parked.full_before = Some(expected);
+        }
+    }
+
+    /// Whether `aggregate` was full when it last answered here, has not moved since, and
+    /// `sequence` lies beyond the one it expects.
+    pub(super) fn is_full_before(&self, aggregate: &str, sequence: i64) -> bool {
+        self.aggregates
+            .get(aggregate)
+            .and_then(|parked| parked.full_before)
+            .is_some_and(|expected| sequence > expected)
     }
 
     /// Takes at most `limit` parked messages of the aggregates that are due, each aggregate's

@@ -672,9 +672,13 @@ async fn past_the_hold_limit_messages_wait_in_the_consumer_and_apply_in_order_on
     assert_eq!(status["counters"]["nakd"], 0, "{status}");
     let (_, view) = status_and_json(app.get("/aggregates/flood").await).await;
     assert_eq!(view["heldSequences"], json!([40, 41]), "{view}");
+    // Fetched after the aggregate answered hold full: parked without asking the inbox.
+    for sequence in 42..=45 {
+        publish(&js, &message("flood", sequence, 1)).await;
+    }
 
     publish(&js, &message("flood", 1, 1)).await;
-    aggregate_at(&app, "flood", 41).await;
+    aggregate_at(&app, "flood", 45).await;
     let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
     assert_eq!(status["counters"]["nakd"], 0, "{status}");
     let consumer_info = js
@@ -689,9 +693,9 @@ async fn past_the_hold_limit_messages_wait_in_the_consumer_and_apply_in_order_on
         // A rowid table: rows in the order they were inserted, i.e. applied.
         "SELECT sequence FROM ordered_inbox WHERE aggregate_id = 'flood' ORDER BY rowid",
     );
-    let in_order: Vec<String> = (1..=41).map(|sequence| sequence.to_string()).collect();
+    let in_order: Vec<String> = (1..=45).map(|sequence| sequence.to_string()).collect();
     assert_eq!(applied, in_order);
-    assert_eq!(aggregates_in(&app.database)["flood"], (41, 41, 41, 0));
+    assert_eq!(aggregates_in(&app.database)["flood"], (45, 45, 45, 0));
     app.stop().await;
 }
 
