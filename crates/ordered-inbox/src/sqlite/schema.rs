@@ -440,6 +440,31 @@ CREATE UNIQUE INDEX ix_gap_resolutions_aggregate_from ON gap_resolutions(aggrega
 CREATE INDEX ix_gap_resolutions_aggregate ON gap_resolutions(aggregate_id, id);
 ";
 
+/// A held message belongs to its producer (version 12): `held_messages` gains `producer` (`''`:
+/// the anonymous namespace, where every existing row goes) and `epoch` (the one the message was
+/// sent under; none for an anonymous one), and its identity becomes `(producer, message_id)`.
+/// `message_id` was the table's PRIMARY KEY, which no `ALTER TABLE` changes, so the table is
+/// rebuilt; no foreign key names it, so an ordinary transaction does.
+const HELD_PRODUCERS: &str = "
+CREATE TABLE held_messages_v12(
+    message_id TEXT NOT NULL,
+    aggregate_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    payload TEXT NOT NULL,
+    held_at TEXT NOT NULL,
+    message_payload TEXT,
+    producer TEXT NOT NULL DEFAULT '',
+    epoch INTEGER,
+    PRIMARY KEY(producer, message_id)
+);
+INSERT INTO held_messages_v12(message_id, aggregate_id, sequence, payload, held_at,
+                              message_payload)
+SELECT message_id, aggregate_id, sequence, payload, held_at, message_payload FROM held_messages;
+DROP TABLE held_messages;
+ALTER TABLE held_messages_v12 RENAME TO held_messages;
+CREATE UNIQUE INDEX ix_held_messages_aggregate_sequence ON held_messages(aggregate_id, sequence);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -454,6 +479,7 @@ pub const MIGRATIONS: &[&str] = &[
     SEED_KEYS_FIRST,
     APPLICATION_CONTENT,
     GAPS,
+    HELD_PRODUCERS,
 ];
 
 /// The migrations that rebuild tables: they run with foreign keys off, and check them before
