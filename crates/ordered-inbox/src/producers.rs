@@ -425,4 +425,78 @@ mod tests {
         let plain = decide_transfer(&request, &without, "t1").unwrap();
         assert_eq!((plain.record.held_rejected, plain.changes.len()), (0, 3));
     }
+
+    #[test]
+    fn a_transfer_keeps_only_the_new_owners_held_messages_sent_under_its_current_epoch() {
+        let held = |id: &str, sequence, epoch| {
+            let message = crate::policy::tests::order(id, sequence, 1);
+            crate::facts::HeldMessage {
+                payload: crate::content::canonical_json(&message.payload),
+                message,
+                held_at: "t0".into(),
+                claim: Some(ProducerClaim {
+                    producer: "billing".into(),
+                    epoch,
+                }),
+                producer_now: Some(ProducerFact {
+                    current_epoch: 2,
+                    active: true,
+                }),
+            }
+        };
+        let facts = TransferFacts {
+            operator_active: true,
+            producer: Some(ProducerFact {
+                current_epoch: 1,
+                active: true,
+            }),
+            owner: Some(AggregateOwner {
+                producer: "billing".into(),
+                epoch: 1,
+            }),
+            last: 1,
+            held: vec![held("m-3", 3, 2), held("m-4", 4, 1)],
+        };
+        let to = |producer: &str| TransferRequest {
+            aggregate_id: "a".into(),
+            operator: "alice".into(),
+            producer: producer.into(),
+            expected_owner: Some("billing".into()),
+            expected_last: 1,
+            reason: "reassigned".into(),
+        };
+        let outcomes = |plan: &TransferPlan| -> Vec<(String, String)> {
+            plan.changes
+                .iter()
+                .filter_map(|change| match change {
+                    Change::RecordRejected(entry) => Some((
+                        entry.message_id.clone().unwrap_or_default(),
+                        entry.outcome.clone(),
+                    )),
+                    _ => None,
+                })
+                .collect()
+        };
+        let shipping = decide_transfer(&to("shipping"), &facts, "t1").unwrap();
+        assert_eq!(
+            outcomes(&shipping),
+            [
+                ("m-3".to_owned(), "not the owner".to_owned()),
+                ("m-4".to_owned(), "fenced".to_owned())
+            ]
+        );
+        let billing_facts = TransferFacts {
+            producer: Some(ProducerFact {
+                current_epoch: 2,
+                active: true,
+            }),
+            ..facts
+        };
+        let billing = decide_transfer(&to("billing"), &billing_facts, "t1").unwrap();
+        assert_eq!(billing.record.held_rejected, 1);
+        assert_eq!(
+            outcomes(&billing),
+            [("m-4".to_owned(), "fenced".to_owned())]
+        );
+    }
 }

@@ -1089,6 +1089,58 @@ mod tests {
     }
 
     #[test]
+    fn version_12_keeps_every_held_row_anonymous_and_keys_held_rows_by_producer() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        let held_producers = MIGRATIONS
+            .iter()
+            .position(|script| *script == HELD_PRODUCERS)
+            .unwrap() as i64;
+        migrate_to(&mut connection, held_producers).unwrap();
+        connection
+            .execute_batch(
+                r#"INSERT INTO held_messages(message_id, aggregate_id, sequence, payload,
+                                            message_payload, held_at)
+                   VALUES ('x-3', 'a', 3, '{"v":3}', '{"v":3}', 't1'),
+                          ('x-4', 'a', 4, '{"v":4}', NULL, 't2');"#,
+            )
+            .unwrap();
+        migrate(&mut connection).unwrap();
+        assert_eq!(
+            strings(
+                &connection,
+                "SELECT message_id || '|' || aggregate_id || '|' || sequence || '|' || payload
+                        || '|' || COALESCE(message_payload, '-') || '|' || held_at || '|'
+                        || producer || '|' || COALESCE(epoch, '-')
+                   FROM held_messages ORDER BY sequence"
+            ),
+            [
+                r#"x-3|a|3|{"v":3}|{"v":3}|t1||-"#,
+                r#"x-4|a|4|{"v":4}|-|t2||-"#
+            ]
+        );
+        assert_eq!(
+            primary_key(&connection, "held_messages"),
+            ["producer", "message_id"]
+        );
+        // billing's x-5 is another message than an anonymous x-5; one sequence is still held once.
+        connection
+            .execute_batch(
+                "INSERT INTO held_messages(message_id, aggregate_id, sequence, payload, held_at,
+                                           producer, epoch)
+                 VALUES ('x-5', 'b', 5, '{}', 't3', 'billing', 1),
+                        ('x-5', 'c', 5, '{}', 't3', '', NULL);",
+            )
+            .unwrap();
+        let again = connection.execute(
+            "INSERT INTO held_messages(message_id, aggregate_id, sequence, payload, held_at)
+             VALUES ('y-3', 'a', 3, '{}', 't4')",
+            [],
+        );
+        assert!(again.is_err(), "(aggregate, sequence) stays unique");
+        assert_eq!(strings(&connection, "PRAGMA integrity_check"), ["ok"]);
+    }
+
+    #[test]
     fn a_file_of_every_earlier_version_migrates_with_its_seed_rows() {
         let seed_rows = "SELECT 's|' || aggregate_id || '|' || last_sequence || '|' || total
                            FROM aggregate_state
