@@ -8,13 +8,14 @@
 //! |---|---|
 //! | applied, replay, held (new or again), quarantined | ack |
 //! | stale, payload conflict, malformed, a producer refusal | listed in `GET /broker/rejected` (in the inbox's store), then term |
-//! | hold full, a gap (a producer's early message) | parked unanswered until the aggregate moves (the `parking` module); nak'd with a back-off delay when parking is full |
+//! | hold full | parked unanswered until the aggregate moves (the `parking` module); nak'd with a back-off delay when parking is full |
 //! | quarantine full, a store failure | nak with a back-off delay |
 //!
 //! A message with `Authorization: Bearer TOKEN` and `Producer-Epoch: N` is delivered with its
 //! producer's claim, checked by the inbox in the transaction that writes it (epoch fencing,
 //! ownership, its producer's id namespace), as on the HTTP general door; without them it is
-//! anonymous.
+//! anonymous. A producer's early message is held like an anonymous one, under its producer and
+//! epoch, and admitted again when it drains.
 //!
 //! When a batch makes an aggregate wait for a missing sequence, and again at an interval while it
 //! waits, the consumer publishes a gap notice ([`notices`]) for a producer that can resend.

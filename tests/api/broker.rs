@@ -737,8 +737,8 @@ async fn publish_as(
     publish_ordered(js, producer, aggregate, message_id, sequence, 1).await
 }
 
-/// Settings whose messages come back quickly: an un-acked one after 5 s, a nak'd one (a
-/// handler failure) or a parked one without a sign of movement after 50 ms.
+/// Settings whose messages come back quickly: an un-acked one after 5 s, a nak'd one (a ledger
+/// failure) or a parked one (a full hold) without a sign of movement after 50 ms.
 pub(crate) fn quick_redelivery(nats: &NatsServer) -> BrokerConfig {
     let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
     broker.ack_wait = Duration::from_secs(5);
@@ -798,8 +798,8 @@ async fn a_producers_broker_messages_claim_its_aggregate_and_apply_in_its_namesp
     let billing = session.on_wire();
 
     publish_as(&js, billing, "acct", "m-1", 1).await;
-    // Ahead of its turn: a producer's message is not held (held rows are anonymous); it waits
-    // in the consumer and applies right after m-2.
+    // Ahead of its turn: a producer's message is held in its namespace, under its epoch, and
+    // drains as billing's right after m-2.
     publish_as(&js, billing, "acct", "m-3", 3).await;
     publish_as(&js, billing, "acct", "m-2", 2).await;
     let view = aggregate_at(&app, "acct", 3).await;
@@ -813,12 +813,33 @@ async fn a_producers_broker_messages_claim_its_aggregate_and_apply_in_its_namesp
     assert_eq!(timeline["events"][0]["kind"], "claimed", "{timeline}");
     let status = drained_consumer(&app.address, Duration::from_secs(10)).await;
     assert_eq!(status["counters"]["terminated"], 0, "{status}");
-    // m-3 was decided before m-2 applied, so at least once it was a gap, parked, not nak'd.
-    assert!(
-        status["counters"]["outcomes"]["gap"].as_u64() >= Some(1),
-        "{status}"
-    );
+    // m-3 was decided before m-2 applied: held and acked, never nak'd.
     assert_eq!(status["counters"]["nakd"], 0, "{status}");
+    assert_eq!(status["counters"]["outcomes"]["held"], 1, "{status}");
+    let kinds: Vec<String> = timeline["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|event| {
+            format!(
+                "{} {}",
+                event["kind"].as_str().unwrap_or(""),
+                event["sequence"]
+            )
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "claimed 1",
+            "applied 1",
+            "held 3",
+            "applied 2",
+            "drained 3",
+            "applied 3"
+        ],
+        "{timeline}"
+    );
     assert!(rejected_list(&app).await.is_empty());
     app.stop().await;
 }

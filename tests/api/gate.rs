@@ -782,6 +782,84 @@ async fn an_anonymous_nats_message_is_refused_and_listed_while_anonymous_writes_
     assert_eq!(output_count(&js).await, 0, "nothing came out");
 }
 
+/// `GET path` on the gate as `token`: the answer's JSON (null when it is none).
+async fn gate_json(client: &HttpsClient, gate: &GateProcess, token: &str, path: &str) -> Value {
+    let response = client.get(gate.url(path)).bearer_auth(token).send().await;
+    match response {
+        Ok(response) => response.json::<Value>().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producers_held_nats_message_fenced_before_its_drain_is_listed_and_never_emitted() {
+    let nats = crate::broker::start_nats(None);
+    let certificate = Certificate::new();
+    let files = GateFiles::new(&certificate, &nats);
+    let gate = GateProcess::start(&files.config());
+    let client = certificate.client();
+    let operator = add_operator(&files.database(), "alice");
+    let billing = add_producer(&client, &gate, &operator, "billing").await;
+    let js = crate::broker::jetstream_of(&nats).await;
+    let messages = messages_of("order-f", 3);
+    publish(&js, &billing, &messages[0]).await;
+    publish(&js, &billing, &messages[2]).await;
+    let path = "/v1/aggregates/order-f";
+    poll_until_within(
+        "order-f holds 3",
+        Duration::from_secs(20),
+        || gate_json(&client, &gate, &operator, path),
+        |view| view["heldSequences"] == json!([3]),
+    )
+    .await;
+
+    // A new instance of billing: its 2 applies, and the drain refuses the 3 epoch 1 sent.
+    let session = client
+        .post(gate.url("/v1/producers/session"))
+        .bearer_auth(&billing.token)
+        .send()
+        .await
+        .expect("start a session");
+    assert_eq!(session.status(), 200);
+    let newer = Producer {
+        epoch: billing.epoch + 1,
+        ..billing.clone()
+    };
+    publish(&js, &newer, &messages[1]).await;
+    let listed = poll_until_within(
+        "the held 3 in the rejected list",
+        Duration::from_secs(20),
+        || gate_json(&client, &gate, &operator, "/v1/rejected"),
+        |page| {
+            page["rejected"]
+                .as_array()
+                .is_some_and(|items| !items.is_empty())
+        },
+    )
+    .await;
+    let entry = &listed["rejected"][0];
+    assert_eq!(
+        (&entry["outcome"], &entry["producer"], &entry["messageId"]),
+        (&json!("fenced"), &json!("billing"), &json!("order-f-m3")),
+        "{entry}"
+    );
+    let view = gate_json(&client, &gate, &operator, path).await;
+    assert_eq!(
+        (&view["last"], &view["heldSequences"]),
+        (&json!(2), &json!([])),
+        "{view}"
+    );
+    poll_until_within(
+        "1 and 2 in the output stream",
+        Duration::from_secs(20),
+        || output_count(&js),
+        |count| *count >= 2,
+    )
+    .await;
+    let output = read_output(&js).await;
+    assert_in_order_once(&output, &BTreeMap::from([("order-f".to_owned(), 2)]));
+}
+
 #[tokio::test]
 async fn sigterm_lets_the_gate_finish_and_exit_cleanly() {
     let nats = crate::broker::start_nats(None);

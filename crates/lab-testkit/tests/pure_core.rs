@@ -304,6 +304,8 @@ impl MemoryStore {
                     message,
                     payload,
                     held_at: "t0".to_owned(),
+                    claim: None,
+                    producer_now: None,
                 },
             );
         }
@@ -513,6 +515,7 @@ impl MemoryStore {
                     .insert(record.message_id.clone(), record.as_ref().clone());
             }
             Change::InsertHeld {
+                claim: None,
                 message,
                 payload,
                 at,
@@ -528,10 +531,15 @@ impl MemoryStore {
                     message: message.clone(),
                     payload: payload.clone(),
                     held_at: at.clone(),
+                    claim: None,
+                    producer_now: None,
                 };
                 self.held.insert(message.message_id.clone(), held);
             }
-            Change::ReleaseHeld { message_id } => {
+            Change::ReleaseHeld {
+                producer: None,
+                message_id,
+            } => {
                 self.held
                     .remove(message_id)
                     .ok_or("released no held message")?;

@@ -3,7 +3,7 @@
 
 use crate::model::{AggregateRow, OrderedMessage, QuarantineReason};
 use crate::records::{
-    AggregateOwner, GapRecord, RejectedDelivery, ResolutionRecord, TransferRecord,
+    AggregateOwner, GapRecord, ProducerClaim, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::timeline::TimelineEntry;
 
@@ -55,19 +55,24 @@ pub enum Change {
         message_id: String,
         at: String,
     },
-    /// Insert one held message: a plain row keyed by `message.message_id`, with its aggregate,
-    /// sequence, the payload as delivered, its canonical content `payload` and `at` (when it was
-    /// held). At most one message is
-    /// held per (aggregate, sequence); the core never asks for a second.
+    /// Insert one held message: a plain row keyed by its producer (`claim`'s, `None`: the
+    /// anonymous namespace) and `message.message_id`, with the epoch it was sent under, its
+    /// aggregate, sequence, the payload as delivered, its canonical content `payload` and `at`
+    /// (when it was held). At most one message is held per (aggregate, sequence); the core never
+    /// asks for a second.
     InsertHeld {
+        claim: Option<ProducerClaim>,
         message: OrderedMessage,
         payload: String,
         at: String,
     },
-    /// Delete the held message row with this id: it was drained (applied or quarantined, which
+    /// Delete the held message row with this id in `producer`'s namespace: it was drained (applied or quarantined, which
     /// the changes that follow record; the `drained` timeline event keeps the evidence), or
     /// rejected ([`Change::RecordRejected`] and a `held rejected` event follow).
-    ReleaseHeld { message_id: String },
+    ReleaseHeld {
+        producer: Option<String>,
+        message_id: String,
+    },
     /// Insert an entry of the rejected list and prune the list to the newest
     /// [`crate::records::REJECTED_KEPT`].
     RecordRejected(RejectedDelivery),

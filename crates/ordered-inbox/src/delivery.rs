@@ -3,7 +3,8 @@
 //! rows to write.
 //!
 //! Held successors: through [`Door::Broker`] a message ahead of its turn is *held* (a row of its
-//! own) instead of refused as a gap. Whenever a message applies, through any door or a
+//! own, in its producer's namespace with the epoch it was sent under) instead of refused as a
+//! gap. Whenever a message applies, through any door or a
 //! resolution, the held messages that have become next apply after it, in sequence order, in
 //! the same plan, each through the ordinary policy: a held poison message is quarantined and
 //! stops the drain.
@@ -21,7 +22,7 @@ use crate::model::{
     AggregateRow, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, QuarantineReason,
 };
 use crate::policy::{Decision, decide};
-use crate::producers::{Admission, admit};
+use crate::producers::{Admission, admit, admit_held};
 use crate::records::{AggregateOwner, ProducerClaim, ProducerRefusal};
 use crate::rejected::{HeldRejection, reject_held};
 use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
@@ -154,7 +155,7 @@ pub fn decide_producer_delivery(
     let admission = admit(claim, ownership)?;
     let producer = claim.map(|claim| claim.producer.as_str());
     let now = context.now;
-    let mut plan = decide_delivery_as(producer, message, door, facts, context);
+    let mut plan = decide_as(producer, claim, message, door, facts, context);
     let mut first = Vec::with_capacity(3);
     match admission {
         Admission::Claim(_) if !plan.outcome.records_the_message() => plan.changes.clear(),
@@ -207,9 +208,9 @@ pub fn decide_delivery(
 
 /// Decides one delivery whose message id is in `producer`'s namespace (`None`: the anonymous
 /// one). The facts about the id (`applied`, `dead_letter`, `held_message`) must be read in that
-/// namespace: a message's identity is (producer, message id). Held messages are anonymous (only
-/// the broker door holds, and only anonymous messages), so a backend reads no `held_message` for
-/// a producer's id.
+/// namespace: a message's identity is (producer, message id). Without the epoch a producer's
+/// message was sent under ([`decide_producer_delivery`] has it) there is nothing to hold it
+/// under, so a producer's early message is a gap here on every door.
 pub fn decide_delivery_as(
     producer: Option<&str>,
     message: &OrderedMessage,
@@ -217,8 +218,22 @@ pub fn decide_delivery_as(
     facts: &DeliveryFacts,
     context: Context<'_>,
 ) -> DeliveryPlan {
+    decide_as(producer, None, message, door, facts, context)
+}
+
+/// [`decide_delivery_as`], with the claim a held row keeps (the producer and the epoch) when the
+/// delivery has one.
+fn decide_as(
+    producer: Option<&str>,
+    claim: Option<&ProducerClaim>,
+    message: &OrderedMessage,
+    door: Door,
+    facts: &DeliveryFacts,
+    context: Context<'_>,
+) -> DeliveryPlan {
     let decision = Delivery {
         producer,
+        claim,
         message,
         facts,
         payload: context.check.canonical(message),
@@ -269,10 +284,9 @@ pub fn decide_delivery_as(
         // The general door answers a held message as any early one: a gap.
     }
     match decide(decision.before_last(), message, context.check) {
-        // Held rows live in the anonymous namespace (a drain applies them as anonymous), so only
-        // an anonymous broker message is held; a producer's early one is a gap, which the broker
-        // door naks: it comes back after a back-off and applies in its turn, in its own namespace.
-        Decision::Gap { expected } if door == Door::Broker && producer.is_none() => {
+        // A held row keeps its producer and epoch, so that the drain applies it as that producer
+        // after checking its admission again; a producer's message without its epoch is a gap.
+        Decision::Gap { expected } if door == Door::Broker && decision.may_hold() => {
             decision.hold(expected)
         }
         Decision::Gap { expected } => decision.gap(door, expected),
@@ -286,6 +300,8 @@ pub fn decide_delivery_as(
 struct Delivery<'a> {
     /// The namespace of the message's id (`None`: anonymous).
     producer: Option<&'a str>,
+    /// The producer's claim, when the delivery carries one: a held row keeps it.
+    claim: Option<&'a ProducerClaim>,
     message: &'a OrderedMessage,
     facts: &'a DeliveryFacts,
     /// The message's canonical content.
@@ -295,6 +311,11 @@ struct Delivery<'a> {
 }
 
 impl Delivery<'_> {
+    /// Whether there is what a held row keeps: an anonymous message, or a producer's claim.
+    fn may_hold(&self) -> bool {
+        self.producer.is_none() || self.claim.is_some()
+    }
+
     fn before_last(&self) -> i64 {
         self.facts.aggregate.as_ref().map_or(0, |row| row.last)
     }
@@ -500,6 +521,7 @@ impl Delivery<'_> {
             changes.push(self.put_status(AggregateStatus::Waiting));
         }
         changes.push(Change::InsertHeld {
+            claim: self.claim.cloned(),
             message: self.message.clone(),
             payload: self.payload.clone(),
             at: self.now.to_owned(),
@@ -673,15 +695,16 @@ pub(crate) struct DrainStart<'a> {
     pub after: &'a str,
     pub held: &'a [HeldMessage],
     pub open: &'a [OpenDeadLetter],
-    /// The aggregate's owner, against which each held (anonymous) message is admitted.
+    /// The aggregate's owner, against which each held message is admitted.
     pub owner: Option<&'a AggregateOwner>,
 }
 
 /// Releases the held messages that have become next, in sequence order, each through the
 /// ordinary policy: a valid one applies, a poison one is quarantined (it blocks the aggregate and
-/// stops the drain). Held messages came through the broker door, which delivers anonymously, so
-/// their rows are in the anonymous namespace whoever's delivery drains them, and each must pass
-/// the admission an anonymous delivery would pass now.
+/// stops the drain). Each is applied as the producer that delivered it (its rows in that
+/// producer's namespace, or the anonymous one), whoever's delivery drains it, and each must pass
+/// the admission its own delivery would pass now: the producer still active, its epoch still
+/// current, the aggregate still its own (or, anonymous, still unowned).
 ///
 /// First, every held message that can never apply is rejected ([`still_held`]). Returns the
 /// aggregate's row afterwards: blocked after a poison, waiting while messages stay held behind a
@@ -718,6 +741,7 @@ pub(crate) fn drain(
         let message = &next.message;
         let release = |changes: &mut Vec<Change>| {
             changes.push(Change::ReleaseHeld {
+                producer: next.producer().map(str::to_owned),
                 message_id: message.message_id.clone(),
             });
             changes.push(entry(
@@ -733,7 +757,7 @@ pub(crate) fn drain(
             Decision::Apply { sequence } => {
                 release(changes);
                 changes.push(Change::InsertApplied {
-                    producer: None,
+                    producer: next.producer().map(str::to_owned),
                     message: message.clone(),
                     payload: next.payload.clone(),
                     applied_at: now.to_owned(),
@@ -756,7 +780,7 @@ pub(crate) fn drain(
             {
                 release(changes);
                 changes.push(Change::InsertDeadLetter {
-                    producer: None,
+                    producer: next.producer().map(str::to_owned),
                     message: message.clone(),
                     payload: next.payload.clone(),
                     reason: poison.reason.clone(),
@@ -788,8 +812,8 @@ pub(crate) fn drain(
 
 /// The held messages that may still drain after `last`, in sequence order. The others are
 /// rejected: one whose sequence is at or below `last` (another message took it while it was
-/// held), and every one when admission refuses an anonymous delivery to the aggregate now (it has
-/// an owner).
+/// held), and one whose admission refuses it now ([`admit_held`]: its producer revoked or fenced,
+/// the aggregate another's, or owned while it is anonymous).
 fn still_held<'a>(
     held: &'a [HeldMessage],
     owner: Option<&AggregateOwner>,
@@ -797,11 +821,6 @@ fn still_held<'a>(
     now: &str,
     changes: &mut Vec<Change>,
 ) -> Vec<&'a HeldMessage> {
-    let ownership = OwnershipFacts {
-        owner: owner.cloned(),
-        ..OwnershipFacts::default()
-    };
-    let refusal = admit(None, &ownership).err();
     let mut ordered: Vec<&HeldMessage> = held.iter().collect();
     ordered.sort_by_key(|held| held.message.sequence);
     if crate::planted::active(crate::planted::Bug::DrainOutOfOrder) {
@@ -813,8 +832,8 @@ fn still_held<'a>(
             HeldRejection::Stale {
                 expected: last.saturating_add(1),
             }
-        } else if let Some(refusal) = &refusal {
-            HeldRejection::Refused(refusal.clone())
+        } else if let Err(refusal) = admit_held(next, owner) {
+            HeldRejection::Refused(refusal)
         } else {
             admissible.push(next);
             continue;
@@ -1006,7 +1025,7 @@ mod tests {
     }
 
     #[test]
-    fn a_producers_broker_message_ahead_of_its_turn_is_a_gap_not_held() {
+    fn a_producers_broker_message_ahead_of_its_turn_is_held_under_its_producer_and_epoch() {
         use crate::facts::ProducerFact;
         let claim = ProducerClaim {
             producer: "billing".into(),
@@ -1036,18 +1055,43 @@ mod tests {
             context(),
         )
         .unwrap();
-        assert_eq!(plan.outcome, Outcome::Gap { expected: 2 });
+        assert!(matches!(plan.outcome, Outcome::Held { expected: 2, .. }));
         assert!(
-            !plan
-                .changes
-                .iter()
-                .any(|change| matches!(change, Change::InsertHeld { .. })),
+            plan.changes.iter().any(|change| matches!(
+                change,
+                Change::InsertHeld { claim: Some(held), .. } if *held == claim
+            )),
             "{:?}",
             plan.changes
         );
-        // The same message anonymously (to an unowned aggregate) is held, as before.
+        // The same message anonymously (to an unowned aggregate) is held with no claim.
         let anonymous = decide_broker(&message("m-3", 3, 1), &facts);
         assert!(matches!(anonymous.outcome, Outcome::Held { .. }));
+        assert!(
+            anonymous
+                .changes
+                .iter()
+                .any(|change| matches!(change, Change::InsertHeld { claim: None, .. }))
+        );
+        // Through the general door, or without the epoch it was sent under, it is a gap.
+        let general = decide_producer_delivery(
+            &message("m-3", 3, 1),
+            Door::General,
+            Some(&claim),
+            &owned,
+            &facts,
+            context(),
+        )
+        .unwrap();
+        assert_eq!(general.outcome, Outcome::Gap { expected: 2 });
+        let unclaimed = decide_delivery_as(
+            Some("billing"),
+            &message("m-3", 3, 1),
+            Door::Broker,
+            &facts,
+            context(),
+        );
+        assert_eq!(unclaimed.outcome, Outcome::Gap { expected: 2 });
     }
 
     #[test]
@@ -1154,16 +1198,27 @@ mod tests {
 
     #[test]
     fn a_refused_delivery_to_a_fresh_aggregate_claims_nothing_and_leaves_it_without_history() {
-        for door in [Door::General, Door::Broker] {
-            let gap = billing_to_a_fresh_aggregate(
-                &message("m-3", 3, 1),
-                door,
-                &Default::default(),
-                &Limits::default(),
-            );
-            assert_eq!(gap.outcome, Outcome::Gap { expected: 1 });
-            assert!(touched_only(&gap), "{door:?}: {:?}", gap.changes);
-        }
+        let gap = billing_to_a_fresh_aggregate(
+            &message("m-3", 3, 1),
+            Door::General,
+            &Default::default(),
+            &Limits::default(),
+        );
+        assert_eq!(gap.outcome, Outcome::Gap { expected: 1 });
+        assert!(touched_only(&gap), "{:?}", gap.changes);
+        // Through the broker door the same message is held, which records it: it claims.
+        let held = billing_to_a_fresh_aggregate(
+            &message("m-3", 3, 1),
+            Door::Broker,
+            &Default::default(),
+            &Limits::default(),
+        );
+        assert!(matches!(held.outcome, Outcome::Held { expected: 1, .. }));
+        assert!(
+            matches!(held.changes.first(), Some(Change::SetOwner { .. })),
+            "{:?}",
+            held.changes
+        );
         // billing's m-1 was applied to another aggregate: here it is a payload conflict.
         let elsewhere = DeliveryFacts {
             applied: Some(AppliedFact {
@@ -1525,12 +1580,87 @@ mod tests {
         )));
     }
 
+    /// A message billing held under `epoch`, billing's row now at `current_epoch`.
+    fn held_by_billing(
+        id: &str,
+        sequence: i64,
+        epoch: i64,
+        current_epoch: i64,
+        active: bool,
+    ) -> HeldMessage {
+        use crate::facts::ProducerFact;
+        HeldMessage {
+            claim: Some(ProducerClaim {
+                producer: "billing".into(),
+                epoch,
+            }),
+            producer_now: Some(ProducerFact {
+                current_epoch,
+                active,
+            }),
+            ..held(id, sequence, 1)
+        }
+    }
+
+    #[test]
+    fn a_drain_applies_a_producers_held_message_as_that_producer_after_admitting_it_again() {
+        let billing = AggregateOwner {
+            producer: "billing".into(),
+            epoch: 2,
+        };
+        let facts = DeliveryFacts {
+            aggregate: at(0, AggregateStatus::Waiting),
+            held: vec![held_by_billing("m-2", 2, 2, 2, true)],
+            owner: Some(billing.clone()),
+            ..DeliveryFacts::default()
+        };
+        let plan = decide_broker(&message("m-1", 1, 1), &facts);
+        assert_eq!(applied_ids(&plan), ["m-1", "m-2"]);
+        assert!(plan.changes.iter().any(|change| matches!(
+            change,
+            Change::InsertApplied { producer: Some(p), message, .. }
+                if p == "billing" && message.message_id == "m-2"
+        )));
+        assert!(plan.changes.iter().any(|change| matches!(
+            change,
+            Change::ReleaseHeld { producer: Some(p), message_id } if p == "billing" && message_id == "m-2"
+        )));
+        // Sent under epoch 1 while billing is at 2: fenced. Billing revoked: refused. Another
+        // producer's, or an anonymous one, on billing's aggregate: refused. None applies.
+        for (stale, outcome) in [
+            (held_by_billing("m-2", 2, 1, 2, true), "fenced"),
+            (held_by_billing("m-2", 2, 2, 2, false), "unauthorized"),
+            (held("x-2", 2, 1), "owner required"),
+        ] {
+            let facts = DeliveryFacts {
+                held: vec![stale],
+                ..facts.clone()
+            };
+            let plan = decide_broker(&message("m-1", 1, 1), &facts);
+            assert_eq!(applied_ids(&plan), ["m-1"]);
+            assert_eq!(rejected_outcomes(&plan).len(), 1, "{:?}", plan.changes);
+            assert_eq!(rejected_outcomes(&plan)[0].1, outcome);
+        }
+        let shipping = DeliveryFacts {
+            owner: Some(AggregateOwner {
+                producer: "shipping".into(),
+                epoch: 1,
+            }),
+            ..facts
+        };
+        let plan = decide_broker(&message("s-1", 1, 1), &shipping);
+        assert_eq!(rejected_outcomes(&plan)[0].1, "not the owner");
+        assert_eq!(applied_ids(&plan), ["s-1"]);
+    }
+
     fn held(id: &str, sequence: i64, quantity: i64) -> HeldMessage {
         let message = message(id, sequence, quantity);
         HeldMessage {
             payload: canonical(&message),
             message,
             held_at: "t0".into(),
+            claim: None,
+            producer_now: None,
         }
     }
 
@@ -1542,7 +1672,7 @@ mod tests {
         plan.changes
             .iter()
             .filter_map(|change| match change {
-                Change::ReleaseHeld { message_id } => Some(message_id.clone()),
+                Change::ReleaseHeld { message_id, .. } => Some(message_id.clone()),
                 _ => None,
             })
             .collect()

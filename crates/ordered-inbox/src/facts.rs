@@ -3,7 +3,7 @@
 //! messages, its owner and the producer's epoch, the dead letter a resolution targets.
 
 use crate::model::{AggregateRow, DeadLetterStatus, OrderedMessage, QuarantineReason};
-use crate::records::{AggregateOwner, ResolutionRecord};
+use crate::records::{AggregateOwner, ProducerClaim, ResolutionRecord};
 
 /// An applied message with this id, as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +46,20 @@ pub struct HeldMessage {
     /// The canonical content.
     pub payload: String,
     pub held_at: String,
+    /// The producer that delivered it and the epoch it was sent under (`None`: anonymous). Its
+    /// id is in that producer's namespace, and a drain applies it as that producer.
+    pub claim: Option<ProducerClaim>,
+    /// That producer's row as the store holds it now, read with the held row (`None`: anonymous,
+    /// or the producer is unknown): a drain admits the message against it, as a delivery would
+    /// be admitted now.
+    pub producer_now: Option<ProducerFact>,
+}
+
+impl HeldMessage {
+    /// The namespace of its id (`None`: anonymous).
+    pub fn producer(&self) -> Option<&str> {
+        self.claim.as_ref().map(|claim| claim.producer.as_str())
+    }
 }
 
 /// What the store knows that a delivery's verdict depends on.
@@ -57,14 +71,13 @@ pub struct DeliveryFacts {
     /// Every open dead letter of the aggregate; only a blocked aggregate has any, so a backend
     /// may leave this empty for one that is not blocked.
     pub open_dead_letters: Vec<OpenDeadLetter>,
-    /// This message id, if it is held (for whichever aggregate).
+    /// This message id (in the delivery's namespace), if it is held (for whichever aggregate).
     pub held_message: Option<HeldMessage>,
     /// The aggregate's held messages, in sequence order (at most
     /// [`crate::Limits::max_held_per_aggregate`]). Read them for every door: any apply may
     /// release them.
     pub held: Vec<HeldMessage>,
-    /// The aggregate's owner: a held message (anonymous) drains only if an anonymous delivery
-    /// would be admitted now.
+    /// The aggregate's owner: a held message drains only if its delivery would be admitted now.
     pub owner: Option<AggregateOwner>,
     /// The gap resolution that skipped this message's sequence, if one did: a late arrival is
     /// stale and names it. A backend need only read it for a sequence at or below the
@@ -103,7 +116,8 @@ pub struct TransferFacts {
     pub owner: Option<AggregateOwner>,
     /// The aggregate's last applied sequence (0 without a row).
     pub last: i64,
-    /// The aggregate's held messages (anonymous ones, held while it had no owner).
+    /// The aggregate's held messages: the transfer rejects those its new owner makes
+    /// inadmissible.
     pub held: Vec<HeldMessage>,
 }
 
@@ -134,7 +148,6 @@ pub struct ResolutionFacts {
     /// The aggregate's held messages, in sequence order: the resolution drains those it makes
     /// next.
     pub held: Vec<HeldMessage>,
-    /// The aggregate's owner: a held message (anonymous) drains only if an anonymous delivery
-    /// would be admitted now.
+    /// The aggregate's owner: a held message drains only if its delivery would be admitted now.
     pub owner: Option<AggregateOwner>,
 }

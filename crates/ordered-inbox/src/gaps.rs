@@ -465,6 +465,8 @@ mod tests {
             payload: canonical_json(&message.payload),
             message,
             held_at: "t1".into(),
+            claim: None,
+            producer_now: None,
         }
     }
 

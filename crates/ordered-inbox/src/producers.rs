@@ -10,7 +10,7 @@
 //! delivery's other facts and writes the claim [`crate::change::Change`]s it is given.
 
 use crate::change::Change;
-use crate::facts::{OwnershipFacts, ProducerFact, TransferFacts};
+use crate::facts::{HeldMessage, OwnershipFacts, ProducerFact, TransferFacts};
 use crate::records::{
     AggregateOwner, ProducerClaim, ProducerRefusal, TransferRecord, TransferRefusal,
 };
@@ -74,6 +74,21 @@ pub fn admit(
     }
 }
 
+/// Decides whether a held message may still write its aggregate, whose owner is `owner`: the
+/// admission its own delivery would pass now, against its producer's row as it is now. The
+/// aggregate has history (the held row itself), so a held message never claims it.
+pub(crate) fn admit_held(
+    held: &HeldMessage,
+    owner: Option<&AggregateOwner>,
+) -> Result<(), ProducerRefusal> {
+    let facts = OwnershipFacts {
+        producer: held.producer_now,
+        owner: owner.cloned(),
+        history: true,
+    };
+    admit(held.claim.as_ref(), &facts).map(|_| ())
+}
+
 /// A session: the epoch the next one gets.
 pub fn next_epoch(fact: ProducerFact) -> Result<i64, ProducerRefusal> {
     if !fact.active {
@@ -104,10 +119,9 @@ pub struct TransferPlan {
 
 /// Decides an operator's transfer. The new owner's epoch is the producer's current one.
 ///
-/// Held messages are anonymous and wait only on an unowned aggregate; each must pass the
-/// admission an anonymous delivery would pass under the new owner, and one that no longer may
-/// write the aggregate is rejected in the same plan (a transfer is how an unowned aggregate
-/// gets an owner, so no held message outlives its right to apply).
+/// Each held message must pass the admission its own delivery would pass under the new owner
+/// ([`admit_held`]), and one that no longer may write the aggregate (an anonymous one, another
+/// producer's) is rejected in the same plan, so no held message outlives its right to apply.
 pub fn decide_transfer(
     request: &TransferRequest,
     facts: &TransferFacts,
@@ -127,22 +141,18 @@ pub fn decide_transfer(
     if facts.last != request.expected_last {
         return Err(TransferRefusal::LastMismatch);
     }
-    let new_owner = OwnershipFacts {
-        owner: Some(AggregateOwner {
-            producer: request.producer.clone(),
-            epoch: producer.current_epoch,
-        }),
-        ..OwnershipFacts::default()
+    let new_owner = AggregateOwner {
+        producer: request.producer.clone(),
+        epoch: producer.current_epoch,
     };
-    let refusal = admit(None, &new_owner).err();
-    let inadmissible: Vec<_> = match &refusal {
-        Some(refusal) => facts
-            .held
-            .iter()
-            .map(|held| (held, HeldRejection::Refused(refusal.clone())))
-            .collect(),
-        None => Vec::new(),
-    };
+    let inadmissible: Vec<_> = facts
+        .held
+        .iter()
+        .filter_map(|held| {
+            let refusal = admit_held(held, Some(&new_owner)).err()?;
+            Some((held, HeldRejection::Refused(refusal)))
+        })
+        .collect();
     let record = TransferRecord {
         aggregate_id: request.aggregate_id.clone(),
         operator: request.operator.clone(),
@@ -378,6 +388,8 @@ mod tests {
                 payload: crate::content::canonical_json(&message.payload),
                 message,
                 held_at: "t0".into(),
+                claim: None,
+                producer_now: None,
             }
         };
         let facts = TransferFacts {
@@ -396,7 +408,7 @@ mod tests {
             .changes
             .iter()
             .filter_map(|change| match change {
-                Change::ReleaseHeld { message_id } => Some(message_id.as_str()),
+                Change::ReleaseHeld { message_id, .. } => Some(message_id.as_str()),
                 _ => None,
             })
             .collect();
@@ -412,5 +424,79 @@ mod tests {
         };
         let plain = decide_transfer(&request, &without, "t1").unwrap();
         assert_eq!((plain.record.held_rejected, plain.changes.len()), (0, 3));
+    }
+
+    #[test]
+    fn a_transfer_keeps_only_the_new_owners_held_messages_sent_under_its_current_epoch() {
+        let held = |id: &str, sequence, epoch| {
+            let message = crate::policy::tests::order(id, sequence, 1);
+            crate::facts::HeldMessage {
+                payload: crate::content::canonical_json(&message.payload),
+                message,
+                held_at: "t0".into(),
+                claim: Some(ProducerClaim {
+                    producer: "billing".into(),
+                    epoch,
+                }),
+                producer_now: Some(ProducerFact {
+                    current_epoch: 2,
+                    active: true,
+                }),
+            }
+        };
+        let facts = TransferFacts {
+            operator_active: true,
+            producer: Some(ProducerFact {
+                current_epoch: 1,
+                active: true,
+            }),
+            owner: Some(AggregateOwner {
+                producer: "billing".into(),
+                epoch: 1,
+            }),
+            last: 1,
+            held: vec![held("m-3", 3, 2), held("m-4", 4, 1)],
+        };
+        let to = |producer: &str| TransferRequest {
+            aggregate_id: "a".into(),
+            operator: "alice".into(),
+            producer: producer.into(),
+            expected_owner: Some("billing".into()),
+            expected_last: 1,
+            reason: "reassigned".into(),
+        };
+        let outcomes = |plan: &TransferPlan| -> Vec<(String, String)> {
+            plan.changes
+                .iter()
+                .filter_map(|change| match change {
+                    Change::RecordRejected(entry) => Some((
+                        entry.message_id.clone().unwrap_or_default(),
+                        entry.outcome.clone(),
+                    )),
+                    _ => None,
+                })
+                .collect()
+        };
+        let shipping = decide_transfer(&to("shipping"), &facts, "t1").unwrap();
+        assert_eq!(
+            outcomes(&shipping),
+            [
+                ("m-3".to_owned(), "not the owner".to_owned()),
+                ("m-4".to_owned(), "fenced".to_owned())
+            ]
+        );
+        let billing_facts = TransferFacts {
+            producer: Some(ProducerFact {
+                current_epoch: 2,
+                active: true,
+            }),
+            ..facts
+        };
+        let billing = decide_transfer(&to("billing"), &billing_facts, "t1").unwrap();
+        assert_eq!(billing.record.held_rejected, 1);
+        assert_eq!(
+            outcomes(&billing),
+            [("m-4".to_owned(), "fenced".to_owned())]
+        );
     }
 }

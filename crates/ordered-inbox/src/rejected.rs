@@ -4,8 +4,9 @@
 //! what fell out of the newest [`crate::records::REJECTED_KEPT`].
 //!
 //! A held message is rejected by the core, in the transaction that decides it: a drain or a
-//! transfer that finds it may no longer write its aggregate (held messages are anonymous, and the
-//! aggregate has an owner now), or whose sequence another message took while it was held.
+//! transfer that finds it may no longer write its aggregate (its producer was revoked or fenced,
+//! the aggregate is another's now, or an anonymous one's aggregate has an owner now), or whose
+//! sequence another message took while it was held.
 
 use crate::change::Change;
 use crate::facts::HeldMessage;
@@ -15,8 +16,7 @@ use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
 /// Why a held message left the held set without applying.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HeldRejection {
-    /// Producer admission refuses it now: held messages are anonymous, and the aggregate has an
-    /// owner.
+    /// Producer admission refuses it now, as it would refuse its delivery now.
     Refused(ProducerRefusal),
     /// Another message took its sequence while it was held; the aggregate expects `expected`.
     Stale { expected: i64 },
@@ -58,7 +58,9 @@ pub(crate) fn reject_held(
 ) {
     let message = &held.message;
     let reason = why.reason(held);
+    let producer = held.producer().map(str::to_owned);
     changes.push(Change::ReleaseHeld {
+        producer: producer.clone(),
         message_id: message.message_id.clone(),
     });
     changes.push(Change::RecordRejected(RejectedDelivery {
@@ -68,7 +70,7 @@ pub(crate) fn reject_held(
         delivered: None,
         message_id: Some(message.message_id.clone()),
         aggregate_id: Some(message.aggregate_id.clone()),
-        producer: None,
+        producer,
         outcome: why.outcome().to_owned(),
         reason: reason.clone(),
     }));

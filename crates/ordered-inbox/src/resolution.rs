@@ -698,6 +698,8 @@ mod tests {
             payload: canonical_json(&message.payload),
             message,
             held_at: "t0".into(),
+            claim: None,
+            producer_now: None,
         }
     }
 
@@ -706,7 +708,7 @@ mod tests {
             .changes
             .iter()
             .filter_map(|change| match change {
-                Change::ReleaseHeld { message_id } => Some(message_id.clone()),
+                Change::ReleaseHeld { message_id, .. } => Some(message_id.clone()),
                 _ => None,
             })
             .collect();
@@ -767,6 +769,8 @@ mod tests {
                 payload: canonical_json(&message.payload),
                 message,
                 held_at: "t0".into(),
+                claim: None,
+                producer_now: None,
             }
         };
         let facts = ResolutionFacts {

@@ -7,12 +7,15 @@
 //! 1. A known id with the same aggregate, sequence and value: an applied one is a replay, a
 //!    dead letter is quarantined again, a held one is held again. With other content: a payload
 //!    conflict.
-//! 2. A new id behind the position is stale. Ahead of it: a gap on the general door, and for a
-//!    producer's message on either door; an anonymous one on the broker door is held, unless
-//!    another id is held at that sequence (stale: the first held wins).
+//! 2. A new id behind the position is stale. Ahead of it: a gap on the general door; on the
+//!    broker door it is held (a producer's under the epoch it was sent under), unless another id
+//!    is held at that sequence (stale: the first held wins).
 //! 3. At the expected sequence: a negative value is quarantined (a new open dead letter, the
 //!    position stays); any other applies, supersedes the open dead letters there, and then the
-//!    held messages that are next apply (or the first poison among them is quarantined).
+//!    held messages that are next apply (or the first poison among them is quarantined). Every
+//!    such drain first forgets the held messages that may no longer write the aggregate: a
+//!    producer's whose epoch is no longer its producer's current one or whose producer no longer
+//!    owns the aggregate, an anonymous one on an owned aggregate, one behind the position.
 //! 4. An operator resolves an open dead letter at the expected sequence only, and only when
 //!    `expectedLast` is the position: a skip takes the sequence with no effect, a replacement
 //!    applies a new id there; either supersedes the others there and drains the held ones.
@@ -41,8 +44,9 @@
 //!    recorded. Nothing else moves: from then on the old owner is a producer that is not the
 //!    owner (rule 6) and the new one is the owner. The same request again names an owner that
 //!    no longer is, and is refused, unless it named the producer it gives the aggregate to.
-//!    Held messages are anonymous, and no anonymous message may write an owned aggregate: a
-//!    transfer rejects every one (they are forgotten, as if never delivered).
+//!    A transfer rejects every held message that may no longer write the aggregate under its new
+//!    owner: all but the new owner's own, sent under its current epoch (they are forgotten, as
+//!    if never delivered).
 
 use std::collections::BTreeMap;
 
@@ -174,8 +178,9 @@ struct Aggregate {
     applied: Vec<(i64, String)>,
     /// Open dead letters: id and sequence.
     open: BTreeMap<String, i64>,
-    /// Held messages by sequence: id and value.
-    held: BTreeMap<i64, (String, i64)>,
+    /// Held messages by sequence: id, value, and the producer and epoch it was sent under
+    /// (`None`: anonymous).
+    held: BTreeMap<i64, (String, i64, Option<Owner>)>,
     owner: Option<Owner>,
     transfers: Vec<Transferred>,
     /// The last transfer that was recorded, for the identical repeat.
@@ -273,7 +278,7 @@ impl Model {
                 .map(|(message, _)| (message.clone(), next))
                 .collect(),
             held: (seeded.held.iter())
-                .map(|(sequence, message, value)| (*sequence, (message.clone(), *value)))
+                .map(|(sequence, message, value)| (*sequence, (message.clone(), *value, None)))
                 .collect(),
             ..Aggregate::default()
         };
@@ -364,9 +369,8 @@ impl Model {
             return Verdict::Stale(expected);
         }
         if delivery.sequence > expected {
-            // Held messages are anonymous: a producer's early one is a gap on either door.
-            return match (delivery.door, &delivery.producer) {
-                (DoorKind::Broker, None) => self.hold(delivery, &id, expected),
+            return match delivery.door {
+                DoorKind::Broker => self.hold(delivery, &id, expected),
                 _ => Verdict::Gap(expected),
             };
         }
@@ -549,10 +553,6 @@ impl Model {
             .aggregates
             .entry(transfer.aggregate_id.clone())
             .or_default();
-        let held_rejected: Vec<String> = std::mem::take(&mut state.held)
-            .into_values()
-            .map(|(id, _)| id)
-            .collect();
         state.owner = Some(Owner {
             producer: transfer.to.clone(),
             epoch,
@@ -563,9 +563,7 @@ impl Model {
             epoch,
         });
         state.last_transfer = Some(transfer.clone());
-        for id in &held_rejected {
-            self.known.remove(id);
-        }
+        let held_rejected = self.reject_held(&transfer.aggregate_id, false);
         Verdict::Transferred {
             from: owner.map(|o| o.producer),
             epoch,
@@ -616,9 +614,13 @@ impl Model {
             .aggregates
             .entry(delivery.aggregate_id.clone())
             .or_default();
+        let sender = delivery.producer.clone().map(|producer| Owner {
+            producer,
+            epoch: delivery.epoch,
+        });
         state
             .held
-            .insert(delivery.sequence, (id.to_owned(), delivery.value));
+            .insert(delivery.sequence, (id.to_owned(), delivery.value, sender));
         self.record(
             Kind::Held,
             &delivery.aggregate_id,
@@ -671,13 +673,46 @@ impl Model {
         state.open.retain(|_, at| *at != sequence);
     }
 
+    /// Forgets the aggregate's held messages that may no longer write it (rules 3 and 9): sent
+    /// by someone other than its owner (anonymous: while it has one), or under an epoch that is
+    /// no longer the producer's current one, and (`behind`: in a drain) those behind the
+    /// position. Returns their ids.
+    fn reject_held(&mut self, aggregate_id: &str, behind: bool) -> Vec<String> {
+        let Some(state) = self.aggregates.get(aggregate_id) else {
+            return Vec::new();
+        };
+        let owner = state.owner.as_ref().map(|o| o.producer.as_str());
+        let rejected: Vec<(i64, String)> = (state.held.iter())
+            .filter(|(sequence, (_, _, sender))| {
+                let admitted = match sender {
+                    None => owner.is_none(),
+                    Some(sender) => {
+                        owner == Some(sender.producer.as_str())
+                            && sender.epoch == self.epoch(&sender.producer)
+                    }
+                };
+                (behind && **sequence <= state.last) || !admitted
+            })
+            .map(|(sequence, (id, _, _))| (*sequence, id.clone()))
+            .collect();
+        let state = self.aggregates.entry(aggregate_id.to_owned()).or_default();
+        for (sequence, _) in &rejected {
+            state.held.remove(sequence);
+        }
+        for (_, id) in &rejected {
+            self.known.remove(id);
+        }
+        rejected.into_iter().map(|(_, id)| id).collect()
+    }
+
     /// Applies the held messages that are next, in order; a poison among them is quarantined
-    /// and stops the drain.
+    /// and stops the drain. First the held messages that may no longer apply are forgotten.
     fn drain(&mut self, aggregate_id: &str) {
+        self.reject_held(aggregate_id, true);
         loop {
             let state = self.aggregates.entry(aggregate_id.to_owned()).or_default();
             let next = state.last + 1;
-            let Some((id, value)) = state.held.remove(&next) else {
+            let Some((id, value, _)) = state.held.remove(&next) else {
                 return;
             };
             if is_poison(value) {

@@ -68,7 +68,9 @@ SELECT a.last_sequence, a.status, a.status_since,
        d.payload, d.reason, d.status, d.observations, d.aggregate_id, d.sequence,
        opened.ids, opened.sequences, opened.producers,
        h.message_id, h.aggregate_id, h.sequence, h.payload, h.message_payload, h.held_at,
+       h.producer, h.epoch, h.current_epoch, h.active,
        held.ids, held.sequences, held.payloads, held.message_payloads, held.held_at,
+       held.producers, held.epochs, held.current_epochs, held.actives,
        a.owner, a.owner_epoch
   FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY
        AS u(aggregate_id, message_id, space, position)
@@ -81,7 +83,10 @@ SELECT a.last_sequence, a.status, a.status_since,
     SELECT * FROM deadletters WHERE producer = u.space AND message_id = u.message_id LIMIT 1
   ) d ON true
   LEFT JOIN LATERAL (
-    SELECT * FROM held_messages WHERE message_id = u.message_id AND u.space = '' LIMIT 1) h ON true
+    SELECT m.*, p.current_epoch, p.active FROM held_messages AS m LEFT JOIN LATERAL (
+        SELECT current_epoch, revoked_at IS NULL AS active FROM producers
+         WHERE name = m.producer AND m.producer <> '' FOR SHARE) p ON true
+     WHERE m.producer = u.space AND m.message_id = u.message_id LIMIT 1) h ON true
   CROSS JOIN LATERAL (
     SELECT array_agg(message_id ORDER BY id) AS ids, array_agg(sequence ORDER BY id) AS sequences,
            array_agg(NULLIF(producer, '') ORDER BY id) AS producers
@@ -91,8 +96,15 @@ SELECT a.last_sequence, a.status, a.status_since,
            array_agg(sequence ORDER BY sequence) AS sequences,
            array_agg(payload ORDER BY sequence) AS payloads,
            array_agg(message_payload ORDER BY sequence) AS message_payloads,
-           array_agg(held_at ORDER BY sequence) AS held_at
-      FROM held_messages WHERE aggregate_id = u.aggregate_id) held
+           array_agg(held_at ORDER BY sequence) AS held_at,
+           array_agg(producer ORDER BY sequence) AS producers,
+           array_agg(epoch ORDER BY sequence) AS epochs,
+           array_agg(current_epoch ORDER BY sequence) AS current_epochs,
+           array_agg(active ORDER BY sequence) AS actives
+      FROM (SELECT m.*, p.current_epoch, p.active FROM held_messages AS m LEFT JOIN LATERAL (
+                SELECT current_epoch, revoked_at IS NULL AS active FROM producers
+                 WHERE name = m.producer AND m.producer <> '' FOR SHARE) p ON true
+             WHERE m.aggregate_id = u.aggregate_id) AS m) held
  ORDER BY u.position";
 /// The applied messages of a round, one statement.
 const INSERT_APPLIED_ROWS: &str = "

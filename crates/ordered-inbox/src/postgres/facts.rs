@@ -24,8 +24,8 @@ use tokio_postgres::types::ToSql;
 
 use super::connection::{Client, Counters, Failure};
 use super::rows::{
-    aggregate_from, applied_from, held_from, known_dead_letter_from, namespace, open_from_row,
-    owner_from, ownership_from_row, parsed, producer_fact_from_row,
+    aggregate_from, applied_from, held_claim, held_from, known_dead_letter_from, namespace,
+    open_from_row, owner_from, ownership_from_row, parsed, producer_fact_from_row, producer_now,
 };
 use super::views;
 use crate::facts::{
@@ -75,13 +75,22 @@ const DEAD_LETTER_HOME: &str =
     "SELECT aggregate_id FROM deadletters WHERE message_id = $1 AND producer = $2";
 const DEAD_LETTER_FACT: &str = "SELECT status, aggregate_id, sequence FROM deadletters
   WHERE message_id = $1 AND producer = $2";
-/// Only anonymous ids are held (the broker door delivers anonymously).
-const HELD_MESSAGE: &str = "SELECT message_id, aggregate_id, sequence, payload, message_payload,
-       held_at
-  FROM held_messages WHERE message_id = $1 AND $2 = ''";
-const HELD_FOR: &str =
-    "SELECT message_id, aggregate_id, sequence, payload, message_payload, held_at
-  FROM held_messages WHERE aggregate_id = $1 ORDER BY sequence";
+/// The held row of this identity, and those of this aggregate, each with its producer's row as
+/// it is now, locked `FOR SHARE` until the transaction ends (as a delivery locks its producer's
+/// row): a session or a revocation waits for the drain that admits the held message against
+/// it, or the drain reads what it wrote.
+const HELD_MESSAGE: &str = "SELECT h.message_id, h.aggregate_id, h.sequence, h.payload,
+       h.message_payload, h.held_at, h.producer, h.epoch, p.current_epoch, p.active
+  FROM held_messages AS h LEFT JOIN LATERAL (
+    SELECT current_epoch, revoked_at IS NULL AS active FROM producers
+     WHERE name = h.producer AND h.producer <> '' FOR SHARE) p ON true
+ WHERE h.message_id = $1 AND h.producer = $2";
+pub(super) const HELD_FOR: &str = "SELECT h.message_id, h.aggregate_id, h.sequence, h.payload,
+       h.message_payload, h.held_at, h.producer, h.epoch, p.current_epoch, p.active
+  FROM held_messages AS h LEFT JOIN LATERAL (
+    SELECT current_epoch, revoked_at IS NULL AS active FROM producers
+     WHERE name = h.producer AND h.producer <> '' FOR SHARE) p ON true
+ WHERE h.aggregate_id = $1 ORDER BY h.sequence";
 const OPERATOR_ACTIVE: &str =
     "SELECT EXISTS(SELECT 1 FROM operators WHERE name = $1 AND revoked_at IS NULL)";
 
@@ -158,8 +167,8 @@ pub(super) fn delivery_facts_from_row(
         aggregate,
         open_dead_letters,
         held_message,
-        held: held_from_arrays(row, 22, aggregate_id)?,
-        owner: owner_from(row, 27)?,
+        held: held_from_arrays(row, 26, aggregate_id)?,
+        owner: owner_from(row, 35)?,
         // Read apart, and only for a sequence already passed (`gaps::skipped_by`).
         skipped_by: None,
     })
@@ -183,8 +192,9 @@ fn open_from_arrays(row: &Row, first: usize) -> Result<Vec<OpenDeadLetter>, Fail
         .collect())
 }
 
-/// The aggregate's held messages from the five arrays starting at column `first` (ids,
-/// sequences, canonical contents, delivered payloads, held_at), in sequence order.
+/// The aggregate's held messages from the nine arrays starting at column `first` (ids,
+/// sequences, canonical contents, delivered payloads, held_at, producers, epochs, and each
+/// producer's current epoch and whether it is active), in sequence order.
 fn held_from_arrays(
     row: &Row,
     first: usize,
@@ -195,22 +205,36 @@ fn held_from_arrays(
     let payloads: Vec<String> = row.try_get::<_, Option<_>>(first + 2)?.unwrap_or_default();
     let delivered: Vec<String> = row.try_get::<_, Option<_>>(first + 3)?.unwrap_or_default();
     let held_at: Vec<String> = row.try_get::<_, Option<_>>(first + 4)?.unwrap_or_default();
+    let producers: Vec<String> = row.try_get::<_, Option<_>>(first + 5)?.unwrap_or_default();
+    let epochs: Vec<Option<i64>> = row.try_get::<_, Option<_>>(first + 6)?.unwrap_or_default();
+    let current: Vec<Option<i64>> = row.try_get::<_, Option<_>>(first + 7)?.unwrap_or_default();
+    let active: Vec<Option<bool>> = row.try_get::<_, Option<_>>(first + 8)?.unwrap_or_default();
+    let producers = producers
+        .into_iter()
+        .zip(epochs)
+        .zip(current.into_iter().zip(active));
     Ok(ids
         .into_iter()
         .zip(sequences)
         .zip(payloads)
         .zip(delivered)
         .zip(held_at)
+        .zip(producers)
         .map(
-            |((((message_id, sequence), payload), delivered), held_at)| HeldMessage {
-                message: OrderedMessage {
-                    message_id,
-                    aggregate_id: aggregate_id.to_owned(),
-                    sequence,
-                    payload: super::rows::json(delivered),
-                },
-                payload,
-                held_at,
+            |(((((message_id, sequence), payload), delivered), held_at), producer)| {
+                let ((producer, epoch), (current_epoch, active)) = producer;
+                HeldMessage {
+                    message: OrderedMessage {
+                        message_id,
+                        aggregate_id: aggregate_id.to_owned(),
+                        sequence,
+                        payload: super::rows::json(delivered),
+                    },
+                    payload,
+                    held_at,
+                    claim: held_claim(producer, epoch),
+                    producer_now: producer_now(current_epoch, active),
+                }
             },
         )
         .collect())

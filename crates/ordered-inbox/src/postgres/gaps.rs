@@ -9,6 +9,7 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::connection::{Client, Counters, Failure};
+use super::facts::HELD_FOR;
 use super::handler::PostgresHandler;
 use super::rows::{aggregate_from, held_from, open_from_row, optional_json, owner_from};
 use crate::facts::DeliveryFacts;
@@ -31,9 +32,6 @@ const AGGREGATE_ROW: &str = "SELECT last_sequence, status, status_since, owner, 
   FROM aggregate_state WHERE aggregate_id = $1 FOR UPDATE";
 const OPEN_DEAD_LETTERS: &str = "SELECT message_id, sequence, NULLIF(producer, '')
   FROM deadletters WHERE aggregate_id = $1 AND status = 'open' ORDER BY id";
-const HELD_FOR: &str =
-    "SELECT message_id, aggregate_id, sequence, payload, message_payload, held_at
-  FROM held_messages WHERE aggregate_id = $1 ORDER BY sequence";
 const OPERATOR_ACTIVE: &str =
     "SELECT EXISTS(SELECT 1 FROM operators WHERE name = $1 AND revoked_at IS NULL)";
 const APPLIED_IN_RANGE: &str = "SELECT sequence, message_id FROM ordered_inbox

@@ -7,7 +7,7 @@ use tokio_postgres::Row;
 use super::connection::Failure;
 use crate::facts::{AppliedFact, HeldMessage, KnownDeadLetter, OpenDeadLetter, ProducerFact};
 use crate::model::{AggregateRow, OrderedMessage, QuarantineReason};
-use crate::records::AggregateOwner;
+use crate::records::{AggregateOwner, ProducerClaim};
 use crate::views::OwnershipState;
 
 /// A stored status or kind, read through its `FromStr`.
@@ -76,10 +76,14 @@ pub(super) fn open_from_row(row: &Row) -> Result<OpenDeadLetter, Failure> {
     })
 }
 
-/// A held message from six columns (message_id, aggregate_id, sequence, payload,
-/// message_payload, held_at), the first at `first`.
+/// A held message from the ten [`HELD_COLUMNS`] (message_id, aggregate_id, sequence, payload,
+/// message_payload, held_at, producer, epoch, and the producer's current epoch and whether it
+/// is active), the first at `first`.
 pub(super) fn held_from(row: &Row, first: usize) -> Result<HeldMessage, Failure> {
+    let producer: String = row.try_get(first + 6)?;
     Ok(HeldMessage {
+        claim: held_claim(producer, row.try_get(first + 7)?),
+        producer_now: producer_now(row.try_get(first + 8)?, row.try_get(first + 9)?),
         message: OrderedMessage {
             message_id: row.try_get(first)?,
             aggregate_id: row.try_get(first + 1)?,
@@ -88,6 +92,25 @@ pub(super) fn held_from(row: &Row, first: usize) -> Result<HeldMessage, Failure>
         },
         payload: row.try_get(first + 3)?,
         held_at: row.try_get(first + 5)?,
+    })
+}
+
+/// A held row's claim from its producer column (`''`: anonymous) and epoch.
+pub(super) fn held_claim(producer: String, epoch: Option<i64>) -> Option<ProducerClaim> {
+    match (producer.is_empty(), epoch) {
+        (false, Some(epoch)) => Some(ProducerClaim { producer, epoch }),
+        _ => None,
+    }
+}
+
+/// A held row's producer as it is now, from the joined row's columns (none when it has none).
+pub(super) fn producer_now(
+    current_epoch: Option<i64>,
+    active: Option<bool>,
+) -> Option<ProducerFact> {
+    current_epoch.map(|current_epoch| ProducerFact {
+        current_epoch,
+        active: active.unwrap_or(false),
     })
 }
 

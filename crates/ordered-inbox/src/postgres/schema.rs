@@ -115,7 +115,19 @@ pub const MIGRATIONS: &[&str] = &[
     REJECTED_DELIVERIES,
     APPLICATION_CONTENT,
     GAPS,
+    HELD_PRODUCERS,
 ];
+
+/// A held message belongs to its producer (version 7; the SQLite backend's version 12):
+/// `held_messages` gains `producer` (`''`: the anonymous namespace, where every existing row
+/// goes) and `epoch` (the one the message was sent under; none for an anonymous one), and its
+/// identity becomes `(producer, message_id)`.
+const HELD_PRODUCERS: &str = r#"
+ALTER TABLE held_messages ADD COLUMN producer text COLLATE "C" NOT NULL DEFAULT '';
+ALTER TABLE held_messages ADD COLUMN epoch bigint;
+ALTER TABLE held_messages DROP CONSTRAINT held_messages_pkey;
+ALTER TABLE held_messages ADD PRIMARY KEY (producer, message_id);
+"#;
 
 /// Gaps that never fill (version 6; the SQLite backend's version 11): per aggregate the lowest
 /// sequence the general door refused as a gap and the last it was refused at, and the audit rows

@@ -14,7 +14,8 @@ use crate::content::Detail;
 use crate::gaps::gap_skipped_event;
 use crate::model::{AggregateRow, OrderedMessage, QuarantineReason};
 use crate::records::{
-    AggregateOwner, GapRecord, REJECTED_KEPT, RejectedDelivery, ResolutionRecord, TransferRecord,
+    AggregateOwner, GapRecord, ProducerClaim, REJECTED_KEPT, RejectedDelivery, ResolutionRecord,
+    TransferRecord,
 };
 use crate::resolution::resolved_event;
 use crate::timeline::{OBSERVATIONS_KEPT, TimelineDetail, TimelineEntry, TimelineKind};
@@ -51,9 +52,10 @@ UPDATE deadletters SET status = 'superseded', superseded_by = $2, closed_at = $3
 const RESOLVE_DEAD_LETTER: &str = "UPDATE deadletters SET status = 'resolved', closed_at = $2
   WHERE message_id = $1 AND producer = $3";
 const INSERT_HELD: &str = "
-INSERT INTO held_messages(message_id, aggregate_id, sequence, payload, message_payload, held_at)
-VALUES ($1, $2, $3, $4, $5, $6)";
-const RELEASE_HELD: &str = "DELETE FROM held_messages WHERE message_id = $1";
+INSERT INTO held_messages(message_id, aggregate_id, sequence, payload, message_payload, held_at,
+                          producer, epoch)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
+const RELEASE_HELD: &str = "DELETE FROM held_messages WHERE message_id = $1 AND producer = $2";
 const SET_OWNER: &str = "
 INSERT INTO aggregate_state(aggregate_id, last_sequence, total, status, status_since, owner,
                             owner_epoch, owner_since)
@@ -207,11 +209,15 @@ pub(super) async fn writes_for(
         } => touch_producer(client, producer, aggregate_id, at).await?,
         Change::RecordTransfer(record) => record_transfer(client, record).await?,
         Change::InsertHeld {
+            claim,
             message,
             payload,
             at,
-        } => insert_held(client, message, payload, at).await?,
-        Change::ReleaseHeld { message_id } => release_held(client, message_id).await?,
+        } => insert_held(client, claim.as_ref(), message, payload, at).await?,
+        Change::ReleaseHeld {
+            producer,
+            message_id,
+        } => release_held(client, producer.as_deref(), message_id).await?,
         Change::RecordRejected(entry) => record_rejected(client, entry).await?,
         Change::Append(entry) => append(client, entry).await?,
         Change::RecordResolution(record) => {
@@ -398,6 +404,7 @@ async fn record_transfer(client: &Client, record: &TransferRecord) -> Result<Wri
 /// to the handler.
 async fn insert_held(
     client: &Client,
+    claim: Option<&ProducerClaim>,
     message: &OrderedMessage,
     payload: &str,
     at: &str,
@@ -409,12 +416,22 @@ async fn insert_held(
         param(payload.to_owned()),
         param(message.payload.to_string()),
         param(at.to_owned()),
+        param(namespace(claim.map(|claim| claim.producer.as_str())).to_owned()),
+        param(claim.map(|claim| claim.epoch)),
     ];
     write(client, INSERT_HELD, params).await
 }
 
-async fn release_held(client: &Client, message_id: &str) -> Result<Write, Failure> {
-    write(client, RELEASE_HELD, vec![param(message_id.to_owned())]).await
+async fn release_held(
+    client: &Client,
+    producer: Option<&str>,
+    message_id: &str,
+) -> Result<Write, Failure> {
+    let params = vec![
+        param(message_id.to_owned()),
+        param(namespace(producer).to_owned()),
+    ];
+    write(client, RELEASE_HELD, params).await
 }
 
 pub(super) async fn record_rejected(

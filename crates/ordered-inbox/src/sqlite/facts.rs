@@ -24,8 +24,7 @@ pub(super) struct DeliveryRead {
     pub owner: Option<AggregateOwner>,
 }
 
-/// The facts of a delivery whose id is in `producer`'s namespace (`None`: anonymous). Held
-/// messages are anonymous (only the broker door holds), so a producer's id is never held.
+/// The facts of a delivery whose id is in `producer`'s namespace (`None`: anonymous).
 ///
 /// One statement reads every seek's rows ([`DELIVERY_FACTS`]); only a blocked aggregate needs a
 /// second for its open dead letters.
@@ -61,6 +60,10 @@ pub(super) fn delivery_facts(
     read.facts
         .held
         .sort_unstable_by_key(|row| row.message.sequence);
+    with_producers(connection, &mut read.facts.held)?;
+    if let Some(held) = read.facts.held_message.as_mut() {
+        with_producers(connection, std::slice::from_mut(held))?;
+    }
     read.facts.open_dead_letters =
         open_dead_letters(connection, &message.aggregate_id, &read.facts.aggregate)?;
     Ok(read)
@@ -72,24 +75,24 @@ const FACT_DEAD_LETTER: i64 = 2;
 const FACT_HELD_ID: i64 = 3;
 
 /// Every seek a delivery needs, as one statement whose first column says which fact a row is:
-/// the aggregate's row (0), the id applied (1), the id quarantined (2), the id held (3; anonymous
-/// ids only) and the aggregate's held messages (4, sorted by the caller: an `ORDER BY` here would
-/// be re-prepared on every run). One statement instead of five: each statement's cache lookup,
+/// the aggregate's row (0), the id applied (1), the id quarantined (2), the id held (3) and the
+/// aggregate's held messages (4, sorted by the caller: an `ORDER BY` here would be re-prepared
+/// on every run), each held row with its producer's row as it is now. One statement instead of five: each statement's cache lookup,
 /// binding, stepping and reset cost more than its index seek.
 pub(super) const DELIVERY_FACTS: &str = "
-SELECT 0, last_sequence, status, status_since, owner, owner_epoch, NULL
+SELECT 0, last_sequence, status, status_since, owner, owner_epoch, NULL, NULL, NULL
   FROM aggregate_state WHERE aggregate_id = ?3
 UNION ALL
-SELECT 1, payload, sequence, applied_at, aggregate_id, NULL, NULL
+SELECT 1, payload, sequence, applied_at, aggregate_id, NULL, NULL, NULL, NULL
   FROM ordered_inbox WHERE producer = ?1 AND message_id = ?2
 UNION ALL
-SELECT 2, payload, reason, status, observations, aggregate_id, sequence
+SELECT 2, payload, reason, status, observations, aggregate_id, sequence, NULL, NULL
   FROM deadletters WHERE producer = ?1 AND message_id = ?2
 UNION ALL
-SELECT 3, message_id, aggregate_id, sequence, payload, message_payload, held_at
-  FROM held_messages WHERE ?1 = '' AND message_id = ?2
+SELECT 3, message_id, aggregate_id, sequence, payload, message_payload, held_at, producer, epoch
+  FROM held_messages WHERE producer = ?1 AND message_id = ?2
 UNION ALL
-SELECT 4, message_id, aggregate_id, sequence, payload, message_payload, held_at
+SELECT 4, message_id, aggregate_id, sequence, payload, message_payload, held_at, producer, epoch
   FROM held_messages WHERE aggregate_id = ?3";
 
 /// The facts of a resolution: the dead letter, its aggregate (row, open dead letters, held
@@ -117,10 +120,7 @@ pub(super) fn resolution_facts(
         Action::Replace { message_id, .. } => (
             applied_message(connection, producer, message_id)?,
             known_dead_letter(connection, producer, message_id)?,
-            match producer {
-                None => held_message(connection, message_id)?,
-                Some(_) => None,
-            },
+            held_message(connection, producer, message_id)?,
         ),
         Action::Skip => (None, None, None),
     };
@@ -229,14 +229,44 @@ fn known_dead_letter(
 
 fn held_message(
     connection: &Connection,
+    producer: Option<&str>,
     message_id: &str,
 ) -> rusqlite::Result<Option<HeldMessage>> {
-    connection
+    let held = connection
         .prepare_cached(&format!(
-            "SELECT {HELD_COLUMNS} FROM held_messages WHERE message_id = ?1"
+            "SELECT {HELD_COLUMNS} FROM held_messages WHERE producer = ?1 AND message_id = ?2"
         ))?
-        .query_row([message_id], |row| held_from(row, 0))
-        .optional()
+        .query_row(params![namespace(producer), message_id], |row| {
+            held_from(row, 0)
+        })
+        .optional()?;
+    let mut held: Vec<HeldMessage> = held.into_iter().collect();
+    with_producers(connection, &mut held)?;
+    Ok(held.pop())
+}
+
+/// Reads each held message's producer row as it is now (one read per producer; anonymous
+/// messages have none): a drain admits the message against it.
+pub(super) fn with_producers(
+    connection: &Connection,
+    held: &mut [HeldMessage],
+) -> rusqlite::Result<()> {
+    let mut known: Vec<(String, Option<ProducerFact>)> = Vec::new();
+    for message in held.iter_mut() {
+        let Some(producer) = message.producer().map(str::to_owned) else {
+            continue;
+        };
+        let fact = match known.iter().find(|(name, _)| *name == producer) {
+            Some((_, fact)) => *fact,
+            None => {
+                let fact = producer_fact(connection, &producer)?;
+                known.push((producer, fact));
+                fact
+            }
+        };
+        message.producer_now = fact;
+    }
+    Ok(())
 }
 
 /// The aggregate's held messages (a seek on its unique index), in sequence order.
@@ -253,12 +283,13 @@ pub(super) fn held_for(
         .query_map([aggregate_id], |row| held_from(row, 0))?
         .collect::<rusqlite::Result<_>>()?;
     held.sort_unstable_by_key(|row| row.message.sequence);
+    with_producers(connection, &mut held)?;
     Ok(held)
 }
 
 /// Kept literal (not built from [`HELD_COLUMNS`]) so that the statement cache sees one text.
 pub(super) const HELD_FOR_AGGREGATE: &str = "SELECT message_id, aggregate_id, sequence, payload, \
-     message_payload, held_at FROM held_messages WHERE aggregate_id = ?1";
+     message_payload, held_at, producer, epoch FROM held_messages WHERE aggregate_id = ?1";
 
 pub(super) fn producer_fact(
     connection: &Connection,

@@ -677,7 +677,7 @@ mod tests {
                 by(in_aggregate("m-2", "acct", 2), claim("billing", 1)),
                 // the same id, another producer, another aggregate: another message.
                 by(in_aggregate("m-1", "ship", 1), claim("shipping", 1)),
-                // a producer's message ahead of its turn is not held (a gap, nak'd by a broker).
+                // a producer's message ahead of its turn is held, under its epoch.
                 by(in_aggregate("m-4", "acct", 4), claim("billing", 1)),
             ])
             .await
@@ -710,9 +710,16 @@ mod tests {
             verdicts[4],
             Ok(Outcome::Applied { sequence: 1, .. })
         ));
-        assert_eq!(verdicts[5], Ok(Outcome::Gap { expected: 3 }));
+        assert_eq!(
+            verdicts[5],
+            Ok(Outcome::Held {
+                expected: 3,
+                held: 1,
+                repeated: false
+            })
+        );
         let acct = inbox.aggregate("acct".into()).await.unwrap().unwrap();
-        assert_eq!((acct.summary.last, acct.held_count), (2, 0));
+        assert_eq!((acct.summary.last, acct.held_count), (2, 1));
 
         // A new session fences the older epoch for every message of a later batch.
         assert_eq!(inbox.start_session("billing".into()).await.unwrap(), Ok(2));
@@ -735,6 +742,25 @@ mod tests {
             Ok(Outcome::Applied { sequence: 3, .. })
         ));
         assert_eq!(inbox.counts("acct".into()).await.unwrap().last, 3);
+        // The held m-4 was sent under epoch 1: the drain after 3 refuses it as fenced.
+        let acct = inbox.aggregate("acct".into()).await.unwrap().unwrap();
+        assert_eq!((acct.summary.last, acct.held_count), (3, 0));
+        let rejected = inbox
+            .rejected(PageRequest {
+                after: 0,
+                limit: 10,
+            })
+            .await
+            .unwrap()
+            .items;
+        assert!(
+            rejected
+                .iter()
+                .any(|entry| entry.message_id.as_deref() == Some("m-4")
+                    && entry.producer.as_deref() == Some("billing")
+                    && entry.outcome == "fenced"),
+            "{rejected:?}"
+        );
         inbox.shutdown().await;
     }
 

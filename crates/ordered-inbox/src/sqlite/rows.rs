@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use crate::facts::{AppliedFact, HeldMessage, KnownDeadLetter};
 use crate::model::{AggregateRow, OrderedMessage, QuarantineReason, UnknownValue};
-use crate::records::AggregateOwner;
+use crate::records::{AggregateOwner, ProducerClaim};
 
 /// A stored status or kind, read through its `FromStr`.
 pub(super) fn parsed<T: FromStr<Err = UnknownValue>>(
@@ -81,13 +81,20 @@ pub(super) fn dead_letter_from(row: &Row<'_>, first: usize) -> rusqlite::Result<
 
 /// The columns [`held_from`] reads, in its order.
 pub(super) const HELD_COLUMNS: &str =
-    "message_id, aggregate_id, sequence, payload, message_payload, held_at";
+    "message_id, aggregate_id, sequence, payload, message_payload, held_at, producer, epoch";
 
-/// A held message from the six [`HELD_COLUMNS`], the first at `first`. A row from before the
-/// delivered payload was kept separately holds it as its canonical content.
+/// A held message from the eight [`HELD_COLUMNS`], the first at `first`, without its producer's
+/// row (`facts::with_producers` reads it). A row from before the delivered payload was kept
+/// separately holds it as its canonical content.
 pub(super) fn held_from(row: &Row<'_>, first: usize) -> rusqlite::Result<HeldMessage> {
     let payload: String = row.get(first + 3)?;
     let delivered: Option<String> = row.get(first + 4)?;
+    let producer: String = row.get(first + 6)?;
+    let epoch: Option<i64> = row.get(first + 7)?;
+    let claim = match (producer.is_empty(), epoch) {
+        (false, Some(epoch)) => Some(ProducerClaim { producer, epoch }),
+        _ => None,
+    };
     Ok(HeldMessage {
         message: OrderedMessage {
             message_id: row.get(first)?,
@@ -97,5 +104,7 @@ pub(super) fn held_from(row: &Row<'_>, first: usize) -> rusqlite::Result<HeldMes
         },
         payload,
         held_at: row.get(first + 5)?,
+        claim,
+        producer_now: None,
     })
 }

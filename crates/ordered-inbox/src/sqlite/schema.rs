@@ -440,6 +440,31 @@ CREATE UNIQUE INDEX ix_gap_resolutions_aggregate_from ON gap_resolutions(aggrega
 CREATE INDEX ix_gap_resolutions_aggregate ON gap_resolutions(aggregate_id, id);
 ";
 
+/// A held message belongs to its producer (version 12): `held_messages` gains `producer` (`''`:
+/// the anonymous namespace, where every existing row goes) and `epoch` (the one the message was
+/// sent under; none for an anonymous one), and its identity becomes `(producer, message_id)`.
+/// `message_id` was the table's PRIMARY KEY, which no `ALTER TABLE` changes, so the table is
+/// rebuilt; no foreign key names it, so an ordinary transaction does.
+const HELD_PRODUCERS: &str = "
+CREATE TABLE held_messages_v12(
+    message_id TEXT NOT NULL,
+    aggregate_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    payload TEXT NOT NULL,
+    held_at TEXT NOT NULL,
+    message_payload TEXT,
+    producer TEXT NOT NULL DEFAULT '',
+    epoch INTEGER,
+    PRIMARY KEY(producer, message_id)
+);
+INSERT INTO held_messages_v12(message_id, aggregate_id, sequence, payload, held_at,
+                              message_payload)
+SELECT message_id, aggregate_id, sequence, payload, held_at, message_payload FROM held_messages;
+DROP TABLE held_messages;
+ALTER TABLE held_messages_v12 RENAME TO held_messages;
+CREATE UNIQUE INDEX ix_held_messages_aggregate_sequence ON held_messages(aggregate_id, sequence);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -454,6 +479,7 @@ pub const MIGRATIONS: &[&str] = &[
     SEED_KEYS_FIRST,
     APPLICATION_CONTENT,
     GAPS,
+    HELD_PRODUCERS,
 ];
 
 /// The migrations that rebuild tables: they run with foreign keys off, and check them before
@@ -1059,6 +1085,58 @@ mod tests {
             held[0].payload,
             r#"{"AggregateId":"a","Sequence":4,"Amount":2}"#
         );
+        assert_eq!(strings(&connection, "PRAGMA integrity_check"), ["ok"]);
+    }
+
+    #[test]
+    fn version_12_keeps_every_held_row_anonymous_and_keys_held_rows_by_producer() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        let held_producers = MIGRATIONS
+            .iter()
+            .position(|script| *script == HELD_PRODUCERS)
+            .unwrap() as i64;
+        migrate_to(&mut connection, held_producers).unwrap();
+        connection
+            .execute_batch(
+                r#"INSERT INTO held_messages(message_id, aggregate_id, sequence, payload,
+                                            message_payload, held_at)
+                   VALUES ('x-3', 'a', 3, '{"v":3}', '{"v":3}', 't1'),
+                          ('x-4', 'a', 4, '{"v":4}', NULL, 't2');"#,
+            )
+            .unwrap();
+        migrate(&mut connection).unwrap();
+        assert_eq!(
+            strings(
+                &connection,
+                "SELECT message_id || '|' || aggregate_id || '|' || sequence || '|' || payload
+                        || '|' || COALESCE(message_payload, '-') || '|' || held_at || '|'
+                        || producer || '|' || COALESCE(epoch, '-')
+                   FROM held_messages ORDER BY sequence"
+            ),
+            [
+                r#"x-3|a|3|{"v":3}|{"v":3}|t1||-"#,
+                r#"x-4|a|4|{"v":4}|-|t2||-"#
+            ]
+        );
+        assert_eq!(
+            primary_key(&connection, "held_messages"),
+            ["producer", "message_id"]
+        );
+        // billing's x-5 is another message than an anonymous x-5; one sequence is still held once.
+        connection
+            .execute_batch(
+                "INSERT INTO held_messages(message_id, aggregate_id, sequence, payload, held_at,
+                                           producer, epoch)
+                 VALUES ('x-5', 'b', 5, '{}', 't3', 'billing', 1),
+                        ('x-5', 'c', 5, '{}', 't3', '', NULL);",
+            )
+            .unwrap();
+        let again = connection.execute(
+            "INSERT INTO held_messages(message_id, aggregate_id, sequence, payload, held_at)
+             VALUES ('y-3', 'a', 3, '{}', 't4')",
+            [],
+        );
+        assert!(again.is_err(), "(aggregate, sequence) stays unique");
         assert_eq!(strings(&connection, "PRAGMA integrity_check"), ["ok"]);
     }
 

@@ -9,7 +9,7 @@ use crate::change::Change;
 use crate::content::Detail;
 use crate::gaps::gap_skipped_event;
 use crate::model::{AggregateRow, OrderedMessage, QuarantineReason};
-use crate::records::{AggregateOwner, GapRecord, ResolutionRecord, TransferRecord};
+use crate::records::{AggregateOwner, GapRecord, ProducerClaim, ResolutionRecord, TransferRecord};
 use crate::resolution::resolved_event;
 use crate::timeline::{OBSERVATIONS_KEPT, TimelineDetail, TimelineEntry};
 
@@ -74,11 +74,15 @@ pub(super) fn write(
             at,
         } => resolve_dead_letter(connection, producer.as_deref(), message_id, at),
         Change::InsertHeld {
+            claim,
             message,
             payload,
             at,
-        } => insert_held(connection, message, payload, at),
-        Change::ReleaseHeld { message_id } => release_held(connection, message_id),
+        } => insert_held(connection, claim.as_ref(), message, payload, at),
+        Change::ReleaseHeld {
+            producer,
+            message_id,
+        } => release_held(connection, producer.as_deref(), message_id),
         Change::RecordRejected(entry) => super::rejected::insert(connection, entry),
         Change::Append(entry) => append(connection, entry),
         Change::RecordResolution(record) => return record_resolution(connection, record).map(Some),
@@ -252,17 +256,20 @@ fn resolve_dead_letter(
 /// to the handler.
 fn insert_held(
     connection: &WriterConnection<'_>,
+    claim: Option<&ProducerClaim>,
     message: &OrderedMessage,
     payload: &str,
     at: &str,
 ) -> rusqlite::Result<()> {
     connection
         .prepared(
-            "INSERT INTO held_messages(message_id, aggregate_id, sequence, payload,
-                                       message_payload, held_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            "INSERT INTO held_messages(producer, epoch, message_id, aggregate_id, sequence,
+                                       payload, message_payload, held_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         )?
         .execute(params![
+            namespace(claim.map(|claim| claim.producer.as_str())),
+            claim.map(|claim| claim.epoch),
             message.message_id,
             message.aggregate_id,
             message.sequence,
@@ -273,10 +280,14 @@ fn insert_held(
     Ok(())
 }
 
-fn release_held(connection: &WriterConnection<'_>, message_id: &str) -> rusqlite::Result<()> {
+fn release_held(
+    connection: &WriterConnection<'_>,
+    producer: Option<&str>,
+    message_id: &str,
+) -> rusqlite::Result<()> {
     connection
-        .prepared("DELETE FROM held_messages WHERE message_id = ?1")?
-        .execute([message_id])?;
+        .prepared("DELETE FROM held_messages WHERE producer = ?1 AND message_id = ?2")?
+        .execute(params![namespace(producer), message_id])?;
     Ok(())
 }
 
