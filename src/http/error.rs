@@ -404,7 +404,8 @@ fn parse_unique(bytes: &[u8], fields: &'static [&'static str]) -> Result<Value, 
     match parsed {
         Ok(value) => Ok(value),
         Err(error) if error.classify() == serde_json::error::Category::Data => {
-            // Only the repeated-member check raises a data error while building a `Value`.
+            // Only the repeated-member check (and a number's text serde_json itself scanned,
+            // which always parses) raises a data error while building a `Value`.
             let message = error.to_string();
             let reason = message
                 .rsplit_once(" at line ")
@@ -521,7 +522,8 @@ impl<'de> serde::de::Visitor<'de> for UniqueMembersVisitor {
 
 /// The one member name of the map serde_json's reader hands over for a number that it keeps as
 /// written (`arbitrary_precision`: a fraction, an exponent, or an integer beyond 64 bits); the
-/// member's value is the number's text. serde_json's own `Value` reads the same name so.
+/// member's value is the number's text. serde_json's own `Value` reads the same name so: an
+/// object of that one member in a client's JSON reads as a number too, as it does there.
 const NUMBER_TOKEN: &str = "$serde_json::private::Number";
 
 /// The number whose text is the value of the map's [`NUMBER_TOKEN`] member, every digit kept.
