@@ -184,8 +184,9 @@ impl RunningGate {
     }
 }
 
-async fn a_payloads_numbers_come_out_of_the_gate_digit_for_digit_from_both_doors(backend: Backend) {
-    let gate = start_gate(backend).await;
+/// Delivers message 1 over HTTPS and publishes message 2 on NATS, both with the numbers as
+/// written, and waits until both are in the applied feed: its text.
+async fn apply_one_through_each_door(gate: &RunningGate) -> String {
     let first = message_body("http-1", 1, &payload(AMOUNT, PRICE));
     assert_eq!(gate.deliver(&first).await.0, 200);
     gate.publish(
@@ -193,15 +194,19 @@ async fn a_payloads_numbers_come_out_of_the_gate_digit_for_digit_from_both_doors
         &message_body("nats-2", 2, &payload(AMOUNT, PRICE)),
     )
     .await;
-
-    let emitted = emitted_payload();
-    let feed = poll_until_within(
+    poll_until_within(
         "both messages in the applied feed",
         Duration::from_secs(30),
         || gate.feed_text(),
         |text| text.matches("\"messageId\"").count() == 2,
     )
-    .await;
+    .await
+}
+
+async fn a_payloads_numbers_come_out_of_the_gate_digit_for_digit_from_both_doors(backend: Backend) {
+    let gate = start_gate(backend).await;
+    let feed = apply_one_through_each_door(&gate).await;
+    let emitted = emitted_payload();
     assert_eq!(
         feed.matches(&format!("\"payload\":{emitted}")).count(),
         2,
@@ -224,20 +229,7 @@ async fn a_payloads_numbers_come_out_of_the_gate_digit_for_digit_from_both_doors
 
 async fn a_change_in_the_last_digit_is_a_payload_conflict_on_both_doors(backend: Backend) {
     let gate = start_gate(backend).await;
-    let first = message_body("http-1", 1, &payload(AMOUNT, PRICE));
-    assert_eq!(gate.deliver(&first).await.0, 200);
-    gate.publish(
-        "shop/nats-2",
-        &message_body("nats-2", 2, &payload(AMOUNT, PRICE)),
-    )
-    .await;
-    poll_until_within(
-        "the NATS message applied",
-        Duration::from_secs(30),
-        || gate.feed_text(),
-        |text| text.contains("\"nats-2\""),
-    )
-    .await;
+    apply_one_through_each_door(&gate).await;
 
     // The same numbers with the members in another order: the same message, whichever door
     // took it first.
