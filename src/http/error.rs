@@ -370,7 +370,29 @@ pub fn parse_body<T: RequestBody>(bytes: &[u8]) -> Result<T, AppError> {
     if !value.is_object() {
         return Err(AppError::bad_request("the body must be a JSON object"));
     }
-    serde_json::from_value(value).map_err(|e| AppError::bad_request(format!("invalid body: {e}")))
+    serde_json::from_value(value).map_err(|error| shape_error::<T>(bytes, error))
+}
+
+/// The 400 of a body whose members do not fit `T`, in the words serde_json uses when it reads
+/// `T` from text: read from a [`Value`], whose numbers keep their written text, a number that
+/// does not fit its member says only "invalid number", where the text names the number and
+/// what the member expects (`floating point `1.5`, expected i32`). Only a refused body pays
+/// for reading it twice.
+fn shape_error<T: RequestBody>(bytes: &[u8], read_from_value: serde_json::Error) -> AppError {
+    let text = match parse_unique(bytes, T::FIELDS) {
+        Ok(value) => value.to_string(),
+        Err(error) => return error,
+    };
+    // The text is the value's, which `T` just refused, so reading it fails too.
+    let message = serde_json::from_str::<T>(&text)
+        .err()
+        .unwrap_or(read_from_value)
+        .to_string();
+    // The position is in the rewritten text, not in the client's.
+    let reason = message
+        .rsplit_once(" at line ")
+        .map_or(message.as_str(), |(reason, _)| reason);
+    AppError::bad_request(format!("invalid body: {reason}"))
 }
 
 /// Parses JSON text into a value, refusing an object that names one member twice, exactly or in
@@ -390,7 +412,8 @@ fn parse_unique(bytes: &[u8], fields: &'static [&'static str]) -> Result<Value, 
     match parsed {
         Ok(value) => Ok(value),
         Err(error) if error.classify() == serde_json::error::Category::Data => {
-            // Only the repeated-member check raises a data error while building a `Value`.
+            // Only the repeated-member check (and a number's text serde_json itself scanned,
+            // which always parses) raises a data error while building a `Value`.
             let message = error.to_string();
             let reason = message
                 .rsplit_once(" at line ")
@@ -480,10 +503,14 @@ impl<'de> serde::de::Visitor<'de> for UniqueMembersVisitor {
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut object = Map::new();
+        let mut first = true;
         // A B-tree: a body's objects are small, and it needs neither hashing nor a random seed,
         // while a large object still costs log n per name.
         let mut folded_names = std::collections::BTreeSet::new();
         while let Some(mut name) = map.next_key::<String>()? {
+            if std::mem::take(&mut first) && name == NUMBER_TOKEN {
+                return written_number(&mut map);
+            }
             if !folded_names.insert(folded(&name)) {
                 return Err(serde::de::Error::custom(format!(
                     "property '{}' is given more than once",
@@ -499,6 +526,20 @@ impl<'de> serde::de::Visitor<'de> for UniqueMembersVisitor {
         }
         Ok(Value::Object(object))
     }
+}
+
+/// The one member name of the map serde_json's reader hands over for a number that it keeps as
+/// written (`arbitrary_precision`: a fraction, an exponent, or an integer beyond 64 bits); the
+/// member's value is the number's text. serde_json's own `Value` reads the same name so: an
+/// object of that one member in a client's JSON reads as a number too, as it does there.
+const NUMBER_TOKEN: &str = "$serde_json::private::Number";
+
+/// The number whose text is the value of the map's [`NUMBER_TOKEN`] member, every digit kept.
+fn written_number<'de, A: serde::de::MapAccess<'de>>(map: &mut A) -> Result<Value, A::Error> {
+    let text: String = map.next_value()?;
+    text.parse::<serde_json::Number>()
+        .map(Value::Number)
+        .map_err(serde::de::Error::custom)
 }
 
 /// A name in lower case, for comparing names case-insensitively; ASCII names (nearly all) skip
@@ -622,6 +663,36 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
+    }
+
+    #[test]
+    fn a_bodys_numbers_keep_every_digit_as_written() {
+        let text = r#"{"a":123456789012345678901234567890,"b":[12.30,9007199254740993],"c":{"d":1.5e-7,"e":-0}}"#;
+        let value = parse_unique_members(text.as_bytes()).unwrap();
+        assert_eq!(value.to_string(), text);
+    }
+
+    #[test]
+    fn a_number_that_does_not_fit_its_member_is_named_as_the_text_reader_names_it() {
+        let detail = |amount: &str| {
+            let body = format!(r#"{{"messageId":"a","amount":{amount}}}"#);
+            match parse_body::<Probe>(body.as_bytes()) {
+                Err(AppError::BadRequest(detail)) => detail,
+                other => panic!("not a bad request: {other:?}"),
+            }
+        };
+        assert_eq!(
+            detail("2.5"),
+            "invalid body: invalid type: floating point `2.5`, expected i32"
+        );
+        assert_eq!(
+            detail("123456789012345678901234567890"),
+            "invalid body: invalid type: floating point `1.2345678901234568e+29`, expected i32"
+        );
+        assert_eq!(
+            detail("9007199254740993"),
+            "invalid body: invalid value: integer `9007199254740993`, expected i32"
+        );
     }
 
     #[test]

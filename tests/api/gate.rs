@@ -23,9 +23,9 @@ use crate::helpers::{command, poll_until_within};
 use crate::https::HttpsClient;
 
 /// The output stream's subjects and name, and the input's, as the test's config sets them.
-const OUTPUT_PREFIX: &str = "gate.out";
-const OUTPUT_STREAM: &str = "GATE_OUT";
-const INPUT_PREFIX: &str = "gate.in";
+pub(crate) const OUTPUT_PREFIX: &str = "gate.out";
+pub(crate) const OUTPUT_STREAM: &str = "GATE_OUT";
+pub(crate) const INPUT_PREFIX: &str = "gate.in";
 const INPUT_STREAM: &str = "GATE_IN";
 
 const PLACED_SCHEMA: &str = r#"{
@@ -50,13 +50,13 @@ const SHIPPED_SCHEMA: &str = r#"{
 
 /// A self-signed certificate for 127.0.0.1 and localhost, and an HTTPS client that trusts only
 /// it.
-struct Certificate {
+pub(crate) struct Certificate {
     certificate_pem: String,
     key_pem: String,
 }
 
 impl Certificate {
-    fn new() -> Certificate {
+    pub(crate) fn new() -> Certificate {
         let made = rcgen::generate_simple_self_signed(vec![
             "127.0.0.1".to_owned(),
             "localhost".to_owned(),
@@ -68,18 +68,18 @@ impl Certificate {
         }
     }
 
-    fn client(&self) -> HttpsClient {
+    pub(crate) fn client(&self) -> HttpsClient {
         HttpsClient::trusting(&self.certificate_pem)
     }
 }
 
 /// The gate's directory: its configuration, schemas, certificate and database.
-struct GateFiles {
+pub(crate) struct GateFiles {
     dir: TempDir,
 }
 
 impl GateFiles {
-    fn new(certificate: &Certificate, nats: &NatsServer) -> GateFiles {
+    pub(crate) fn new(certificate: &Certificate, nats: &NatsServer) -> GateFiles {
         let dir = tempfile::tempdir().expect("a temp dir");
         let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
         write("placed.json", PLACED_SCHEMA);
@@ -126,7 +126,7 @@ schema = "shipped.json"
 
     /// The same files with the store in the PostgreSQL database whose URL is in
     /// `GATE_DATABASE_URL`.
-    fn on_postgres(self) -> GateFiles {
+    pub(crate) fn on_postgres(self) -> GateFiles {
         let text = std::fs::read_to_string(self.config()).unwrap();
         let text = text.replace(
             "sqlite = \"gate.db\"",
@@ -136,11 +136,11 @@ schema = "shipped.json"
         self
     }
 
-    fn config(&self) -> PathBuf {
+    pub(crate) fn config(&self) -> PathBuf {
         self.dir.path().join("gate.toml")
     }
 
-    fn database(&self) -> PathBuf {
+    pub(crate) fn database(&self) -> PathBuf {
         self.dir.path().join("gate.db")
     }
 }
@@ -160,7 +160,7 @@ impl GateProcess {
     }
 
     /// [`GateProcess::start`] with environment variables for the process.
-    fn start_with_env(config: &Path, env: &[(&str, &str)]) -> GateProcess {
+    pub(crate) fn start_with_env(config: &Path, env: &[(&str, &str)]) -> GateProcess {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -223,13 +223,13 @@ pub(crate) fn add_operator(database: &Path, name: &str) -> String {
 
 /// One producer: its name, token and session epoch.
 #[derive(Clone)]
-struct Producer {
-    name: String,
-    token: String,
-    epoch: i64,
+pub(crate) struct Producer {
+    pub(crate) name: String,
+    pub(crate) token: String,
+    pub(crate) epoch: i64,
 }
 
-async fn add_producer(
+pub(crate) async fn add_producer(
     client: &HttpsClient,
     gate: &GateProcess,
     operator: &str,
@@ -467,7 +467,7 @@ async fn published_rows(client: &HttpsClient, gate: &GateProcess) -> Option<u64>
         .and_then(|count| count.trim().parse().ok())
 }
 
-async fn output_count(js: &jetstream::Context) -> u64 {
+pub(crate) async fn output_count(js: &jetstream::Context) -> u64 {
     match js.get_stream(OUTPUT_STREAM).await {
         Ok(mut stream) => stream
             .info()

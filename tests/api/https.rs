@@ -96,6 +96,12 @@ impl RequestBuilder {
         self.header(header::CONTENT_TYPE.as_str(), "application/json")
     }
 
+    /// A JSON body sent as the text given, byte for byte.
+    pub fn json_text(mut self, text: &str) -> RequestBuilder {
+        self.body = Some(text.as_bytes().to_vec());
+        self.header(header::CONTENT_TYPE.as_str(), "application/json")
+    }
+
     /// Sends the request on a new TLS connection and reads the whole answer (30 s at most).
     pub async fn send(self) -> Result<Response, Error> {
         tokio::time::timeout(Duration::from_secs(30), self.exchange()).await?

@@ -27,6 +27,7 @@ mod messaging;
 mod openapi;
 mod operating;
 mod ordered;
+mod payload_numbers;
 mod pipeline;
 mod privacy;
 mod producers;

@@ -20,10 +20,15 @@
 //! - no insignificant whitespace;
 //! - strings as `serde_json` escapes them (only `"`, `\` and control characters; no `\u`
 //!   escapes for other characters);
-//! - numbers as parsed: an integer that fits 64 bits prints as that integer; any other number
-//!   as the shortest text that reads back as the same `f64`. So `1.0` and `1.00` are one content,
-//!   `1` and `1.0` are two, `-0` reads as `-0.0`, and digits beyond an `f64`'s precision are not
-//!   kept.
+//! - numbers exactly as written: the crate reads JSON with `serde_json`'s `arbitrary_precision`,
+//!   so a number keeps its text, every digit of it, however long. Two numbers are one content
+//!   only when they are written alike: `12.30` and `12.3` are two contents (a decimal reader
+//!   such as .NET's `decimal` keeps the scale, so they are not the same to every consumer),
+//!   and so are `1e2` and `100`, and `0` and `-0`; a change in the 30th digit of a 30-digit
+//!   integer is a change of content. Only the exponent's spelling is one form: `1E2`, `1e2` and
+//!   `1e+2` are all `1e+2` (the letter's case and the `+` are notation in JSON's grammar, as
+//!   whitespace is). A producer that sends one message again sends the same number text, which
+//!   a serializer does for the same value.
 //!
 //! A handler may define its own equivalence by overriding [`Check::canonical`]: whatever text it
 //! returns is what is stored and compared (for example a fixed member order that an older
@@ -160,12 +165,42 @@ mod tests {
     }
 
     #[test]
-    fn numbers_are_one_content_only_when_they_parse_to_the_same_number() {
+    fn numbers_keep_every_digit_as_written() {
         let text = |raw: &str| canonical_json(&serde_json::from_str(raw).unwrap());
-        assert_eq!(text("1.0"), text("1.00"));
+        for written in [
+            "123456789012345678901234567890",
+            "-123456789012345678901234567890",
+            "9007199254740993",
+            "12.30",
+            "1.50e-7",
+            "-0",
+            "0.1000000000000000000000001",
+        ] {
+            assert_eq!(text(written), written);
+        }
+        // The exponent's letter and its `+` are spelling: one form for each.
+        for written in ["1e2", "1E2", "1e+2", "1E+2"] {
+            assert_eq!(text(written), "1e+2");
+        }
+        assert_eq!(
+            text(r#"{ "b": 12.30, "a": [ 9007199254740993 ] }"#),
+            r#"{"a":[9007199254740993],"b":12.30}"#
+        );
+    }
+
+    #[test]
+    fn numbers_are_one_content_only_when_they_are_written_alike() {
+        let text = |raw: &str| canonical_json(&serde_json::from_str(raw).unwrap());
+        assert_ne!(
+            text("123456789012345678901234567890"),
+            text("123456789012345678901234567891")
+        );
+        assert_ne!(text("9007199254740993"), text("9007199254740992"));
+        assert_ne!(text("12.30"), text("12.3"));
+        assert_ne!(text("1e2"), text("100"));
+        assert_eq!(text("1E2"), text("1e+2"));
         assert_ne!(text("1"), text("1.0"));
-        assert_eq!(text("1e2"), "100.0");
-        assert_eq!(text("-0"), "-0.0");
+        assert_eq!(text(r#"{"a": 12.30}"#), text(r#"{ "a" : 12.30 }"#));
     }
 
     #[test]
