@@ -249,11 +249,9 @@ pub struct DeliveryCredential(Option<ProducerClaim>);
 
 impl DeliveryCredential {
     /// Takes one delivery from the producer's budget (the anonymous budget for an anonymous
-    /// one): the claim, or the 429 that refuses it.
-    pub fn admit(self, access: &Access) -> Result<Option<ProducerClaim>, Response> {
-        access
-            .admit(self.0.as_ref().map(|claim| claim.producer.as_str()))
-            .map_err(IntoResponse::into_response)?;
+    /// one): the claim, or why it must wait.
+    pub fn admit(self, access: &Access) -> Result<Option<ProducerClaim>, RateLimited> {
+        access.admit(self.0.as_ref().map(|claim| claim.producer.as_str()))?;
         Ok(self.0)
     }
 }

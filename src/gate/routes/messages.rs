@@ -161,7 +161,7 @@ async fn deliver(
     // The producer's budget pays for well-formed deliveries only.
     let claim = match credential.admit(&access) {
         Ok(claim) => claim,
-        Err(response) => return Ok(response),
+        Err(limited) => return Ok(limited.into_response()),
     };
     let delivered = Delivered::of(&message);
     Ok(
