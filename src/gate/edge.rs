@@ -24,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::routes::PayloadLimit;
 use crate::http::body_budget::MAX_REQUEST_BODY_BYTES;
-use crate::http::error::{AppError, problem_response};
+use crate::http::error::{AppError, body_too_large, problem_response};
 use crate::http::framing::ConflictingFraming;
 use crate::http::lingering::Lingering;
 
@@ -83,11 +83,7 @@ fn refusal_from_head(request: &Request) -> Option<Response> {
         ));
     }
     let declared = declared_length(request.headers())?;
-    (declared > MAX_REQUEST_BODY_BYTES as u64).then(|| {
-        too_large(format!(
-            "the request body is larger than the gate's limit of {MAX_REQUEST_BODY_BYTES} bytes for any request"
-        ))
-    })
+    (declared > MAX_REQUEST_BODY_BYTES as u64).then(|| body_too_large().into_response())
 }
 
 /// Route middleware of the payload routes: a declared length past the gate's payload limit is
@@ -112,11 +108,6 @@ pub fn payload_too_large(PayloadLimit(limit): PayloadLimit) -> AppError {
             "the request body is larger than the gate's limit of {limit} bytes (limits.max_payload_bytes)"
         ),
     )
-}
-
-fn too_large(detail: String) -> Response {
-    AppError::problem_with_detail(StatusCode::PAYLOAD_TOO_LARGE, "Content Too Large", detail)
-        .into_response()
 }
 
 /// The request's `Content-Length` (hyper refuses a malformed one, or two that differ).

@@ -23,8 +23,9 @@ use hyper::body::{Body as _, Frame, SizeHint};
 
 use super::body_budget::MAX_REQUEST_BODY_BYTES;
 
-/// The most of an unread body read after its answer.
-pub const LINGER_BYTES: usize = MAX_REQUEST_BODY_BYTES;
+/// The most of an unread body read after its answer: twice the most any route reads, so that a
+/// client sending a body just past a limit still reads its 413.
+pub const LINGER_BYTES: usize = 2 * MAX_REQUEST_BODY_BYTES;
 /// The longest an unread body is read after its answer.
 pub const LINGER_TIME: Duration = Duration::from_secs(2);
 

@@ -304,6 +304,20 @@ async fn a_declared_length_past_the_payload_limit_is_answered_413_before_the_bod
     let answer = read_answer(&mut stream).await;
     assert_payload_too_large(&answer);
     assert_eq!(answer.header("connection"), Some("close"));
+    // Any route: a length past the most the server reads of any body.
+    let largest = production_lab::config::MAX_REQUEST_BODY_BYTES;
+    let mut stream = gate.connect().await;
+    let head = format!(
+        "POST /v1/producers HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        largest + 1
+    );
+    stream.write_all(head.as_bytes()).await.expect("write");
+    let answer = read_answer(&mut stream).await;
+    assert_eq!(answer.status, 413, "{answer:?}");
+    assert!(
+        answer.detail().contains(&format!("{largest} bytes")),
+        "{answer:?}"
+    );
     gate.stop().await;
 }
 
