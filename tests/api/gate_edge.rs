@@ -450,6 +450,11 @@ async fn a_request_with_both_content_length_and_transfer_encoding_is_refused_400
     let answer = read_answer(&mut stream).await;
     assert_eq!(answer.status, 200, "{answer:?}");
     assert_eq!(answer.json()["outcome"], "applied", "{answer:?}");
+    assert_ne!(
+        answer.header("connection"),
+        Some("close"),
+        "a body read whole keeps its connection"
+    );
     gate.stop().await;
 }
 
