@@ -398,7 +398,8 @@ fn gate_message(aggregate_id: String, body: &[u8]) -> Result<OrderedMessage, Str
 
 /// The `/v1` routes, the health routes and the console, one document describing them all (every
 /// route goes through `routes!`), behind the edge middleware (request ids, the request line,
-/// HTTP metrics, bare statuses as problems) without any lab's.
+/// HTTP metrics, bare statuses as problems) without any lab's, and the gate's own edge
+/// (refusals from the head, unread bodies drained, HSTS and `no-store`).
 fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) -> Router {
     let state = gate_state(config, stores, background);
     let published = state.document();
@@ -421,10 +422,18 @@ fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) ->
         Some(proxy) => router.layer(middleware::from_fn_with_state(proxy, only_from_proxy)),
         None => router,
     };
-    router.layer(middleware::from_fn_with_state(
-        edge,
-        crate::observe::http::edge,
-    ))
+    let gate_edge = super::edge::GateEdge {
+        https: config.tls.is_some(),
+    };
+    router
+        .layer(middleware::from_fn_with_state(
+            gate_edge,
+            super::edge::gate_edge,
+        ))
+        .layer(middleware::from_fn_with_state(
+            edge,
+            crate::observe::http::edge,
+        ))
 }
 
 /// What the `/v1` routes share: the observed inbox, the output, the credentials and budgets,

@@ -238,32 +238,63 @@ pub fn producer_unauthorized(detail: impl Into<String>) -> Response {
     unauthorized(PRODUCER_REQUIRED, detail)
 }
 
-/// Who makes a delivery: `Ok(None)` anonymous (only when the gate allows anonymous writes),
-/// the producer and its session's epoch when it carries a producer's token and one
-/// `Producer-Epoch`, or the answer that refuses it. The producer's budget is taken here too.
-pub async fn delivery_claim(
+/// Who makes a delivery, read from the request's head as an extractor, so that a delivery
+/// without a valid credential is answered before its body is read (a client without one cannot
+/// hold a connection by trickling a body): anonymous (only when the gate allows anonymous
+/// writes), or the producer and its session's epoch when it carries a producer's token and one
+/// `Producer-Epoch`. The producer's budget is taken once the body is known to be well formed
+/// ([`DeliveryCredential::admit`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryCredential(Option<ProducerClaim>);
+
+impl DeliveryCredential {
+    /// Takes one delivery from the producer's budget (the anonymous budget for an anonymous
+    /// one): the claim, or why it must wait.
+    pub fn admit(self, access: &Access) -> Result<Option<ProducerClaim>, RateLimited> {
+        access.admit(self.0.as_ref().map(|claim| claim.producer.as_str()))?;
+        Ok(self.0)
+    }
+}
+
+impl<S> FromRequestParts<S> for DeliveryCredential
+where
+    S: Send + Sync,
+    Access: FromRef<S>,
+    SharedInbox: FromRef<S>,
+{
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let access = Access::from_ref(state);
+        let inbox = SharedInbox::from_ref(state);
+        delivery_claim(&access, &inbox, &parts.headers)
+            .await
+            .map(DeliveryCredential)
+    }
+}
+
+/// The claim of a delivery's credential, or the answer that refuses it.
+async fn delivery_claim(
     access: &Access,
     inbox: &SharedInbox,
     headers: &HeaderMap,
 ) -> Result<Option<ProducerClaim>, Response> {
-    let claim = match credential(headers).map_err(IntoResponse::into_response)? {
-        Credential::Missing if access.inner.anonymous_writes => None,
-        Credential::Missing => {
-            return Err(producer_unauthorized(
-                "anonymous writes are off at this gate: deliver with a producer's token (Authorization: Bearer TOKEN) and Producer-Epoch",
-            ));
-        }
-        Credential::Unusable => {
-            return Err(producer_unauthorized(
-                "the Authorization header must be Bearer TOKEN with a producer's token",
-            ));
-        }
-        Credential::Bearer(token) => Some(producer_of(inbox, token, headers).await?),
-    };
-    access
-        .admit(claim.as_ref().map(|claim| claim.producer.as_str()))
-        .map_err(IntoResponse::into_response)?;
-    Ok(claim)
+    Ok(
+        match credential(headers).map_err(IntoResponse::into_response)? {
+            Credential::Missing if access.inner.anonymous_writes => None,
+            Credential::Missing => {
+                return Err(producer_unauthorized(
+                    "anonymous writes are off at this gate: deliver with a producer's token (Authorization: Bearer TOKEN) and Producer-Epoch",
+                ));
+            }
+            Credential::Unusable => {
+                return Err(producer_unauthorized(
+                    "the Authorization header must be Bearer TOKEN with a producer's token",
+                ));
+            }
+            Credential::Bearer(token) => Some(producer_of(inbox, token, headers).await?),
+        },
+    )
 }
 
 /// The active producer `token` belongs to, with the epoch its delivery names.

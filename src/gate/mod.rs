@@ -16,6 +16,8 @@
 //! - [`publisher`]: the in-process relay from the output table to JetStream;
 //! - [`auth`]: producer, reader and operator credentials as extractors; producers' rate limits;
 //! - [`routes`]: the `/v1` routes and their OpenAPI document;
+//! - [`edge`]: what is refused from a request's head (conflicting framing, a declared length
+//!   past the limit), unread bodies drained, HSTS and `no-store` on the way out;
 //! - [`health`]: `/live`, `/ready` and `/metrics`, without a token;
 //! - [`console`]: the operator's console, static pages calling the `/v1` routes with a token;
 //! - [`app`]: `GateApplication::build` and its run until SIGTERM.
@@ -24,6 +26,7 @@ pub mod app;
 pub mod auth;
 pub mod config;
 pub mod console;
+pub mod edge;
 pub mod handler;
 pub mod health;
 pub mod output;

@@ -309,19 +309,24 @@ where
     }
 }
 
+/// 413: a body past the most the server reads of any body.
+pub fn body_too_large() -> AppError {
+    AppError::Problem {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        title: "Content Too Large".to_owned(),
+        detail: Some(format!(
+            "the request body is larger than the limit of {} bytes",
+            crate::http::body_budget::MAX_REQUEST_BODY_BYTES
+        )),
+    }
+}
+
 /// Why a body could not be read: too large (413), not complete within the body-read timeout
 /// (408, and the connection is closed), no room in the server's body budget (503), or anything
 /// else the client broke (400).
 fn body_rejection(rejection: BytesRejection) -> AppError {
     if let BytesRejection::FailedToBufferBody(FailedToBufferBody::LengthLimitError(_)) = rejection {
-        return AppError::Problem {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
-            title: "Content Too Large".to_owned(),
-            detail: Some(format!(
-                "the request body is larger than the limit of {} bytes",
-                crate::http::body_budget::MAX_REQUEST_BODY_BYTES
-            )),
-        };
+        return body_too_large();
     }
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&rejection);
     while let Some(error) = cause {

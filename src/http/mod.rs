@@ -11,6 +11,8 @@ pub mod credential;
 pub mod dotnet_json;
 pub mod error;
 pub mod etag;
+pub mod framing;
+pub mod lingering;
 pub mod openapi;
 pub mod pages;
 pub mod producer_epoch;

@@ -21,6 +21,10 @@
 //! Request bodies are buffered whole, within a global budget of bytes being received
 //! ([`super::body_budget`]).
 //!
+//! The bytes of each request head are kept as they arrive, so that a chunked request whose head
+//! also declared a `Content-Length` (which hyper reads as chunked, dropping the length) carries
+//! [`super::framing::ConflictingFraming`] for the router to refuse.
+//!
 //! Over TLS ([`serve_tls`]) a connection's handshake is part of its first head phase: it takes a
 //! place in the count at accept, must finish (with the request head after it) within the
 //! header-read timeout, and can be evicted like any waiting connection. A failed handshake
@@ -56,6 +60,7 @@ use tower::ServiceExt;
 use tower_http::timeout::DeadlineBody;
 
 use super::body_budget::{BodyBudget, Budgeted, MAX_REQUEST_BODY_BYTES};
+use super::framing::{ConflictingFraming, HeadRecord};
 use super::tls::ReloadingTls;
 use crate::config::ConnectionLimits;
 use crate::http::error::problem_response;
@@ -255,6 +260,7 @@ async fn serve_connection<S>(
         let phase = service_phase.clone();
         let budget = budget.clone();
         async move {
+            let head = phase.take_head();
             let serving = phase.request_started();
             let mut request = request.map(|body| {
                 Body::new(DeadlineBody::new(
@@ -263,6 +269,10 @@ async fn serve_connection<S>(
                 ))
             });
             request.extensions_mut().insert(ConnectInfo(peer));
+            // hyper keeps `Transfer-Encoding` and drops a `Content-Length` beside it.
+            if request.headers().contains_key(header::TRANSFER_ENCODING) && head.declares_length() {
+                request.extensions_mut().insert(ConflictingFraming);
+            }
             let response = match router.oneshot(request).await {
                 Ok(response) => response,
                 Err(never) => match never {},
@@ -365,6 +375,8 @@ struct Phase {
     state: Mutex<State>,
     changed: Notify,
     limits: ConnectionLimits,
+    /// The bytes received while reading the current request's head.
+    head: Mutex<HeadRecord>,
 }
 
 impl Phase {
@@ -377,6 +389,7 @@ impl Phase {
             }),
             changed: Notify::new(),
             limits,
+            head: Mutex::new(HeadRecord::default()),
         }
     }
 
@@ -387,18 +400,36 @@ impl Phase {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Bytes arrived: an idle connection starts reading a head, against the header deadline.
-    fn bytes_arrived(&self) {
+    /// `bytes` arrived: an idle connection starts reading a head, against the header deadline;
+    /// while a head is being read they are kept.
+    fn bytes_arrived(&self, bytes: &[u8]) {
         let mut state = self.lock();
-        if let State::Idle { .. } = *state {
-            let now = Instant::now();
-            *state = State::Head {
-                since: now,
-                deadline: now + self.limits.header_read_timeout,
-            };
-            drop(state);
-            self.changed.notify_one();
+        match *state {
+            State::Idle { .. } => {
+                let now = Instant::now();
+                *state = State::Head {
+                    since: now,
+                    deadline: now + self.limits.header_read_timeout,
+                };
+                drop(state);
+                self.changed.notify_one();
+            }
+            State::Head { .. } => drop(state),
+            State::Busy | State::Evicted => return,
         }
+        self.lock_head().record(bytes);
+    }
+
+    fn lock_head(&self) -> MutexGuard<'_, HeadRecord> {
+        // Plain bytes: a panic elsewhere cannot leave them half written.
+        self.head
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The bytes kept of the head hyper just parsed; the next head starts a new record.
+    fn take_head(&self) -> HeadRecord {
+        std::mem::take(&mut *self.lock_head())
     }
 
     /// The request head is complete and the router takes over.
@@ -566,7 +597,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Observed<S> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.phase.bytes_arrived();
+            self.phase.bytes_arrived(&buf.filled()[before..]);
         }
         polled
     }
@@ -665,12 +696,17 @@ mod tests {
         assert!(matches!(*phase.lock(), State::Head { .. }));
         drop(phase.request_started());
         assert!(matches!(*phase.lock(), State::Idle { .. }));
-        phase.bytes_arrived();
+        phase.bytes_arrived(b"GET / HTTP/1.1\r\n");
         assert!(matches!(*phase.lock(), State::Head { .. }));
-        // Bytes of a body (while busy) change nothing.
+        // Bytes of a body (while busy) change nothing, and are not kept as a head.
         let serving = phase.request_started();
-        phase.bytes_arrived();
+        phase.bytes_arrived(b"Content-Length: 1\r\n\r\n");
         assert!(matches!(*phase.lock(), State::Busy));
         drop(serving);
+        phase.bytes_arrived(b"Host: a\r\n\r\n");
+        assert!(
+            !phase.take_head().declares_length(),
+            "only bytes that arrived while a head was read are kept"
+        );
     }
 }

@@ -14,7 +14,8 @@ use utoipa_axum::routes;
 
 use super::PayloadLimit;
 use super::verdicts::{DeliveryAccepted, DeliveryRefused, Quarantined, refused, verdict_response};
-use crate::gate::auth::{Access, active_producer, delivery_claim, producer_unauthorized};
+use crate::gate::auth::{Access, DeliveryCredential, active_producer, producer_unauthorized};
+use crate::gate::edge::{payload_too_large, refuse_declared_oversize};
 use crate::http::credential::{Credential, credential};
 use crate::http::error::{AppError, Json, Path, RequestBody, json_response};
 use crate::inbox::SharedInbox;
@@ -34,6 +35,10 @@ where
     OpenApiRouter::new()
         .routes(routes!(deliver))
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn_with_state(
+            PayloadLimit(body_limit),
+            refuse_declared_oversize,
+        ))
         .routes(routes!(session))
 }
 
@@ -104,17 +109,11 @@ pub(super) fn validate_type(name: &str, message_type: &str) -> Result<(), AppErr
 /// A body over the gate's limit: 413 naming the limit the configuration sets.
 pub(super) fn within_limit<T>(
     body: Result<Json<T>, AppError>,
-    PayloadLimit(limit): PayloadLimit,
+    limit: PayloadLimit,
 ) -> Result<Json<T>, AppError> {
     body.map_err(|error| match error {
         AppError::Problem { status, .. } if status == StatusCode::PAYLOAD_TOO_LARGE => {
-            AppError::problem_with_detail(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "Content Too Large",
-                format!(
-                    "the request body is larger than the gate's limit of {limit} bytes (limits.max_payload_bytes)"
-                ),
-            )
+            payload_too_large(limit)
         }
         other => other,
     })
@@ -152,16 +151,17 @@ async fn deliver(
     State(access): State<Access>,
     State(limit): State<PayloadLimit>,
     Path(aggregate_id): Path<String>,
-    headers: HeaderMap,
+    // Who sends it, from the head: without a valid credential the body is never read.
+    credential: DeliveryCredential,
     body: Result<Json<GateMessageInput>, AppError>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
-    // The request's shape first (a delivery's body is no secret), then who sends it.
     let Json(input) = within_limit(body, limit)?;
     let message = input.validate(aggregate_id)?;
-    let claim = match delivery_claim(&access, &inbox, &headers).await {
+    // The producer's budget pays for well-formed deliveries only.
+    let claim = match credential.admit(&access) {
         Ok(claim) => claim,
-        Err(response) => return Ok(response),
+        Err(limited) => return Ok(limited.into_response()),
     };
     let delivered = Delivered::of(&message);
     Ok(

@@ -45,6 +45,10 @@ where
         .routes(routes!(resolve_dead_letter))
         .routes(routes!(resolve_gap))
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn_with_state(
+            PayloadLimit(body_limit),
+            crate::gate::edge::refuse_declared_oversize,
+        ))
 }
 
 /// An operator's decision on a dead letter. Names bind case-insensitively.
