@@ -1239,6 +1239,16 @@ mod tests {
                 held: 9,
                 limit: 9
             }),
+            Action::Wait
+        );
+        assert_eq!(action_for(&Outcome::Gap { expected: 1 }), Action::Wait);
+        assert_eq!(
+            action_for(&Outcome::QuarantineFull {
+                expected: 1,
+                open: 9,
+                limit: 9,
+                reason: ordered_inbox::QuarantineReason::new("poison"),
+            }),
             Action::Nak
         );
         assert_eq!(back_off(Duration::from_secs(1), 1), Duration::from_secs(1));
