@@ -242,13 +242,7 @@ async fn consume_through_server(
     options: &BrokerBenchOptions,
     messages: &[&OrderedMessage],
 ) -> Result<ConsumedRun, BenchError> {
-    let extra = [
-        "--nats".to_owned(),
-        nats.url.clone(),
-        "--nats-batch".to_owned(),
-        options.batch.to_string(),
-    ];
-    let server = ServerUnderTest::start_with(options.synchronous, 1, &extra)?;
+    let server = consuming_server(nats, options.synchronous, options.batch)?;
     let reader = open_reader(&server.database)?;
     let progress = Progress::start(
         "bench broker: applied from the stream",
@@ -278,6 +272,21 @@ async fn consume_through_server(
         consumed,
         peak_rss_kib,
     })
+}
+
+/// A lab server consuming from `nats` (`serve --nats`) in batches of `batch`.
+pub(super) fn consuming_server(
+    nats: &NatsServer,
+    synchronous: Synchronous,
+    batch: usize,
+) -> Result<ServerUnderTest, BenchError> {
+    let extra = [
+        "--nats".to_owned(),
+        nats.url.clone(),
+        "--nats-batch".to_owned(),
+        batch.to_string(),
+    ];
+    Ok(ServerUnderTest::start_with(synchronous, 1, &extra)?)
 }
 
 /// `GET /broker`'s counters: the batches the consumer fetched and the messages in them.

@@ -17,7 +17,7 @@ use serde::Serialize;
 use super::database::{applied_at_ms, latencies_between, open_reader};
 use super::{BenchError, ledger_message, max_ms, percentile, require_positive};
 use crate::nats::NatsServer;
-use crate::server::{ServerUnderTest, Synchronous, synchronous_flag};
+use crate::server::{Synchronous, synchronous_flag};
 
 const FLOODED: &str = "flooded";
 const OTHER: &str = "other";
@@ -85,13 +85,7 @@ pub async fn run(options: &FloodBenchOptions) -> Result<FloodReport, BenchError>
     require_positive(&[options.early, options.batch], "early and batch")?;
     let nats = NatsServer::start(None)?;
     let context = jetstream::new(nats.connect().await?);
-    let extra = [
-        "--nats".to_owned(),
-        nats.url.clone(),
-        "--nats-batch".to_owned(),
-        options.batch.to_string(),
-    ];
-    let server = ServerUnderTest::start_with(options.synchronous, 1, &extra)?;
+    let server = super::broker::consuming_server(&nats, options.synchronous, options.batch)?;
     let reader = open_reader(&server.database)?;
     let (flood, others) = flood_and_others(options.early);
 
