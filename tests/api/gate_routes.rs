@@ -680,7 +680,10 @@ async fn skip_as_operator(gate: &TestGate, path: &str, decision: Value) -> (u16,
         .await;
     assert_eq!(status, 200, "{resolved}");
     let id = resolved["resolutionId"].as_i64();
-    (status, id.unwrap_or_else(|| panic!("a resolution id: {resolved}")))
+    (
+        status,
+        id.unwrap_or_else(|| panic!("a resolution id: {resolved}")),
+    )
 }
 
 async fn a_dead_letters_skip_and_a_gap_skip_of_three_come_out_as_skip_markers_in_the_applied_feed(
@@ -708,10 +711,18 @@ async fn a_dead_letters_skip_and_a_gap_skip_of_three_come_out_as_skip_markers_in
     )
     .await;
     let (status, body) = gate.deliver(&producer, "a-1", &placed("a-1", 6, 5)).await;
-    assert_eq!((status, body["outcome"].as_str()), (200, Some("applied")), "{body}");
+    assert_eq!(
+        (status, body["outcome"].as_str()),
+        (200, Some("applied")),
+        "{body}"
+    );
     // A late message for a skipped sequence is still stale, naming the skip.
     let (status, late) = gate.deliver(&producer, "a-1", &placed("a-1", 4, 5)).await;
-    assert_eq!((status, late["outcome"].as_str()), (409, Some("stale")), "{late}");
+    assert_eq!(
+        (status, late["outcome"].as_str()),
+        (409, Some("stale")),
+        "{late}"
+    );
     assert_eq!(late["skippedBy"], gap_skip, "{late}");
 
     let (_, feed) = gate.read("/v1/aggregates/a-1/applied?limit=1000").await;
@@ -723,15 +734,28 @@ async fn a_dead_letters_skip_and_a_gap_skip_of_three_come_out_as_skip_markers_in
         .collect();
     assert_eq!(
         types,
-        [PLACED, "gate.skipped", "gate.skipped", "gate.skipped", "gate.skipped", PLACED]
+        [
+            PLACED,
+            "gate.skipped",
+            "gate.skipped",
+            "gate.skipped",
+            "gate.skipped",
+            PLACED
+        ]
     );
-    assert_eq!(messages[1]["messageId"], format!("skip:{dead_letter_skip}:2"));
+    assert_eq!(
+        messages[1]["messageId"],
+        format!("skip:{dead_letter_skip}:2")
+    );
     assert_eq!(
         messages[1]["payload"],
         json!({"resolutionId": dead_letter_skip, "operator": "ops", "reason": "a test order"})
     );
     for (index, sequence) in [(2, 3), (3, 4), (4, 5)] {
-        assert_eq!(messages[index]["messageId"], format!("skip:{gap_skip}:{sequence}"));
+        assert_eq!(
+            messages[index]["messageId"],
+            format!("skip:{gap_skip}:{sequence}")
+        );
         assert_eq!(
             messages[index]["payload"],
             json!({"resolutionId": gap_skip, "operator": "ops", "reason": "lost upstream"})
