@@ -3,6 +3,11 @@
 //! otherwise), and applying it writes its output row (`gate_output`) beside the inbox's rows,
 //! so both commit together or not at all.
 //!
+//! A sequence an operator skipped (a dead letter's skip, each sequence of a gap skip) writes an
+//! output row too, of type [`SKIPPED_TYPE`], in the resolution's transaction: the output then
+//! carries every sequence of an aggregate exactly once, and a downstream tells a deliberate skip
+//! from a loss.
+//!
 //! The applied event's detail is `{"type": T}`, the quarantined event's is `{"reason": …,
 //! "type": T}`; the state of an aggregate (a resolution's audit row) is `{"emitted": n}`, the
 //! count of its output rows.
@@ -13,7 +18,8 @@ use async_trait::async_trait;
 use ordered_inbox::postgres::{HandlerClient, PostgresHandler};
 use ordered_inbox::sqlite::{SqliteHandler, WriterConnection};
 use ordered_inbox::{
-    ApplyOutcome, Check, Detail, HandlerError, OrderedMessage, Poison, canonical_json, clock,
+    ApplyOutcome, Check, Detail, HandlerError, OrderedMessage, Poison, SkippedSequences,
+    canonical_json, clock,
 };
 use rusqlite::Connection;
 use serde_json::{Value, json};
@@ -39,6 +45,22 @@ const POSTGRES_INSERT_MANY: &str = "
 INSERT INTO gate_output(aggregate_id, sequence, message_id, message_type, payload, applied_at)
 SELECT a, s, m, t, p, $6
   FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::text[]) AS r(a, s, m, t, p)";
+
+/// A skip's marker rows, one per sequence of the range (`?2` through `?3`), in one statement.
+const SQLITE_INSERT_SKIPPED: &str = "
+WITH RECURSIVE skipped(sequence) AS (
+    SELECT ?2 UNION ALL SELECT sequence + 1 FROM skipped WHERE sequence < ?3
+)
+INSERT INTO gate_output(aggregate_id, sequence, message_id, message_type, payload, applied_at)
+SELECT ?1, sequence, ?4 || sequence, ?5, ?6, ?7 FROM skipped";
+/// [`SQLITE_INSERT_SKIPPED`] on PostgreSQL.
+const POSTGRES_INSERT_SKIPPED: &str = "
+INSERT INTO gate_output(aggregate_id, sequence, message_id, message_type, payload, applied_at)
+SELECT $1, sequence, $4 || sequence, $5, $6, $7 FROM generate_series($2::bigint, $3::bigint) AS sequence";
+
+/// The type of the output row that marks a sequence an operator skipped. No configured type
+/// may take this name ([`MessageTypes::compile`]).
+pub const SKIPPED_TYPE: &str = "gate.skipped";
 
 const SQLITE_EMITTED: &str = "SELECT COUNT(*) FROM gate_output WHERE aggregate_id = ?1";
 const POSTGRES_EMITTED: &str = "SELECT COUNT(*) FROM gate_output WHERE aggregate_id = $1";
@@ -111,6 +133,21 @@ impl OutputRow<'_> {
     }
 }
 
+/// A skip's marker: the message id prefix (`skip:<resolution id>:`, the sequence follows, so
+/// that a marker's id is unique and stable) and the payload, `{"operator", "reason",
+/// "resolutionId"}` in canonical JSON.
+fn skip_marker(skipped: &SkippedSequences) -> (String, String) {
+    let payload = json!({
+        "resolutionId": skipped.resolution_id,
+        "operator": skipped.operator,
+        "reason": skipped.reason,
+    });
+    (
+        format!("skip:{}:", skipped.resolution_id),
+        canonical_json(&payload),
+    )
+}
+
 /// `{"emitted": n}` of an aggregate with output rows; `None` for one without.
 fn emitted_state(count: i64) -> Option<Value> {
     (count > 0).then(|| json!({ "emitted": count }))
@@ -146,6 +183,24 @@ impl SqliteHandler for GateHandler {
             .prepare_cached(SQLITE_EMITTED)?
             .query_row([aggregate_id], |row| row.get(0))?;
         Ok(emitted_state(count))
+    }
+
+    fn skipped(
+        &self,
+        connection: &WriterConnection<'_>,
+        skipped: &SkippedSequences,
+    ) -> Result<(), HandlerError> {
+        let (id_prefix, payload) = skip_marker(skipped);
+        connection.prepared(SQLITE_INSERT_SKIPPED)?.execute((
+            &skipped.aggregate_id,
+            skipped.range.from,
+            skipped.range.through,
+            &id_prefix,
+            SKIPPED_TYPE,
+            &payload,
+            &skipped.at,
+        ))?;
+        Ok(())
     }
 }
 
@@ -229,6 +284,43 @@ impl PostgresHandler for GateHandler {
             Some(row) => Ok(emitted_state(row.try_get(0)?)),
             None => Ok(None),
         }
+    }
+
+    async fn skipped(
+        &self,
+        client: &HandlerClient,
+        skipped: &SkippedSequences,
+    ) -> Result<(), HandlerError> {
+        let (id_prefix, payload) = skip_marker(skipped);
+        let insert = client
+            .prepare_typed_cached(
+                POSTGRES_INSERT_SKIPPED,
+                &[
+                    Type::TEXT,
+                    Type::INT8,
+                    Type::INT8,
+                    Type::TEXT,
+                    Type::TEXT,
+                    Type::TEXT,
+                    Type::TEXT,
+                ],
+            )
+            .await?;
+        client
+            .execute(
+                &insert,
+                &[
+                    &skipped.aggregate_id,
+                    &skipped.range.from,
+                    &skipped.range.through,
+                    &id_prefix,
+                    &SKIPPED_TYPE,
+                    &payload,
+                    &skipped.at,
+                ],
+            )
+            .await?;
+        Ok(())
     }
 }
 
@@ -329,6 +421,28 @@ mod tests {
         );
         let valid = message(envelope("order.placed", json!({"orderId": "o-1"})));
         assert_eq!(handler().check(&valid), Ok(()));
+    }
+
+    #[test]
+    fn a_skip_marker_names_its_resolution_in_its_id_and_payload() {
+        let skipped = SkippedSequences {
+            aggregate_id: "order-1".into(),
+            range: ordered_inbox::SequenceRange {
+                from: 5,
+                through: 7,
+            },
+            resolution_id: 3,
+            operator: "alice".into(),
+            reason: "lost upstream".into(),
+            at: "2026-01-01T00:00:00.000Z".into(),
+        };
+        assert_eq!(
+            skip_marker(&skipped),
+            (
+                "skip:3:".to_owned(),
+                r#"{"operator":"alice","reason":"lost upstream","resolutionId":3}"#.to_owned()
+            )
+        );
     }
 
     #[test]

@@ -19,11 +19,15 @@ pub struct MessageTypes {
 
 impl MessageTypes {
     /// Compiles every `(type name, schema)` as draft 2020-12. The first schema that does not
-    /// compile (not a schema, or a `$ref` that cannot be resolved offline) is refused as its
-    /// type name and why.
+    /// compile (not a schema, or a `$ref` that cannot be resolved offline), or that takes the
+    /// name of the gate's skip marker, is refused as its type name and why.
     pub fn compile(types: Vec<(String, Value)>) -> Result<MessageTypes, (String, String)> {
         let mut validators = HashMap::with_capacity(types.len());
         for (name, schema) in types {
+            if name == super::handler::SKIPPED_TYPE {
+                let why = "the gate reserves this type for the marker of a skipped sequence";
+                return Err((name, why.to_owned()));
+            }
             match jsonschema::draft202012::new(&schema) {
                 Ok(validator) => {
                     validators.insert(name, validator);
@@ -151,6 +155,18 @@ mod tests {
         .expect_err("refused");
         assert_eq!(name, "broken");
         assert!(why.starts_with("the schema does not compile: "), "{why}");
+    }
+
+    #[test]
+    fn the_skip_markers_type_cannot_be_configured() {
+        let (name, why) =
+            MessageTypes::compile(vec![("gate.skipped".into(), json!({"type": "object"}))])
+                .expect_err("refused");
+        assert_eq!(name, "gate.skipped");
+        assert_eq!(
+            why,
+            "the gate reserves this type for the marker of a skipped sequence"
+        );
     }
 
     #[test]

@@ -10,7 +10,10 @@ use async_nats::jetstream::{self, consumer::DeliverPolicy, consumer::pull::Confi
 use futures_util::StreamExt;
 use ordered_inbox::postgres::{PostgresInbox, Target};
 use ordered_inbox::sqlite::{SqliteInbox, Store, Synchronous, schema};
-use ordered_inbox::{BatchDelivery, Door, Inbox, InboxError, Limits, OrderedMessage, Outcome};
+use ordered_inbox::{
+    Action, BatchDelivery, Door, GapRequest, GapResolved, Inbox, InboxError, Limits, Mode,
+    OrderedMessage, Outcome, ResolutionRequest, Resolved, SequenceRange,
+};
 use production_lab::gate::handler::{GateHandler, envelope};
 use production_lab::gate::output::{self, OutputEntry, OutputError, OutputStore};
 use production_lab::gate::publisher::Publisher;
@@ -690,4 +693,129 @@ on_both_backends!(
     a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages,
     the_publisher_publishes_each_aggregates_rows_in_order_with_their_ids,
     a_restarted_publisher_sends_unmarked_rows_again_and_the_consumer_sees_each_once,
+    a_dead_letters_skip_and_a_gap_skip_of_three_come_out_on_the_output_stream_as_markers_in_order,
 );
+
+/// `order-1` with 1 applied, 2 quarantined and skipped by the operator, 3..=5 skipped as a gap
+/// and 6 applied: the two resolutions' ids.
+async fn skip_a_dead_letter_and_a_gap_of_three(gate: &Gate) -> (i64, i64) {
+    gate.execute(
+        "INSERT INTO operators(name, token_hash, created_at) VALUES ('alice', 'hash', 't')",
+    );
+    deliver_orders(gate, "order-1", 1).await;
+    let poison = placed("order-1", 2, json!({"orderId": "o-2", "amount": -5}));
+    let outcome = deliver(gate, poison).await;
+    assert!(
+        matches!(outcome, Ok(Outcome::Quarantined { .. })),
+        "{outcome:?}"
+    );
+    let skip = ResolutionRequest {
+        producer: None,
+        dead_letter_id: "order-1-m2".into(),
+        operator: "alice".into(),
+        action: Action::Skip,
+        expected_last: 1,
+        reason: "a test order".into(),
+    };
+    let Ok(Resolved::New(skipped)) = gate.inbox.resolve(skip, Mode::Commit).await else {
+        panic!("the dead letter skipped");
+    };
+    let outcome = deliver(gate, placed("order-1", 6, order(6))).await;
+    assert!(matches!(outcome, Ok(Outcome::Gap { .. })), "{outcome:?}");
+    let gap = GapRequest {
+        aggregate_id: "order-1".into(),
+        operator: "alice".into(),
+        range: SequenceRange {
+            from: 3,
+            through: 5,
+        },
+        expected_last: 2,
+        reason: "lost upstream".into(),
+    };
+    let Ok(GapResolved::New(gap_skipped)) = gate.inbox.resolve_gap(gap, Mode::Commit).await else {
+        panic!("the gap skipped");
+    };
+    deliver_orders_from(gate, "order-1", 6, 6).await;
+    let ids = (skipped.resolution_id, gap_skipped.resolution_id);
+    (ids.0.expect("an id"), ids.1.expect("an id"))
+}
+
+async fn deliver_orders_from(gate: &Gate, aggregate: &str, from: i64, through: i64) {
+    for sequence in from..=through {
+        let outcome = deliver(gate, placed(aggregate, sequence, order(sequence))).await;
+        assert!(
+            matches!(outcome, Ok(Outcome::Applied { .. })),
+            "{outcome:?}"
+        );
+    }
+}
+
+async fn a_dead_letters_skip_and_a_gap_skip_of_three_come_out_on_the_output_stream_as_markers_in_order(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    let nats = start_nats(None);
+    let js = jetstream_of(&nats).await;
+    let (stop, wake) = start_publisher(&gate, &js).await;
+    let (dead_letter_skip, gap_skip) = skip_a_dead_letter_and_a_gap_of_three(&gate).await;
+    // A late message for a skipped sequence is still stale.
+    let late = deliver(&gate, placed("order-1", 4, order(4))).await;
+    assert!(matches!(late, Ok(Outcome::Stale { .. })), "{late:?}");
+    wake.notify_one();
+    poll_until(
+        "every row marked published",
+        || gate.pending_count(),
+        |n| *n == 0,
+    )
+    .await;
+    stop.cancel();
+    let read = read_output(&js).await;
+    assert_eq!(
+        ids_of(&read, "order-1"),
+        [
+            "order-1:1",
+            "order-1:2",
+            "order-1:3",
+            "order-1:4",
+            "order-1:5",
+            "order-1:6"
+        ]
+    );
+    let bodies: Vec<&Value> = read.iter().map(|(_, body)| body).collect();
+    let types: Vec<&str> = bodies
+        .iter()
+        .map(|body| body["type"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        types,
+        [
+            PLACED,
+            "gate.skipped",
+            "gate.skipped",
+            "gate.skipped",
+            "gate.skipped",
+            PLACED
+        ]
+    );
+    assert_eq!(
+        bodies[1],
+        &json!({"aggregateId": "order-1", "sequence": 2,
+                "messageId": format!("skip:{dead_letter_skip}:2"), "type": "gate.skipped",
+                "payload": {"resolutionId": dead_letter_skip, "operator": "alice",
+                            "reason": "a test order"}})
+    );
+    for (index, sequence) in [(2, 3), (3, 4), (4, 5)] {
+        assert_eq!(
+            bodies[index]["messageId"],
+            format!("skip:{gap_skip}:{sequence}")
+        );
+        assert_eq!(
+            bodies[index]["payload"],
+            json!({"resolutionId": gap_skip, "operator": "alice", "reason": "lost upstream"})
+        );
+    }
+    assert_eq!(
+        gate.applied_sequences("order-1", 0, 1000).await,
+        [1, 2, 3, 4, 5, 6]
+    );
+}

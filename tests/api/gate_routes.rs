@@ -329,6 +329,7 @@ on_both_backends!(
     an_operators_replacement_applies_the_quarantined_message_and_the_held_back_next_then_applies,
     the_applied_feed_long_poll_answers_as_soon_as_a_message_applies_and_after_pages_on,
     sixteen_concurrent_producer_tasks_never_see_a_5xx_and_the_feed_is_exactly_one_to_n,
+    a_dead_letters_skip_and_a_gap_skip_of_three_come_out_as_skip_markers_in_the_applied_feed,
 );
 
 #[tokio::test]
@@ -669,6 +670,97 @@ async fn an_operators_replacement_applies_the_quarantined_message_and_the_held_b
     assert_eq!(feed["messages"][0]["payload"]["amount"], 5);
     let (_, trail) = gate.read("/v1/resolutions").await;
     assert_eq!(trail["resolutions"][0]["action"], "replace", "{trail}");
+    gate.stop().await;
+}
+
+/// A skip's resolution by the operator: its status and body.
+async fn skip_as_operator(gate: &TestGate, path: &str, decision: Value) -> (u16, i64) {
+    let (status, resolved) = gate
+        .as_operator(reqwest::Method::POST, path, Some(decision))
+        .await;
+    assert_eq!(status, 200, "{resolved}");
+    let id = resolved["resolutionId"].as_i64();
+    (
+        status,
+        id.unwrap_or_else(|| panic!("a resolution id: {resolved}")),
+    )
+}
+
+async fn a_dead_letters_skip_and_a_gap_skip_of_three_come_out_as_skip_markers_in_the_applied_feed(
+    backend: Backend,
+) {
+    let gate = spawn_gate(backend, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    let (status, _) = gate.deliver(&producer, "a-1", &placed("a-1", 1, 5)).await;
+    assert_eq!(status, 200);
+    let (status, _) = gate.deliver(&producer, "a-1", &placed("a-1", 2, -5)).await;
+    assert_eq!(status, 422);
+    let (_, dead_letter_skip) = skip_as_operator(
+        &gate,
+        "/v1/deadletters/resolution?messageId=a-1-m2&producer=orders",
+        json!({"action": "skip", "expectedLast": 1, "reason": "a test order"}),
+    )
+    .await;
+    let (status, gap) = gate.deliver(&producer, "a-1", &placed("a-1", 6, 5)).await;
+    assert_eq!(status, 409, "{gap}");
+    let (_, gap_skip) = skip_as_operator(
+        &gate,
+        "/v1/aggregates/a-1/gaps/resolution",
+        json!({"action": "skip", "from": 3, "through": 5, "expectedLast": 2,
+               "reason": "lost upstream"}),
+    )
+    .await;
+    let (status, body) = gate.deliver(&producer, "a-1", &placed("a-1", 6, 5)).await;
+    assert_eq!(
+        (status, body["outcome"].as_str()),
+        (200, Some("applied")),
+        "{body}"
+    );
+    // A late message for a skipped sequence is still stale, naming the skip.
+    let (status, late) = gate.deliver(&producer, "a-1", &placed("a-1", 4, 5)).await;
+    assert_eq!(
+        (status, late["outcome"].as_str()),
+        (409, Some("stale")),
+        "{late}"
+    );
+    assert_eq!(late["skippedBy"], gap_skip, "{late}");
+
+    let (_, feed) = gate.read("/v1/aggregates/a-1/applied?limit=1000").await;
+    assert_eq!(sequences(&feed), vec![1, 2, 3, 4, 5, 6], "{feed}");
+    let messages = feed["messages"].as_array().expect("messages");
+    let types: Vec<&str> = messages
+        .iter()
+        .map(|message| message["type"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        types,
+        [
+            PLACED,
+            "gate.skipped",
+            "gate.skipped",
+            "gate.skipped",
+            "gate.skipped",
+            PLACED
+        ]
+    );
+    assert_eq!(
+        messages[1]["messageId"],
+        format!("skip:{dead_letter_skip}:2")
+    );
+    assert_eq!(
+        messages[1]["payload"],
+        json!({"resolutionId": dead_letter_skip, "operator": "ops", "reason": "a test order"})
+    );
+    for (index, sequence) in [(2, 3), (3, 4), (4, 5)] {
+        assert_eq!(
+            messages[index]["messageId"],
+            format!("skip:{gap_skip}:{sequence}")
+        );
+        assert_eq!(
+            messages[index]["payload"],
+            json!({"resolutionId": gap_skip, "operator": "ops", "reason": "lost upstream"})
+        );
+    }
     gate.stop().await;
 }
 

@@ -1,9 +1,10 @@
 //! The change plan: the rows a decision writes, as values. The core decides them; a backend
 //! writes each one as it is, in order, in the decision's transaction.
 
-use crate::model::{AggregateRow, OrderedMessage, QuarantineReason};
+use crate::model::{ActionKind, AggregateRow, OrderedMessage, QuarantineReason};
 use crate::records::{
-    AggregateOwner, GapRecord, ProducerClaim, RejectedDelivery, ResolutionRecord, TransferRecord,
+    AggregateOwner, GapRecord, ProducerClaim, RejectedDelivery, ResolutionRecord, SequenceRange,
+    SkippedSequences, TransferRecord,
 };
 use crate::timeline::TimelineEntry;
 
@@ -120,11 +121,62 @@ impl Change {
             _ => None,
         }
     }
+
+    /// The sequences this change's resolution skips, once the store numbered its audit row
+    /// `resolution_id`: a dead letter's skip takes its sequence, a gap resolution its range; a
+    /// replacement or any other change skips none.
+    pub fn skipped(&self, resolution_id: i64) -> Option<SkippedSequences> {
+        let (aggregate_id, range, operator, reason, at) = match self {
+            Change::RecordResolution(record) if record.action == ActionKind::Skip => (
+                &record.aggregate_id,
+                SequenceRange {
+                    from: record.sequence,
+                    through: record.sequence,
+                },
+                &record.operator,
+                &record.reason,
+                &record.resolved_at,
+            ),
+            Change::RecordGapResolution(record) => (
+                &record.aggregate_id,
+                record.range,
+                &record.operator,
+                &record.reason,
+                &record.resolved_at,
+            ),
+            _ => return None,
+        };
+        Some(SkippedSequences {
+            aggregate_id: aggregate_id.clone(),
+            range,
+            resolution_id,
+            operator: operator.clone(),
+            reason: reason.clone(),
+            at: at.clone(),
+        })
+    }
+
+    /// Whether writing this change may skip sequences (see [`Change::skipped`]).
+    fn skips(&self) -> bool {
+        match self {
+            Change::RecordResolution(record) => record.action == ActionKind::Skip,
+            Change::RecordGapResolution(_) => true,
+            _ => false,
+        }
+    }
 }
 
 /// A decision's outcome with the changes that record it: what a backend writes.
 pub trait Plan {
     fn changes(&self) -> &[Change];
+}
+
+/// Whether writing `changes` calls the application's handler: a change applies a message, or a
+/// resolution skips sequences (the handler hears of them).
+pub fn calls_handler(changes: &[Change]) -> bool {
+    changes
+        .iter()
+        .any(|change| change.applied_message().is_some() || change.skips())
 }
 
 /// Whether any of `changes` applies a message (so that the application's handler runs).

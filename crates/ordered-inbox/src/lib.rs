@@ -216,8 +216,8 @@ pub use model::{
 pub use producers::{TransferPlan, TransferRequest};
 pub use records::{
     AggregateOwner, DrainOutcome, DrainedMessage, GapRecord, ProducerClaim, ProducerRefusal,
-    REJECTED_KEPT, RejectedDelivery, Replacement, ResolutionRecord, SequenceRange, TransferRecord,
-    TransferRefusal,
+    REJECTED_KEPT, RejectedDelivery, Replacement, ResolutionRecord, SequenceRange,
+    SkippedSequences, TransferRecord, TransferRefusal,
 };
 pub use rejected::HeldRejection;
 pub use resolution::{

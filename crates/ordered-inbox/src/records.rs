@@ -164,6 +164,23 @@ impl SequenceRange {
     }
 }
 
+/// Sequences an operator's resolution took without a message: a dead letter's skip (one
+/// sequence) or a gap skip (its whole range). The backends hand it to the application's handler
+/// in the resolution's transaction, after its audit row is numbered, so that an application can
+/// mark the hole where a downstream would otherwise see a loss.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedSequences {
+    pub aggregate_id: String,
+    /// Every sequence of it was skipped, in order.
+    pub range: SequenceRange,
+    /// The resolution's audit row.
+    pub resolution_id: i64,
+    pub operator: String,
+    pub reason: String,
+    /// When the resolution was made (the inbox's clock format).
+    pub at: String,
+}
+
 /// What happened to one held message that a gap resolution made next.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

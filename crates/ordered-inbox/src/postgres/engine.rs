@@ -281,7 +281,9 @@ pub(super) async fn decided<P: Plan, R>(
 
 /// Collects the statements of `changes` in order; at each applied message, sends the ones
 /// collected so far (after a `SAVEPOINT`) in the flight of the handler's `apply`, and records
-/// the message with the detail it reported. The rest stay pending for COMMIT.
+/// the message with the detail it reported. The rest stay pending for COMMIT. The sequences a
+/// resolution skipped go to the handler's `skipped` last, after every apply, so that no poison
+/// rolls back to a savepoint taken after them.
 async fn write_plan(
     unit: Unit<'_>,
     changes: &[Change],
@@ -290,6 +292,7 @@ async fn write_plan(
     let (client, counters) = (unit.client, unit.counters);
     let mut writes = Vec::with_capacity(changes.len() + 2);
     let mut report = Report::default();
+    let mut skipped = Vec::new();
     for change in changes {
         let detail = match change.applied_message() {
             Some(message) => match apply(unit, message, states, &mut report, &mut writes).await? {
@@ -307,11 +310,17 @@ async fn write_plan(
             }
             _ => writes_for(client, counters, change, &detail, &mut writes).await?,
         };
-        if numbered.is_some() {
+        if let Some(resolution_id) = numbered {
             report.resolution_id = numbered;
+            skipped.extend(change.skipped(resolution_id));
         }
         if let Some(message) = change.applied_message() {
             report.details.push((message.sequence, detail));
+        }
+    }
+    for sequences in &skipped {
+        if let Err(error) = unit.handler.skipped(client, sequences).await {
+            return Ok(Ran::Failed(error));
         }
     }
     Ok(Ran::Done(report, writes))

@@ -7,6 +7,7 @@ use serde_json::Value;
 use crate::content::{AcceptAll, ApplyOutcome, Check};
 use crate::error::HandlerError;
 use crate::model::OrderedMessage;
+use crate::records::SkippedSequences;
 
 /// The client a handler is given: the pooled connection of the inbox's open transaction. It
 /// dereferences to [`tokio_postgres::Client`] for every query, and keeps a cache of prepared
@@ -65,6 +66,21 @@ pub trait PostgresHandler: Check {
     ) -> Result<Option<Value>, HandlerError> {
         let _ = (client, aggregate_id);
         Ok(None)
+    }
+
+    /// Hears of sequences an operator's resolution skipped (a dead letter's skip, a gap skip),
+    /// with the client of the resolution's open transaction, after the messages it applies and
+    /// after its audit row is numbered: an application that emits one row per sequence can
+    /// write a marker for each skipped one, so that its downstream sees every sequence once.
+    /// The same rules as `apply` hold (act only through `client`, no transaction statements; it
+    /// may run again after a retry); an `Err` rolls the resolution back. Nothing by default.
+    async fn skipped(
+        &self,
+        client: &HandlerClient,
+        skipped: &SkippedSequences,
+    ) -> Result<(), HandlerError> {
+        let _ = (client, skipped);
+        Ok(())
     }
 }
 

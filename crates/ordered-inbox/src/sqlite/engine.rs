@@ -25,7 +25,7 @@ use super::handler::SqliteHandler;
 use super::store::StoreError;
 use super::views;
 use super::writes::write;
-use crate::change::{Change, Plan, applies_any};
+use crate::change::{Change, Plan, calls_handler};
 use crate::content::{ApplyOutcome, Detail, Poison};
 use crate::delivery::{Context, Outcome, decide_delivery, decide_producer_delivery};
 use crate::error::{HandlerError, InboxError};
@@ -275,7 +275,7 @@ pub(super) fn decided<P: Plan, R>(
             Ok(plan) => plan,
             Err(refusal) => return Ok(Run::Refused(refusal)),
         };
-        let guard = Guard::open(unit.connection, applies_any(plan.changes()))?;
+        let guard = Guard::open(unit.connection, calls_handler(plan.changes()))?;
         match write_plan(unit, plan.changes(), states)? {
             Ran::Done(report) => {
                 guard.keep()?;
@@ -297,13 +297,16 @@ pub(super) fn decided<P: Plan, R>(
 }
 
 /// Writes `changes` in order; before each applied message is recorded, runs the handler's
-/// `apply` for it, and records the message with the detail it reported.
+/// `apply` for it, and records the message with the detail it reported. The sequences a
+/// resolution skipped go to the handler's `skipped` last, after every apply, so that no poison
+/// can roll back to a savepoint taken after them.
 fn write_plan(
     unit: Unit<'_, '_>,
     changes: &[Change],
     states: Option<&States<'_>>,
 ) -> Result<Ran, StoreError> {
     let mut report = Report::default();
+    let mut skipped = Vec::new();
     for change in changes {
         let detail = match change.applied_message() {
             Some(message) => match apply(unit, message, states, &mut report) {
@@ -324,11 +327,17 @@ fn write_plan(
             }
             _ => write(unit.connection, change, &detail)?,
         };
-        if written.is_some() {
+        if let Some(resolution_id) = written {
             report.resolution_id = written;
+            skipped.extend(change.skipped(resolution_id));
         }
         if let Some(message) = change.applied_message() {
             report.details.push((message.sequence, detail));
+        }
+    }
+    for sequences in &skipped {
+        if let Err(error) = unit.handler.skipped(unit.connection, sequences) {
+            return Ok(Ran::Failed(error));
         }
     }
     Ok(Ran::Done(report))
@@ -418,7 +427,7 @@ mod tests {
     use rusqlite::types::ValueRef;
 
     use super::super::facts::{DELIVERY_FACTS, HELD_FOR_AGGREGATE, held_for};
-    use super::super::testing::{detail, migrated, order as message, orders, unit};
+    use super::super::testing::{detail, migrated, order as message, orders, skips, unit};
     use super::super::writes::{OBSERVATION_PRUNE, append};
     use crate::model::{DeadLetterStatus, QuarantineReason};
     use crate::records::ResolutionRecord;
@@ -1184,5 +1193,31 @@ mod tests {
             ["m-1|a|1", "m-3|a|3"],
             "the drain ran the handler"
         );
+        assert_eq!(
+            skips(&connection),
+            ["a|2|1|alice|cancelled"],
+            "the handler heard of the skipped sequence, with the resolution's id"
+        );
+    }
+
+    #[test]
+    fn a_replacement_skips_nothing_and_a_dry_run_skip_tells_the_handler_nothing() {
+        let connection = blocked_with_a_held_successor();
+        let skip = ResolutionRequest {
+            producer: None,
+            dead_letter_id: "bad-2".into(),
+            operator: "alice".into(),
+            action: Action::Skip,
+            expected_last: 1,
+            reason: "cancelled".into(),
+        };
+        let writer = WriterConnection::new(&connection);
+        assert!(matches!(
+            resolve_in(unit(&writer, "t1"), &skip, Mode::DryRun),
+            Ok(Resolved::DryRun(_))
+        ));
+        assert!(skips(&connection).is_empty());
+        replace(&connection, "fix-2", 4, "t1").unwrap();
+        assert!(skips(&connection).is_empty());
     }
 }

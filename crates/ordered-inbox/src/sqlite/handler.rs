@@ -8,6 +8,7 @@ use super::connection::WriterConnection;
 use crate::content::{AcceptAll, ApplyOutcome, Check};
 use crate::error::HandlerError;
 use crate::model::OrderedMessage;
+use crate::records::SkippedSequences;
 
 /// An application's handler for the SQLite inbox: its pure [`Check`], and what applying a
 /// message does to the application's own tables.
@@ -40,6 +41,22 @@ pub trait SqliteHandler: Check {
     ) -> Result<Option<Value>, HandlerError> {
         let _ = (connection, aggregate_id);
         Ok(None)
+    }
+
+    /// Hears of sequences an operator's resolution skipped (a dead letter's skip, a gap skip),
+    /// on the writer's connection inside the resolution's transaction, after the messages it
+    /// applies and after its audit row is numbered: an application that emits one row per
+    /// sequence can write a marker for each skipped one, so that its downstream sees every
+    /// sequence once. The same rules as `apply` hold (act only through `connection`; it may run
+    /// again with the earlier run's writes rolled back); an `Err` fails the resolution, nothing
+    /// of it recorded. Nothing by default.
+    fn skipped(
+        &self,
+        connection: &WriterConnection<'_>,
+        skipped: &SkippedSequences,
+    ) -> Result<(), HandlerError> {
+        let _ = (connection, skipped);
+        Ok(())
     }
 }
 

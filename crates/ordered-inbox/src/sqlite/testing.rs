@@ -7,7 +7,9 @@
 //! - `caps(aggregate_id, most)`: an order that would take the aggregate's book past `most` is
 //!   poison, found by `apply` from what it reads (after it already wrote the order's row);
 //! - `outage(aggregate_id)`: while it names the aggregate, `apply` fails (after it already wrote
-//!   the order's row).
+//!   the order's row);
+//! - `skips(aggregate_id, sequence, resolution_id, operator, reason)`: one row per sequence an
+//!   operator's resolution skipped, which `skipped` writes.
 
 use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::{Value, json};
@@ -18,6 +20,7 @@ use super::handler::SqliteHandler;
 use crate::content::{ApplyOutcome, Check, Detail, Poison};
 use crate::error::HandlerError;
 use crate::model::{Limits, OrderedMessage};
+use crate::records::SkippedSequences;
 
 /// The order book's tables.
 pub(crate) const ORDER_TABLES: &str = "
@@ -26,6 +29,9 @@ CREATE TABLE IF NOT EXISTS orders(message_id TEXT PRIMARY KEY, aggregate_id TEXT
 CREATE TABLE IF NOT EXISTS books(aggregate_id TEXT PRIMARY KEY, ordered INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS caps(aggregate_id TEXT PRIMARY KEY, most INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS outage(aggregate_id TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS skips(aggregate_id TEXT NOT NULL, sequence INTEGER NOT NULL,
+                                 resolution_id INTEGER NOT NULL, operator TEXT NOT NULL,
+                                 reason TEXT NOT NULL, PRIMARY KEY(aggregate_id, sequence));
 ";
 
 /// The order book's handler: a negative quantity is poison ([`Check`]); applying writes the
@@ -99,6 +105,52 @@ impl SqliteHandler for Orders {
             .optional()?;
         Ok(Some(json!({"ordered": ordered.unwrap_or(0)})))
     }
+
+    fn skipped(
+        &self,
+        connection: &WriterConnection<'_>,
+        skipped: &SkippedSequences,
+    ) -> Result<(), HandlerError> {
+        for sequence in skipped.range.from..=skipped.range.through {
+            connection.execute(
+                "INSERT INTO skips(aggregate_id, sequence, resolution_id, operator, reason)
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![
+                    skipped.aggregate_id,
+                    sequence,
+                    skipped.resolution_id,
+                    skipped.operator,
+                    skipped.reason
+                ],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The sequences the order book heard were skipped:
+/// `aggregate_id|sequence|resolution_id|operator|reason`, in order.
+pub(crate) fn skips(connection: &Connection) -> Vec<String> {
+    let mut statement = connection
+        .prepare(
+            "SELECT aggregate_id, sequence, resolution_id, operator, reason FROM skips
+              ORDER BY aggregate_id, sequence",
+        )
+        .expect("prepare");
+    statement
+        .query_map([], |row| {
+            Ok(format!(
+                "{}|{}|{}|{}|{}",
+                row.get::<_, String>(0)?,
+                row.get::<_, i64>(1)?,
+                row.get::<_, i64>(2)?,
+                row.get::<_, String>(3)?,
+                row.get::<_, String>(4)?
+            ))
+        })
+        .expect("query")
+        .collect::<rusqlite::Result<_>>()
+        .expect("rows")
 }
 
 pub(crate) fn detail(value: Value) -> Detail {
