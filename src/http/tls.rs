@@ -141,6 +141,11 @@ impl ReloadingTls {
         }
     }
 
+    /// Serves `config` (built by [`server_config`]) to new connections from now on.
+    pub fn install(&self, config: Arc<ServerConfig>) {
+        self.current.store(config);
+    }
+
     /// An acceptor with the configuration current now.
     pub fn acceptor(&self) -> TlsAcceptor {
         TlsAcceptor::from(self.current.load_full())
