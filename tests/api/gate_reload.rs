@@ -363,3 +363,52 @@ async fn generation_over_https(gate: &GateProcess, certificate: &Certificate) ->
     let body: Value = response.json().await.ok()?;
     body["generation"].as_u64()
 }
+
+#[tokio::test]
+async fn a_reload_whose_key_does_not_load_keeps_the_certificate_and_the_types_and_names_the_key_file()
+ {
+    let certificate = Certificate::new();
+    let files = ReloadFiles::new(&Settings {
+        tls: true,
+        ..Settings::default()
+    });
+    files.write("cert.pem", &certificate.certificate_pem);
+    files.write("key.pem", &certificate.key_pem);
+    let gate = GateProcess::start(&files.config());
+    files.write("key.pem", "not a key");
+    files.configure(&Settings {
+        tls: true,
+        shipped: true,
+        ..Settings::default()
+    });
+    gate.hang_up();
+    let log = wait_for_log(&files, "configuration not reloaded").await;
+    let refusal = log
+        .lines()
+        .find(|line| line.contains("configuration not reloaded"))
+        .expect("the refusal's line");
+    assert!(refusal.contains("tls.key"), "{refusal}");
+    assert!(
+        refusal.contains(&files.path("key.pem").display().to_string()),
+        "{refusal}"
+    );
+    assert_eq!(generation_over_https(&gate, &certificate).await, Some(1));
+    let shipped_status = certificate
+        .client()
+        .post(gate.url("/v1/aggregates/order-b/messages"))
+        .json(&json!({
+            "messageId": "order-b-1",
+            "sequence": 1,
+            "type": "order.shipped",
+            "payload": shipped(),
+        }))
+        .send()
+        .await
+        .expect("POST a message over HTTPS")
+        .status()
+        .as_u16();
+    assert_eq!(
+        shipped_status, 422,
+        "the new type of the refused file is not taken"
+    );
+}
