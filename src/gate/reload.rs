@@ -199,12 +199,12 @@ impl Reloader {
     pub fn spawn_on_sighup(self, stop: CancellationToken) -> std::io::Result<()> {
         use tokio::signal::unix::{SignalKind, signal};
         let mut hangups = signal(SignalKind::hangup())?;
+        let reloader = Arc::new(self);
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     received = hangups.recv() => match received {
-                        // Logged by reload either way.
-                        Some(()) => { let _ = self.reload(); }
+                        Some(()) => reloader.clone().reload_off_the_runtime().await,
                         None => return,
                     },
                     () = stop.cancelled() => return,
@@ -212,6 +212,15 @@ impl Reloader {
             }
         });
         Ok(())
+    }
+}
+
+impl Reloader {
+    /// [`Reloader::reload`] on a blocking thread: it reads files and compiles schemas. One
+    /// reload at a time, as the signals come.
+    async fn reload_off_the_runtime(self: Arc<Self>) {
+        // Logged by reload either way.
+        let _ = tokio::task::spawn_blocking(move || self.reload()).await;
     }
 }
 
