@@ -43,7 +43,7 @@ pub fn run(args: GateArgs) -> anyhow::Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     // Until SIGTERM or Ctrl+C.
-    runtime.block_on(production_lab::gate::app::run(config))
+    runtime.block_on(production_lab::gate::app::run(config, args.config))
 }
 
 /// Prints every mistake, one per line, and exits with status 2.

@@ -4,8 +4,10 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use axum::{Router, middleware};
 use ordered_inbox::OrderedMessage;
 use ordered_inbox::postgres::{PostgresInbox, Target};
@@ -17,10 +19,11 @@ use tokio_util::task::TaskTracker;
 
 use super::auth::{Access, DeliveryRate};
 use super::config::{GateConfig, GateNats, GateStore};
-use super::handler::GateHandler;
+use super::handler::{GateHandler, SharedTypes};
 use super::health::{self, Health};
 use super::output::{self, OutputStore};
 use super::publisher::Publisher;
+use super::reload::Reloader;
 use super::routes::{self, GateMessageInput, GateParts, GateState, RegistryStore};
 use super::schemas::MessageTypes;
 use crate::app::SHUTDOWN_GRACE;
@@ -45,6 +48,7 @@ pub struct GateApplication {
     limits: ConnectionLimits,
     stores: Stores,
     background: Background,
+    reloader: Reloader,
 }
 
 /// What runs beside the server while it serves.
@@ -87,9 +91,8 @@ impl GateApplication {
             None => None,
         };
         let metrics = Metrics::new();
-        let handler = Arc::new(GateHandler {
-            types: Arc::new(types),
-        });
+        let types: SharedTypes = Arc::new(ArcSwap::from_pointee(types));
+        let handler = Arc::new(GateHandler::with_shared_types(types.clone()));
         let stores = Stores::open(&config, handler, &metrics).await?;
         let changes = InboxChanges::new();
         let inbox: SharedInbox = Arc::new(ObservedInbox::new(
@@ -119,7 +122,15 @@ impl GateApplication {
             changes,
             wake,
         };
-        let router = gate_router(&config, &stores, &background);
+        let access = gate_access(&config);
+        let reloader = Reloader::new(
+            config.clone(),
+            types,
+            access.clone(),
+            tls.clone(),
+            background.metrics.clone(),
+        );
+        let router = gate_router(&config, &stores, &background, access, &reloader);
         Ok(GateApplication {
             listener,
             address,
@@ -128,7 +139,14 @@ impl GateApplication {
             limits: config.connection_limits(),
             stores,
             background,
+            reloader,
         })
+    }
+
+    /// SIGHUP reloads the configuration from `path` (the file the gate was started with).
+    pub fn reloading_from(mut self, path: PathBuf) -> GateApplication {
+        self.reloader = self.reloader.with_source(path);
+        self
     }
 
     pub fn address(&self) -> SocketAddr {
@@ -156,20 +174,14 @@ impl GateApplication {
             limits,
             stores,
             background,
+            reloader,
             ..
         } = self;
         let shutdown = CancellationToken::new();
         let tasks = TaskTracker::new();
         // Before the listening line: a SIGHUP sent once the gate is up must find a handler,
         // or its default action ends the process.
-        match &tls {
-            Some(tls) => {
-                tls.spawn_reload_on_sighup(shutdown.clone())?;
-            }
-            None => {
-                log_sighup_without_tls(shutdown.clone())?;
-            }
-        }
+        reloader.spawn_on_sighup(shutdown.clone())?;
         println!("{LISTENING_PREFIX}{url}");
         background.start(&tasks, &shutdown);
         let served = serve(listener, router, tls, limits, shutdown.clone(), stop).await;
@@ -179,25 +191,6 @@ impl GateApplication {
         stores.close().await;
         served
     }
-}
-
-/// Without `[tls]` a SIGHUP (a supervisor's habitual "reload") has nothing to reload: it is
-/// logged as such until `stop` is cancelled, instead of ending the process.
-fn log_sighup_without_tls(stop: CancellationToken) -> std::io::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hangups = signal(SignalKind::hangup())?;
-    tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                received = hangups.recv() => match received {
-                    Some(()) => tracing::info!(target: "production_lab::gate", "SIGHUP received: the gate has no [tls], nothing to reload"),
-                    None => return,
-                },
-                () = stop.cancelled() => return,
-            }
-        }
-    });
-    Ok(())
 }
 
 /// The connection server, over TLS when `tls` is given, until `stop` resolves.
@@ -400,8 +393,14 @@ fn gate_message(aggregate_id: String, body: &[u8]) -> Result<OrderedMessage, Str
 /// route goes through `routes!`), behind the edge middleware (request ids, the request line,
 /// HTTP metrics, bare statuses as problems) without any lab's, and the gate's own edge
 /// (refusals from the head, unread bodies drained, HSTS and `no-store`).
-fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) -> Router {
-    let state = gate_state(config, stores, background);
+fn gate_router(
+    config: &GateConfig,
+    stores: &Stores,
+    background: &Background,
+    access: Access,
+    reloader: &Reloader,
+) -> Router {
+    let state = gate_state(config, stores, background, access);
     let published = state.document();
     let health = Health {
         inbox: background.inbox.clone(),
@@ -409,6 +408,7 @@ fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) ->
         store: stores.sqlite.clone(),
         nats: background.nats.as_ref().map(|nats| nats.client.clone()),
         access: state.0.access.clone(),
+        generation: reloader.generation(),
     };
     let documented = routes::api(state)
         .merge(health::routes(health, config.metrics.public))
@@ -438,9 +438,27 @@ fn gate_router(config: &GateConfig, stores: &Stores, background: &Background) ->
 
 /// What the `/v1` routes share: the observed inbox, the output, the credentials and budgets,
 /// the registry, the change feed.
-fn gate_state(config: &GateConfig, stores: &Stores, background: &Background) -> GateState {
+fn gate_state(
+    config: &GateConfig,
+    stores: &Stores,
+    background: &Background,
+    access: Access,
+) -> GateState {
+    GateState::new(GateParts {
+        inbox: background.inbox.clone(),
+        output: stores.output.clone(),
+        access,
+        registry: stores.registry.clone(),
+        changes: background.changes.clone(),
+        metrics: background.metrics.clone(),
+        max_payload_bytes: config.limits.max_payload_bytes,
+    })
+}
+
+/// The configured credentials and producers' budgets (the readers are replaced on reload).
+fn gate_access(config: &GateConfig) -> Access {
     let limits = &config.limits;
-    let access = Access::new(
+    Access::new(
         config.auth.anonymous_writes,
         config
             .auth
@@ -451,16 +469,7 @@ fn gate_state(config: &GateConfig, stores: &Stores, background: &Background) -> 
             per_second: limits.producer_rate_per_second,
             burst: limits.producer_burst,
         },
-    );
-    GateState::new(GateParts {
-        inbox: background.inbox.clone(),
-        output: stores.output.clone(),
-        access,
-        registry: stores.registry.clone(),
-        changes: background.changes.clone(),
-        metrics: background.metrics.clone(),
-        max_payload_bytes: limits.max_payload_bytes,
-    })
+    )
 }
 
 /// The proxy every request must come through: when the gate serves plain HTTP beyond loopback,
@@ -507,12 +516,12 @@ async fn bind(requested: SocketAddr) -> Result<(TcpListener, SocketAddr), Startu
     Ok((listener, address))
 }
 
-/// `production-lab gate --config FILE` once the file is valid: the gate, until SIGTERM or
-/// Ctrl+C. The signal handlers are installed before anything starts, so a SIGTERM that arrives
+/// `production-lab gate --config FILE` once the file (at `source`) is valid: the gate, until
+/// SIGTERM or Ctrl+C; SIGHUP reloads the file. The signal handlers are installed before anything starts, so a SIGTERM that arrives
 /// while the gate is still opening its store is a graceful stop too, not the default action.
-pub async fn run(config: GateConfig) -> anyhow::Result<()> {
+pub async fn run(config: GateConfig, source: PathBuf) -> anyhow::Result<()> {
     let stop = shutdown_signal()?;
-    let application = GateApplication::build(config).await?;
+    let application = GateApplication::build(config).await?.reloading_from(source);
     application.run_until_stopped(stop).await?;
     Ok(())
 }

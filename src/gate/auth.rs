@@ -10,6 +10,7 @@
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use axum::extract::{FromRef, FromRequestParts};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -43,7 +44,9 @@ pub struct Access {
 
 struct AccessInner {
     anonymous_writes: bool,
-    readers: Vec<ReaderToken>,
+    /// Swapped whole by a configuration reload ([`Access::replace_readers`]); the producers'
+    /// budgets beside them stay as they are.
+    readers: ArcSwap<Vec<ReaderToken>>,
     rate: DeliveryRate,
     limiter: DefaultKeyedRateLimiter<String>,
 }
@@ -61,13 +64,7 @@ impl Access {
         readers: impl IntoIterator<Item = (String, String)>,
         rate: DeliveryRate,
     ) -> Access {
-        let readers = readers
-            .into_iter()
-            .map(|(name, token)| ReaderToken {
-                name,
-                hash: token_hash(&token),
-            })
-            .collect();
+        let readers = ArcSwap::from_pointee(reader_tokens(readers));
         let quota = Quota::per_second(rate.per_second).allow_burst(rate.burst);
         Access {
             inner: Arc::new(AccessInner {
@@ -79,18 +76,25 @@ impl Access {
         }
     }
 
+    /// Puts `readers` (`(name, token)` pairs) in place of the configured readers, all at once:
+    /// a request checks its token against either the old set or the new one, never a mix.
+    pub fn replace_readers(&self, readers: impl IntoIterator<Item = (String, String)>) {
+        self.inner.readers.store(Arc::new(reader_tokens(readers)));
+    }
+
     /// The configured reader `token` belongs to. Every reader's hash is compared in constant
     /// time, and all of them are compared, so the answer's timing says nothing of the tokens.
-    fn reader(&self, token: &str) -> Option<&str> {
+    fn reader(&self, token: &str) -> Option<String> {
         let offered = token_hash(token);
         self.inner
             .readers
+            .load()
             .iter()
             .fold(None, |found, reader| {
                 let equal = bool::from(reader.hash.as_bytes().ct_eq(offered.as_bytes()));
                 found.or(equal.then_some(reader))
             })
-            .map(|reader| reader.name.as_str())
+            .map(|reader| reader.name.clone())
     }
 
     /// Takes one delivery from `producer`'s budget (`None`: the anonymous budget), or says when
@@ -107,6 +111,17 @@ impl Access {
             }
         })
     }
+}
+
+/// The readers' names with their tokens' hashes (the tokens themselves are not kept).
+fn reader_tokens(readers: impl IntoIterator<Item = (String, String)>) -> Vec<ReaderToken> {
+    readers
+        .into_iter()
+        .map(|(name, token)| ReaderToken {
+            name,
+            hash: token_hash(&token),
+        })
+        .collect()
 }
 
 /// A delivery over its producer's budget: nothing of it was written.
@@ -170,7 +185,7 @@ where
             }
         };
         if let Some(name) = Access::from_ref(state).reader(&token) {
-            return Ok(Reader(name.to_owned()));
+            return Ok(Reader(name));
         }
         let check = SharedInbox::from_ref(state)
             .check_operator(Some(token))
@@ -361,10 +376,20 @@ mod tests {
     #[test]
     fn a_reader_token_names_its_reader_and_any_other_token_names_none() {
         let access = access(1, 1);
-        assert_eq!(access.reader("reader-two"), Some("audit"));
-        assert_eq!(access.reader("reader-one"), Some("dashboard"));
+        assert_eq!(access.reader("reader-two").as_deref(), Some("audit"));
+        assert_eq!(access.reader("reader-one").as_deref(), Some("dashboard"));
         assert_eq!(access.reader("reader-three"), None);
         assert_eq!(access.reader(""), None);
+    }
+
+    #[test]
+    fn replaced_readers_answer_for_every_clone_and_the_old_tokens_no_longer_do() {
+        let access = access(1, 1);
+        let shared = access.clone();
+        access.replace_readers([("audit".to_owned(), "reader-four".to_owned())]);
+        assert_eq!(shared.reader("reader-four").as_deref(), Some("audit"));
+        assert_eq!(shared.reader("reader-two"), None);
+        assert_eq!(shared.reader("reader-one"), None);
     }
 
     #[test]

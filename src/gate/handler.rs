@@ -14,6 +14,7 @@
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use ordered_inbox::postgres::{HandlerClient, PostgresHandler};
 use ordered_inbox::sqlite::{SqliteHandler, WriterConnection};
@@ -81,10 +82,26 @@ pub fn open_envelope(payload: &Value) -> Option<(&str, &Value)> {
     Some((message_type, members.get("payload")?))
 }
 
+/// The message types a configuration reload swaps whole: a check reads the set current at its
+/// start and keeps it to its end.
+pub type SharedTypes = Arc<ArcSwap<MessageTypes>>;
+
 /// The gate's handler: one value serves every aggregate (its output is in the database).
 #[derive(Debug, Clone)]
 pub struct GateHandler {
-    pub types: Arc<MessageTypes>,
+    pub types: SharedTypes,
+}
+
+impl GateHandler {
+    /// A handler checking against `types`, never replaced.
+    pub fn new(types: MessageTypes) -> GateHandler {
+        GateHandler::with_shared_types(Arc::new(ArcSwap::from_pointee(types)))
+    }
+
+    /// A handler checking against whichever set `types` holds at each check.
+    pub fn with_shared_types(types: SharedTypes) -> GateHandler {
+        GateHandler { types }
+    }
 }
 
 impl Check for GateHandler {
@@ -93,6 +110,7 @@ impl Check for GateHandler {
             return Err(Poison::new(NOT_A_GATE_MESSAGE));
         };
         self.types
+            .load()
             .validate(message_type, payload)
             .map_err(|reason| Poison::new(reason).with_detail(type_detail(message_type)))
     }
@@ -366,9 +384,7 @@ mod tests {
     fn handler() -> GateHandler {
         let schema = json!({"type": "object", "required": ["orderId"]});
         let types = MessageTypes::compile(vec![("order.placed".into(), schema)]).expect("compiles");
-        GateHandler {
-            types: Arc::new(types),
-        }
+        GateHandler::new(types)
     }
 
     fn message(payload: Value) -> OrderedMessage {

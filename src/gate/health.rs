@@ -13,6 +13,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::gate::auth::{Access, Reader};
+use crate::gate::reload::ConfigGeneration;
 use crate::http::error::problem_response_with;
 use crate::inbox::SharedInbox;
 use crate::observe::routes::PROMETHEUS_CONTENT_TYPE;
@@ -30,6 +31,8 @@ pub struct Health {
     pub nats: Option<async_nats::Client>,
     /// The readers' tokens, for `/metrics` when it is not public.
     pub access: Access,
+    /// The configuration's generation, shown by `/ready`.
+    pub generation: ConfigGeneration,
 }
 
 impl FromRef<Health> for Access {
@@ -66,8 +69,9 @@ async fn live() -> &'static str {
     "live"
 }
 
-/// 200 `{"status":"ready","checks":{"store":"ok","nats":"ok"|"absent"}}`, or 503 problem+json
-/// naming what is not ready.
+/// 200 `{"status":"ready","checks":{"store":"ok","nats":"ok"|"absent"},"generation":n}`, or 503
+/// problem+json naming what is not ready. `generation` is the configuration's (1 at start, one
+/// more at each reload that took effect).
 #[utoipa::path(get, path = "/ready", tag = "operating", responses(
     (status = 200, description = "The store answers a read and, with NATS configured, the connection is up", body = Object, content_type = "application/json"),
     (status = 503, description = "Not ready: `detail` names what is not", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
@@ -93,10 +97,11 @@ async fn ready(State(health): State<Health>) -> Response {
         }
     };
     let checks = json!({ "store": store, "nats": nats });
+    let generation = health.generation.current();
     if problems.is_empty() {
         return (
             StatusCode::OK,
-            Json(json!({ "status": "ready", "checks": checks })),
+            Json(json!({ "status": "ready", "checks": checks, "generation": generation })),
         )
             .into_response();
     }
@@ -104,7 +109,7 @@ async fn ready(State(health): State<Health>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE,
         "Not ready",
         Some(&problems.join("; ")),
-        json!({ "checks": checks }),
+        json!({ "checks": checks, "generation": generation }),
     )
 }
 

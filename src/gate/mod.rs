@@ -20,6 +20,8 @@
 //!   past the limit), unread bodies drained, HSTS and `no-store` on the way out;
 //! - [`health`]: `/live`, `/ready` and `/metrics`, without a token;
 //! - [`console`]: the operator's console, static pages calling the `/v1` routes with a token;
+//! - [`reload`]: the configuration read again on SIGHUP (types, readers' tokens, the TLS
+//!   pair), all or nothing, and its generation;
 //! - [`app`]: `GateApplication::build` and its run until SIGTERM.
 
 pub mod app;
@@ -31,5 +33,6 @@ pub mod handler;
 pub mod health;
 pub mod output;
 pub mod publisher;
+pub mod reload;
 pub mod routes;
 pub mod schemas;

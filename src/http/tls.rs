@@ -1,7 +1,8 @@
 //! TLS for a listener: the certificate chain and private key read from PEM files and served by
 //! rustls with ring's provider (ALPN `http/1.1`, the only protocol the connection server
 //! speaks). The configuration can be swapped in place ([`ReloadingTls::reload`], on SIGHUP with
-//! [`ReloadingTls::spawn_reload_on_sighup`]) so that a renewed certificate takes effect without a
+//! [`ReloadingTls::spawn_reload_on_sighup`], or [`ReloadingTls::install`] of a pair built
+//! beforehand, as the gate's configuration reload does) so that a renewed certificate takes effect without a
 //! restart: each new connection shakes hands with the configuration current at its accept, while
 //! connections already open keep theirs. A pair that does not load keeps the old one in place.
 
@@ -139,6 +140,11 @@ impl ReloadingTls {
                 Err(error)
             }
         }
+    }
+
+    /// Serves `config` (built by [`server_config`]) to new connections from now on.
+    pub fn install(&self, config: Arc<ServerConfig>) {
+        self.current.store(config);
     }
 
     /// An acceptor with the configuration current now.

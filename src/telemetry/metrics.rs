@@ -43,6 +43,7 @@ pub const OUTBOX_ACKS: &str = "outbox_acks_total";
 pub const HTTP_REQUESTS: &str = "http_requests_total";
 pub const GATE_PUBLISHED: &str = "gate_output_published_total";
 pub const GATE_PUBLISH_FAILURES: &str = "gate_publish_failures_total";
+pub const GATE_CONFIG_GENERATION: &str = "gate_config_generation";
 pub const HTTP_DURATION: &str = "http_request_duration_seconds";
 
 /// The route label of a request that matched no route (404s, and refusals before routing).
@@ -125,6 +126,10 @@ const DESCRIPTIONS: &[Description] = &[
     Description::counter(
         OUTBOX_ACKS,
         "General outbox acknowledgements per event, by verdict (acked, fenced, unknown)",
+    ),
+    Description::gauge(
+        GATE_CONFIG_GENERATION,
+        "The gate's configuration generation: 1 at start, one more at each reload that took effect",
     ),
     Description::counter(
         GATE_PUBLISHED,
@@ -381,6 +386,11 @@ impl Metrics {
             metrics::counter!(GATE_PUBLISHED).increment(0);
             metrics::counter!(GATE_PUBLISH_FAILURES).increment(0);
         });
+    }
+
+    /// The gate's configuration generation now in use.
+    pub fn config_generation(&self, generation: u64) {
+        self.with(|| metrics::gauge!(GATE_CONFIG_GENERATION).set(generation as f64));
     }
 
     /// Counts the gate's output rows one publisher round got acknowledged and marked.

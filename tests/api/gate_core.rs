@@ -61,9 +61,7 @@ fn handler() -> GateHandler {
         }
     });
     let types = MessageTypes::compile(vec![(PLACED.to_owned(), schema)]).expect("the schema");
-    GateHandler {
-        types: Arc::new(types),
-    }
+    GateHandler::new(types)
 }
 
 async fn open_gate(backend: Backend) -> Gate {

@@ -91,9 +91,7 @@ async fn open_store(
     String,
     Option<TempDir>,
 ) {
-    let handler = Arc::new(GateHandler {
-        types: Arc::new(types()),
-    });
+    let handler = Arc::new(GateHandler::new(types()));
     match backend {
         Backend::Sqlite => {
             let dir = tempfile::tempdir().expect("a temp dir");
