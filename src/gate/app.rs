@@ -105,6 +105,7 @@ impl GateApplication {
             Some(settings) => Some(
                 Nats::connect(
                     settings,
+                    config.publisher.lease,
                     &stores,
                     &metrics,
                     config.auth.anonymous_writes,
@@ -338,9 +339,11 @@ fn migrate_sqlite(connection: &mut rusqlite::Connection) -> rusqlite::Result<()>
 
 impl Nats {
     /// One connection for the input's durable consumer (the broker door reading the gate's
-    /// envelope) and the output's publisher, and the output stream, created if missing.
+    /// envelope) and the output's publisher (holding the store's lease `lease` at a time), and
+    /// the output stream, created if missing.
     async fn connect(
         settings: &GateNats,
+        lease: std::time::Duration,
         stores: &Stores,
         metrics: &Metrics,
         anonymous_writes: bool,
@@ -364,7 +367,8 @@ impl Nats {
             settings.output.subject_prefix.clone(),
             wake,
         )
-        .with_metrics(metrics.clone());
+        .with_metrics(metrics.clone())
+        .with_lease(lease);
         publisher
             .ensure_stream()
             .await

@@ -38,6 +38,7 @@ pub struct GateConfig {
     pub log: LogSettings,
     /// The JetStream input and output; `None` is HTTP only.
     pub nats: Option<GateNats>,
+    pub publisher: PublisherSettings,
     /// Each message type with its JSON Schema, as read from its file (compiled by
     /// [`crate::gate::schemas`]).
     pub types: Vec<(String, Value)>,
@@ -122,6 +123,14 @@ pub struct LogSettings {
     pub format: LogFormat,
 }
 
+/// How the gates of one store share its output's publishing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublisherSettings {
+    /// How long the publisher's lease lasts unless renewed: how soon another gate of the store
+    /// takes over from a holder that stopped.
+    pub lease: Duration,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GateNats {
     pub urls: Vec<String>,
@@ -154,6 +163,10 @@ pub const DEFAULT_DURABLE: &str = "gate";
 pub const DEFAULT_BATCH: u64 = 64;
 pub const DEFAULT_OUTPUT_STREAM: &str = "GATE_OUT";
 pub const DEFAULT_OUTPUT_SUBJECT_PREFIX: &str = "gate.out";
+pub const DEFAULT_LEASE_MS: u64 = 5_000;
+/// The shortest lease the file accepts: its holder renews it several times within.
+const MIN_LEASE_MS: u64 = 300;
+const MAX_LEASE_MS: u64 = 600_000;
 /// The longest timeout the file accepts (an hour), as `serve`'s flags.
 const MAX_TIMEOUT_MS: u64 = 3_600_000;
 const MAX_REQUEST_BODY_BUDGET: u64 = 64 * 1024 * 1024 * 1024;
@@ -318,6 +331,7 @@ struct RawFile {
     metrics: Option<toml::Value>,
     log: Option<toml::Value>,
     nats: Option<toml::Value>,
+    publisher: Option<toml::Value>,
     types: Option<BTreeMap<String, toml::Value>>,
 }
 
@@ -389,6 +403,12 @@ struct RawLog {
 enum RawLogFormat {
     Json,
     Text,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawPublisher {
+    lease_ms: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -500,6 +520,7 @@ impl<'a> Checker<'a> {
         let metrics = self.section::<RawMetrics>(raw.metrics, "metrics");
         let log = self.section::<RawLog>(raw.log, "log");
         let nats = self.nats(raw.nats);
+        let publisher = self.publisher(raw.publisher);
         let types = self.types(raw.types);
         Some(GateConfig {
             listen: listen?,
@@ -517,6 +538,7 @@ impl<'a> Checker<'a> {
                 },
             },
             nats: nats?,
+            publisher: publisher?,
             types: types?,
         })
     }
@@ -790,6 +812,21 @@ impl<'a> Checker<'a> {
                 default
             }
         }
+    }
+
+    fn publisher(&mut self, value: Option<toml::Value>) -> Option<PublisherSettings> {
+        let raw: RawPublisher = self.section(value, "publisher")?;
+        let lease_ms = raw.lease_ms.unwrap_or(DEFAULT_LEASE_MS);
+        if !(MIN_LEASE_MS..=MAX_LEASE_MS).contains(&lease_ms) {
+            self.error(
+                "publisher.lease_ms",
+                format!("must be from {MIN_LEASE_MS} to {MAX_LEASE_MS} (found {lease_ms})"),
+            );
+            return None;
+        }
+        Some(PublisherSettings {
+            lease: Duration::from_millis(lease_ms),
+        })
     }
 
     fn nats(&mut self, value: Option<toml::Value>) -> Option<Option<GateNats>> {
@@ -1439,6 +1476,28 @@ subject_prefix = "out.orders"
         );
         let none = format!("[store]\n{ORDER_PLACED}");
         assert_line(&refused(&dir, &none), "store: give exactly one of");
+    }
+
+    #[test]
+    fn the_publishers_lease_defaults_to_five_seconds_and_is_bounded() {
+        let dir = directory();
+        let defaults = parse(&dir, ORDER_PLACED).expect("accepted");
+        assert_eq!(defaults.publisher.lease, Duration::from_secs(5));
+        let short = parse(
+            &dir,
+            &format!("[publisher]\nlease_ms = 1000\n{ORDER_PLACED}"),
+        )
+        .expect("accepted");
+        assert_eq!(short.publisher.lease, Duration::from_secs(1));
+        assert_eq!(
+            refused(&dir, &format!("[publisher]\nlease_ms = 10\n{ORDER_PLACED}")),
+            ["publisher.lease_ms: must be from 300 to 600000 (found 10)"]
+        );
+        let unknown = refused(&dir, &format!("[publisher]\nlease = 1\n{ORDER_PLACED}"));
+        assert_line(
+            &unknown,
+            "publisher.lease: unknown key; expected `lease_ms`",
+        );
     }
 
     #[test]

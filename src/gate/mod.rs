@@ -13,7 +13,9 @@
 //! - [`handler`]: the gate's handler in the inbox's transaction (check by schema, write the
 //!   output row) on SQLite and PostgreSQL;
 //! - [`output`]: the output table (an outbox in the inbox's database) and its reads;
-//! - [`publisher`]: the in-process relay from the output table to JetStream;
+//! - [`publisher`]: the in-process relay from the output table to JetStream, one gate of a
+//!   store at a time, fenced by JetStream;
+//! - [`lease`]: the store's publisher lease (holder, epoch, expiry);
 //! - [`auth`]: producer, reader and operator credentials as extractors; producers' rate limits;
 //! - [`routes`]: the `/v1` routes and their OpenAPI document;
 //! - [`edge`]: what is refused from a request's head (conflicting framing, a declared length
@@ -31,6 +33,7 @@ pub mod console;
 pub mod edge;
 pub mod handler;
 pub mod health;
+pub mod lease;
 pub mod output;
 pub mod publisher;
 pub mod reload;

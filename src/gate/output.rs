@@ -72,7 +72,8 @@ SELECT o.aggregate_id, o.sequence, o.message_id, o.message_type, o.payload, o.ap
         ORDER BY sequence LIMIT 16) o
  ORDER BY o.aggregate_id, o.sequence LIMIT $1";
 
-/// The table on SQLite, beside the inbox's. Idempotent.
+/// The tables on SQLite, beside the inbox's: the output, and the one row of the publisher's
+/// lease ([`crate::gate::lease`]). Idempotent.
 const SQLITE_SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS gate_output(
     aggregate_id TEXT NOT NULL,
@@ -85,9 +86,15 @@ CREATE TABLE IF NOT EXISTS gate_output(
     PRIMARY KEY(aggregate_id, sequence)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS gate_output_unpublished
-    ON gate_output(aggregate_id, sequence) WHERE published_at IS NULL;";
+    ON gate_output(aggregate_id, sequence) WHERE published_at IS NULL;
+CREATE TABLE IF NOT EXISTS gate_publisher_lease(
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    holder TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    expires_at_ms INTEGER NOT NULL
+);";
 
-/// The table on PostgreSQL, installed under a transaction-scoped advisory lock so that gates
+/// The tables on PostgreSQL, installed under a transaction-scoped advisory lock so that gates
 /// starting together on one database do not race on the catalog.
 const POSTGRES_SCHEMA: &str = "
 BEGIN;
@@ -104,6 +111,12 @@ CREATE TABLE IF NOT EXISTS gate_output(
 );
 CREATE INDEX IF NOT EXISTS gate_output_unpublished
     ON gate_output(aggregate_id, sequence) WHERE published_at IS NULL;
+CREATE TABLE IF NOT EXISTS gate_publisher_lease(
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    holder TEXT NOT NULL,
+    epoch BIGINT NOT NULL,
+    expires_at_ms BIGINT NOT NULL
+);
 COMMIT;";
 
 const COLUMNS: &str = "aggregate_id, sequence, message_id, message_type, payload, applied_at";
@@ -309,7 +322,7 @@ fn bounded(limit: usize) -> Result<i64, OutputError> {
 }
 
 /// The pool's failure to hand out a connection: the database is down or every connection busy.
-fn unavailable(error: impl std::fmt::Display) -> OutputError {
+pub(crate) fn unavailable(error: impl std::fmt::Display) -> OutputError {
     OutputError::Unavailable(error.to_string())
 }
 

@@ -3,37 +3,51 @@
 //! `{"aggregateId","sequence","messageId","type","payload"}`, and marked published once its
 //! PubAck came back.
 //!
-//! Order: within one aggregate strictly in sequence order, sequence n+1 published only after
-//! n's PubAck; different aggregates are published concurrently. A NATS failure stops that
-//! aggregate's run at the failed row (never skipped), the rows acknowledged before it are
-//! marked, and the publisher backs off (100 ms doubling to 2 s) and retries from there.
+//! One gate of a store publishes at a time: the holder of the store's lease
+//! ([`crate::gate::lease`]), renewed at every round; the other gates stand by and take over
+//! once it lapses. Order: within one aggregate strictly in sequence order, sequence n+1
+//! published only after n's PubAck; different aggregates are published concurrently. A NATS
+//! failure stops that aggregate's run at the failed row (never skipped), the rows acknowledged
+//! before it are marked, and the publisher backs off (100 ms doubling to 2 s) and retries.
 //!
-//! At least once, and a consumer sees each row once: a row published but not yet marked when
-//! the process dies (or when the mark fails) is published again by the next publisher with the
-//! same `Nats-Msg-Id`, and JetStream drops that copy inside the stream's duplicate window
-//! (two minutes, set when the stream is created here). A copy published again after the window
-//! is a second stream message; the consumer's own identity check is the last line there.
+//! Exactly once and in order, without the duplicate window: every publish carries
+//! `Nats-Expected-Last-Subject-Sequence`, the stream sequence of the aggregate's previous output
+//! message, so JetStream appends it only if nothing reached the subject since. The publisher
+//! keeps that sequence per aggregate from its PubAcks; after a start, a takeover or a fence it
+//! reads it from the stream (the subject's last message), and a row that message already covers
+//! (a previous holder published it and did not mark it) is marked without being sent again. A
+//! holder that outlived its lease unawares (paused, cut off) is refused by the server
+//! (`wrong last sequence`, 10071) at its first stale publish: it drops what it knew and stands
+//! by, never retrying. `Nats-Msg-Id` is kept; it costs nothing.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
+use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::stream::{Config as StreamConfig, LastRawMessageErrorKind, StorageType};
 use futures_util::future::join_all;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::lease::Lease;
 use super::output::{OutputEntry, OutputError, OutputStore};
 use crate::broker::wire;
 use crate::telemetry::metrics::Metrics;
 
 /// Rows one round reads and publishes.
 pub const BATCH: usize = crate::gate::output::MAX_LIMIT;
-/// How often the publisher looks for rows when nobody woke it.
+/// How often the publisher looks for rows when nobody woke it (more often with a short lease).
 pub const INTERVAL: Duration = Duration::from_millis(500);
-/// The output stream's duplicate window: a copy of a row published again inside it is dropped.
+/// The output stream's duplicate window, when the stream is created here.
 pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+/// How long a lease lasts unless the configuration says otherwise.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(5);
+/// The most aggregates whose last stream sequence is kept; past it the cache starts over (a
+/// forgotten aggregate costs one read of its subject's last message).
+const MAX_CACHED_AGGREGATES: usize = 100_000;
 const BACKOFF_FIRST: Duration = Duration::from_millis(100);
 const BACKOFF_LAST: Duration = Duration::from_secs(2);
 
@@ -45,22 +59,48 @@ pub enum PublisherError {
     Nats(String),
 }
 
-/// Publishes the gate's output rows to JetStream until stopped.
+/// Publishes the gate's output rows to JetStream while it holds the store's lease, until stopped.
 pub struct Publisher {
     output: OutputStore,
     jetstream: jetstream::Context,
     stream: String,
     subject_prefix: String,
     wake: Arc<Notify>,
-    /// Where the rows published and the failed rounds are counted, if anywhere.
+    /// Where the rows published, the failed rounds and the fences are counted, if anywhere.
     metrics: Option<Metrics>,
+    /// This publisher's name in the lease, unique to the process.
+    holder: String,
+    lease_duration: Duration,
+    /// The lease while this publisher holds it.
+    lease: Option<Lease>,
+    /// Per aggregate, the stream sequence of its subject's last message, as this holder left it.
+    last_sequences: HashMap<String, u64>,
 }
 
-/// What one aggregate's run of rows came to: the rows acknowledged, in order, and the failure
-/// that stopped the run before its end, if one did.
+/// What one aggregate's run of rows came to: the rows acknowledged (or found in the stream
+/// already), in order, the subject's last stream sequence after them, and what stopped the run
+/// before its end, if anything did.
 struct AggregateRun {
+    aggregate_id: String,
     acknowledged: Vec<(String, i64)>,
-    failure: Option<String>,
+    last_sequence: Option<u64>,
+    stop: Option<Stop>,
+}
+
+/// Why a publish did not go through.
+#[derive(Debug)]
+enum Stop {
+    /// NATS failed or did not answer: retry after a pause.
+    Failed(String),
+    /// The server refused the publish because the subject moved on: another publisher holds it.
+    Fenced(String),
+}
+
+/// What the stream says of an aggregate's subject: the stream sequence of its last message
+/// (0: none) and that message's row sequence (0: none).
+struct SubjectTail {
+    stream_sequence: u64,
+    row_sequence: i64,
 }
 
 impl Publisher {
@@ -80,14 +120,29 @@ impl Publisher {
             subject_prefix,
             wake,
             metrics: None,
+            holder: holder_name(),
+            lease_duration: DEFAULT_LEASE,
+            lease: None,
+            last_sequences: HashMap::new(),
         }
     }
 
-    /// Counts the rows it publishes and the rounds that fail into `metrics`.
+    /// Counts the rows it publishes, the rounds that fail and its fences into `metrics`.
     pub fn with_metrics(mut self, metrics: Metrics) -> Publisher {
         metrics.register_gate_publisher();
         self.metrics = Some(metrics);
         self
+    }
+
+    /// Holds the store's lease for `duration` at a time.
+    pub fn with_lease(mut self, duration: Duration) -> Publisher {
+        self.lease_duration = duration;
+        self
+    }
+
+    /// This publisher's name in the lease.
+    pub fn holder(&self) -> &str {
+        &self.holder
     }
 
     /// Creates the output stream (subjects `<prefix>.>`, duplicate window two minutes) unless
@@ -107,9 +162,11 @@ impl Publisher {
         Ok(())
     }
 
-    /// Publishes until `stop` is cancelled: a round whenever woken or every [`INTERVAL`], and
-    /// at once again after a full round; after a failure, again after a growing pause.
-    pub async fn run(self, stop: CancellationToken) {
+    /// Publishes until `stop` is cancelled: a round whenever woken or every [`INTERVAL`] (or a
+    /// third of the lease, if shorter), and at once again after a full round; after a failure,
+    /// again after a growing pause. At the end the lease is given up.
+    pub async fn run(mut self, stop: CancellationToken) {
+        let tick = INTERVAL.min(self.lease_duration / 3);
         let mut backoff = BACKOFF_FIRST;
         while !stop.is_cancelled() {
             let pause = match self.round().await {
@@ -129,27 +186,54 @@ impl Publisher {
                 }
             };
             tokio::select! {
-                () = stop.cancelled() => return,
+                () = stop.cancelled() => break,
                 () = self.wake.notified(), if pause.is_none() => {}
-                () = tokio::time::sleep(pause.unwrap_or(INTERVAL)) => {}
+                () = tokio::time::sleep(pause.unwrap_or(tick)) => {}
             }
+        }
+        if let Some(lease) = self.lease.take()
+            && let Err(error) = self.output.release_lease(&lease).await
+        {
+            tracing::warn!(%error, "gate publisher: the lease was not given up");
         }
     }
 
-    /// One round: the pending rows published (each aggregate's in order, aggregates at once)
-    /// and the acknowledged ones marked. The number of rows read, or the first failure.
-    pub async fn round(&self) -> Result<usize, PublisherError> {
+    /// One round: the lease renewed or taken (without it, nothing more), the pending rows
+    /// published (each aggregate's in order, aggregates at once) and the acknowledged ones
+    /// marked. The number of rows read, or the first failure.
+    pub async fn round(&mut self) -> Result<usize, PublisherError> {
+        if !self.hold_lease().await? {
+            return Ok(0);
+        }
         let pending = self.output.pending(BATCH).await?;
         let runs = join_all(by_aggregate(&pending).map(|rows| self.publish_run(rows))).await;
         let mut acknowledged = Vec::with_capacity(pending.len());
-        let mut failure = None;
+        let (mut failure, mut fence) = (None, None);
+        if self.last_sequences.len() >= MAX_CACHED_AGGREGATES {
+            self.last_sequences.clear();
+        }
         for run in runs {
             acknowledged.extend(run.acknowledged);
-            failure = failure.or(run.failure);
+            match run.last_sequence {
+                Some(sequence) => self.last_sequences.insert(run.aggregate_id, sequence),
+                None => self.last_sequences.remove(&run.aggregate_id),
+            };
+            match run.stop {
+                Some(Stop::Failed(reason)) => failure = failure.or(Some(reason)),
+                Some(Stop::Fenced(reason)) => fence = fence.or(Some(reason)),
+                None => {}
+            }
         }
         self.output.mark_published(&acknowledged).await?;
         if let Some(metrics) = &self.metrics {
             metrics.gate_published(acknowledged.len());
+        }
+        if let Some(reason) = fence {
+            // The lease may still be this gate's (a stale publisher elsewhere moved the subject
+            // on): the next round's renewal says, and a holder reads the stream again.
+            self.last_sequences.clear();
+            self.fenced(&reason);
+            return Ok(0);
         }
         match failure {
             Some(reason) => Err(PublisherError::Nats(reason)),
@@ -157,38 +241,146 @@ impl Publisher {
         }
     }
 
-    /// Publishes one aggregate's rows in order, each after the one before it was acknowledged,
-    /// stopping at the first that was not.
+    /// Renews the lease this publisher holds, or takes it if it lapsed: whether it publishes
+    /// this round. A renewal that fails means another gate took over: fenced.
+    async fn hold_lease(&mut self) -> Result<bool, PublisherError> {
+        if let Some(lease) = &self.lease {
+            if self.output.renew_lease(lease, self.lease_duration).await? {
+                return Ok(true);
+            }
+            self.lease = None;
+            self.last_sequences.clear();
+            self.fenced("another gate took the publisher's lease over");
+        }
+        self.lease = self
+            .output
+            .take_lease(&self.holder, self.lease_duration)
+            .await?;
+        if let Some(lease) = &self.lease {
+            tracing::info!(holder = %lease.holder, epoch = lease.epoch, "gate publisher: holds the lease and publishes");
+            if let Some(metrics) = &self.metrics {
+                metrics.gate_publisher_holding(true);
+            }
+        }
+        Ok(self.lease.is_some())
+    }
+
+    /// Logs and counts a fence: this publisher stopped publishing for `reason`, and publishes
+    /// again only once it holds the lease and read the stream anew.
+    fn fenced(&self, reason: &str) {
+        tracing::warn!(holder = %self.holder, reason, "gate publisher fenced: it stops publishing and checks the lease again");
+        if let Some(metrics) = &self.metrics {
+            metrics.gate_publisher_fenced();
+            metrics.gate_publisher_holding(self.lease.is_some());
+        }
+    }
+
+    /// Publishes one aggregate's rows in order, each after the one before it was acknowledged
+    /// and each expecting the one before it last on the subject, stopping at the first that was
+    /// not acknowledged. Rows the subject's last message covers already are only marked.
     async fn publish_run(&self, rows: &[OutputEntry]) -> AggregateRun {
+        let aggregate_id = rows.first().map(|row| row.aggregate_id.clone());
         let mut run = AggregateRun {
+            aggregate_id: aggregate_id.unwrap_or_default(),
             acknowledged: Vec::with_capacity(rows.len()),
-            failure: None,
+            last_sequence: None,
+            stop: None,
         };
+        let tail = match self.last_sequences.get(&run.aggregate_id) {
+            Some(&stream_sequence) => SubjectTail {
+                stream_sequence,
+                row_sequence: 0,
+            },
+            None => match self.subject_tail(&run.aggregate_id).await {
+                Ok(tail) => tail,
+                Err(reason) => {
+                    run.stop = Some(Stop::Failed(reason));
+                    return run;
+                }
+            },
+        };
+        let mut expected = tail.stream_sequence;
         for row in rows {
-            if let Err(reason) = self.publish(row).await {
-                run.failure = Some(reason);
-                break;
+            if row.sequence > tail.row_sequence {
+                match self.publish(row, expected).await {
+                    Ok(sequence) => expected = sequence,
+                    Err(stop) => {
+                        run.stop = Some(stop);
+                        break;
+                    }
+                }
             }
             run.acknowledged
                 .push((row.aggregate_id.clone(), row.sequence));
         }
+        // After a failure the last publish may have been stored without its PubAck reaching
+        // here: the subject is read again rather than trusted.
+        run.last_sequence = Some(expected).filter(|_| run.stop.is_none());
         run
     }
 
-    /// Publishes one row and waits for its PubAck.
-    async fn publish(&self, row: &OutputEntry) -> Result<(), String> {
+    /// The aggregate's subject's last message as the stream holds it now.
+    async fn subject_tail(&self, aggregate_id: &str) -> Result<SubjectTail, String> {
+        let subject = wire::subject_for(&self.subject_prefix, aggregate_id);
+        let stream = self
+            .jetstream
+            .get_stream_no_info(&self.stream)
+            .await
+            .map_err(|error| format!("stream {}: {error}", self.stream))?;
+        match stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(message) => {
+                let body: Value = serde_json::from_slice(&message.payload).unwrap_or(Value::Null);
+                Ok(SubjectTail {
+                    stream_sequence: message.sequence,
+                    row_sequence: body["sequence"].as_i64().unwrap_or(0),
+                })
+            }
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                Ok(SubjectTail {
+                    stream_sequence: 0,
+                    row_sequence: 0,
+                })
+            }
+            Err(error) => Err(format!(
+                "cannot read the last message of {subject}: {error}"
+            )),
+        }
+    }
+
+    /// Publishes one row, expecting the subject's last message at stream sequence `expected`
+    /// (0: none), and waits for its PubAck: the row's stream sequence.
+    async fn publish(&self, row: &OutputEntry, expected: u64) -> Result<u64, Stop> {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(wire::MESSAGE_ID_HEADER, nats_message_id(row).as_str());
+        headers.insert(
+            async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+            expected.to_string().as_str(),
+        );
         let subject = wire::subject_for(&self.subject_prefix, &row.aggregate_id);
-        let id = || format!("{}:{}", row.aggregate_id, row.sequence);
-        self.jetstream
+        let id = nats_message_id(row);
+        let refused = |stage: &str, error: jetstream::context::PublishError| {
+            let reason = format!("{stage} {id}: {error}");
+            if error.kind() == PublishErrorKind::WrongLastSequence {
+                Stop::Fenced(reason)
+            } else {
+                Stop::Failed(reason)
+            }
+        };
+        let ack = self
+            .jetstream
             .publish_with_headers(subject, headers, body(row).to_string().into())
             .await
-            .map_err(|error| format!("cannot publish {}: {error}", id()))?
+            .map_err(|error| refused("cannot publish", error))?
             .await
-            .map_err(|error| format!("no PubAck for {}: {error}", id()))?;
-        Ok(())
+            .map_err(|error| refused("no PubAck for", error))?;
+        Ok(ack.sequence)
     }
+}
+
+/// A name for this process's publisher in the lease: its pid and a random part, so that a
+/// restarted gate (or one on another host with the same pid) is never taken for an old holder.
+fn holder_name() -> String {
+    format!("gate-{}-{:016x}", std::process::id(), rand::random::<u64>())
 }
 
 /// The published message's id, the same for every copy of one row: `<aggregate>:<sequence>`.

@@ -44,6 +44,8 @@ pub const HTTP_REQUESTS: &str = "http_requests_total";
 pub const GATE_PUBLISHED: &str = "gate_output_published_total";
 pub const GATE_PUBLISH_FAILURES: &str = "gate_publish_failures_total";
 pub const GATE_CONFIG_GENERATION: &str = "gate_config_generation";
+pub const GATE_PUBLISHER_HOLDING: &str = "gate_publisher_holding";
+pub const GATE_PUBLISHER_FENCED: &str = "gate_publisher_fenced_total";
 pub const HTTP_DURATION: &str = "http_request_duration_seconds";
 
 /// The route label of a request that matched no route (404s, and refusals before routing).
@@ -138,6 +140,14 @@ const DESCRIPTIONS: &[Description] = &[
     Description::counter(
         GATE_PUBLISH_FAILURES,
         "Gate publisher rounds that ended on a failure (NATS or the store), each retried after a pause",
+    ),
+    Description::gauge(
+        GATE_PUBLISHER_HOLDING,
+        "1 while this gate holds its store's publisher lease and publishes, 0 while it stands by",
+    ),
+    Description::counter(
+        GATE_PUBLISHER_FENCED,
+        "Times this gate's publisher was fenced: its lease taken over or a publish refused as stale",
     ),
 ];
 
@@ -385,12 +395,25 @@ impl Metrics {
         self.with(|| {
             metrics::counter!(GATE_PUBLISHED).increment(0);
             metrics::counter!(GATE_PUBLISH_FAILURES).increment(0);
+            metrics::counter!(GATE_PUBLISHER_FENCED).increment(0);
+            metrics::gauge!(GATE_PUBLISHER_HOLDING).set(0.0);
         });
     }
 
     /// The gate's configuration generation now in use.
     pub fn config_generation(&self, generation: u64) {
         self.with(|| metrics::gauge!(GATE_CONFIG_GENERATION).set(generation as f64));
+    }
+
+    /// Shows whether this gate holds the store's publisher lease (1) or stands by (0).
+    pub fn gate_publisher_holding(&self, holding: bool) {
+        self.with(|| metrics::gauge!(GATE_PUBLISHER_HOLDING).set(if holding { 1.0 } else { 0.0 }));
+    }
+
+    /// Counts one time this gate's publisher found itself fenced: its lease taken over, or a
+    /// publish refused because another publisher had appended to the subject since.
+    pub fn gate_publisher_fenced(&self) {
+        self.with(|| metrics::counter!(GATE_PUBLISHER_FENCED).increment(1));
     }
 
     /// Counts the gate's output rows one publisher round got acknowledged and marked.

@@ -140,6 +140,19 @@ schema = "shipped.json"
         self.dir.path().join("gate.toml")
     }
 
+    /// The same files with `[publisher] lease_ms` set.
+    fn with_lease_ms(self, lease_ms: u64) -> GateFiles {
+        let text = std::fs::read_to_string(self.config()).unwrap();
+        let text = format!("{text}\n[publisher]\nlease_ms = {lease_ms}\n");
+        std::fs::write(self.config(), text).unwrap();
+        self
+    }
+
+    /// What the gate logged so far.
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("gate.log")).unwrap_or_default()
+    }
+
     pub(crate) fn database(&self) -> PathBuf {
         self.dir.path().join("gate.db")
     }
@@ -205,16 +218,21 @@ impl GateProcess {
 
     /// Sends SIGHUP, a supervisor's "reload".
     pub(crate) fn hang_up(&self) {
-        let status = std::process::Command::new("kill")
-            .args(["-HUP", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -HUP {}", self.child.id());
+        self.signal("HUP");
     }
 
     /// Whether the process has not exited.
     pub(crate) fn is_running(&mut self) -> bool {
         self.child.try_wait().ok().flatten().is_none()
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`, `TERM`) to the gate's process.
+    fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal}");
     }
 
     fn kill(mut self) {
@@ -468,6 +486,13 @@ fn assert_in_order_once(output: &Output, expected: &BTreeMap<String, i64>) {
 
 /// `gate_output_published_total` on the gate's `/metrics`, if the scrape has it.
 async fn published_rows(client: &HttpsClient, gate: &GateProcess) -> Option<u64> {
+    scraped(client, gate, "gate_output_published_total")
+        .await
+        .map(|count| count as u64)
+}
+
+/// A series without labels on the gate's `/metrics`, if the scrape has it.
+async fn scraped(client: &HttpsClient, gate: &GateProcess, series: &str) -> Option<f64> {
     let text = client
         .get(gate.url("/metrics"))
         .send()
@@ -477,8 +502,13 @@ async fn published_rows(client: &HttpsClient, gate: &GateProcess) -> Option<u64>
         .await
         .ok()?;
     text.lines()
-        .find_map(|line| line.strip_prefix("gate_output_published_total "))
-        .and_then(|count| count.trim().parse().ok())
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+}
+
+/// Whether the gate holds its store's publisher lease, as its `/metrics` says.
+async fn holds_the_lease(client: &HttpsClient, gate: &GateProcess) -> bool {
+    scraped(client, gate, "gate_publisher_holding").await == Some(1.0)
 }
 
 pub(crate) async fn output_count(js: &jetstream::Context) -> u64 {
@@ -941,6 +971,172 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
     .await;
     let output = read_output(&js).await;
     assert_in_order_once(&output, &expected);
+    assert_eq!(output.ids.len(), 120, "nothing more than the 120 rows");
+    // One gate of the store published; the other stood by.
+    let counts = [
+        published_rows(&client, &first)
+            .await
+            .expect("the first's count"),
+        published_rows(&client, &second)
+            .await
+            .expect("the second's count"),
+    ];
+    assert!(
+        counts.contains(&0) && counts.iter().sum::<u64>() >= 120,
+        "published by each gate: {counts:?}"
+    );
+    let holding = [
+        holds_the_lease(&client, &first).await,
+        holds_the_lease(&client, &second).await,
+    ];
+    assert_eq!(
+        holding.iter().filter(|held| **held).count(),
+        1,
+        "{holding:?}"
+    );
+}
+
+/// Sends `sequences` of each aggregate in `expected`'s keys to `gates` in turn, every
+/// aggregate's in order, the aggregates at once, each until decided.
+async fn deliver_range(
+    client: &HttpsClient,
+    gates: &[&GateProcess],
+    producer: &Producer,
+    aggregates: &[String],
+    sequences: std::ops::RangeInclusive<i64>,
+) {
+    let mut senders = tokio::task::JoinSet::new();
+    for (index, aggregate) in aggregates.iter().enumerate() {
+        let messages: Vec<Message> = messages_of(aggregate, *sequences.end())
+            .into_iter()
+            .filter(|message| sequences.contains(&message.sequence))
+            .collect();
+        let url = gates[index % gates.len()].address.clone();
+        let (client, producer) = (client.clone(), producer.clone());
+        senders.spawn(async move {
+            for message in &messages {
+                assert_eq!(
+                    deliver_until_decided(&client, &url, &producer, message).await,
+                    200
+                );
+            }
+        });
+    }
+    while let Some(sent) = senders.join_next().await {
+        sent.expect("a sender");
+    }
+}
+
+/// Every gate in `gates` until one holds the lease: that one.
+async fn lease_holder<'a>(client: &HttpsClient, gates: [&'a GateProcess; 2]) -> &'a GateProcess {
+    let holder = poll_until_within(
+        "one gate holds the publisher's lease",
+        Duration::from_secs(30),
+        || async {
+            for (index, gate) in gates.iter().enumerate() {
+                if holds_the_lease(client, gate).await {
+                    return Some(index);
+                }
+            }
+            None
+        },
+        Option::is_some,
+    )
+    .await;
+    gates[holder.unwrap_or_default()]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publishing_gate_paused_past_its_lease_is_fenced_and_adds_no_duplicate_when_it_resumes() {
+    let nats = crate::broker::start_nats(None);
+    let js = crate::broker::jetstream_of(&nats).await;
+    // A duplicate window shorter than the pause: it cannot be what drops a stale copy.
+    js.create_stream(jetstream::stream::Config {
+        name: OUTPUT_STREAM.to_owned(),
+        subjects: vec![format!("{OUTPUT_PREFIX}.>")],
+        duplicate_window: Duration::from_secs(1),
+        ..Default::default()
+    })
+    .await
+    .expect("the output stream");
+    let certificate = Certificate::new();
+    let database = crate::postgres::fresh_database();
+    let env = [("GATE_DATABASE_URL", database.as_str())];
+    let files = [0, 1].map(|_| {
+        GateFiles::new(&certificate, &nats)
+            .on_postgres()
+            .with_lease_ms(1000)
+    });
+    let gates = [
+        GateProcess::start_with_env(&files[0].config(), &env),
+        GateProcess::start_with_env(&files[1].config(), &env),
+    ];
+    let operator = add_operator_on(&["--inbox".into(), database.as_str().into()], "alice");
+    let client = certificate.client();
+    let producer = add_producer(&client, &gates[0], &operator, "shop").await;
+    let aggregates: Vec<String> = (0..4).map(|i| format!("order-{i}")).collect();
+    let wait_for_output = |count: u64| {
+        poll_until_within(
+            "the output stream holds the rows",
+            Duration::from_secs(60),
+            || output_count(&js),
+            move |held| *held >= count,
+        )
+    };
+
+    deliver_range(
+        &client,
+        &[&gates[0], &gates[1]],
+        &producer,
+        &aggregates,
+        1..=10,
+    )
+    .await;
+    wait_for_output(40).await;
+    let stale = lease_holder(&client, [&gates[0], &gates[1]]).await;
+    let (stale_files, standby) = if std::ptr::eq(stale, &gates[0]) {
+        (&files[0], &gates[1])
+    } else {
+        (&files[1], &gates[0])
+    };
+    stale.signal("STOP");
+    deliver_range(&client, &[standby], &producer, &aggregates, 11..=20).await;
+    poll_until_within(
+        "the standby gate takes the lease over",
+        Duration::from_secs(30),
+        || holds_the_lease(&client, standby),
+        |held| *held,
+    )
+    .await;
+    wait_for_output(80).await;
+    stale.signal("CONT");
+    poll_until_within(
+        "the resumed gate logs that it was fenced",
+        Duration::from_secs(30),
+        || std::future::ready(stale_files.log()),
+        |log| log.contains("gate publisher fenced"),
+    )
+    .await;
+    poll_until_within(
+        "the resumed gate stands by",
+        Duration::from_secs(30),
+        || holds_the_lease(&client, stale),
+        |held| !*held,
+    )
+    .await;
+    deliver_range(
+        &client,
+        &[&gates[0], &gates[1]],
+        &producer,
+        &aggregates,
+        21..=25,
+    )
+    .await;
+    wait_for_output(100).await;
+    let expected: BTreeMap<String, i64> = aggregates.iter().map(|a| (a.clone(), 25)).collect();
+    let output = read_output(&js).await;
+    assert_in_order_once(&output, &expected);
+    assert_eq!(output_count(&js).await, 100, "no copy in the stream");
 }
 
 /// A loopback gate without `[tls]` or `[nats]`: one message type, one reader, `extra` appended

@@ -680,6 +680,109 @@ async fn the_publisher_counts_the_rows_it_publishes_and_the_rounds_that_fail() {
     stop.cancel();
 }
 
+async fn the_publishers_lease_goes_to_one_gate_until_it_lapses_and_a_takeover_bumps_the_epoch(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    let lease = Duration::from_secs(60);
+    let first = gate
+        .output
+        .take_lease("first", lease)
+        .await
+        .expect("take")
+        .expect("a free lease is taken");
+    assert_eq!(first.epoch, 1);
+    assert_eq!(
+        gate.output.take_lease("second", lease).await.expect("take"),
+        None
+    );
+    assert!(gate.output.renew_lease(&first, lease).await.expect("renew"));
+    // The holder stopped renewing and its lease ran out.
+    gate.execute("UPDATE gate_publisher_lease SET expires_at_ms = 0");
+    let second = gate
+        .output
+        .take_lease("second", lease)
+        .await
+        .expect("take")
+        .expect("a lapsed lease is taken over");
+    assert_eq!(second.epoch, 2);
+    assert!(
+        !gate.output.renew_lease(&first, lease).await.expect("renew"),
+        "the old holder's renewal fails once another holds the lease"
+    );
+    gate.output.release_lease(&first).await.expect("release");
+    assert_eq!(
+        gate.output.take_lease("third", lease).await.expect("take"),
+        None
+    );
+    gate.output.release_lease(&second).await.expect("release");
+    let third = gate.output.take_lease("third", lease).await.expect("take");
+    assert_eq!(
+        third.map(|lease| lease.epoch),
+        Some(3),
+        "a released lease is free at once"
+    );
+}
+
+/// The publish a stale publisher makes is refused by JetStream, whatever the lease row says:
+/// the store is made to hand the lease back to a publisher that missed another's publishes.
+async fn a_publisher_that_missed_anothers_publishes_is_refused_by_the_server_and_reads_the_stream_again(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    let nats = start_nats(None);
+    let js = jetstream_of(&nats).await;
+    let metrics = Metrics::new();
+    let mut stale = publisher_of(&gate, &js, Arc::new(Notify::new())).with_metrics(metrics.clone());
+    let mut other = publisher_of(&gate, &js, Arc::new(Notify::new()));
+    stale.ensure_stream().await.expect("the output stream");
+    deliver_orders(&gate, "order-1", 3).await;
+    assert_eq!(stale.round().await.expect("a round"), 3);
+    assert_eq!(
+        other.round().await.expect("a round"),
+        0,
+        "the other stands by"
+    );
+    gate.execute("UPDATE gate_publisher_lease SET expires_at_ms = 0");
+    for sequence in 4..=5 {
+        deliver(&gate, placed("order-1", sequence, order(sequence)))
+            .await
+            .expect("applied");
+    }
+    assert_eq!(
+        other.round().await.expect("a round"),
+        2,
+        "the other took over"
+    );
+    assert_eq!(stream_count(&js).await, 5);
+    // The lease back with the first publisher, which still believes order-1 ends at 3.
+    gate.execute(&format!(
+        "UPDATE gate_publisher_lease SET holder = '{}', epoch = 1, expires_at_ms = 9000000000000000",
+        stale.holder()
+    ));
+    deliver(&gate, placed("order-1", 6, order(6)))
+        .await
+        .expect("applied");
+    assert_eq!(stale.round().await.expect("a fenced round"), 0);
+    assert_eq!(counted(&metrics, "gate_publisher_fenced_total"), 1);
+    assert_eq!(stream_count(&js).await, 5, "the stale publish was refused");
+    assert_eq!(gate.pending_count().await, 1);
+    // Its next round reads the subject's last message and carries on after it.
+    assert_eq!(stale.round().await.expect("a round"), 1);
+    let read = read_output(&js).await;
+    assert_eq!(
+        ids_of(&read, "order-1"),
+        [
+            "order-1:1",
+            "order-1:2",
+            "order-1:3",
+            "order-1:4",
+            "order-1:5",
+            "order-1:6"
+        ]
+    );
+}
+
 on_both_backends!(
     a_valid_message_applies_and_its_output_row_commits_with_it,
     an_output_row_already_there_fails_the_delivery_and_records_nothing,
@@ -692,6 +795,8 @@ on_both_backends!(
     the_publisher_publishes_each_aggregates_rows_in_order_with_their_ids,
     a_restarted_publisher_sends_unmarked_rows_again_and_the_consumer_sees_each_once,
     a_dead_letters_skip_and_a_gap_skip_of_three_come_out_on_the_output_stream_as_markers_in_order,
+    the_publishers_lease_goes_to_one_gate_until_it_lapses_and_a_takeover_bumps_the_epoch,
+    a_publisher_that_missed_anothers_publishes_is_refused_by_the_server_and_reads_the_stream_again,
 );
 
 /// `order-1` with 1 applied, 2 quarantined and skipped by the operator, 3..=5 skipped as a gap
