@@ -117,7 +117,7 @@ async fn open_store(
         Backend::Postgres => {
             let url = crate::postgres::fresh_database();
             let target = Target::parse(&url).expect("the database's URL");
-            let inbox = PostgresInbox::open_with_handler(target, limits, handler)
+            let inbox = PostgresInbox::open_with_handler(target.clone(), limits, handler)
                 .await
                 .expect("the gate's PostgreSQL inbox");
             output::install_postgres(&inbox)
@@ -130,7 +130,7 @@ async fn open_store(
             (
                 Arc::new(inbox),
                 output,
-                RegistryStore::Postgres(url),
+                RegistryStore::Postgres(target),
                 token,
                 None,
             )
