@@ -160,7 +160,7 @@ impl GateProcess {
     }
 
     /// [`GateProcess::start`] with environment variables for the process.
-    fn start_with_env(config: &Path, env: &[(&str, &str)]) -> GateProcess {
+    pub(crate) fn start_with_env(config: &Path, env: &[(&str, &str)]) -> GateProcess {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

@@ -19,6 +19,7 @@ mod gate;
 mod gate_config;
 mod gate_console;
 mod gate_core;
+mod gate_remote;
 mod gate_routes;
 mod held;
 mod http;
