@@ -13,11 +13,12 @@ use serde_json::{Value, json};
 use tempfile::TempDir;
 
 use crate::gate::GateProcess;
-use crate::helpers::{client, command};
+use crate::helpers::{client, command, poll_until};
 
 const GATE_PASSWORD: &str = "gate-password-of-the-test";
 
-/// A CA and a server certificate it signed for 127.0.0.1 and localhost, as PEM.
+/// A CA and a server certificate it signed for 127.0.0.1 alone (not `localhost`: a URL naming
+/// `localhost` reaches the server under a name its certificate does not carry), as PEM.
 struct Authority {
     ca_pem: String,
     server_pem: String,
@@ -31,11 +32,10 @@ impl Authority {
         ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).expect("the CA");
         let server_key = rcgen::KeyPair::generate().expect("a server key");
-        let server =
-            rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
-                .expect("params")
-                .signed_by(&server_key, &ca)
-                .expect("the server's certificate");
+        let server = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .expect("params")
+            .signed_by(&server_key, &ca)
+            .expect("the server's certificate");
         Authority {
             ca_pem: ca.pem(),
             server_pem: server.pem(),
@@ -88,7 +88,7 @@ fn line_naming(output: &Output, key: &str) -> String {
 }
 
 /// A private cluster serving TLS with `authority`'s certificate and asking for passwords, with
-/// a role `gate` owning a database `gate`. Answers the cluster and the gate's URL.
+/// a role `gate` owning a database `gate`. Answers the cluster and the gate's URL (127.0.0.1).
 async fn tls_cluster(authority: &Authority) -> (PrivateCluster, String) {
     let cluster =
         PrivateCluster::start(ClusterOptions::for_tests()).unwrap_or_else(|e| panic!("{e}"));
@@ -114,6 +114,14 @@ async fn tls_cluster(authority: &Authority) -> (PrivateCluster, String) {
         .unwrap_or_else(|e| panic!("{e}"));
     let url = format!("postgres://gate@127.0.0.1:{}/gate", cluster.port());
     (cluster, url)
+}
+
+/// `[store]` with the URL in `GATE_DATABASE_URL` reached with `sslmode`, the CA `ca.pem` and
+/// the password in `GATE_DATABASE_PASSWORD`.
+fn store_with(sslmode: &str) -> String {
+    format!(
+        "postgres_url_env = \"GATE_DATABASE_URL\"\nsslmode = \"{sslmode}\"\nsslrootcert = \"ca.pem\"\npassword_env = \"GATE_DATABASE_PASSWORD\""
+    )
 }
 
 const VERIFY_FULL: &str = "postgres_url_env = \"GATE_DATABASE_URL\"\nsslmode = \"verify-full\"\nsslrootcert = \"ca.pem\"\npassword_env = \"GATE_DATABASE_PASSWORD\"";
@@ -160,6 +168,50 @@ async fn the_gate_applies_a_message_on_postgresql_over_verify_full_with_its_ca_a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_ca_takes_a_certificate_that_does_not_name_the_host_and_allow_insecure_is_a_warning_at_start()
+ {
+    let authority = Authority::new();
+    let (_cluster, url) = tls_cluster(&authority).await;
+    // The certificate names 127.0.0.1 only: verify-ca checks the chain, not the name.
+    let by_name = url.replace("127.0.0.1", "localhost");
+    let (_dir, config) = gate_dir(
+        &store_with("verify-ca"),
+        "",
+        &[("ca.pem", &authority.ca_pem)],
+    );
+    let env = [
+        ("GATE_DATABASE_URL", by_name.as_str()),
+        ("GATE_DATABASE_PASSWORD", GATE_PASSWORD),
+    ];
+    let gate = GateProcess::start_with_env(&config, &env);
+    assert_eq!(ready(&gate).await["checks"]["store"], "ok");
+    drop(gate);
+    // `require` checks no certificate at all (a CA file is refused with it); the switch that
+    // lets it reach a host is logged as a warning at start.
+    let (dir, config) = gate_dir(
+        "postgres_url_env = \"GATE_DATABASE_URL\"\nsslmode = \"require\"\npassword_env = \"GATE_DATABASE_PASSWORD\"\nallow_insecure = true",
+        "",
+        &[],
+    );
+    let gate = GateProcess::start_with_env(&config, &env);
+    assert_eq!(ready(&gate).await["checks"]["store"], "ok");
+    let log = dir.path().join("gate.log");
+    poll_until(
+        "the gate warns of store.allow_insecure",
+        || std::future::ready(std::fs::read_to_string(&log).unwrap_or_default()),
+        |text| {
+            text.lines().any(|line| {
+                line.contains("WARN")
+                    && line.contains(
+                        "store.allow_insecure = true: PostgreSQL is reached with sslmode require",
+                    )
+            })
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_ca_or_a_wrong_password_for_postgresql_refuses_the_start_naming_its_key() {
     let authority = Authority::new();
     let (_cluster, url) = tls_cluster(&authority).await;
@@ -172,6 +224,14 @@ async fn a_wrong_ca_or_a_wrong_password_for_postgresql_refuses_the_start_naming_
     let line = line_naming(&refused_start(&config, &env), "store.sslrootcert");
     assert!(line.contains("certificate is refused"), "{line}");
     std::fs::write(config.with_file_name("ca.pem"), &authority.ca_pem).expect("the right CA");
+    // The right CA, but a host name the certificate does not carry: verify-full refuses it.
+    let by_name = url.replace("127.0.0.1", "localhost");
+    let env = [
+        ("GATE_DATABASE_URL", by_name.as_str()),
+        ("GATE_DATABASE_PASSWORD", GATE_PASSWORD),
+    ];
+    let line = line_naming(&refused_start(&config, &env), "store.sslrootcert");
+    assert!(line.contains("certificate not valid for name"), "{line}");
     let env = [
         ("GATE_DATABASE_URL", url.as_str()),
         ("GATE_DATABASE_PASSWORD", "not-the-password"),

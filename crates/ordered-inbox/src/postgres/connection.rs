@@ -470,6 +470,54 @@ mod tests {
     }
 
     #[test]
+    fn a_remote_target_takes_any_host_and_its_sslmode_replaces_the_url_s() {
+        let remote = Remote {
+            sslmode: SslMode::Require,
+            password: Some("from-the-environment".to_owned()),
+            ..Remote::default()
+        };
+        let target = Target::parse_remote(
+            "postgres://gate@db.example.com:6432/gate?sslmode=disable",
+            &remote,
+        )
+        .unwrap();
+        assert_eq!(target.to_string(), "gate@db.example.com:6432/gate");
+        assert!(!target.is_local());
+        assert!(target.tls.is_some());
+        assert_eq!(
+            target.config().get_ssl_mode(),
+            tokio_postgres::config::SslMode::Require
+        );
+        assert_eq!(
+            target.config().get_password(),
+            Some(&b"from-the-environment"[..])
+        );
+        assert!(!format!("{remote:?}").contains("from-the-environment"));
+        let plain =
+            Target::parse_remote("postgres://gate@127.0.0.1/gate", &Remote::default()).unwrap();
+        assert!(plain.is_local() && plain.tls.is_none());
+        let verify = Remote {
+            sslmode: SslMode::VerifyFull,
+            ..Remote::default()
+        };
+        assert!(matches!(
+            Target::parse_remote("postgres://gate@db.example.com/gate", &verify),
+            Err(PostgresError::BadUrl(reason)) if reason.contains("sslrootcert")
+        ));
+        let missing = Remote {
+            sslmode: SslMode::VerifyCa,
+            root_certificate: Some("/nonexistent/ca.pem".into()),
+            ..Remote::default()
+        };
+        assert!(matches!(
+            Target::parse_remote("postgres://gate@db.example.com/gate", &missing),
+            Err(PostgresError::TlsFile { file, .. }) if file == "/nonexistent/ca.pem"
+        ));
+        assert_eq!("verify-ca".parse::<SslMode>(), Ok(SslMode::VerifyCa));
+        assert!("prefer".parse::<SslMode>().is_err());
+    }
+
+    #[test]
     fn other_hosts_and_other_forms_are_refused_without_echoing_a_password() {
         for url in [
             "postgres://lab:secret@db.example.com/inbox",
