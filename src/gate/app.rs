@@ -323,7 +323,7 @@ impl Stores {
                     sqlite: None,
                     inbox: Arc::new(postgres.clone()),
                     output: OutputStore::Postgres(Arc::new(postgres.clone())),
-                    registry: RegistryStore::Postgres(target),
+                    registry: RegistryStore::Postgres(Box::new(target)),
                     postgres: Some(postgres),
                 })
             }

@@ -772,7 +772,7 @@ impl<'a> Checker<'a> {
                 ),
             );
         }
-        (self.errors.len() == before).then(|| PostgresAccess {
+        (self.errors.len() == before).then_some(PostgresAccess {
             remote: Remote {
                 sslmode,
                 root_certificate,

@@ -130,7 +130,7 @@ async fn open_store(
             (
                 Arc::new(inbox),
                 output,
-                RegistryStore::Postgres(target),
+                RegistryStore::Postgres(Box::new(target)),
                 token,
                 None,
             )

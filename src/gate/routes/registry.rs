@@ -28,7 +28,7 @@ use crate::inbox::SharedInbox;
 pub enum RegistryStore {
     Sqlite(PathBuf),
     /// The store's checked target (any host, with its TLS and password).
-    Postgres(Target),
+    Postgres(Box<Target>),
 }
 
 impl RegistryStore {
@@ -41,7 +41,7 @@ impl RegistryStore {
                     .await
             }
             RegistryStore::Postgres(target) => {
-                ordered_inbox::postgres::operators::add_to(registry, target, &name).await
+                ordered_inbox::postgres::operators::add_to(registry, target.as_ref(), &name).await
             }
         }
     }
@@ -53,7 +53,7 @@ impl RegistryStore {
                 blocking(move || ordered_inbox::sqlite::operators::list_of(registry, &path)).await
             }
             RegistryStore::Postgres(target) => {
-                ordered_inbox::postgres::operators::list_of(registry, target).await
+                ordered_inbox::postgres::operators::list_of(registry, target.as_ref()).await
             }
         }
     }
@@ -68,7 +68,8 @@ impl RegistryStore {
                 .await
             }
             RegistryStore::Postgres(target) => {
-                ordered_inbox::postgres::operators::revoke_in(registry, target, &name).await
+                ordered_inbox::postgres::operators::revoke_in(registry, target.as_ref(), &name)
+                    .await
             }
         }
     }
