@@ -1301,6 +1301,15 @@ mod tests {
     }
 
     #[test]
+    fn reconnects_wait_twice_as_long_each_time_up_to_five_seconds() {
+        let waits: Vec<u64> = [1, 2, 3, 4, 6, 7, 100, usize::MAX]
+            .into_iter()
+            .map(|attempts| reconnect_backoff(attempts).as_millis() as u64)
+            .collect();
+        assert_eq!(waits, [100, 200, 400, 800, 3200, 5000, 5000, 5000]);
+    }
+
+    #[test]
     fn verdicts_map_to_broker_actions() {
         assert_eq!(action_for(&Outcome::PayloadConflict), Action::Term);
         assert_eq!(

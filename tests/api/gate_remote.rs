@@ -23,6 +23,9 @@ struct Authority {
     ca_pem: String,
     server_pem: String,
     server_key_pem: String,
+    /// A client certificate it signed, for servers that verify clients.
+    client_pem: String,
+    client_key_pem: String,
 }
 
 impl Authority {
@@ -30,16 +33,32 @@ impl Authority {
         let ca_key = rcgen::KeyPair::generate().expect("a CA key");
         let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
         ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        // Distinct names: OpenSSL takes a certificate whose subject is its issuer's name for a
+        // self-signed one (rcgen gives every certificate the same name by default).
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "production-lab test CA");
         let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).expect("the CA");
         let server_key = rcgen::KeyPair::generate().expect("a server key");
         let server = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
             .expect("params")
             .signed_by(&server_key, &ca)
             .expect("the server's certificate");
+        let client_key = rcgen::KeyPair::generate().expect("a client key");
+        let mut client_params =
+            rcgen::CertificateParams::new(vec!["gate".to_owned()]).expect("params");
+        client_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "gate");
+        let client = client_params
+            .signed_by(&client_key, &ca)
+            .expect("the client's certificate");
         Authority {
             ca_pem: ca.pem(),
             server_pem: server.pem(),
             server_key_pem: server_key.serialize_pem(),
+            client_pem: client.pem(),
+            client_key_pem: client_key.serialize_pem(),
         }
     }
 }
@@ -90,6 +109,15 @@ fn line_naming(output: &Output, key: &str) -> String {
 /// A private cluster serving TLS with `authority`'s certificate and asking for passwords, with
 /// a role `gate` owning a database `gate`. Answers the cluster and the gate's URL (127.0.0.1).
 async fn tls_cluster(authority: &Authority) -> (PrivateCluster, String) {
+    tls_cluster_verifying(authority, false).await
+}
+
+/// [`tls_cluster`], asking also for a client certificate `authority` signed when
+/// `verify_clients`.
+async fn tls_cluster_verifying(
+    authority: &Authority,
+    verify_clients: bool,
+) -> (PrivateCluster, String) {
     let cluster =
         PrivateCluster::start(ClusterOptions::for_tests()).unwrap_or_else(|e| panic!("{e}"));
     let (admin, connection) =
@@ -110,7 +138,11 @@ async fn tls_cluster(authority: &Authority) -> (PrivateCluster, String) {
     }
     drop(admin);
     cluster
-        .require_tls_and_password(&authority.server_pem, &authority.server_key_pem)
+        .require_tls_and_password(
+            &authority.server_pem,
+            &authority.server_key_pem,
+            verify_clients.then_some(authority.ca_pem.as_str()),
+        )
         .unwrap_or_else(|e| panic!("{e}"));
     let url = format!("postgres://gate@127.0.0.1:{}/gate", cluster.port());
     (cluster, url)
@@ -262,14 +294,27 @@ fn plain_tcp_to_a_postgresql_or_nats_beyond_loopback_is_refused_before_any_conne
 }
 
 /// A nats-server with TLS (`authority`'s certificate) and two users: `gate` with a password,
-/// and the nkey user `nkey_user`.
-fn tls_nats(authority: &Authority, dir: &Path, nkey_user: &str) -> NatsServer {
+/// and the nkey user `nkey_user`; with `verify_clients`, a client must show a certificate
+/// `authority` signed (mTLS).
+fn tls_nats(
+    authority: &Authority,
+    dir: &Path,
+    nkey_user: &str,
+    verify_clients: bool,
+) -> NatsServer {
     let certificate = dir.join("nats-server.crt");
     let key = dir.join("nats-server.key");
+    let ca = dir.join("nats-ca.crt");
     std::fs::write(&certificate, &authority.server_pem).expect("the server's certificate");
     std::fs::write(&key, &authority.server_key_pem).expect("the server's key");
+    std::fs::write(&ca, &authority.ca_pem).expect("the CA");
+    let verify = if verify_clients {
+        format!("  ca_file: \"{}\"\n  verify: true\n", ca.display())
+    } else {
+        String::new()
+    };
     let config = format!(
-        "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n}}\nauthorization {{\n  users = [\n    {{ user: gate, password: \"{GATE_PASSWORD}\" }}\n    {{ nkey: {nkey_user} }}\n  ]\n}}\n",
+        "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n{verify}}}\nauthorization {{\n  users = [\n    {{ user: gate, password: \"{GATE_PASSWORD}\" }}\n    {{ nkey: {nkey_user} }}\n  ]\n}}\n",
         certificate.display(),
         key.display()
     );
@@ -289,7 +334,7 @@ async fn the_gate_connects_to_nats_over_tls_with_a_password_or_an_nkey_and_repor
     let authority = Authority::new();
     let server_dir = tempfile::tempdir().expect("a temp dir");
     let user = nkeys::KeyPair::new_user();
-    let nats = tls_nats(&authority, server_dir.path(), &user.public_key());
+    let nats = tls_nats(&authority, server_dir.path(), &user.public_key(), false);
     let seed = user.seed().expect("the user's seed");
     for auth in [
         "user = \"gate\"\npassword_env = \"GATE_NATS_PASSWORD\"",
@@ -323,6 +368,7 @@ async fn a_wrong_ca_a_wrong_password_or_a_missing_creds_file_for_nats_refuses_th
         &authority,
         server_dir.path(),
         &nkeys::KeyPair::new_user().public_key(),
+        false,
     );
     let password = "user = \"gate\"\npassword_env = \"GATE_NATS_PASSWORD\"";
     let other = Authority::new();
@@ -351,4 +397,68 @@ async fn a_wrong_ca_a_wrong_password_or_a_missing_creds_file_for_nats_refuses_th
         !config.with_file_name("gate.db").exists(),
         "nothing was started"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_that_verifies_clients_takes_the_gate_with_its_client_certificate() {
+    let authority = Authority::new();
+    let server_dir = tempfile::tempdir().expect("a temp dir");
+    let nats = tls_nats(
+        &authority,
+        server_dir.path(),
+        &nkeys::KeyPair::new_user().public_key(),
+        true,
+    );
+    let password = "user = \"gate\"\npassword_env = \"GATE_NATS_PASSWORD\"";
+    let env = [("GATE_NATS_PASSWORD", GATE_PASSWORD)];
+    let files = [
+        ("ca.pem", authority.ca_pem.as_str()),
+        ("gate.crt", authority.client_pem.as_str()),
+        ("gate.key", authority.client_key_pem.as_str()),
+    ];
+    // Without a client certificate the server ends the handshake.
+    let (_dir, config) = gate_dir("sqlite = \"gate.db\"", &nats_table(&nats, password), &files);
+    let output = refused_start(&config, &env);
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("NATS at"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let with_certificate = nats_table(&nats, password).replace(
+        "ca = \"ca.pem\"",
+        "ca = \"ca.pem\"\ncert = \"gate.crt\"\nkey = \"gate.key\"",
+    );
+    let (_dir, config) = gate_dir("sqlite = \"gate.db\"", &with_certificate, &files);
+    let gate = GateProcess::start_with_env(&config, &env);
+    let checks = ready(&gate).await["checks"].clone();
+    assert_eq!(
+        (&checks["natsInput"], &checks["natsOutput"]),
+        (&json!("ok"), &json!("ok")),
+        "{checks}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgresql_that_asks_for_a_client_certificate_takes_the_gate_with_sslcert_and_sslkey() {
+    let authority = Authority::new();
+    let (_cluster, url) = tls_cluster_verifying(&authority, true).await;
+    let env = [
+        ("GATE_DATABASE_URL", url.as_str()),
+        ("GATE_DATABASE_PASSWORD", GATE_PASSWORD),
+    ];
+    let files = [
+        ("ca.pem", authority.ca_pem.as_str()),
+        ("gate.crt", authority.client_pem.as_str()),
+        ("gate.key", authority.client_key_pem.as_str()),
+    ];
+    let (_dir, config) = gate_dir(VERIFY_FULL, "", &files);
+    let line = line_naming(
+        &refused_start(&config, &env),
+        "store.postgres_url_env (GATE_DATABASE_URL)",
+    );
+    assert!(line.contains("certificate"), "{line}");
+    let with_certificate = format!("{VERIFY_FULL}\nsslcert = \"gate.crt\"\nsslkey = \"gate.key\"");
+    let (_dir, config) = gate_dir(&with_certificate, "", &files);
+    let gate = GateProcess::start_with_env(&config, &env);
+    assert_eq!(ready(&gate).await["checks"]["store"], "ok");
 }

@@ -179,7 +179,9 @@ fn connect_failure(target: &str, error: &tokio_postgres::Error) -> PostgresError
     let target = target.to_owned();
     let reason = error_text(error);
     let code = error.as_db_error().map(|db| db.code().code());
-    if matches!(code, Some("28P01" | "28000")) || reason.contains("password missing") {
+    // 28P01 is a refused password; 28000 (no pg_hba.conf entry, no client certificate) is not
+    // about the password and stays a connection failure.
+    if code == Some("28P01") || reason.contains("password missing") {
         return PostgresError::Authentication { target, reason };
     }
     if refused_certificate(error) {
