@@ -51,6 +51,7 @@ pub use crate::config::broker::{
     DEFAULT_GAP_NOTICES_PER_TICK, DEFAULT_NAK_DELAY, DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX,
     parse_nats_urls,
 };
+use crate::config::broker::{NatsAccess, NatsAuth};
 use crate::inbox::SharedInbox;
 use crate::telemetry::metrics::Metrics;
 
@@ -95,6 +96,108 @@ pub(crate) fn reconnecting_client(name: String) -> async_nats::ConnectOptions {
         .reconnect_delay_callback(|attempts| {
             Duration::from_millis((attempts as u64).saturating_mul(100).min(1_000))
         })
+}
+
+/// Doubling from 100 ms up to 5 s between reconnect attempts: a server that blinked is back
+/// within a second, one that stays away (another host, a network between) is not hammered.
+pub(crate) fn reconnect_backoff(attempts: usize) -> Duration {
+    let doublings = attempts.saturating_sub(1).min(6) as u32;
+    Duration::from_millis(100u64 << doublings).min(Duration::from_secs(5))
+}
+
+/// Why a NATS client could not connect, sorted so that a caller can name the setting at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NatsConnectError {
+    /// The server's certificate was refused, or the TLS files could not be used.
+    #[error("{0}")]
+    Certificate(String),
+    /// The credential could not be read, or the server refused it.
+    #[error("{0}")]
+    Credentials(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// `options` with `access`'s TLS (required, with its CA and client certificate) and credential.
+pub(crate) async fn with_access(
+    options: async_nats::ConnectOptions,
+    access: &NatsAccess,
+) -> Result<async_nats::ConnectOptions, NatsConnectError> {
+    let options = match &access.tls {
+        None => options,
+        Some(tls) => {
+            let options = options
+                .require_tls(true)
+                .add_root_certificates(tls.ca.clone());
+            match &tls.client {
+                Some((certificate, key)) => {
+                    options.add_client_certificate(certificate.clone(), key.clone())
+                }
+                None => options,
+            }
+        }
+    };
+    Ok(match &access.auth {
+        None => options,
+        Some(NatsAuth::CredsFile(path)) => {
+            options.credentials_file(path).await.map_err(|error| {
+                NatsConnectError::Credentials(format!("cannot read {}: {error}", path.display()))
+            })?
+        }
+        Some(NatsAuth::NkeySeed(seed)) => options.nkey(seed.clone()),
+        Some(NatsAuth::UserPassword { user, password }) => {
+            options.user_and_password(user.clone(), password.clone())
+        }
+        Some(NatsAuth::Token(token)) => options.token(token.clone()),
+    })
+}
+
+/// A client named `name` of `urls` with `access`'s TLS and credential, reconnecting for ever
+/// with [`reconnect_backoff`]. Only the first connection must succeed at once.
+pub async fn connect_client(
+    name: String,
+    urls: &[String],
+    access: &NatsAccess,
+) -> Result<async_nats::Client, NatsConnectError> {
+    let addresses = server_addresses(urls)
+        .map_err(|error| NatsConnectError::Other(format!("invalid address: {error}")))?;
+    let options = reconnecting_client(name).reconnect_delay_callback(reconnect_backoff);
+    with_access(options, access)
+        .await?
+        .connect(addresses)
+        .await
+        .map_err(sort_connect_error)
+}
+
+/// The refusal of a first connection, with its causes, sorted by what it is about.
+fn sort_connect_error(error: async_nats::ConnectError) -> NatsConnectError {
+    let mut text = error.to_string();
+    let mut refused_certificate = false;
+    let mut cause = std::error::Error::source(&error);
+    while let Some(current) = cause {
+        let shown = current.to_string();
+        if !text.contains(&shown) {
+            text = format!("{text}: {shown}");
+        }
+        let tls = current.downcast_ref::<rustls::Error>().or_else(|| {
+            current
+                .downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        refused_certificate |= matches!(
+            tls,
+            Some(rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented)
+        );
+        cause = current.source();
+    }
+    match error.kind() {
+        async_nats::ConnectErrorKind::AuthorizationViolation
+        | async_nats::ConnectErrorKind::Authentication => NatsConnectError::Credentials(text),
+        async_nats::ConnectErrorKind::Tls => NatsConnectError::Certificate(text),
+        _ if refused_certificate => NatsConnectError::Certificate(text),
+        _ => NatsConnectError::Other(text),
+    }
 }
 
 /// What `production-lab publish` reports for one message.
@@ -290,10 +393,31 @@ impl Consumer {
         };
         let addresses =
             server_addresses(&config.urls).map_err(|error| refuse("invalid address", &error))?;
-        let client = reconnecting_client("production-lab".to_owned())
-            .connect(addresses)
-            .await
-            .map_err(|error| refuse("cannot connect", &error))?;
+        let client = with_access(
+            reconnecting_client("production-lab".to_owned()),
+            &config.access,
+        )
+        .await
+        .map_err(|error| refuse("cannot connect", &error))?
+        .connect(addresses)
+        .await
+        .map_err(|error| refuse("cannot connect", &error))?;
+        Consumer::with_client(config, lab, client).await
+    }
+
+    /// As [`Consumer::connect`], on a client its caller connected (and named) already.
+    pub async fn with_client(
+        config: BrokerConfig,
+        lab: BrokerLab,
+        client: async_nats::Client,
+    ) -> Result<Consumer, StartupError> {
+        config.validate()?;
+        let refuse = |what: &str, error: &dyn std::fmt::Display| {
+            StartupError::Broker(format!(
+                "NATS at {}: {what}: {error}",
+                config.urls.join(",")
+            ))
+        };
         let context = jetstream::new(client.clone());
         let stream = context
             .get_or_create_stream(StreamConfig {
@@ -1213,6 +1337,15 @@ mod tests {
         assert_eq!(config.durable_name(), "production-lab-p1");
         config.partition = 2;
         assert!(config.validate().is_err());
+    }
+
+    #[test]
+    fn reconnects_wait_twice_as_long_each_time_up_to_five_seconds() {
+        let waits: Vec<u64> = [1, 2, 3, 4, 6, 7, 100, usize::MAX]
+            .into_iter()
+            .map(|attempts| reconnect_backoff(attempts).as_millis() as u64)
+            .collect();
+        assert_eq!(waits, [100, 200, 400, 800, 3200, 5000, 5000, 5000]);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! Checked once at start-up; each refusal is one line naming the flag.
 
 use std::net::IpAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::StartupError;
@@ -47,6 +48,65 @@ pub struct BrokerConfig {
     pub gap_notice_interval: Duration,
     /// The most gap notices one tick of that timer (or one batch) publishes.
     pub gap_notices_per_tick: usize,
+    /// TLS and credentials (the gate's `[nats.tls]` and `[nats.auth]`); none for `serve`.
+    pub access: NatsAccess,
+}
+
+/// How a client proves the server and itself: TLS with a CA (and a client certificate), and one
+/// kind of credential. `Debug` hides the secrets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NatsAccess {
+    pub tls: Option<NatsTls>,
+    pub auth: Option<NatsAuth>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsTls {
+    /// The CA file (PEM) the server's certificate must chain to.
+    pub ca: PathBuf,
+    /// A client certificate and its key (PEM), for a server that asks for one (mTLS).
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
+/// One kind of NATS credential.
+#[derive(Clone, PartialEq, Eq)]
+pub enum NatsAuth {
+    /// A `.creds` file: a user JWT and its nkey seed.
+    CredsFile(PathBuf),
+    /// A user nkey's seed (`SU…`).
+    NkeySeed(String),
+    UserPassword {
+        user: String,
+        password: String,
+    },
+    Token(String),
+}
+
+impl NatsAuth {
+    /// The configuration key a refusal of this credential is about.
+    pub fn key(&self) -> &'static str {
+        match self {
+            NatsAuth::CredsFile(_) => "nats.auth.creds_file",
+            NatsAuth::NkeySeed(_) => "nats.auth.nkey_seed_file",
+            NatsAuth::UserPassword { .. } => "nats.auth.password_env",
+            NatsAuth::Token(_) => "nats.auth.token_env",
+        }
+    }
+}
+
+impl std::fmt::Debug for NatsAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NatsAuth::CredsFile(path) => f.debug_tuple("CredsFile").field(path).finish(),
+            NatsAuth::NkeySeed(_) => f.write_str("NkeySeed(…)"),
+            NatsAuth::UserPassword { user, .. } => f
+                .debug_struct("UserPassword")
+                .field("user", user)
+                .field("password", &"…")
+                .finish(),
+            NatsAuth::Token(_) => f.write_str("Token(…)"),
+        }
+    }
 }
 
 impl BrokerConfig {
@@ -70,6 +130,7 @@ impl BrokerConfig {
             nak_delay: DEFAULT_NAK_DELAY,
             gap_notice_interval: DEFAULT_GAP_NOTICE_INTERVAL,
             gap_notices_per_tick: DEFAULT_GAP_NOTICES_PER_TICK,
+            access: NatsAccess::default(),
         }
     }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use axum::{Router, middleware};
 use ordered_inbox::OrderedMessage;
-use ordered_inbox::postgres::{PostgresInbox, Target};
+use ordered_inbox::postgres::{PostgresError, PostgresInbox, Target};
 use ordered_inbox::sqlite::SqliteInbox;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
@@ -18,16 +18,16 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::auth::{Access, DeliveryRate};
-use super::config::{GateConfig, GateNats, GateStore};
+use super::config::{GateConfig, GateNats, GateStore, PostgresAccess};
 use super::handler::{GateHandler, SharedTypes};
-use super::health::{self, Health};
+use super::health::{self, Health, NatsClients};
 use super::output::{self, OutputStore};
 use super::publisher::Publisher;
 use super::reload::Reloader;
 use super::routes::{self, GateMessageInput, GateParts, GateState, RegistryStore};
 use super::schemas::MessageTypes;
 use crate::app::SHUTDOWN_GRACE;
-use crate::broker::{BrokerConfig, BrokerLab, Consumer};
+use crate::broker::{BrokerConfig, BrokerLab, Consumer, NatsConnectError};
 use crate::config::{ConnectionLimits, StartupError};
 use crate::http::tls::ReloadingTls;
 use crate::inbox::SharedInbox;
@@ -70,9 +70,10 @@ struct Stores {
     registry: RegistryStore,
 }
 
-/// The NATS side: the input's consumer and the output's publisher, on one connection.
+/// The NATS side: the input's consumer and the output's publisher, each on its own connection.
 struct Nats {
-    client: async_nats::Client,
+    input: async_nats::Client,
+    output: async_nats::Client,
     consumer: Consumer,
     publisher: Publisher,
 }
@@ -81,6 +82,9 @@ impl GateApplication {
     /// Compiles the schemas, loads TLS, opens the store, connects to NATS and binds the
     /// listener. Every refusal is a [`StartupError`] with one readable line.
     pub async fn build(config: GateConfig) -> Result<GateApplication, StartupError> {
+        for line in config.insecure_settings() {
+            tracing::warn!(target: "production_lab::gate", "{line}");
+        }
         let types = MessageTypes::compile(config.types.clone())
             .map_err(|(name, why)| StartupError::Gate(format!("types.\"{name}\".schema: {why}")))?;
         let tls = match &config.tls {
@@ -299,22 +303,21 @@ impl Stores {
                     registry: RegistryStore::Sqlite(path.clone()),
                 })
             }
-            GateStore::Postgres { url, env } => {
-                let refused = |error: &dyn std::fmt::Display| {
+            GateStore::Postgres { url, env, access } => {
+                let refused = |error: &PostgresError| store_refusal(env, access, error);
+                let target = Target::parse_remote(url.expose(), &access.remote)
+                    .map_err(|error| refused(&error))?;
+                let postgres = PostgresInbox::open_with_handler(target.clone(), limits, handler)
+                    .await
+                    .map_err(|error| refused(&error))?;
+                output::install_postgres(&postgres).await.map_err(|error| {
                     StartupError::Gate(format!("store.postgres_url_env ({env}): {error}"))
-                };
-                let target = Target::parse(url.expose()).map_err(|error| refused(&error))?;
-                let postgres = PostgresInbox::open_with_handler(target, limits, handler)
-                    .await
-                    .map_err(|error| refused(&error))?;
-                output::install_postgres(&postgres)
-                    .await
-                    .map_err(|error| refused(&error))?;
+                })?;
                 Ok(Stores {
                     sqlite: None,
                     inbox: Arc::new(postgres.clone()),
                     output: OutputStore::Postgres(Arc::new(postgres.clone())),
-                    registry: RegistryStore::Postgres(url.expose().to_owned()),
+                    registry: RegistryStore::Postgres(Box::new(target)),
                     postgres: Some(postgres),
                 })
             }
@@ -329,6 +332,31 @@ impl Stores {
             postgres.close();
         }
     }
+}
+
+/// A refusal of the PostgreSQL store on one line, naming the key at fault: the CA for a refused
+/// certificate, the password's key for a refused password, the URL's variable otherwise.
+fn store_refusal(env: &str, access: &PostgresAccess, error: &PostgresError) -> StartupError {
+    let key = match error {
+        PostgresError::Certificate { .. } => "store.sslrootcert".to_owned(),
+        PostgresError::TlsFile { file, .. }
+            if access
+                .remote
+                .root_certificate
+                .as_ref()
+                .is_some_and(|root| root.display().to_string() == *file) =>
+        {
+            "store.sslrootcert".to_owned()
+        }
+        PostgresError::TlsFile { .. } => "store.sslcert".to_owned(),
+        PostgresError::Authentication { .. } => match access.password_key {
+            Some(key) => key.to_owned(),
+            None => format!("store.postgres_url_env ({env})"),
+        },
+        _ => format!("store.postgres_url_env ({env})"),
+    };
+    let text = error.to_string();
+    StartupError::Gate(format!("{key}: {}", text.replace('\n', " ")))
 }
 
 /// The inbox's tables, then the gate's output table beside them.
@@ -354,15 +382,24 @@ impl Nats {
         input.subject_prefix = settings.input.subject_prefix.clone();
         input.durable = settings.input.durable.clone();
         input.batch = settings.input.batch;
-        let consumer = Consumer::connect(input, BrokerLab::with_metrics(metrics.clone()))
-            .await
-            .map_err(|error| StartupError::Gate(format!("nats.input: {error}")))?
-            .with_body_reader(gate_message)
-            .with_anonymous_writes(anonymous_writes);
+        input.access = settings.access.clone();
+        let input_client = nats_client("production-lab gate input", settings).await?;
+        let consumer = Consumer::with_client(
+            input,
+            BrokerLab::with_metrics(metrics.clone()),
+            input_client,
+        )
+        .await
+        .map_err(|error| StartupError::Gate(format!("nats.input: {error}")))?
+        .with_body_reader(gate_message)
+        .with_anonymous_writes(anonymous_writes);
         let client = consumer.client();
+        // The output has a connection of its own, so that `/ready` tells the two apart and a
+        // slow consumer never queues the output's publishes behind its pulls.
+        let output_client = nats_client("production-lab gate output", settings).await?;
         let publisher = Publisher::new(
             stores.output.clone(),
-            async_nats::jetstream::new(client.clone()),
+            async_nats::jetstream::new(output_client.clone()),
             settings.output.stream.clone(),
             settings.output.subject_prefix.clone(),
             wake,
@@ -374,11 +411,36 @@ impl Nats {
             .await
             .map_err(|error| StartupError::Gate(format!("nats.output: {error}")))?;
         Ok(Nats {
-            client,
+            input: client,
+            output: output_client,
             consumer,
             publisher,
         })
     }
+}
+
+/// A client of the configured servers with `[nats.tls]` and `[nats.auth]`; a refusal names the
+/// key at fault: the CA for a refused certificate, the credential's key for a refused or
+/// unreadable credential, the URLs otherwise.
+async fn nats_client(name: &str, settings: &GateNats) -> Result<async_nats::Client, StartupError> {
+    crate::broker::connect_client(name.to_owned(), &settings.urls, &settings.access)
+        .await
+        .map_err(|error| {
+            let key = match &error {
+                NatsConnectError::Certificate(_) if settings.access.tls.is_some() => "nats.tls.ca",
+                NatsConnectError::Credentials(_) => settings
+                    .access
+                    .auth
+                    .as_ref()
+                    .map_or("nats.auth", |auth| auth.key()),
+                _ => "nats.urls",
+            };
+            StartupError::Gate(format!(
+                "{key}: NATS at {}: {}",
+                settings.urls.join(","),
+                error.to_string().replace('\n', " ")
+            ))
+        })
 }
 
 /// A NATS message's body for the aggregate its subject names: the same JSON as the HTTP door's
@@ -410,7 +472,10 @@ fn gate_router(
         inbox: background.inbox.clone(),
         metrics: background.metrics.clone(),
         store: stores.sqlite.clone(),
-        nats: background.nats.as_ref().map(|nats| nats.client.clone()),
+        nats: background.nats.as_ref().map(|nats| NatsClients {
+            input: nats.input.clone(),
+            output: nats.output.clone(),
+        }),
         access: state.0.access.clone(),
         generation: reloader.generation(),
     };

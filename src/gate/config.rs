@@ -20,6 +20,9 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use ordered_inbox::postgres::{ClientCertificate, Remote, SslMode};
+
+use crate::config::broker::{NatsAccess, NatsAuth, NatsTls};
 use crate::config::{ConnectionLimits, MAX_REQUEST_BODY_BYTES};
 use crate::gate::schemas::MessageTypes;
 use crate::http::tls::{self, TlsFiles};
@@ -56,11 +59,25 @@ pub struct Listen {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GateStore {
     Sqlite(PathBuf),
-    /// The URL read from the environment variable `env`.
+    /// The URL read from the environment variable `env`, reached as `access` says.
     Postgres {
         url: Secret,
         env: String,
+        access: PostgresAccess,
     },
+}
+
+/// How the gate reaches its PostgreSQL store: libpq's sslmode, the CA, a client certificate,
+/// the password; and whether a host beyond loopback may be reached with less than
+/// `verify-full`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PostgresAccess {
+    pub remote: Remote,
+    /// The key the password came from, for a refusal of it.
+    pub password_key: Option<&'static str>,
+    pub allow_insecure: bool,
+    /// The URL's first host beyond loopback, if it names one.
+    pub remote_host: Option<String>,
 }
 
 /// A credential or a URL that may hold one: shown as `…` by `Debug`.
@@ -136,6 +153,9 @@ pub struct GateNats {
     pub urls: Vec<String>,
     pub input: NatsInput,
     pub output: NatsOutput,
+    /// `[nats.tls]` and `[nats.auth]`.
+    pub access: NatsAccess,
+    pub allow_insecure: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -215,6 +235,38 @@ impl GateConfig {
             max_connections: self.limits.max_connections,
             request_body_budget: self.limits.request_body_budget,
         }
+    }
+
+    /// One line for each setting that weakens TLS or credentials, to be logged as a warning at
+    /// every start.
+    pub fn insecure_settings(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        if let GateStore::Postgres { access, .. } = &self.store
+            && access.allow_insecure
+        {
+            lines.push(format!(
+                "store.allow_insecure = true: PostgreSQL is reached with sslmode {}{}",
+                access.remote.sslmode,
+                access
+                    .remote_host
+                    .as_ref()
+                    .map(|host| format!(" at {host}, beyond loopback"))
+                    .unwrap_or_default()
+            ));
+        }
+        if let Some(nats) = &self.nats
+            && nats.allow_insecure
+        {
+            lines.push(format!(
+                "nats.allow_insecure = true: NATS is reached {}",
+                if nats.access.tls.is_some() {
+                    "with TLS"
+                } else {
+                    "without TLS, credentials and messages in clear beyond loopback"
+                }
+            ));
+        }
+        lines
     }
 
     /// The bounds the ordered inbox keeps.
@@ -354,6 +406,31 @@ struct RawTls {
 struct RawStore {
     sqlite: Option<PathBuf>,
     postgres_url_env: Option<String>,
+    sslmode: Option<String>,
+    sslrootcert: Option<PathBuf>,
+    sslcert: Option<PathBuf>,
+    sslkey: Option<PathBuf>,
+    password_env: Option<String>,
+    password_file: Option<PathBuf>,
+    allow_insecure: Option<bool>,
+}
+
+impl RawStore {
+    /// The PostgreSQL-only keys given, for a refusal beside `sqlite`.
+    fn postgres_keys(&self) -> Vec<&'static str> {
+        [
+            ("sslmode", self.sslmode.is_some()),
+            ("sslrootcert", self.sslrootcert.is_some()),
+            ("sslcert", self.sslcert.is_some()),
+            ("sslkey", self.sslkey.is_some()),
+            ("password_env", self.password_env.is_some()),
+            ("password_file", self.password_file.is_some()),
+            ("allow_insecure", self.allow_insecure.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(key, given)| given.then_some(key))
+        .collect()
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -417,6 +494,27 @@ struct RawNats {
     urls: Option<Vec<String>>,
     input: Option<toml::Value>,
     output: Option<toml::Value>,
+    tls: Option<toml::Value>,
+    auth: Option<toml::Value>,
+    allow_insecure: Option<bool>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawNatsTls {
+    ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawNatsAuth {
+    creds_file: Option<PathBuf>,
+    nkey_seed_file: Option<PathBuf>,
+    user: Option<String>,
+    password_env: Option<String>,
+    token_env: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -617,9 +715,26 @@ impl<'a> Checker<'a> {
             return Some(GateStore::Sqlite(self.path(Path::new(DEFAULT_SQLITE))));
         };
         let raw: RawStore = self.shape(value, "store")?;
-        match (raw.sqlite, raw.postgres_url_env) {
-            (Some(path), None) => Some(GateStore::Sqlite(self.path(&path))),
-            (None, Some(env)) => self.postgres_url(env),
+        match (&raw.sqlite, &raw.postgres_url_env) {
+            (Some(path), None) => {
+                for key in raw.postgres_keys() {
+                    self.error(
+                        format!("store.{key}"),
+                        "only with postgres_url_env (a PostgreSQL store)",
+                    );
+                }
+                Some(GateStore::Sqlite(self.path(path)))
+            }
+            (None, Some(env)) => {
+                let env = env.clone();
+                let url = self.postgres_url(&env);
+                let access = self.postgres_access(raw, url.as_ref());
+                Some(GateStore::Postgres {
+                    url: url?.0,
+                    env,
+                    access: access?,
+                })
+            }
             _ => {
                 self.error(
                     "store",
@@ -631,10 +746,10 @@ impl<'a> Checker<'a> {
     }
 
     /// The URL from the environment, parsed as tokio-postgres does; never shown.
-    fn postgres_url(&mut self, env: String) -> Option<GateStore> {
+    fn postgres_url(&mut self, env: &str) -> Option<(Secret, tokio_postgres::Config)> {
         let key = "store.postgres_url_env";
-        let url = self.variable(&env, key)?;
-        if url.parse::<tokio_postgres::Config>().is_err() {
+        let url = self.variable(env, key)?;
+        let Ok(parsed) = url.parse::<tokio_postgres::Config>() else {
             self.error(
                 key,
                 format!(
@@ -642,11 +757,165 @@ impl<'a> Checker<'a> {
                 ),
             );
             return None;
+        };
+        Some((Secret(url), parsed))
+    }
+
+    /// `[store]`'s TLS and password keys. `url` is `None` when the URL itself was refused (its
+    /// host and password are then not checked).
+    fn postgres_access(
+        &mut self,
+        raw: RawStore,
+        url: Option<&(Secret, tokio_postgres::Config)>,
+    ) -> Option<PostgresAccess> {
+        let before = self.errors.len();
+        let sslmode = match raw.sslmode.as_deref().map(str::parse::<SslMode>) {
+            None => SslMode::Disable,
+            Some(Ok(mode)) => mode,
+            Some(Err(message)) => {
+                self.error("store.sslmode", message);
+                return None;
+            }
+        };
+        let root_certificate = self.postgres_root_certificate(sslmode, raw.sslrootcert);
+        let client_certificate = self.postgres_client_certificate(sslmode, raw.sslcert, raw.sslkey);
+        let (password, password_key) =
+            self.postgres_password(raw.password_env, raw.password_file, url);
+        let allow_insecure = raw.allow_insecure.unwrap_or(false);
+        let remote_host = url.and_then(|(_, config)| first_remote_host(config));
+        if let Some(host) = &remote_host
+            && sslmode != SslMode::VerifyFull
+            && !allow_insecure
+        {
+            self.error(
+                "store.sslmode",
+                format!(
+                    "'{sslmode}' to {host}, beyond loopback: only verify-full is accepted there, unless store.allow_insecure = true"
+                ),
+            );
         }
-        Some(GateStore::Postgres {
-            url: Secret(url),
-            env,
+        (self.errors.len() == before).then_some(PostgresAccess {
+            remote: Remote {
+                sslmode,
+                root_certificate,
+                client_certificate,
+                password,
+            },
+            password_key,
+            allow_insecure,
+            remote_host,
         })
+    }
+
+    /// `store.sslrootcert`: required by the verifying modes, meaningless without them.
+    fn postgres_root_certificate(
+        &mut self,
+        sslmode: SslMode,
+        path: Option<PathBuf>,
+    ) -> Option<PathBuf> {
+        let key = "store.sslrootcert";
+        match (sslmode.verifies(), path) {
+            (true, None) => {
+                self.error(key, format!("required by sslmode {sslmode}"));
+                None
+            }
+            (false, Some(_)) => {
+                self.error(key, format!("only with sslmode verify-ca or verify-full (sslmode is {sslmode}, which checks no certificate)"));
+                None
+            }
+            (_, None) => None,
+            (true, Some(path)) => {
+                let path = self.path(&path);
+                ordered_inbox::postgres::tls::read_certificates(&path)
+                    .map_err(|error| self.error(key, error.to_string()))
+                    .ok()
+                    .map(|_| path)
+            }
+        }
+    }
+
+    /// `store.sslcert` and `store.sslkey`: both or neither, and only with TLS.
+    fn postgres_client_certificate(
+        &mut self,
+        sslmode: SslMode,
+        certificate: Option<PathBuf>,
+        key: Option<PathBuf>,
+    ) -> Option<ClientCertificate> {
+        match (certificate, key) {
+            (None, None) => None,
+            (Some(_), None) => {
+                self.error("store.sslkey", "required with store.sslcert");
+                None
+            }
+            (None, Some(_)) => {
+                self.error("store.sslcert", "required with store.sslkey");
+                None
+            }
+            (Some(_), Some(_)) if sslmode == SslMode::Disable => {
+                self.error("store.sslcert", "only with an sslmode other than disable");
+                None
+            }
+            (Some(certificate), Some(key)) => {
+                let files = ClientCertificate {
+                    certificate: self.path(&certificate),
+                    key: self.path(&key),
+                };
+                let chain = ordered_inbox::postgres::tls::read_certificates(&files.certificate)
+                    .map_err(|error| self.error("store.sslcert", error.to_string()));
+                let private = ordered_inbox::postgres::tls::read_private_key(&files.key)
+                    .map_err(|error| self.error("store.sslkey", error.to_string()));
+                (chain.is_ok() && private.is_ok()).then_some(files)
+            }
+        }
+    }
+
+    /// The password from `password_env` or `password_file` (its first line), at most one, and
+    /// not beside a password in the URL.
+    fn postgres_password(
+        &mut self,
+        env: Option<String>,
+        file: Option<PathBuf>,
+        url: Option<&(Secret, tokio_postgres::Config)>,
+    ) -> (Option<String>, Option<&'static str>) {
+        let (password, key) = match (env, file) {
+            (None, None) => return (None, None),
+            (Some(_), Some(_)) => {
+                self.error(
+                    "store",
+                    "give at most one of password_env and password_file",
+                );
+                return (None, None);
+            }
+            (Some(name), None) => {
+                let key = "store.password_env";
+                (self.variable(&name, key), key)
+            }
+            (None, Some(path)) => {
+                let key = "store.password_file";
+                (self.password_file(&self.path(&path), key), key)
+            }
+        };
+        if url.is_some_and(|(_, config)| config.get_password().is_some()) {
+            self.error(key, "the URL holds a password too: give it in one place");
+        }
+        (password, Some(key))
+    }
+
+    /// The first line of a file that holds a secret alone.
+    fn password_file(&mut self, path: &Path, key: &str) -> Option<String> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => match text.lines().next().map(str::trim_end) {
+                Some(line) if !line.is_empty() => Some(line.to_owned()),
+                _ => {
+                    self.error(key, format!("{} is empty", path.display()));
+                    None
+                }
+            },
+            Err(error) => {
+                self.error(key, format!("cannot read {}: {error}", path.display()));
+                None
+            }
+        }
     }
 
     /// An environment variable's value; a name that is unset or empty is an error at `key`.
@@ -837,12 +1106,140 @@ impl<'a> Checker<'a> {
         let urls = self.nats_urls(raw.urls.unwrap_or_default());
         let input = self.nats_input(raw.input);
         let output = self.nats_output(raw.output);
-        let (urls, input, output) = (urls?, input?, output?);
+        let tls = self.nats_tls(raw.tls);
+        let auth = self.nats_auth(raw.auth);
+        let allow_insecure = raw.allow_insecure.unwrap_or(false);
+        let (urls, input, output, tls, auth) = (urls?, input?, output?, tls?, auth?);
+        if tls.is_none() && !allow_insecure {
+            self.refuse_plain_beyond_loopback(&urls)?;
+        }
         self.keep_streams_apart(&input, &output)?;
         Some(Some(GateNats {
             urls,
             input,
             output,
+            access: NatsAccess { tls, auth },
+            allow_insecure,
+        }))
+    }
+
+    /// A `nats://` URL to a host beyond loopback without `[nats.tls]` would carry the
+    /// credentials and the messages in clear.
+    fn refuse_plain_beyond_loopback(&mut self, urls: &[String]) -> Option<()> {
+        let before = self.errors.len();
+        for (index, url) in urls.iter().enumerate() {
+            let Ok(address) = url.parse::<async_nats::ServerAddr>() else {
+                continue;
+            };
+            if address.tls_required()
+                || address.scheme() == "wss"
+                || is_loopback_host(address.host())
+            {
+                continue;
+            }
+            self.error(
+                format!("nats.urls[{index}]"),
+                format!(
+                    "plain nats:// to {}, beyond loopback: add [nats.tls] or set nats.allow_insecure = true",
+                    address.host()
+                ),
+            );
+        }
+        (self.errors.len() == before).then_some(())
+    }
+
+    /// `[nats.tls]`: the CA, and a client certificate with its key (both or neither).
+    fn nats_tls(&mut self, value: Option<toml::Value>) -> Option<Option<NatsTls>> {
+        let Some(value) = value else {
+            return Some(None);
+        };
+        let raw: RawNatsTls = self.shape(value, "nats.tls")?;
+        let before = self.errors.len();
+        let ca = self
+            .required(raw.ca, "nats.tls.ca")
+            .map(|ca| self.path(&ca));
+        if let Some(ca) = &ca {
+            self.pem_certificates(ca, "nats.tls.ca");
+        }
+        let client = match (raw.cert, raw.key) {
+            (None, None) => None,
+            (Some(_), None) => {
+                self.error("nats.tls.key", "required with nats.tls.cert");
+                None
+            }
+            (None, Some(_)) => {
+                self.error("nats.tls.cert", "required with nats.tls.key");
+                None
+            }
+            (Some(cert), Some(key)) => {
+                let (cert, key) = (self.path(&cert), self.path(&key));
+                self.pem_certificates(&cert, "nats.tls.cert");
+                if let Err(error) = tls::load_private_key(&key) {
+                    self.error("nats.tls.key", error.to_string());
+                }
+                Some((cert, key))
+            }
+        };
+        (self.errors.len() == before).then(|| ca.map(|ca| NatsTls { ca, client }))
+    }
+
+    fn pem_certificates(&mut self, path: &Path, key: &str) {
+        if let Err(error) = tls::load_certificate_chain(path) {
+            self.error(key, error.to_string());
+        }
+    }
+
+    /// `[nats.auth]`: exactly one kind of credential, read now (a missing file is named here).
+    fn nats_auth(&mut self, value: Option<toml::Value>) -> Option<Option<NatsAuth>> {
+        let Some(value) = value else {
+            return Some(None);
+        };
+        let raw: RawNatsAuth = self.shape(value, "nats.auth")?;
+        let kinds = [
+            raw.creds_file.is_some(),
+            raw.nkey_seed_file.is_some(),
+            raw.user.is_some() || raw.password_env.is_some(),
+            raw.token_env.is_some(),
+        ];
+        if kinds.iter().filter(|given| **given).count() != 1 {
+            self.error(
+                "nats.auth",
+                "give exactly one of creds_file, nkey_seed_file, user with password_env, token_env",
+            );
+            return None;
+        }
+        if let Some(path) = raw.creds_file {
+            let path = self.path(&path);
+            return match std::fs::read_to_string(&path) {
+                Ok(_) => Some(Some(NatsAuth::CredsFile(path))),
+                Err(error) => {
+                    self.error(
+                        "nats.auth.creds_file",
+                        format!("cannot read {}: {error}", path.display()),
+                    );
+                    None
+                }
+            };
+        }
+        if let Some(path) = raw.nkey_seed_file {
+            let key = "nats.auth.nkey_seed_file";
+            let seed = self.password_file(&self.path(&path), key)?;
+            if nkeys::KeyPair::from_seed(&seed).is_err() {
+                self.error(key, "does not hold an nkey seed (SU…)");
+                return None;
+            }
+            return Some(Some(NatsAuth::NkeySeed(seed)));
+        }
+        if let Some(name) = raw.token_env {
+            let token = self.variable(&name, "nats.auth.token_env")?;
+            return Some(Some(NatsAuth::Token(token)));
+        }
+        let user = self.required(raw.user, "nats.auth.user");
+        let password = self.required(raw.password_env, "nats.auth.password_env");
+        let password = self.variable(&password?, "nats.auth.password_env");
+        Some(Some(NatsAuth::UserPassword {
+            user: user?,
+            password: password?,
         }))
     }
 
@@ -1017,6 +1414,30 @@ fn read_schema(name: &str, file: &Path) -> Result<Value, String> {
     Ok(schema)
 }
 
+/// `localhost` or a loopback IP literal (bracketed or not).
+fn is_loopback_host(name: &str) -> bool {
+    if name.eq_ignore_ascii_case("localhost") {
+        return true;
+    }
+    let literal = name.trim_start_matches('[').trim_end_matches(']');
+    literal.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The URL's first TCP host (or host address) that is not loopback; Unix sockets are local.
+fn first_remote_host(config: &tokio_postgres::Config) -> Option<String> {
+    let named = config.get_hosts().iter().find_map(|host| match host {
+        tokio_postgres::config::Host::Tcp(name) if !is_loopback_host(name) => Some(name.clone()),
+        _ => None,
+    });
+    named.or_else(|| {
+        config
+            .get_hostaddrs()
+            .iter()
+            .find(|address| !address.is_loopback())
+            .map(IpAddr::to_string)
+    })
+}
+
 fn is_type_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
         && name
@@ -1075,6 +1496,15 @@ schema = "order-placed.json"
         )
         .expect("write the schema");
         dir
+    }
+
+    /// A self-signed CA certificate (PEM) at `name` in `dir`.
+    fn write_ca(dir: &tempfile::TempDir, name: &str) {
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let certificate = params.self_signed(&key).expect("a CA certificate");
+        std::fs::write(dir.path().join(name), certificate.pem()).expect("write the CA");
     }
 
     fn no_env(_: &str) -> Option<String> {
@@ -1420,8 +1850,10 @@ subject_prefix = "out.orders"
     fn an_environment_variable_named_but_unset_is_named() {
         let dir = directory();
         let text = format!(
-            "[store]\npostgres_url_env = \"GATE_DATABASE_URL\"\n[auth]\nreaders = [{{ name = \"audit\", token_env = \"GATE_READER_TOKEN\" }}]\n{ORDER_PLACED}"
+            "[store]\npostgres_url_env = \"GATE_DATABASE_URL\"\nsslmode = \"verify-full\"\nsslrootcert = \"ca.pem\"\n[auth]\nreaders = [{{ name = \"audit\", token_env = \"GATE_READER_TOKEN\" }}]\n{ORDER_PLACED}"
         );
+        // The URL names a host beyond loopback: it is taken with verify-full and a CA.
+        write_ca(&dir, "ca.pem");
         assert_eq!(
             refused(&dir, &text),
             [
@@ -1435,7 +1867,7 @@ subject_prefix = "out.orders"
             _ => None,
         };
         let config = GateConfig::parse(&text, dir.path(), &env).expect("valid");
-        let GateStore::Postgres { url, env } = &config.store else {
+        let GateStore::Postgres { url, env, .. } = &config.store else {
             panic!("{:?}", config.store);
         };
         assert_eq!(
@@ -1456,6 +1888,152 @@ subject_prefix = "out.orders"
             errors.to_string(),
             "store.postgres_url_env: GATE_DATABASE_URL does not hold a PostgreSQL connection URL (postgres://USER@HOST:PORT/DB)"
         );
+    }
+
+    #[test]
+    fn postgres_beyond_loopback_needs_verify_full_or_an_explicit_allow_insecure() {
+        let dir = directory();
+        let env = |name: &str| match name {
+            "URL" => Some("postgres://gate@db.internal:5432/gate".to_owned()),
+            "PW" => Some("pw".to_owned()),
+            _ => None,
+        };
+        let store =
+            |keys: &str| format!("[store]\npostgres_url_env = \"URL\"\n{keys}\n{ORDER_PLACED}");
+        let refused = |text: String| -> Vec<String> {
+            match GateConfig::parse(&text, dir.path(), &env) {
+                Ok(config) => panic!("accepted: {config:?}"),
+                Err(errors) => errors.iter().map(ToString::to_string).collect(),
+            }
+        };
+        assert_eq!(
+            refused(store("")),
+            [
+                "store.sslmode: 'disable' to db.internal, beyond loopback: only verify-full is accepted there, unless store.allow_insecure = true"
+            ]
+        );
+        assert_line(
+            &refused(store("sslmode = \"require\"")),
+            "store.sslmode: 'require' to db.internal",
+        );
+        assert_line(
+            &refused(store("sslmode = \"verify-full\"")),
+            "store.sslrootcert: required by sslmode verify-full",
+        );
+        assert_line(
+            &refused(store("sslmode = \"prefer\"")),
+            "store.sslmode: 'prefer' is not one of",
+        );
+        assert_line(
+            &refused(store("sslmode = \"require\"\nsslrootcert = \"ca.pem\"")),
+            "store.sslrootcert: only with sslmode verify-ca or verify-full",
+        );
+        assert_line(
+            &refused(store("sslrootcert_file = \"ca.pem\"")),
+            "store.sslrootcert_file: unknown key",
+        );
+        assert_line(
+            &refused(store("password_env = \"PW\"\npassword_file = \"pw\"")),
+            "store: give at most one of password_env and password_file",
+        );
+        write_ca(&dir, "ca.pem");
+        let text =
+            store("sslmode = \"verify-full\"\nsslrootcert = \"ca.pem\"\npassword_env = \"PW\"");
+        let config = GateConfig::parse(&text, dir.path(), &env).expect("valid");
+        let GateStore::Postgres { access, .. } = &config.store else {
+            panic!("{:?}", config.store);
+        };
+        assert_eq!(access.remote.sslmode, SslMode::VerifyFull);
+        assert_eq!(access.remote.password.as_deref(), Some("pw"));
+        assert_eq!(access.password_key, Some("store.password_env"));
+        assert!(config.insecure_settings().is_empty());
+        assert!(!format!("{config:?}").contains("\"pw\""));
+        let insecure = store("sslmode = \"require\"\nallow_insecure = true");
+        let config = GateConfig::parse(&insecure, dir.path(), &env).expect("valid");
+        assert_eq!(
+            config.insecure_settings(),
+            [
+                "store.allow_insecure = true: PostgreSQL is reached with sslmode require at db.internal, beyond loopback"
+            ]
+        );
+    }
+
+    #[test]
+    fn nats_beyond_loopback_needs_tls_and_each_credential_is_read_at_start() {
+        let dir = directory();
+        let nats = |extra: &str| {
+            format!(
+                "[nats]\nurls = [\"nats://127.0.0.1:4222\", \"nats://nats.internal:4222\"]\n{extra}\n{ORDER_PLACED}"
+            )
+        };
+        assert_eq!(
+            refused(&dir, &nats("")),
+            [
+                "nats.urls[1]: plain nats:// to nats.internal, beyond loopback: add [nats.tls] or set nats.allow_insecure = true"
+            ]
+        );
+        let config = parse(&dir, &nats("allow_insecure = true")).expect("valid");
+        assert_line(
+            &config.insecure_settings(),
+            "nats.allow_insecure = true: NATS is reached without TLS",
+        );
+        assert_eq!(
+            refused(
+                &dir,
+                &nats("[nats.tls]\nca = \"ca.pem\"\n[nats.auth]\ncreds_file = \"gate.creds\"")
+            ),
+            [
+                format!(
+                    "nats.tls.ca: {}",
+                    tls::load_certificate_chain(&dir.path().join("ca.pem")).unwrap_err()
+                ),
+                format!(
+                    "nats.auth.creds_file: cannot read {}: No such file or directory (os error 2)",
+                    dir.path().join("gate.creds").display()
+                ),
+            ]
+        );
+        write_ca(&dir, "ca.pem");
+        assert_eq!(
+            refused(
+                &dir,
+                &nats(
+                    "[nats.tls]\nca = \"ca.pem\"\ncert = \"c.pem\"\n[nats.auth]\nuser = \"gate\"\ntoken_env = \"T\""
+                )
+            ),
+            [
+                "nats.tls.key: required with nats.tls.cert",
+                "nats.auth: give exactly one of creds_file, nkey_seed_file, user with password_env, token_env",
+            ]
+        );
+        assert_eq!(
+            refused(
+                &dir,
+                &nats("[nats.auth]\nuser = \"gate\"\n[nats.tls]\nca = \"ca.pem\"\ncafile = \"x\"")
+            ),
+            [
+                "nats.tls.cafile: unknown key; expected one of `ca`, `cert`, `key`",
+                "nats.auth.password_env: required"
+            ]
+        );
+        let env = |name: &str| (name == "NATS_PW").then(|| "secret".to_owned());
+        let text = nats(
+            "[nats.tls]\nca = \"ca.pem\"\n[nats.auth]\nuser = \"gate\"\npassword_env = \"NATS_PW\"",
+        );
+        let config = GateConfig::parse(&text, dir.path(), &env).expect("valid");
+        let access = &config.nats.as_ref().expect("nats").access;
+        assert_eq!(
+            access.tls.as_ref().map(|tls| tls.ca.clone()),
+            Some(dir.path().join("ca.pem"))
+        );
+        assert_eq!(
+            access.auth,
+            Some(NatsAuth::UserPassword {
+                user: "gate".to_owned(),
+                password: "secret".to_owned()
+            })
+        );
+        assert!(!format!("{config:?}").contains("secret"));
     }
 
     #[test]

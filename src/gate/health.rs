@@ -1,5 +1,5 @@
 //! The gate's unauthenticated routes: `GET /live` (the process answers), `GET /ready` (the store
-//! answers a read and, with NATS configured, the connection is up) and, when the configuration
+//! answers a read and, with NATS configured, the input's and the output's connections are up) and, when the configuration
 //! makes it public, `GET /metrics`. They carry no secret and change nothing, so a load balancer
 //! and a scraper need no token. When the metrics are not public, `GET /metrics` asks for a
 //! reader's or an operator's token.
@@ -27,12 +27,33 @@ pub struct Health {
     pub metrics: Metrics,
     /// The SQLite store, for its writer's queue depth (`None` on PostgreSQL).
     pub store: Option<Store>,
-    /// The NATS connection, when the gate has one: `/ready` needs it connected.
-    pub nats: Option<async_nats::Client>,
+    /// The NATS connections, when the gate has them: `/ready` needs both connected.
+    pub nats: Option<NatsClients>,
     /// The readers' tokens, for `/metrics` when it is not public.
     pub access: Access,
     /// The configuration's generation, shown by `/ready`.
     pub generation: ConfigGeneration,
+}
+
+/// The input's and the output's connections, reported apart by `/ready`.
+#[derive(Clone)]
+pub struct NatsClients {
+    pub input: async_nats::Client,
+    pub output: async_nats::Client,
+}
+
+/// `ok` or `failed` for one connection, noting a failure in `problems`.
+fn connection_check(
+    client: &async_nats::Client,
+    problem: &'static str,
+    problems: &mut Vec<&'static str>,
+) -> &'static str {
+    if client.connection_state() == async_nats::connection::State::Connected {
+        "ok"
+    } else {
+        problems.push(problem);
+        "failed"
+    }
 }
 
 impl FromRef<Health> for Access {
@@ -69,11 +90,12 @@ async fn live() -> &'static str {
     "live"
 }
 
-/// 200 `{"status":"ready","checks":{"store":"ok","nats":"ok"|"absent"},"generation":n}`, or 503
-/// problem+json naming what is not ready. `generation` is the configuration's (1 at start, one
-/// more at each reload that took effect).
+/// 200 `{"status":"ready","checks":{"store":"ok","nats":…,"natsInput":…,"natsOutput":…},
+/// "generation":n}` (each NATS check `ok` or `absent`), or 503 problem+json naming what is not
+/// ready. `generation` is the configuration's (1 at start, one more at each reload that took
+/// effect).
 #[utoipa::path(get, path = "/ready", tag = "operating", responses(
-    (status = 200, description = "The store answers a read and, with NATS configured, the connection is up", body = Object, content_type = "application/json"),
+    (status = 200, description = "The store answers a read and, with NATS configured, the input's and the output's connections are up", body = Object, content_type = "application/json"),
     (status = 503, description = "Not ready: `detail` names what is not", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
 ))]
 async fn ready(State(health): State<Health>) -> Response {
@@ -86,17 +108,33 @@ async fn ready(State(health): State<Health>) -> Response {
             "failed"
         }
     };
-    let nats = match &health.nats {
-        None => "absent",
-        Some(client) if client.connection_state() == async_nats::connection::State::Connected => {
-            "ok"
-        }
-        Some(_) => {
-            problems.push("NATS is not connected");
-            "failed"
-        }
+    let (input, output) = match &health.nats {
+        None => ("absent", "absent"),
+        Some(clients) => (
+            connection_check(
+                &clients.input,
+                "the NATS input is not connected",
+                &mut problems,
+            ),
+            connection_check(
+                &clients.output,
+                "the NATS output is not connected",
+                &mut problems,
+            ),
+        ),
     };
-    let checks = json!({ "store": store, "nats": nats });
+    // `nats` sums the two up, as before they were reported apart.
+    let nats = match (input, output) {
+        ("ok", "ok") => "ok",
+        ("absent", _) => "absent",
+        _ => "failed",
+    };
+    let checks = json!({
+        "store": store,
+        "nats": nats,
+        "natsInput": input,
+        "natsOutput": output,
+    });
     let generation = health.generation.current();
     if problems.is_empty() {
         return (

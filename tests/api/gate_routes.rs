@@ -115,7 +115,7 @@ async fn open_store(
         Backend::Postgres => {
             let url = crate::postgres::fresh_database();
             let target = Target::parse(&url).expect("the database's URL");
-            let inbox = PostgresInbox::open_with_handler(target, limits, handler)
+            let inbox = PostgresInbox::open_with_handler(target.clone(), limits, handler)
                 .await
                 .expect("the gate's PostgreSQL inbox");
             output::install_postgres(&inbox)
@@ -128,7 +128,7 @@ async fn open_store(
             (
                 Arc::new(inbox),
                 output,
-                RegistryStore::Postgres(url),
+                RegistryStore::Postgres(Box::new(target)),
                 token,
                 None,
             )

@@ -391,6 +391,57 @@ impl PrivateCluster {
         Some(total)
     }
 
+    /// Serves TLS with `certificate_pem` and `key_pem`, and asks every TCP client for a
+    /// SCRAM-SHA-256 password over TLS (`hostssl all all 127.0.0.1/32 scram-sha-256`); plain TCP
+    /// is refused and the Unix socket stays trusted. Restarts the server. Set the roles'
+    /// passwords before (the superuser's TCP trust ends here).
+    /// With `client_ca_pem`, a client must also show a certificate that CA signed
+    /// (`clientcert=verify-ca`).
+    pub fn require_tls_and_password(
+        &self,
+        certificate_pem: &str,
+        key_pem: &str,
+        client_ca_pem: Option<&str>,
+    ) -> Result<(), ClusterError> {
+        let certificate = self.data.join("server.crt");
+        let key = self.data.join("server.key");
+        std::fs::write(&certificate, certificate_pem)?;
+        std::fs::write(&key, key_pem)?;
+        // PostgreSQL refuses a key file others can read.
+        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let client_ca = self.data.join("client-ca.crt");
+        std::fs::write(&client_ca, client_ca_pem.unwrap_or(""))?;
+        let (client_check, ca_line) = match client_ca_pem {
+            Some(_) => (" clientcert=verify-ca", "\nssl_ca_file = 'client-ca.crt'"),
+            None => ("", ""),
+        };
+        let hba = self.data.join("pg_hba.conf");
+        std::fs::write(
+            &hba,
+            format!(
+                "local all all trust\nhostssl all all 127.0.0.1/32 scram-sha-256{client_check}\n"
+            ),
+        )?;
+        let mut conf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.data.join("postgresql.conf"))?;
+        writeln!(
+            conf,
+            "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\npassword_encryption = 'scram-sha-256'{ca_line}"
+        )?;
+        if self.as_postgres {
+            checked(
+                "chown the TLS files to postgres",
+                Command::new("chown")
+                    .arg(format!("{SUPERUSER}:{SUPERUSER}"))
+                    .args([&certificate, &key, &hba, &client_ca])
+                    .output(),
+            )?;
+        }
+        self.stop()?;
+        self.start_server()
+    }
+
     /// Starts the stopped server again on the same port and data.
     pub fn start_again(&self) -> Result<(), ClusterError> {
         self.start_server()

@@ -10,6 +10,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use ordered_inbox::InboxError;
 use ordered_inbox::operators::{OperatorError, OperatorRecord, Registry, Revocation};
+use ordered_inbox::postgres::Target;
 use ordered_inbox::views::ProducerView;
 use serde::Deserialize;
 use serde_json::json;
@@ -23,10 +24,11 @@ use crate::inbox::SharedInbox;
 
 /// Where the inbox keeps its producers and operators: its SQLite file or its PostgreSQL
 /// database.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum RegistryStore {
     Sqlite(PathBuf),
-    Postgres(String),
+    /// The store's checked target (any host, with its TLS and password).
+    Postgres(Box<Target>),
 }
 
 impl RegistryStore {
@@ -38,8 +40,8 @@ impl RegistryStore {
                 blocking(move || ordered_inbox::sqlite::operators::add_to(registry, &path, &name))
                     .await
             }
-            RegistryStore::Postgres(url) => {
-                ordered_inbox::postgres::operators::add_to(registry, url, &name).await
+            RegistryStore::Postgres(target) => {
+                ordered_inbox::postgres::operators::add_to(registry, target.as_ref(), &name).await
             }
         }
     }
@@ -50,8 +52,8 @@ impl RegistryStore {
                 let path = path.clone();
                 blocking(move || ordered_inbox::sqlite::operators::list_of(registry, &path)).await
             }
-            RegistryStore::Postgres(url) => {
-                ordered_inbox::postgres::operators::list_of(registry, url).await
+            RegistryStore::Postgres(target) => {
+                ordered_inbox::postgres::operators::list_of(registry, target.as_ref()).await
             }
         }
     }
@@ -65,8 +67,9 @@ impl RegistryStore {
                 })
                 .await
             }
-            RegistryStore::Postgres(url) => {
-                ordered_inbox::postgres::operators::revoke_in(registry, url, &name).await
+            RegistryStore::Postgres(target) => {
+                ordered_inbox::postgres::operators::revoke_in(registry, target.as_ref(), &name)
+                    .await
             }
         }
     }

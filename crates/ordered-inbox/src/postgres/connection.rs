@@ -1,7 +1,7 @@
 //! Where the PostgreSQL inbox connects and how its failures read: the checked connection
-//! target (loopback or a Unix socket directory only), the failure of one attempt and whether
-//! another may be made, the backend's counters. Every other module of the backend builds on
-//! these.
+//! target (loopback or a Unix socket directory, or any host when the caller says so, with TLS
+//! and a password), the failure of one attempt and whether another may be made, the backend's
+//! counters. Every other module of the backend builds on these.
 
 use std::net::IpAddr;
 use std::str::FromStr;
@@ -11,6 +11,9 @@ use std::time::Duration;
 use deadpool_postgres::PoolError;
 use tokio_postgres::NoTls;
 use tokio_postgres::config::Host;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use super::tls::{Remote, SslMode};
 
 use crate::error::{HandlerError, InboxError};
 use crate::model::UnknownValue;
@@ -38,6 +41,15 @@ pub enum PostgresError {
     NotLocal(String),
     #[error("PostgreSQL at {target}: {reason}")]
     Connect { target: String, reason: String },
+    /// A certificate or key file of the TLS settings cannot be read.
+    #[error("{file}: {reason}")]
+    TlsFile { file: String, reason: String },
+    /// The server's certificate was refused (a wrong CA, a host name it does not name).
+    #[error("PostgreSQL at {target}: the server's certificate is refused: {reason}")]
+    Certificate { target: String, reason: String },
+    /// The server refused the password (or asked for one and none was given).
+    #[error("PostgreSQL at {target}: authentication failed: {reason}")]
+    Authentication { target: String, reason: String },
     #[error(
         "PostgreSQL at {target}: the ordered inbox has schema version {found}, newer than this build's {known}"
     )]
@@ -48,12 +60,15 @@ pub enum PostgresError {
     },
 }
 
-/// A checked connection target: loopback or a Unix socket directory, never anything else.
+/// A checked connection target: loopback or a Unix socket directory ([`Target::parse`]), or any
+/// host with the TLS settings and password its caller gives ([`Target::parse_remote`]).
 #[derive(Clone)]
 pub struct Target {
     pub(crate) config: tokio_postgres::Config,
     /// `user@host:port/database`, without any password: safe to print.
     pub(crate) description: String,
+    /// The TLS connector; `None` is plain TCP or a Unix socket (`sslmode = disable`).
+    pub(crate) tls: Option<MakeRustlsConnect>,
 }
 
 impl std::fmt::Debug for Target {
@@ -72,6 +87,136 @@ impl Target {
     /// Parses a `postgres://` (or `postgresql://`) URL and insists on a loopback host or a Unix
     /// socket directory. The URL's password, if any, never appears in an error or a description.
     pub fn parse(url: &str) -> Result<Target, PostgresError> {
+        let (config, description) = parse_url(url, true)?;
+        Ok(Target {
+            config,
+            description,
+            tls: None,
+        })
+    }
+
+    /// Parses a URL whose host may be anywhere, and connects as `remote` says: libpq's
+    /// `sslmode` (the URL's own `sslmode` is replaced), the CA and the client certificate, the
+    /// password (the URL's, if any, is kept when `remote` gives none). Whether a host beyond
+    /// loopback may be reached with less than `verify-full` is the caller's rule.
+    pub fn parse_remote(url: &str, remote: &Remote) -> Result<Target, PostgresError> {
+        let (mut config, description) = parse_url(url, false)?;
+        if let Some(password) = &remote.password {
+            config.password(password.as_bytes());
+        }
+        let tls = match remote.sslmode {
+            SslMode::Disable => {
+                config.ssl_mode(tokio_postgres::config::SslMode::Disable);
+                None
+            }
+            // The verification is rustls's (see `tls`); tokio-postgres only has to insist.
+            _ => {
+                config.ssl_mode(tokio_postgres::config::SslMode::Require);
+                Some(MakeRustlsConnect::new(super::tls::client_config(remote)?))
+            }
+        };
+        Ok(Target {
+            config,
+            description,
+            tls,
+        })
+    }
+
+    /// Whether every host of the target is loopback or a Unix socket directory.
+    pub fn is_local(&self) -> bool {
+        self.config.get_hosts().iter().all(|host| match host {
+            Host::Tcp(name) => is_loopback_name(name),
+            Host::Unix(_) => true,
+        }) && self.config.get_hostaddrs().iter().all(IpAddr::is_loopback)
+    }
+
+    pub fn config(&self) -> &tokio_postgres::Config {
+        &self.config
+    }
+
+    /// A pool manager that connects as this target does.
+    pub(crate) fn manager(
+        &self,
+        settings: deadpool_postgres::ManagerConfig,
+    ) -> deadpool_postgres::Manager {
+        match &self.tls {
+            Some(tls) => {
+                deadpool_postgres::Manager::from_config(self.config.clone(), tls.clone(), settings)
+            }
+            None => deadpool_postgres::Manager::from_config(self.config.clone(), NoTls, settings),
+        }
+    }
+
+    /// Opens one connection outside any pool (migrations, the operator commands); the connection
+    /// task runs until the client is dropped.
+    pub async fn connect(&self) -> Result<tokio_postgres::Client, PostgresError> {
+        let failed = |error: tokio_postgres::Error| connect_failure(&self.description, &error);
+        // The connection ends with the client or the server; its error, if any, surfaces on
+        // the client's next statement.
+        match &self.tls {
+            Some(tls) => {
+                let (client, connection) =
+                    self.config.connect(tls.clone()).await.map_err(failed)?;
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+                Ok(client)
+            }
+            None => {
+                let (client, connection) = self.config.connect(NoTls).await.map_err(failed)?;
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+                Ok(client)
+            }
+        }
+    }
+}
+
+/// Why a connection could not be opened, sorted so that a caller can name its setting: the
+/// server's certificate, the password, or anything else.
+fn connect_failure(target: &str, error: &tokio_postgres::Error) -> PostgresError {
+    let target = target.to_owned();
+    let reason = error_text(error);
+    let code = error.as_db_error().map(|db| db.code().code());
+    // 28P01 is a refused password; 28000 (no pg_hba.conf entry, no client certificate) is not
+    // about the password and stays a connection failure.
+    if code == Some("28P01") || reason.contains("password missing") {
+        return PostgresError::Authentication { target, reason };
+    }
+    if refused_certificate(error) {
+        return PostgresError::Certificate { target, reason };
+    }
+    PostgresError::Connect { target, reason }
+}
+
+/// Whether rustls refused the server's certificate somewhere in the error's causes.
+fn refused_certificate(error: &tokio_postgres::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(error);
+    while let Some(current) = cause {
+        let tls = current.downcast_ref::<rustls::Error>().or_else(|| {
+            current
+                .downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if matches!(
+            tls,
+            Some(rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented)
+        ) {
+            return true;
+        }
+        cause = current.source();
+    }
+    false
+}
+
+/// Parses a `postgres://` URL; with `local_only`, every host must be loopback or a socket.
+fn parse_url(
+    url: &str,
+    local_only: bool,
+) -> Result<(tokio_postgres::Config, String), PostgresError> {
+    {
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err(PostgresError::BadUrl(
                 "it must start with postgres:// or postgresql://".to_owned(),
@@ -87,7 +232,7 @@ impl Target {
                 "it names no host: give 127.0.0.1, ::1, localhost or a socket directory".to_owned(),
             ));
         }
-        for host in hosts {
+        for host in hosts.iter().filter(|_| local_only) {
             match host {
                 Host::Tcp(name) if is_loopback_name(name) => {}
                 Host::Tcp(name) => return Err(PostgresError::NotLocal(name.clone())),
@@ -97,7 +242,11 @@ impl Target {
                 }
             }
         }
-        if let Some(address) = config.get_hostaddrs().iter().find(|a| !a.is_loopback()) {
+        if let Some(address) = config
+            .get_hostaddrs()
+            .iter()
+            .find(|a| local_only && !a.is_loopback())
+        {
             return Err(PostgresError::NotLocal(address.to_string()));
         }
         // Every statement of the inbox is a key lookup or a keyed write: a generic plan is
@@ -111,33 +260,7 @@ impl Target {
             .application_name("production-lab ordered inbox")
             .options(options);
         let description = describe(&config);
-        Ok(Target {
-            config,
-            description,
-        })
-    }
-
-    pub fn config(&self) -> &tokio_postgres::Config {
-        &self.config
-    }
-
-    /// Opens one connection outside any pool (migrations, the operator commands); the connection
-    /// task runs until the client is dropped.
-    pub async fn connect(&self) -> Result<tokio_postgres::Client, PostgresError> {
-        let (client, connection) =
-            self.config
-                .connect(NoTls)
-                .await
-                .map_err(|error| PostgresError::Connect {
-                    target: self.description.clone(),
-                    reason: error_text(&error),
-                })?;
-        tokio::spawn(async move {
-            // The connection ends with the client or the server; its error, if any, surfaces
-            // on the client's next statement.
-            let _ = connection.await;
-        });
-        Ok(client)
+        Ok((config, description))
     }
 }
 
@@ -346,6 +469,54 @@ mod tests {
                 .to_string(),
             "lab@127.0.0.1:5433/inbox"
         );
+    }
+
+    #[test]
+    fn a_remote_target_takes_any_host_and_its_sslmode_replaces_the_url_s() {
+        let remote = Remote {
+            sslmode: SslMode::Require,
+            password: Some("from-the-environment".to_owned()),
+            ..Remote::default()
+        };
+        let target = Target::parse_remote(
+            "postgres://gate@db.example.com:6432/gate?sslmode=disable",
+            &remote,
+        )
+        .unwrap();
+        assert_eq!(target.to_string(), "gate@db.example.com:6432/gate");
+        assert!(!target.is_local());
+        assert!(target.tls.is_some());
+        assert_eq!(
+            target.config().get_ssl_mode(),
+            tokio_postgres::config::SslMode::Require
+        );
+        assert_eq!(
+            target.config().get_password(),
+            Some(&b"from-the-environment"[..])
+        );
+        assert!(!format!("{remote:?}").contains("from-the-environment"));
+        let plain =
+            Target::parse_remote("postgres://gate@127.0.0.1/gate", &Remote::default()).unwrap();
+        assert!(plain.is_local() && plain.tls.is_none());
+        let verify = Remote {
+            sslmode: SslMode::VerifyFull,
+            ..Remote::default()
+        };
+        assert!(matches!(
+            Target::parse_remote("postgres://gate@db.example.com/gate", &verify),
+            Err(PostgresError::BadUrl(reason)) if reason.contains("sslrootcert")
+        ));
+        let missing = Remote {
+            sslmode: SslMode::VerifyCa,
+            root_certificate: Some("/nonexistent/ca.pem".into()),
+            ..Remote::default()
+        };
+        assert!(matches!(
+            Target::parse_remote("postgres://gate@db.example.com/gate", &missing),
+            Err(PostgresError::TlsFile { file, .. }) if file == "/nonexistent/ca.pem"
+        ));
+        assert_eq!("verify-ca".parse::<SslMode>(), Ok(SslMode::VerifyCa));
+        assert!("prefer".parse::<SslMode>().is_err());
     }
 
     #[test]

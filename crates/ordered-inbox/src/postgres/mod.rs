@@ -42,6 +42,7 @@ pub mod operators;
 mod rejected;
 mod rows;
 pub mod schema;
+pub mod tls;
 pub mod views;
 mod writer;
 mod writes;
@@ -53,13 +54,13 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
+use deadpool_postgres::{ManagerConfig, Pool, RecyclingMethod, Runtime};
 
 pub use connection::{
     ATTEMPTS, CONNECT_TIMEOUT, Counters, POOL_SIZE, POOL_WAIT, PostgresError, PostgresStats, Target,
 };
 pub use handler::{HandlerClient, PostgresHandler, apply_one_by_one};
+pub use tls::{ClientCertificate, Remote, SslMode};
 pub use writer::{GROUP_CAP, WRITERS};
 
 use connection::{Client, Failure, release_after_failure};
@@ -121,13 +122,9 @@ impl PostgresInbox {
         handler: Arc<dyn PostgresHandler>,
     ) -> Result<PostgresInbox, PostgresError> {
         schema::migrate(&target).await?;
-        let manager = Manager::from_config(
-            target.config.clone(),
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let manager = target.manager(ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        });
         let pool = Pool::builder(manager)
             .max_size(POOL_SIZE)
             .runtime(Runtime::Tokio1)

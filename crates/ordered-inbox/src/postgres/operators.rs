@@ -58,9 +58,40 @@ pub(super) async fn check(
     })
 }
 
+/// Where an operator command finds the database: a loopback URL (checked by [`Target::parse`])
+/// or a target its caller checked by its own rule (a gate's store on another host, over TLS).
+#[derive(Debug, Clone, Copy)]
+pub enum Database<'a> {
+    Url(&'a str),
+    Target(&'a Target),
+}
+
+impl<'a> From<&'a str> for Database<'a> {
+    fn from(url: &'a str) -> Self {
+        Database::Url(url)
+    }
+}
+
+impl<'a> From<&'a String> for Database<'a> {
+    fn from(url: &'a String) -> Self {
+        Database::Url(url)
+    }
+}
+
+impl<'a> From<&'a Target> for Database<'a> {
+    fn from(target: &'a Target) -> Self {
+        Database::Target(target)
+    }
+}
+
 /// Connects for an operator command and migrates the schema.
-async fn open(url: &str) -> Result<(Target, tokio_postgres::Client), OperatorError> {
-    let target = Target::parse(url).map_err(|error| store_error(url_label(url), error))?;
+async fn open(database: Database<'_>) -> Result<(Target, tokio_postgres::Client), OperatorError> {
+    let target = match database {
+        Database::Url(url) => {
+            Target::parse(url).map_err(|error| store_error(url_label(url), error))?
+        }
+        Database::Target(target) => target.clone(),
+    };
     super::schema::migrate(&target)
         .await
         .map_err(|error| store_error(target.to_string(), error))?;
@@ -138,9 +169,13 @@ pub async fn revoke(url: &str, name: &str) -> Result<Revocation, OperatorError> 
 
 /// Registers `name` in `registry` and returns the new token. Only its hash is stored; a name is
 /// never reused, even after revocation.
-pub async fn add_to(registry: Registry, url: &str, name: &str) -> Result<String, OperatorError> {
+pub async fn add_to(
+    registry: Registry,
+    database: impl Into<Database<'_>>,
+    name: &str,
+) -> Result<String, OperatorError> {
     validate_name(registry, name)?;
-    let (target, client) = open(url).await?;
+    let (target, client) = open(database.into()).await?;
     if let Some(existing) = find(&client, registry, name)
         .await
         .map_err(failed(&target))?
@@ -174,8 +209,11 @@ pub async fn add_to(registry: Registry, url: &str, name: &str) -> Result<String,
 }
 
 /// Every member of `registry`, the first registered first.
-pub async fn list_of(registry: Registry, url: &str) -> Result<Vec<OperatorRecord>, OperatorError> {
-    let (target, client) = open(url).await?;
+pub async fn list_of(
+    registry: Registry,
+    database: impl Into<Database<'_>>,
+) -> Result<Vec<OperatorRecord>, OperatorError> {
+    let (target, client) = open(database.into()).await?;
     let rows = client
         .query(
             &format!(
@@ -201,10 +239,10 @@ pub async fn list_of(registry: Registry, url: &str) -> Result<Vec<OperatorRecord
 /// Revokes `name` in `registry`: the token stops working at once.
 pub async fn revoke_in(
     registry: Registry,
-    url: &str,
+    database: impl Into<Database<'_>>,
     name: &str,
 ) -> Result<Revocation, OperatorError> {
-    let (target, client) = open(url).await?;
+    let (target, client) = open(database.into()).await?;
     let revoked_at = clock::now();
     let updated = client
         .execute(
