@@ -13,6 +13,7 @@ use tokio_postgres::NoTls;
 use tokio_postgres::config::Host;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+pub use super::error::PostgresError;
 use super::tls::{Remote, SslMode};
 
 use crate::error::{HandlerError, InboxError};
@@ -27,38 +28,6 @@ pub const ATTEMPTS: u32 = 8;
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an operation waits for a free pooled connection.
 pub const POOL_WAIT: Duration = Duration::from_secs(10);
-
-/// Why the PostgreSQL inbox could not be opened.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PostgresError {
-    #[error(
-        "invalid PostgreSQL URL: {0} (expected postgres://USER@127.0.0.1:PORT/DATABASE or a Unix socket directory)"
-    )]
-    BadUrl(String),
-    #[error(
-        "refusing to use PostgreSQL at '{0}': only loopback hosts (127.0.0.1, ::1, localhost) or a Unix socket directory are accepted"
-    )]
-    NotLocal(String),
-    #[error("PostgreSQL at {target}: {reason}")]
-    Connect { target: String, reason: String },
-    /// A certificate or key file of the TLS settings cannot be read.
-    #[error("{file}: {reason}")]
-    TlsFile { file: String, reason: String },
-    /// The server's certificate was refused (a wrong CA, a host name it does not name).
-    #[error("PostgreSQL at {target}: the server's certificate is refused: {reason}")]
-    Certificate { target: String, reason: String },
-    /// The server refused the password (or asked for one and none was given).
-    #[error("PostgreSQL at {target}: authentication failed: {reason}")]
-    Authentication { target: String, reason: String },
-    #[error(
-        "PostgreSQL at {target}: the ordered inbox has schema version {found}, newer than this build's {known}"
-    )]
-    NewerSchema {
-        target: String,
-        found: i64,
-        known: i64,
-    },
-}
 
 /// A checked connection target: loopback or a Unix socket directory ([`Target::parse`]), or any
 /// host with the TLS settings and password its caller gives ([`Target::parse_remote`]).

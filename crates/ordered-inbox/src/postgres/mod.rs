@@ -34,6 +34,7 @@
 mod batch;
 mod connection;
 pub mod engine;
+mod error;
 mod facts;
 mod gap_engine;
 mod gaps;

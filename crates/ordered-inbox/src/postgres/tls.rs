@@ -16,7 +16,7 @@ use rustls::{
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 
-use super::connection::PostgresError;
+use super::error::PostgresError;
 
 /// libpq's `sslmode`, the four values taken here (`allow` and `prefer` may silently fall back
 /// to plain TCP, so they are not offered).
