@@ -22,11 +22,14 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::routes::PayloadLimit;
 use crate::http::body_budget::MAX_REQUEST_BODY_BYTES;
 use crate::http::error::{AppError, body_too_large, problem_response};
 use crate::http::framing::ConflictingFraming;
 use crate::http::lingering::Lingering;
+
+/// The largest request body a delivery or a resolution may carry, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PayloadLimit(pub usize);
 
 /// One year: browsers keep to HTTPS for this long after an answer.
 const HSTS: &str = "max-age=31536000";

@@ -26,7 +26,7 @@ use rusqlite::Connection;
 use serde_json::{Value, json};
 use tokio_postgres::types::Type;
 
-use super::schemas::MessageTypes;
+use super::schemas::{MessageTypes, SKIPPED_TYPE};
 
 /// The reason of a message whose payload is not a gate envelope (no door of the gate builds
 /// one; a store shared with another application could hold one).
@@ -58,10 +58,6 @@ SELECT ?1, sequence, ?4 || sequence, ?5, ?6, ?7 FROM skipped";
 const POSTGRES_INSERT_SKIPPED: &str = "
 INSERT INTO gate_output(aggregate_id, sequence, message_id, message_type, payload, applied_at)
 SELECT $1, sequence, $4 || sequence, $5, $6, $7 FROM generate_series($2::bigint, $3::bigint) AS sequence";
-
-/// The type of the output row that marks a sequence an operator skipped. No configured type
-/// may take this name ([`MessageTypes::compile`]).
-pub const SKIPPED_TYPE: &str = "gate.skipped";
 
 const SQLITE_EMITTED: &str = "SELECT COUNT(*) FROM gate_output WHERE aggregate_id = ?1";
 const POSTGRES_EMITTED: &str = "SELECT COUNT(*) FROM gate_output WHERE aggregate_id = $1";

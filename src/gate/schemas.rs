@@ -7,6 +7,10 @@ use std::collections::HashMap;
 use jsonschema::Validator;
 use serde_json::Value;
 
+/// The type of the output row that marks a sequence an operator skipped. No configured type
+/// may take this name ([`MessageTypes::compile`]).
+pub const SKIPPED_TYPE: &str = "gate.skipped";
+
 /// The longest reason a refusal gives (in characters, the ellipsis included): a dead letter's
 /// reason is shown in lists and audit rows, and a validator's message may quote the payload.
 pub const MAX_REASON_CHARS: usize = 300;
@@ -24,7 +28,7 @@ impl MessageTypes {
     pub fn compile(types: Vec<(String, Value)>) -> Result<MessageTypes, (String, String)> {
         let mut validators = HashMap::with_capacity(types.len());
         for (name, schema) in types {
-            if name == super::handler::SKIPPED_TYPE {
+            if name == SKIPPED_TYPE {
                 let why = "the gate reserves this type for the marker of a skipped sequence";
                 return Err((name, why.to_owned()));
             }

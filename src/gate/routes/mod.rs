@@ -66,9 +66,7 @@ pub struct GateParts {
     pub max_payload_bytes: usize,
 }
 
-/// The largest request body a delivery or a resolution may carry, in bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PayloadLimit(pub usize);
+pub use crate::gate::edge::PayloadLimit;
 
 impl FromRef<GateState> for PayloadLimit {
     fn from_ref(state: &GateState) -> PayloadLimit {
