@@ -153,7 +153,7 @@ pub(crate) async fn with_access(
 }
 
 /// A client named `name` of `urls` with `access`'s TLS and credential, reconnecting for ever
-/// with [`reconnect_backoff`]. Only the first connection must succeed at once.
+/// with `reconnect_backoff`. Only the first connection must succeed at once.
 pub async fn connect_client(
     name: String,
     urls: &[String],

@@ -3,7 +3,7 @@
 //! server do so, or refuse the request). A proxy in front that framed the same bytes by their
 //! length would read other requests in them (request smuggling), so a server may want to refuse
 //! it; to let it, the connection server keeps the raw bytes of each request head
-//! ([`HeadRecord`]) and marks a chunked request whose head also declared a length with
+//! (`HeadRecord`) and marks a chunked request whose head also declared a length with
 //! [`ConflictingFraming`].
 //!
 //! A head that arrived in the same read as the bytes of an earlier request on the connection (a

@@ -120,7 +120,7 @@ pub struct TransferPlan {
 /// Decides an operator's transfer. The new owner's epoch is the producer's current one.
 ///
 /// Each held message must pass the admission its own delivery would pass under the new owner
-/// ([`admit_held`]), and one that no longer may write the aggregate (an anonymous one, another
+/// (`admit_held`), and one that no longer may write the aggregate (an anonymous one, another
 /// producer's) is rejected in the same plan, so no held message outlives its right to apply.
 pub fn decide_transfer(
     request: &TransferRequest,
