@@ -1271,6 +1271,58 @@ mod behind_a_proxy {
         assert_eq!(elsewhere.logged_client("not-the-proxy").await, "127.0.0.1");
     }
 
+    /// An anonymous delivery of `sequence` to `aggregate`, forwarded by this test (the trusted
+    /// proxy) for `client`: its status.
+    async fn anonymous_delivery(
+        gate: &GateProcess,
+        client: &str,
+        aggregate: &str,
+        sequence: i64,
+    ) -> u16 {
+        let body = json!({
+            "messageId": format!("{aggregate}-m{sequence}"),
+            "sequence": sequence,
+            "type": "order.placed",
+            "payload": {"orderId": aggregate, "amount": 5},
+        });
+        crate::helpers::client()
+            .post(gate.url(&format!("/v1/aggregates/{aggregate}/messages")))
+            .header("x-forwarded-for", client)
+            .json(&body)
+            .send()
+            .await
+            .expect("the gate answers")
+            .status()
+            .as_u16()
+    }
+
+    #[tokio::test]
+    async fn behind_the_trusted_proxy_each_forwarded_client_has_its_own_anonymous_budget() {
+        let nats = crate::broker::start_nats(None);
+        let certificate = Certificate::new();
+        let files = GateFiles::new(&certificate, &nats).behind_proxy("127.0.0.1");
+        let text = std::fs::read_to_string(files.config()).unwrap();
+        let text = format!(
+            "{text}\n[auth]\nanonymous_writes = true\n\n[limits]\nproducer_rate_per_second = 1\nproducer_burst = 1\n"
+        );
+        std::fs::write(files.config(), text).unwrap();
+        let gate = GateProcess::start(&files.config());
+        assert_eq!(
+            anonymous_delivery(&gate, "198.51.100.7", "a-1", 1).await,
+            200
+        );
+        assert_eq!(
+            anonymous_delivery(&gate, "198.51.100.7", "a-1", 2).await,
+            429,
+            "the same client, over its burst"
+        );
+        assert_eq!(
+            anonymous_delivery(&gate, "198.51.100.8", "a-2", 1).await,
+            200,
+            "another client behind the same proxy"
+        );
+    }
+
     #[tokio::test]
     async fn a_gate_whose_output_stream_has_a_single_replica_warns_at_start() {
         let nats = crate::broker::start_nats(None);
