@@ -392,6 +392,7 @@ pub fn router(state: AppState) -> Router {
     let edge = crate::observe::http::Edge {
         metrics,
         security: Some(security),
+        trusted_proxy: None,
     };
     routes
         .with_state(state)

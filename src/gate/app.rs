@@ -486,6 +486,7 @@ fn gate_router(
     let edge = crate::observe::http::Edge {
         metrics: background.metrics.clone(),
         security: None,
+        trusted_proxy: config.listen.trusted_proxy,
     };
     let router = match proxy_only(config) {
         Some(proxy) => router.layer(middleware::from_fn_with_state(proxy, only_from_proxy)),

@@ -4,9 +4,12 @@
 //! token). Each refusal is a 401 problem with a `WWW-Authenticate: Bearer` challenge that says
 //! what is missing.
 //!
-//! Producers' deliveries are rate limited per producer (anonymous deliveries share one budget):
-//! a delivery over the budget answers 429 with `Retry-After`, and nothing of it is written.
+//! Producers' deliveries are rate limited per producer, anonymous deliveries per client address
+//! (behind `listen.trusted_proxy`, the address the proxy forwarded, so that one client's burst
+//! does not spend everybody's budget): a delivery over the budget answers 429 with
+//! `Retry-After`, and nothing of it is written.
 
+use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
@@ -24,6 +27,7 @@ use subtle::ConstantTimeEq;
 
 use crate::http::credential::{Credential, credential};
 use crate::http::error::{AppError, problem_response_with};
+use crate::http::forwarded::ClientAddress;
 use crate::inbox::SharedInbox;
 
 /// The header a producer's delivery names its session's epoch in.
@@ -48,8 +52,20 @@ struct AccessInner {
     /// budgets beside them stay as they are.
     readers: ArcSwap<Vec<ReaderToken>>,
     rate: DeliveryRate,
-    limiter: DefaultKeyedRateLimiter<String>,
+    limiter: DefaultKeyedRateLimiter<Budget>,
 }
+
+/// Whose budget a delivery takes from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Budget {
+    Producer(String),
+    /// Anonymous deliveries from one client address (`None`: the peer is unknown).
+    Anonymous(Option<IpAddr>),
+}
+
+/// Past this many budgets, those that are full again are dropped before the next is kept: the
+/// anonymous budgets are one per client address, and addresses are many.
+const BUDGETS_KEPT: usize = 10_000;
 
 /// A configured reader: its name and the SHA-256 of its token (the token itself is not kept).
 struct ReaderToken {
@@ -97,10 +113,16 @@ impl Access {
             .map(|reader| reader.name.clone())
     }
 
-    /// Takes one delivery from `producer`'s budget (`None`: the anonymous budget), or says when
-    /// to come back.
-    pub fn admit(&self, producer: Option<&str>) -> Result<(), RateLimited> {
-        let key = producer.unwrap_or_default().to_owned();
+    /// Takes one delivery from `producer`'s budget (`None`: the anonymous budget of `client`), or
+    /// says when to come back.
+    pub fn admit(&self, producer: Option<&str>, client: Option<IpAddr>) -> Result<(), RateLimited> {
+        let key = match producer {
+            Some(producer) => Budget::Producer(producer.to_owned()),
+            None => Budget::Anonymous(client),
+        };
+        if self.inner.limiter.len() >= BUDGETS_KEPT {
+            self.inner.limiter.retain_recent();
+        }
         self.inner.limiter.check_key(&key).map_err(|not_until| {
             let wait = not_until.wait_time_from(self.inner.limiter.clock().now());
             RateLimited {
@@ -260,14 +282,19 @@ pub fn producer_unauthorized(detail: impl Into<String>) -> Response {
 /// `Producer-Epoch`. The producer's budget is taken once the body is known to be well formed
 /// ([`DeliveryCredential::admit`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeliveryCredential(Option<ProducerClaim>);
+pub struct DeliveryCredential {
+    claim: Option<ProducerClaim>,
+    /// The client's address, whose budget an anonymous delivery takes from.
+    client: Option<IpAddr>,
+}
 
 impl DeliveryCredential {
-    /// Takes one delivery from the producer's budget (the anonymous budget for an anonymous
-    /// one): the claim, or why it must wait.
+    /// Takes one delivery from the producer's budget (its client's anonymous budget for an
+    /// anonymous one): the claim, or why it must wait.
     pub fn admit(self, access: &Access) -> Result<Option<ProducerClaim>, RateLimited> {
-        access.admit(self.0.as_ref().map(|claim| claim.producer.as_str()))?;
-        Ok(self.0)
+        let producer = self.claim.as_ref().map(|claim| claim.producer.as_str());
+        access.admit(producer, self.client)?;
+        Ok(self.claim)
     }
 }
 
@@ -282,9 +309,12 @@ where
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         let access = Access::from_ref(state);
         let inbox = SharedInbox::from_ref(state);
-        delivery_claim(&access, &inbox, &parts.headers)
-            .await
-            .map(DeliveryCredential)
+        let client = parts
+            .extensions
+            .get::<ClientAddress>()
+            .map(|client| client.0);
+        let claim = delivery_claim(&access, &inbox, &parts.headers).await?;
+        Ok(DeliveryCredential { claim, client })
     }
 }
 
@@ -395,10 +425,10 @@ mod tests {
     #[test]
     fn a_producer_over_its_burst_waits_at_least_a_whole_second_and_others_do_not() {
         let access = access(1, 2);
-        assert!(access.admit(Some("p")).is_ok());
-        assert!(access.admit(Some("p")).is_ok());
+        assert!(access.admit(Some("p"), None).is_ok());
+        assert!(access.admit(Some("p"), None).is_ok());
         let refused = access
-            .admit(Some("p"))
+            .admit(Some("p"), None)
             .expect_err("over the burst")
             .into_response();
         assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -406,7 +436,19 @@ mod tests {
             refused.headers().get(header::RETRY_AFTER),
             Some(&HeaderValue::from(1))
         );
-        assert!(access.admit(Some("q")).is_ok());
-        assert!(access.admit(None).is_ok());
+        assert!(access.admit(Some("q"), None).is_ok());
+        assert!(access.admit(None, None).is_ok());
+    }
+
+    #[test]
+    fn each_client_address_has_its_own_anonymous_budget_apart_from_the_producers() {
+        let access = access(1, 1);
+        let client = "198.51.100.7".parse().ok();
+        assert!(access.admit(None, client).is_ok());
+        assert!(access.admit(None, client).is_err(), "over its burst");
+        assert!(access.admit(None, "198.51.100.8".parse().ok()).is_ok());
+        assert!(access.admit(Some("198.51.100.7"), None).is_ok());
+        assert!(access.admit(Some(""), None).is_ok());
+        assert!(access.admit(None, None).is_ok());
     }
 }

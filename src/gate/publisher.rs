@@ -155,10 +155,21 @@ impl Publisher {
             storage: StorageType::File,
             ..StreamConfig::default()
         };
-        self.jetstream
+        let stream = self
+            .jetstream
             .get_or_create_stream(config)
             .await
             .map_err(|error| PublisherError::Nats(format!("stream {}: {error}", self.stream)))?;
+        let weak = durability_weaknesses(&stream.cached_info().config);
+        if !weak.is_empty() {
+            tracing::warn!(
+                target: "production_lab::gate",
+                stream = %self.stream,
+                "the output stream {} can lose rows the gate marked published: {} (see docs/gate.md, Durability of the output stream)",
+                self.stream,
+                weak.join(", "),
+            );
+        }
         Ok(())
     }
 
@@ -404,9 +415,41 @@ fn by_aggregate(rows: &[OutputEntry]) -> impl Iterator<Item = &[OutputEntry]> {
     rows.chunk_by(|before, after| before.aggregate_id == after.aggregate_id)
 }
 
+/// What makes an output stream lose a row after its PubAck, which is when the gate marks the row
+/// published: memory storage (gone with the server's process) and a single replica (gone with
+/// its server's disk, or, under the lazy default fsync, with its unsynced writes).
+fn durability_weaknesses(config: &StreamConfig) -> Vec<&'static str> {
+    let mut weak = Vec::new();
+    if config.storage == StorageType::Memory {
+        weak.push("memory storage");
+    }
+    if config.num_replicas <= 1 {
+        weak.push("a single replica (3 or more are needed)");
+    }
+    weak
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_storage_and_a_single_replica_are_named_as_weak() {
+        let stream = |storage, num_replicas| StreamConfig {
+            storage,
+            num_replicas,
+            ..StreamConfig::default()
+        };
+        assert_eq!(
+            durability_weaknesses(&stream(StorageType::Memory, 1)),
+            ["memory storage", "a single replica (3 or more are needed)"]
+        );
+        assert_eq!(
+            durability_weaknesses(&stream(StorageType::File, 0)),
+            ["a single replica (3 or more are needed)"]
+        );
+        assert!(durability_weaknesses(&stream(StorageType::File, 3)).is_empty());
+    }
 
     fn row(aggregate: &str, sequence: i64) -> OutputEntry {
         OutputEntry {

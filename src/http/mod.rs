@@ -1,6 +1,6 @@
 //! The HTTP plumbing under every route: the connection server and its limits, the one error type
 //! (problem+json) and the extractors whose rejections become problems, the bearer credential,
-//! the OpenAPI document's shared parts, the consoles' page plumbing, entity tags, and the two .NET behaviours the seed's
+//! the OpenAPI document's shared parts, the client behind a trusted proxy, the consoles' page plumbing, entity tags, and the two .NET behaviours the seed's
 //! contracts depend on (ASP.NET's input rules, `System.Text.Json`'s escaping).
 //!
 //! Nothing here knows a lab, the inbox or a door: those floors stand on this one.
@@ -11,6 +11,7 @@ pub mod credential;
 pub mod dotnet_json;
 pub mod error;
 pub mod etag;
+pub mod forwarded;
 pub mod framing;
 pub mod lingering;
 pub mod openapi;

@@ -8,15 +8,17 @@
 //!
 //! In order: the request id (a sane `x-request-id` or a new one, echoed in the response header
 //! and in every problem+json body as `requestId`); the `request` span (method, route template,
-//! request id); the host filter and forwarded headers; the route; the bare-status problems; the
+//! request id, client address: the peer, or behind the gate's trusted proxy the address it
+//! forwarded); the host filter and forwarded headers; the route; the bare-status problems; the
 //! HTTP metrics; the `request finished` line when the response head is ready, with its status
 //! and latency; and `X-Content-Type-Options: nosniff` on every response. The raw path and query are never logged or used as a label: they may carry ids or
 //! an email; the route template cannot.
 
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use axum::extract::{MatchedPath, Request, State};
+use axum::extract::{ConnectInfo, MatchedPath, Request, State};
 use axum::http::{HeaderValue, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -24,6 +26,7 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use crate::http::error::problem_response_with;
+use crate::http::forwarded::{ClientAddress, client_address};
 use crate::labs::security::SecurityLab;
 use crate::telemetry::metrics::{Metrics, UNMATCHED_ROUTE};
 
@@ -76,6 +79,9 @@ pub struct Edge {
     /// The security lab's host filter and forwarded headers; `None` for the gate, which has no
     /// lab.
     pub security: Option<SecurityLab>,
+    /// The reverse proxy whose right-most forwarded entry names the client in the request's log
+    /// lines and rate limits (see [`crate::http::forwarded`]); `None`: the peer is the client.
+    pub trusted_proxy: Option<IpAddr>,
 }
 
 /// Middleware: everything a request goes through before its handler (see the module's doc).
@@ -83,14 +89,19 @@ pub async fn edge(State(edge): State<Edge>, mut request: Request, next: Next) ->
     let id = RequestId::from_request(&request).unwrap_or_else(RequestId::generate);
     let route = route_of(&request);
     let method = request.method().clone();
+    let client = client_of(&request, edge.trusted_proxy);
     let span = tracing::info_span!(
         target: TARGET,
         "request",
         method = %method,
         route = %route,
         request_id = id.as_str(),
+        client = client.map(tracing::field::display),
     );
     request.extensions_mut().insert(id.clone());
+    if let Some(client) = client {
+        request.extensions_mut().insert(ClientAddress(client));
+    }
     let started = Instant::now();
     let response = async {
         let admitted = match &edge.security {
@@ -113,6 +124,15 @@ pub async fn edge(State(edge): State<Edge>, mut request: Request, next: Next) ->
     let mut response = with_request_id(response, &id).await;
     forbid_sniffing(&mut response);
     response
+}
+
+/// The request's client: its peer, or behind `trusted_proxy` the address the proxy forwarded.
+fn client_of(request: &Request, trusted_proxy: Option<IpAddr>) -> Option<IpAddr> {
+    let peer = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|info| info.0.ip());
+    client_address(trusted_proxy, peer, request.headers())
 }
 
 /// `X-Content-Type-Options: nosniff` on every response (JSON, problem+json, the router's own

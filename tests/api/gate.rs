@@ -1195,3 +1195,149 @@ async fn metrics_that_are_not_public_answer_a_readers_or_an_operators_token_and_
         assert!(text.contains("inbox_resolutions_total"), "{text}");
     }
 }
+
+impl GateFiles {
+    /// The same files serving plain HTTP on loopback behind `trusted_proxy`.
+    fn behind_proxy(self, trusted_proxy: &str) -> GateFiles {
+        let text = std::fs::read_to_string(self.config()).unwrap();
+        let text = text
+            .replace(
+                "address = \"127.0.0.1:0\"",
+                &format!("address = \"127.0.0.1:0\"\ntrusted_proxy = \"{trusted_proxy}\""),
+            )
+            .replace("[tls]\ncertificate = \"cert.pem\"\nkey = \"key.pem\"\n", "");
+        std::fs::write(self.config(), text).unwrap();
+        self
+    }
+
+    /// The `client` of the gate's `request finished` line for the request with `request_id`,
+    /// once it is logged.
+    async fn logged_client(&self, request_id: &str) -> Value {
+        let line = poll_until_within(
+            "the request's line in the gate's log",
+            Duration::from_secs(10),
+            || {
+                let line = self
+                    .log()
+                    .lines()
+                    .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+                    .find(|line| {
+                        line["span"]["request_id"] == request_id
+                            && line["fields"]["message"] == "request finished"
+                    });
+                std::future::ready(line)
+            },
+            Option::is_some,
+        )
+        .await;
+        line.map_or(Value::Null, |line| line["span"]["client"].clone())
+    }
+}
+
+/// A `GET /live` from this test (peer 127.0.0.1) saying it was forwarded for
+/// 198.51.100.7; the header value names an address, no traffic goes there.
+async fn forwarded_request(gate: &GateProcess, request_id: &str) {
+    let response = crate::helpers::client()
+        .get(gate.url("/live"))
+        .header("x-request-id", request_id)
+        .header("x-forwarded-for", "203.0.113.99, 198.51.100.7")
+        .send()
+        .await
+        .expect("the gate answers");
+    assert_eq!(response.status(), 200);
+}
+
+mod behind_a_proxy {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_trusted_proxys_rightmost_forwarded_entry_is_the_client_in_the_access_log_and_another_peers_header_is_ignored()
+     {
+        let nats = crate::broker::start_nats(None);
+        let certificate = Certificate::new();
+        let trusted = GateFiles::new(&certificate, &nats).behind_proxy("127.0.0.1");
+        let gate = GateProcess::start(&trusted.config());
+        assert!(gate.url("").starts_with("http://"), "{}", gate.url(""));
+        forwarded_request(&gate, "through-the-proxy").await;
+        assert_eq!(
+            trusted.logged_client("through-the-proxy").await,
+            "198.51.100.7"
+        );
+        gate.kill();
+
+        let elsewhere = GateFiles::new(&certificate, &nats).behind_proxy("127.0.0.2");
+        let gate = GateProcess::start(&elsewhere.config());
+        forwarded_request(&gate, "not-the-proxy").await;
+        assert_eq!(elsewhere.logged_client("not-the-proxy").await, "127.0.0.1");
+    }
+
+    /// An anonymous delivery of `sequence` to `aggregate`, forwarded by this test (the trusted
+    /// proxy) for `client`: its status.
+    async fn anonymous_delivery(
+        gate: &GateProcess,
+        client: &str,
+        aggregate: &str,
+        sequence: i64,
+    ) -> u16 {
+        let body = json!({
+            "messageId": format!("{aggregate}-m{sequence}"),
+            "sequence": sequence,
+            "type": "order.placed",
+            "payload": {"orderId": aggregate, "amount": 5},
+        });
+        crate::helpers::client()
+            .post(gate.url(&format!("/v1/aggregates/{aggregate}/messages")))
+            .header("x-forwarded-for", client)
+            .json(&body)
+            .send()
+            .await
+            .expect("the gate answers")
+            .status()
+            .as_u16()
+    }
+
+    #[tokio::test]
+    async fn behind_the_trusted_proxy_each_forwarded_client_has_its_own_anonymous_budget() {
+        let nats = crate::broker::start_nats(None);
+        let certificate = Certificate::new();
+        let files = GateFiles::new(&certificate, &nats).behind_proxy("127.0.0.1");
+        let text = std::fs::read_to_string(files.config()).unwrap();
+        let text = format!(
+            "{text}\n[auth]\nanonymous_writes = true\n\n[limits]\nproducer_rate_per_second = 1\nproducer_burst = 1\n"
+        );
+        std::fs::write(files.config(), text).unwrap();
+        let gate = GateProcess::start(&files.config());
+        assert_eq!(
+            anonymous_delivery(&gate, "198.51.100.7", "a-1", 1).await,
+            200
+        );
+        assert_eq!(
+            anonymous_delivery(&gate, "198.51.100.7", "a-1", 2).await,
+            429,
+            "the same client, over its burst"
+        );
+        assert_eq!(
+            anonymous_delivery(&gate, "198.51.100.8", "a-2", 1).await,
+            200,
+            "another client behind the same proxy"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_gate_whose_output_stream_has_a_single_replica_warns_at_start() {
+        let nats = crate::broker::start_nats(None);
+        let certificate = Certificate::new();
+        let files = GateFiles::new(&certificate, &nats);
+        let _gate = GateProcess::start(&files.config());
+        let warning = files
+            .log()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .find(|line| line["fields"]["stream"] == OUTPUT_STREAM)
+            .unwrap_or_else(|| panic!("no warning naming the stream in:\n{}", files.log()));
+        assert_eq!(warning["level"], "WARN", "{warning}");
+        let message = warning["fields"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("a single replica"), "{message}");
+        assert!(!message.contains("memory storage"), "{message}");
+    }
+}

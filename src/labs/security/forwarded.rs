@@ -4,9 +4,11 @@
 //! wrote them. With a forward limit of 1 only the right-most entry — the one the proxy itself
 //! appended — is taken; entries further left were supplied by whoever talked to the proxy.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 
-use axum::http::{HeaderMap, HeaderName};
+use axum::http::HeaderMap;
+
+use crate::http::forwarded::{parse_forwarded_for, rightmost};
 
 /// The client as the application should see it, after the forwarded headers were considered.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,30 +48,6 @@ pub fn resolve(known_proxy: IpAddr, peer: Option<IpAddr>, headers: &HeaderMap) -
         scheme: scheme.map_or(connection.scheme, str::to_owned),
         remote: remote.or(connection.remote),
     }
-}
-
-/// `None` when the header is absent; else its right-most comma-separated entry across every
-/// line, `None` inside when that entry is blank.
-fn rightmost(headers: &HeaderMap, name: &'static str) -> Option<Option<String>> {
-    let name = HeaderName::from_static(name);
-    let last_line = headers.get_all(&name).iter().next_back()?;
-    let text = String::from_utf8_lossy(last_line.as_bytes());
-    let entry = text.rsplit(',').next().unwrap_or_default().trim();
-    Some((!entry.is_empty()).then(|| entry.to_owned()))
-}
-
-/// `203.0.113.7`, `203.0.113.7:4711`, `2001:db8::1`, `[2001:db8::1]` or `[2001:db8::1]:4711`.
-fn parse_forwarded_for(entry: &str) -> Option<IpAddr> {
-    if let Ok(ip) = entry.parse::<IpAddr>() {
-        return Some(ip);
-    }
-    if let Ok(socket) = entry.parse::<SocketAddr>() {
-        return Some(socket.ip());
-    }
-    entry
-        .strip_prefix('[')
-        .and_then(|rest| rest.strip_suffix(']'))
-        .and_then(|inner| inner.parse::<IpAddr>().ok())
 }
 
 /// The only schemes this server can have been reached by, in any letter case.
