@@ -76,14 +76,15 @@ SELECT o.aggregate_id, o.sequence, o.message_id, o.message_type, o.payload, o.ap
 /// many or more", so that a scrape never reads a whole backlog.
 pub const BACKLOG_COUNT_CAP: i64 = 10_000;
 
-/// [`OutputStore::backlog`]'s count (`?1`/`$1`: the cap), through one of the partial indexes
-/// of the unpublished rows and never past the cap.
-const BACKLOG_COUNT: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM gate_output
-  WHERE published_at IS NULL LIMIT $1) AS bounded";
+/// [`OutputStore::backlog`]'s count (`$1`: the cap), never past the cap. The order makes the
+/// partial index `gate_output_unpublished_age` the plan on both backends: a scan of the table
+/// stopping at the cap would still read every published row it met on the way.
+pub const BACKLOG_COUNT: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM gate_output
+  WHERE published_at IS NULL ORDER BY applied_at LIMIT $1) AS bounded";
 
 /// The oldest unpublished row's `applied_at`: the first entry of the partial index
 /// `gate_output_unpublished_age`, one seek on both backends.
-const OLDEST_UNPUBLISHED: &str = "SELECT applied_at FROM gate_output
+pub const OLDEST_UNPUBLISHED: &str = "SELECT applied_at FROM gate_output
   WHERE published_at IS NULL ORDER BY applied_at LIMIT 1";
 
 /// The tables on SQLite, beside the inbox's: the output, and the one row of the publisher's
