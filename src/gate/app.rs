@@ -478,6 +478,11 @@ fn gate_router(
         }),
         access: state.0.access.clone(),
         generation: reloader.generation(),
+        output: stores.output.clone(),
+        publisher: background
+            .nats
+            .as_ref()
+            .map(|nats| nats.publisher.held_epoch()),
     };
     let documented = routes::api(state)
         .merge(health::routes(health, config.metrics.public))

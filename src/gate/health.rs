@@ -13,6 +13,8 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::gate::auth::{Access, Reader};
+use crate::gate::output::OutputStore;
+use crate::gate::publisher::HeldEpoch;
 use crate::gate::reload::ConfigGeneration;
 use crate::http::error::problem_response_with;
 use crate::inbox::SharedInbox;
@@ -33,6 +35,29 @@ pub struct Health {
     pub access: Access,
     /// The configuration's generation, shown by `/ready`.
     pub generation: ConfigGeneration,
+    /// The output table, for its backlog and the publisher's lease.
+    pub output: OutputStore,
+    /// The epoch the publisher holds, when the gate runs one (with NATS).
+    pub publisher: Option<HeldEpoch>,
+}
+
+/// The publisher's role and the lease's epoch, as `/ready` and `/metrics` show them: `holder`
+/// with the epoch it holds, `standby` with the store's (`None` when the store does not answer),
+/// or `absent` (no NATS, no publisher) with 0.
+async fn publisher_status(health: &Health) -> (&'static str, Option<i64>) {
+    let Some(held) = &health.publisher else {
+        return ("absent", Some(0));
+    };
+    if let Some(epoch) = held.get() {
+        return ("holder", Some(epoch));
+    }
+    match health.output.lease_epoch().await {
+        Ok(epoch) => ("standby", Some(epoch)),
+        Err(error) => {
+            tracing::warn!(target: "production_lab::gate", %error, "the publisher's lease could not be read");
+            ("standby", None)
+        }
+    }
 }
 
 /// The input's and the output's connections, reported apart by `/ready`.
@@ -91,9 +116,10 @@ async fn live() -> &'static str {
 }
 
 /// 200 `{"status":"ready","checks":{"store":"ok","nats":…,"natsInput":…,"natsOutput":…},
-/// "generation":n}` (each NATS check `ok` or `absent`), or 503 problem+json naming what is not
-/// ready. `generation` is the configuration's (1 at start, one more at each reload that took
-/// effect).
+/// "generation":n,"publisher":{"role":…,"epoch":n}}` (each NATS check `ok` or `absent`), or 503
+/// problem+json naming what is not ready. `generation` is the configuration's (1 at start, one
+/// more at each reload that took effect); `publisher.role` is `holder`, `standby` or `absent`
+/// (no NATS), `epoch` the lease's (the one held, or the store's while standing by).
 #[utoipa::path(get, path = "/ready", tag = "operating", responses(
     (status = 200, description = "The store answers a read and, with NATS configured, the input's and the output's connections are up", body = Object, content_type = "application/json"),
     (status = 503, description = "Not ready: `detail` names what is not", body = crate::http::openapi::Problem, content_type = "application/problem+json"),
@@ -136,10 +162,17 @@ async fn ready(State(health): State<Health>) -> Response {
         "natsOutput": output,
     });
     let generation = health.generation.current();
+    let (role, epoch) = publisher_status(&health).await;
+    let publisher = json!({ "role": role, "epoch": epoch });
     if problems.is_empty() {
         return (
             StatusCode::OK,
-            Json(json!({ "status": "ready", "checks": checks, "generation": generation })),
+            Json(json!({
+                "status": "ready",
+                "checks": checks,
+                "generation": generation,
+                "publisher": publisher,
+            })),
         )
             .into_response();
     }
@@ -147,7 +180,7 @@ async fn ready(State(health): State<Health>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE,
         "Not ready",
         Some(&problems.join("; ")),
-        json!({ "checks": checks, "generation": generation }),
+        json!({ "checks": checks, "generation": generation, "publisher": publisher }),
     )
 }
 
@@ -180,6 +213,12 @@ async fn render_metrics(health: &Health) -> Response {
         }
     };
     let depth = health.store.as_ref().map_or(0, Store::queue_depth);
+    record_output_backlog(health).await;
+    if health.publisher.is_some()
+        && let (_, Some(epoch)) = publisher_status(health).await
+    {
+        health.metrics.gate_publisher_epoch(epoch);
+    }
     let body = health.metrics.render(figures.as_ref(), depth);
     (
         [(
@@ -189,4 +228,20 @@ async fn render_metrics(health: &Health) -> Response {
         body,
     )
         .into_response()
+}
+
+/// The output's backlog gauges, read now; left as they were when the store does not answer.
+async fn record_output_backlog(health: &Health) {
+    match health.output.backlog().await {
+        Ok(backlog) => {
+            let now = ordered_inbox::clock::now();
+            let oldest = backlog.oldest_applied_at.map_or(0, |applied_at| {
+                ordered_inbox::clock::seconds_between(&applied_at, &now)
+            });
+            health.metrics.gate_output_backlog(backlog.rows, oldest);
+        }
+        Err(error) => {
+            tracing::warn!(target: "production_lab::gate", %error, "the output's backlog could not be read");
+        }
+    }
 }

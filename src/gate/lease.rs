@@ -136,6 +136,35 @@ impl OutputStore {
         Ok(changed == 1)
     }
 
+    /// The epoch of the store's lease as it stands (whoever holds it, lapsed or not), 0 before
+    /// any gate took it: what a standby reports.
+    pub async fn lease_epoch(&self) -> Result<i64, OutputError> {
+        const SQL: &str = "SELECT epoch FROM gate_publisher_lease WHERE id = 1";
+        match self {
+            OutputStore::Sqlite(store) => {
+                store
+                    .read(|connection| {
+                        let epoch = connection
+                            .prepare_cached(SQL)?
+                            .query([])?
+                            .next()?
+                            .map(|row| row.get(0))
+                            .transpose()?;
+                        Ok::<_, OutputError>(epoch.unwrap_or(0))
+                    })
+                    .await
+            }
+            OutputStore::Postgres(inbox) => {
+                let client = inbox.pool().get().await.map_err(unavailable)?;
+                let rows = client.query_typed(SQL, &[]).await?;
+                match rows.first() {
+                    Some(row) => Ok(row.try_get(0)?),
+                    None => Ok(0),
+                }
+            }
+        }
+    }
+
     /// Gives `lease` up (a gate stopping), unless another gate holds it already.
     pub async fn release_lease(&self, lease: &Lease) -> Result<(), OutputError> {
         match self {

@@ -72,6 +72,21 @@ SELECT o.aggregate_id, o.sequence, o.message_id, o.message_type, o.payload, o.ap
         ORDER BY sequence LIMIT 16) o
  ORDER BY o.aggregate_id, o.sequence LIMIT $1";
 
+/// The most unpublished rows [`OutputStore::backlog`] counts: past it the count reads "this
+/// many or more", so that a scrape never reads a whole backlog.
+pub const BACKLOG_COUNT_CAP: i64 = 10_000;
+
+/// [`OutputStore::backlog`]'s count (`$1`: the cap), never past the cap. The order makes the
+/// partial index `gate_output_unpublished_age` the plan on both backends: a scan of the table
+/// stopping at the cap would still read every published row it met on the way.
+pub const BACKLOG_COUNT: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM gate_output
+  WHERE published_at IS NULL ORDER BY applied_at LIMIT $1) AS bounded";
+
+/// The oldest unpublished row's `applied_at`: the first entry of the partial index
+/// `gate_output_unpublished_age`, one seek on both backends.
+pub const OLDEST_UNPUBLISHED: &str = "SELECT applied_at FROM gate_output
+  WHERE published_at IS NULL ORDER BY applied_at LIMIT 1";
+
 /// The tables on SQLite, beside the inbox's: the output, and the one row of the publisher's
 /// lease ([`crate::gate::lease`]). Idempotent.
 const SQLITE_SCHEMA: &str = "
@@ -87,6 +102,8 @@ CREATE TABLE IF NOT EXISTS gate_output(
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS gate_output_unpublished
     ON gate_output(aggregate_id, sequence) WHERE published_at IS NULL;
+CREATE INDEX IF NOT EXISTS gate_output_unpublished_age
+    ON gate_output(applied_at) WHERE published_at IS NULL;
 CREATE TABLE IF NOT EXISTS gate_publisher_lease(
     id INTEGER PRIMARY KEY CHECK (id = 1),
     holder TEXT NOT NULL,
@@ -111,6 +128,8 @@ CREATE TABLE IF NOT EXISTS gate_output(
 );
 CREATE INDEX IF NOT EXISTS gate_output_unpublished
     ON gate_output(aggregate_id, sequence) WHERE published_at IS NULL;
+CREATE INDEX IF NOT EXISTS gate_output_unpublished_age
+    ON gate_output(applied_at) WHERE published_at IS NULL;
 CREATE TABLE IF NOT EXISTS gate_publisher_lease(
     id INTEGER PRIMARY KEY CHECK (id = 1),
     holder TEXT NOT NULL,
@@ -120,6 +139,15 @@ CREATE TABLE IF NOT EXISTS gate_publisher_lease(
 COMMIT;";
 
 const COLUMNS: &str = "aggregate_id, sequence, message_id, message_type, payload, applied_at";
+
+/// The rows applied but not yet published, as a scrape reads them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backlog {
+    /// The unpublished rows, at most [`BACKLOG_COUNT_CAP`] (which means that many or more).
+    pub rows: i64,
+    /// The oldest unpublished row's `applied_at`, if there is one.
+    pub oldest_applied_at: Option<String>,
+}
 
 /// A row of the output: one applied message as the gate emits it.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
@@ -271,6 +299,52 @@ impl OutputStore {
                     .query_typed(PENDING_POSTGRES, &[(&limit, Type::INT8)])
                     .await?;
                 rows.iter().map(postgres_entry).collect()
+            }
+        }
+    }
+
+    /// The unpublished rows counted up to [`BACKLOG_COUNT_CAP`] and the oldest one's time: two
+    /// index reads whose cost the cap bounds, whatever the backlog.
+    pub async fn backlog(&self) -> Result<Backlog, OutputError> {
+        match self {
+            OutputStore::Sqlite(store) => {
+                store
+                    .read(|connection| {
+                        let count = BACKLOG_COUNT.replace('$', "?");
+                        let rows: i64 = connection
+                            .prepare_cached(&count)?
+                            .query_row([BACKLOG_COUNT_CAP], |row| row.get(0))?;
+                        let oldest = connection
+                            .prepare_cached(OLDEST_UNPUBLISHED)?
+                            .query([])?
+                            .next()?
+                            .map(|row| row.get(0))
+                            .transpose()?;
+                        Ok::<_, OutputError>(Backlog {
+                            rows,
+                            oldest_applied_at: oldest,
+                        })
+                    })
+                    .await
+            }
+            OutputStore::Postgres(inbox) => {
+                let client = inbox.pool().get().await.map_err(unavailable)?;
+                let count = client
+                    .query_typed(BACKLOG_COUNT, &[(&BACKLOG_COUNT_CAP, Type::INT8)])
+                    .await?;
+                let rows = match count.first() {
+                    Some(row) => row.try_get(0)?,
+                    None => 0,
+                };
+                let oldest = client.query_typed(OLDEST_UNPUBLISHED, &[]).await?;
+                let oldest_applied_at = match oldest.first() {
+                    Some(row) => Some(row.try_get(0)?),
+                    None => None,
+                };
+                Ok(Backlog {
+                    rows,
+                    oldest_applied_at,
+                })
             }
         }
     }

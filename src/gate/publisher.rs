@@ -22,6 +22,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -59,6 +60,23 @@ pub enum PublisherError {
     Nats(String),
 }
 
+/// The epoch of the lease a publisher holds now (0: it stands by), shared with `/ready` and
+/// `/metrics`.
+#[derive(Clone, Debug, Default)]
+pub struct HeldEpoch(Arc<AtomicI64>);
+
+impl HeldEpoch {
+    /// The epoch held, or `None` while the publisher stands by.
+    pub fn get(&self) -> Option<i64> {
+        Some(self.0.load(Ordering::Relaxed)).filter(|epoch| *epoch > 0)
+    }
+
+    fn set(&self, lease: Option<&Lease>) {
+        self.0
+            .store(lease.map_or(0, |lease| lease.epoch), Ordering::Relaxed);
+    }
+}
+
 /// Publishes the gate's output rows to JetStream while it holds the store's lease, until stopped.
 pub struct Publisher {
     output: OutputStore,
@@ -73,6 +91,8 @@ pub struct Publisher {
     lease_duration: Duration,
     /// The lease while this publisher holds it.
     lease: Option<Lease>,
+    /// [`Publisher::lease`]'s epoch, for the health routes.
+    held_epoch: HeldEpoch,
     /// Per aggregate, the stream sequence of its subject's last message, as this holder left it.
     last_sequences: HashMap<String, u64>,
 }
@@ -123,6 +143,7 @@ impl Publisher {
             holder: holder_name(),
             lease_duration: DEFAULT_LEASE,
             lease: None,
+            held_epoch: HeldEpoch::default(),
             last_sequences: HashMap::new(),
         }
     }
@@ -138,6 +159,11 @@ impl Publisher {
     pub fn with_lease(mut self, duration: Duration) -> Publisher {
         self.lease_duration = duration;
         self
+    }
+
+    /// The epoch of the lease it holds, as it changes.
+    pub fn held_epoch(&self) -> HeldEpoch {
+        self.held_epoch.clone()
     }
 
     /// This publisher's name in the lease.
@@ -202,6 +228,7 @@ impl Publisher {
                 () = tokio::time::sleep(pause.unwrap_or(tick)) => {}
             }
         }
+        self.held_epoch.set(None);
         if let Some(lease) = self.lease.take()
             && let Err(error) = self.output.release_lease(&lease).await
         {
@@ -260,6 +287,7 @@ impl Publisher {
                 return Ok(true);
             }
             self.lease = None;
+            self.held_epoch.set(None);
             self.last_sequences.clear();
             self.fenced("another gate took the publisher's lease over");
         }
@@ -267,6 +295,7 @@ impl Publisher {
             .output
             .take_lease(&self.holder, self.lease_duration)
             .await?;
+        self.held_epoch.set(self.lease.as_ref());
         if let Some(lease) = &self.lease {
             tracing::info!(holder = %lease.holder, epoch = lease.epoch, "gate publisher: holds the lease and publishes");
             if let Some(metrics) = &self.metrics {

@@ -46,6 +46,9 @@ pub const GATE_PUBLISH_FAILURES: &str = "gate_publish_failures_total";
 pub const GATE_CONFIG_GENERATION: &str = "gate_config_generation";
 pub const GATE_PUBLISHER_HOLDING: &str = "gate_publisher_holding";
 pub const GATE_PUBLISHER_FENCED: &str = "gate_publisher_fenced_total";
+pub const GATE_PUBLISHER_EPOCH: &str = "gate_publisher_epoch";
+pub const GATE_OUTPUT_UNPUBLISHED: &str = "gate_output_unpublished_rows";
+pub const GATE_OUTPUT_OLDEST_UNPUBLISHED: &str = "gate_output_oldest_unpublished_seconds";
 pub const HTTP_DURATION: &str = "http_request_duration_seconds";
 
 /// The route label of a request that matched no route (404s, and refusals before routing).
@@ -148,6 +151,18 @@ const DESCRIPTIONS: &[Description] = &[
     Description::counter(
         GATE_PUBLISHER_FENCED,
         "Times this gate's publisher was fenced: its lease taken over or a publish refused as stale",
+    ),
+    Description::gauge(
+        GATE_PUBLISHER_EPOCH,
+        "The epoch of the store's publisher lease: the one this gate holds, or while it stands by the store's (0: never taken), read at scrape time",
+    ),
+    Description::gauge(
+        GATE_OUTPUT_UNPUBLISHED,
+        "Gate output rows applied but not yet published, counted up to 10000 (10000 means 10000 or more), read at scrape time",
+    ),
+    Description::gauge(
+        GATE_OUTPUT_OLDEST_UNPUBLISHED,
+        "Seconds since the oldest unpublished gate output row was applied (0: none waits), read at scrape time",
     ),
 ];
 
@@ -408,6 +423,19 @@ impl Metrics {
     /// Shows whether this gate holds the store's publisher lease (1) or stands by (0).
     pub fn gate_publisher_holding(&self, holding: bool) {
         self.with(|| metrics::gauge!(GATE_PUBLISHER_HOLDING).set(if holding { 1.0 } else { 0.0 }));
+    }
+
+    /// Shows the epoch of the store's publisher lease, as this gate holds or sees it.
+    pub fn gate_publisher_epoch(&self, epoch: i64) {
+        self.with(|| metrics::gauge!(GATE_PUBLISHER_EPOCH).set(epoch as f64));
+    }
+
+    /// Shows the gate output's backlog: the unpublished rows (capped) and the oldest one's age.
+    pub fn gate_output_backlog(&self, rows: i64, oldest_seconds: i64) {
+        self.with(|| {
+            metrics::gauge!(GATE_OUTPUT_UNPUBLISHED).set(rows as f64);
+            metrics::gauge!(GATE_OUTPUT_OLDEST_UNPUBLISHED).set(oldest_seconds as f64);
+        });
     }
 
     /// Counts one time this gate's publisher found itself fenced: its lease taken over, or a

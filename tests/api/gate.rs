@@ -994,6 +994,21 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
         1,
         "{holding:?}"
     );
+    // `/ready` names the holder and the standby, both at the holder's epoch.
+    let mut statuses = [
+        publisher_status(&client, &first).await,
+        publisher_status(&client, &second).await,
+    ];
+    statuses.sort();
+    assert_eq!(
+        [statuses[0].0.as_str(), statuses[1].0.as_str()],
+        ["holder", "standby"],
+        "{statuses:?}"
+    );
+    assert!(
+        statuses[0].1 >= 1 && statuses[0].1 == statuses[1].1,
+        "{statuses:?}"
+    );
 }
 
 /// Sends `sequences` of each aggregate in `expected`'s keys to `gates` in turn, every
@@ -1340,4 +1355,113 @@ mod behind_a_proxy {
         assert!(message.contains("a single replica"), "{message}");
         assert!(!message.contains("memory storage"), "{message}");
     }
+}
+
+/// `/ready`'s publisher member: its role and epoch.
+async fn publisher_status(client: &HttpsClient, gate: &GateProcess) -> (String, i64) {
+    let body = match client.get(gate.url("/ready")).send().await {
+        Ok(response) => response.json::<Value>().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    };
+    let role = body["publisher"]["role"].as_str().unwrap_or_default();
+    (
+        role.to_owned(),
+        body["publisher"]["epoch"].as_i64().unwrap_or(-1),
+    )
+}
+
+/// Runs `sql` on the gate's SQLite file beside the running gate.
+fn execute_on(database: &Path, sql: &str) {
+    let connection = rusqlite::Connection::open(database).expect("the gate's file");
+    connection
+        .busy_timeout(Duration::from_secs(10))
+        .expect("a busy timeout");
+    connection
+        .execute_batch(sql)
+        .unwrap_or_else(|error| panic!("{sql}: {error}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_standby_gate_shows_its_output_backlog_growing_and_it_drains_to_zero_once_it_holds_the_lease()
+ {
+    let nats = crate::broker::start_nats(None);
+    let certificate = Certificate::new();
+    let files = GateFiles::new(&certificate, &nats).with_lease_ms(1000);
+    let gate = GateProcess::start(&files.config());
+    let client = certificate.client();
+    let operator = add_operator(&files.database(), "alice");
+    let producer = add_producer(&client, &gate, &operator, "shop").await;
+    let status = poll_until_within(
+        "the gate holds the lease",
+        Duration::from_secs(20),
+        || publisher_status(&client, &gate),
+        |(role, _)| role == "holder",
+    )
+    .await;
+    assert_eq!(status.1, 1, "the first lease of the store");
+    assert_eq!(
+        scraped(&client, &gate, "gate_publisher_epoch").await,
+        Some(1.0)
+    );
+
+    // Another gate (none runs) takes the lease for an hour: this one stands by and publishes
+    // nothing.
+    execute_on(
+        &files.database(),
+        "UPDATE gate_publisher_lease SET holder = 'elsewhere', epoch = 2,
+                expires_at_ms = CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) + 3600000",
+    );
+    poll_until_within(
+        "the gate stands by at the other's epoch",
+        Duration::from_secs(20),
+        || publisher_status(&client, &gate),
+        |status| *status == ("standby".to_owned(), 2),
+    )
+    .await;
+    for message in messages_of("order-lag", 3) {
+        assert_eq!(
+            deliver_until_decided(&client, &gate.address, &producer, &message).await,
+            200
+        );
+    }
+    assert_eq!(
+        scraped(&client, &gate, "gate_output_unpublished_rows").await,
+        Some(3.0)
+    );
+    poll_until_within(
+        "the oldest waiting row ages",
+        Duration::from_secs(20),
+        || scraped(&client, &gate, "gate_output_oldest_unpublished_seconds"),
+        |age| age.is_some_and(|seconds| seconds >= 1.0),
+    )
+    .await;
+    assert_eq!(
+        scraped(&client, &gate, "gate_publisher_epoch").await,
+        Some(2.0)
+    );
+
+    // The other lets its lease lapse: this gate takes it at the next epoch and publishes.
+    execute_on(
+        &files.database(),
+        "UPDATE gate_publisher_lease SET expires_at_ms = 0",
+    );
+    poll_until_within(
+        "the backlog drains",
+        Duration::from_secs(30),
+        || scraped(&client, &gate, "gate_output_unpublished_rows"),
+        |rows| *rows == Some(0.0),
+    )
+    .await;
+    assert_eq!(
+        scraped(&client, &gate, "gate_output_oldest_unpublished_seconds").await,
+        Some(0.0)
+    );
+    assert_eq!(
+        publisher_status(&client, &gate).await,
+        ("holder".to_owned(), 3)
+    );
+    assert_eq!(
+        scraped(&client, &gate, "gate_publisher_epoch").await,
+        Some(3.0)
+    );
 }

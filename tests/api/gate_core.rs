@@ -396,6 +396,109 @@ async fn a_pending_read_costs_the_same_whatever_backlog_stands_behind_its_answer
     );
 }
 
+/// How much of the table one run of `sql` (`$1` bound to `parameter`, if given) touches, as
+/// [`pending_read_cost`] counts it.
+fn read_cost(gate: &Gate, sql: &str, parameter: Option<i64>) -> u64 {
+    match &gate.database {
+        Database::Sqlite { path, .. } => {
+            let connection = rusqlite::Connection::open(path).expect("the gate's file");
+            let mut statement = connection.prepare(&sql.replace('$', "?")).expect("prepare");
+            let rows = statement
+                .query_map(rusqlite::params_from_iter(parameter), |_| Ok(()))
+                .expect("query")
+                .count();
+            assert!(rows > 0);
+            statement.get_status(rusqlite::StatementStatus::VmStep) as u64
+        }
+        Database::Postgres { url } => {
+            let sql = match parameter {
+                Some(parameter) => sql.replace("$1", &parameter.to_string()),
+                None => sql.to_owned(),
+            };
+            let explain = format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}");
+            let text = query_text(url, &explain)[0][0].clone().expect("a plan");
+            let plan: Value = serde_json::from_str(&text).expect("the plan's JSON");
+            rows_read_of(&plan[0]["Plan"], "gate_output")
+        }
+    }
+}
+
+/// The two reads of [`OutputStore::backlog`]: what each costs.
+fn backlog_read_costs(gate: &Gate) -> (u64, u64) {
+    (
+        read_cost(gate, output::BACKLOG_COUNT, Some(output::BACKLOG_COUNT_CAP)),
+        read_cost(gate, output::OLDEST_UNPUBLISHED, None),
+    )
+}
+
+async fn the_backlog_read_stops_at_its_cap_and_finds_the_oldest_row_whatever_waits_behind(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    let cap = output::BACKLOG_COUNT_CAP;
+    rows(&gate, "order-a", 1, cap + 5, false);
+    gate.execute(&format!(
+        "INSERT INTO gate_output VALUES
+           ('order-z', 1, 'm-1', '{PLACED}', '{{}}', '2020-01-01T00:00:00.000Z', NULL)"
+    ));
+    let backlog = gate.output.backlog().await.expect("backlog");
+    assert_eq!(backlog.rows, cap, "counted up to the cap, not past it");
+    assert_eq!(
+        backlog.oldest_applied_at.as_deref(),
+        Some("2020-01-01T00:00:00.000Z")
+    );
+    let (count_before, oldest_before) = backlog_read_costs(&gate);
+    // Behind the cap: twice as many rows wait, and as many again were published.
+    rows(&gate, "order-a", cap + 6, 3 * cap, false);
+    rows(&gate, "order-c", 1, 2 * cap, true);
+    let (count_then, oldest_then) = backlog_read_costs(&gate);
+    assert!(
+        count_then <= count_before + 10,
+        "behind {} waiting rows the count cost {count_then}, before them {count_before}",
+        3 * cap
+    );
+    assert!(
+        oldest_then <= oldest_before + 10,
+        "behind {} waiting rows the oldest's read cost {oldest_then}, before them {oldest_before}",
+        3 * cap
+    );
+}
+
+async fn the_backlog_shows_rows_waiting_while_no_publisher_runs_and_none_once_published(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    deliver_orders(&gate, "order-1", 3).await;
+    let first = gate.output.applied("order-1", 0, 1).await.expect("applied");
+    let backlog = gate.output.backlog().await.expect("backlog");
+    assert_eq!(backlog.rows, 3);
+    assert_eq!(backlog.oldest_applied_at, Some(first[0].applied_at.clone()));
+    assert_eq!(gate.output.lease_epoch().await.expect("the lease"), 0);
+
+    let nats = start_nats(None);
+    let js = jetstream_of(&nats).await;
+    let wake = Arc::new(Notify::new());
+    let publisher = publisher_of(&gate, &js, wake.clone());
+    let held = publisher.held_epoch();
+    assert_eq!(held.get(), None, "it holds nothing before it runs");
+    publisher.ensure_stream().await.expect("the output stream");
+    let stop = CancellationToken::new();
+    let running = tokio::spawn(publisher.run(stop.clone()));
+    wake.notify_one();
+    let drained = poll_until(
+        "the backlog drains",
+        || async { gate.output.backlog().await.expect("backlog") },
+        |backlog| backlog.rows == 0,
+    )
+    .await;
+    assert_eq!(drained.oldest_applied_at, None);
+    assert_eq!(held.get(), Some(1));
+    assert_eq!(gate.output.lease_epoch().await.expect("the lease"), 1);
+    stop.cancel();
+    running.await.expect("the publisher stops");
+    assert_eq!(held.get(), None, "a stopped publisher holds nothing");
+}
+
 async fn a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages(
     backend: Backend,
 ) {
@@ -791,6 +894,8 @@ on_both_backends!(
     messages_delivered_three_one_two_come_out_as_one_two_three,
     the_pending_rows_span_every_aggregate_rather_than_the_first_ones_backlog,
     a_pending_read_costs_the_same_whatever_backlog_stands_behind_its_answer,
+    the_backlog_read_stops_at_its_cap_and_finds_the_oldest_row_whatever_waits_behind,
+    the_backlog_shows_rows_waiting_while_no_publisher_runs_and_none_once_published,
     a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages,
     the_publisher_publishes_each_aggregates_rows_in_order_with_their_ids,
     a_restarted_publisher_sends_unmarked_rows_again_and_the_consumer_sees_each_once,
