@@ -86,7 +86,8 @@ impl GateApplication {
             tracing::warn!(target: "production_lab::gate", "{line}");
         }
         let types = MessageTypes::compile(config.types.clone())
-            .map_err(|(name, why)| StartupError::Gate(format!("types.\"{name}\".schema: {why}")))?;
+            .map_err(|(name, why)| StartupError::Gate(format!("types.\"{name}\".schema: {why}")))?
+            .with_gap_alerts(config.gap_alerts.clone());
         let tls = match &config.tls {
             Some(files) => Some(
                 ReloadingTls::load(files)

@@ -1,6 +1,7 @@
 //! The gate's configuration reloaded on SIGHUP: the file given by `--config` is read and checked
-//! again, the message types (their schemas compiled), the readers' tokens and, with `[tls]`, the
-//! certificate and key are all built, and only then swapped in together. A file with a mistake
+//! again, the message types (their schemas compiled, with their `gap_alert_after_ms`), the
+//! readers' tokens and, with `[tls]`, the certificate and key are all built, and only then
+//! swapped in together. A file with a mistake
 //! changes nothing: each mistake is logged with the file and its key, and the gate serves on
 //! with the previous set. Each reload that takes effect counts one more configuration
 //! generation (`/ready`'s `generation`, the `gate_config_generation` gauge).
@@ -135,12 +136,14 @@ impl Reloader {
 
     /// The new configuration's parts, each built completely.
     fn prepare(&self, config: &GateConfig) -> Result<Prepared, Vec<ConfigError>> {
-        let types = MessageTypes::compile(config.types.clone()).map_err(|(name, why)| {
-            vec![ConfigError {
-                key: format!("types.{name:?}.schema"),
-                message: why,
-            }]
-        })?;
+        let types = MessageTypes::compile(config.types.clone())
+            .map_err(|(name, why)| {
+                vec![ConfigError {
+                    key: format!("types.{name:?}.schema"),
+                    message: why,
+                }]
+            })?
+            .with_gap_alerts(config.gap_alerts.clone());
         // Whether the gate serves TLS at all is the listener's: a restart's.
         let tls = match (&self.tls, &config.tls) {
             (Some(_), Some(files)) => Some(tls::server_config(files).map_err(tls_error)?),

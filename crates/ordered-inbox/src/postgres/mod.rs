@@ -392,9 +392,9 @@ impl Inbox for PostgresInbox {
     ) -> Result<Vec<(String, String)>, InboxError> {
         self.run(move |client, counters| {
             let aggregate_ids = aggregate_ids.clone();
-            Box::pin(async move {
-                views::lowest_held_payloads(client, counters, &aggregate_ids).await
-            })
+            Box::pin(
+                async move { views::lowest_held_payloads(client, counters, &aggregate_ids).await },
+            )
         })
         .await
     }
