@@ -467,7 +467,7 @@ fn gate_router(
     access: Access,
     reloader: &Reloader,
 ) -> Router {
-    let state = gate_state(config, stores, background, access);
+    let state = gate_state(config, stores, background, access, reloader.types());
     let published = state.document();
     let health = Health {
         inbox: background.inbox.clone(),
@@ -479,6 +479,7 @@ fn gate_router(
         }),
         access: state.0.access.clone(),
         generation: reloader.generation(),
+        types: reloader.types(),
     };
     let documented = routes::api(state)
         .merge(health::routes(health, config.metrics.public))
@@ -507,12 +508,13 @@ fn gate_router(
 }
 
 /// What the `/v1` routes share: the observed inbox, the output, the credentials and budgets,
-/// the registry, the change feed.
+/// the registry, the change feed, the message types (for the inventory's gap alerts).
 fn gate_state(
     config: &GateConfig,
     stores: &Stores,
     background: &Background,
     access: Access,
+    types: SharedTypes,
 ) -> GateState {
     GateState::new(GateParts {
         inbox: background.inbox.clone(),
@@ -521,6 +523,7 @@ fn gate_state(
         registry: stores.registry.clone(),
         changes: background.changes.clone(),
         metrics: background.metrics.clone(),
+        types,
         max_payload_bytes: config.limits.max_payload_bytes,
     })
 }

@@ -1364,11 +1364,10 @@ impl<'a> Checker<'a> {
     }
 
     /// Each type's schema, and the gap alerts of the types that set one.
-    #[allow(clippy::type_complexity)]
     fn types(
         &mut self,
         types: Option<BTreeMap<String, toml::Value>>,
-    ) -> Option<(Vec<(String, Value)>, Vec<(String, Duration)>)> {
+    ) -> Option<(Vec<(String, Value)>, GapAlerts)> {
         let types = types.unwrap_or_default();
         if types.is_empty() {
             self.error(
@@ -1492,6 +1491,9 @@ fn field_message(message: &str) -> String {
     }
     message
 }
+
+/// Each `(type name, gap_alert_after)` of the types that set one.
+type GapAlerts = Vec<(String, Duration)>;
 
 /// The longest `gap_alert_after_ms` a type may set: thirty days.
 const MAX_GAP_ALERT_AFTER_MS: u64 = 30 * 24 * 60 * 60 * 1000;

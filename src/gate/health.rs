@@ -13,6 +13,8 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::gate::auth::{Access, Reader};
+use crate::gate::handler::SharedTypes;
+use crate::gate::overdue::count_overdue;
 use crate::gate::reload::ConfigGeneration;
 use crate::http::error::problem_response_with;
 use crate::inbox::SharedInbox;
@@ -33,6 +35,8 @@ pub struct Health {
     pub access: Access,
     /// The configuration's generation, shown by `/ready`.
     pub generation: ConfigGeneration,
+    /// The message types in use: `gate_aggregates_overdue` goes by their gap alerts.
+    pub types: SharedTypes,
 }
 
 /// The input's and the output's connections, reported apart by `/ready`.
@@ -179,6 +183,15 @@ async fn render_metrics(health: &Health) -> Response {
             None
         }
     };
+    if figures.is_some() {
+        let types = health.types.load();
+        match count_overdue(&health.inbox, &types).await {
+            Ok(overdue) => health.metrics.aggregates_overdue(overdue),
+            Err(error) => {
+                tracing::warn!(target: "production_lab::gate", %error, "the overdue aggregates could not be counted");
+            }
+        }
+    }
     let depth = health.store.as_ref().map_or(0, Store::queue_depth);
     let body = health.metrics.render(figures.as_ref(), depth);
     (

@@ -105,6 +105,11 @@ impl Reloader {
         self.generation.clone()
     }
 
+    /// The message types in use, replaced at each reload that takes effect.
+    pub fn types(&self) -> SharedTypes {
+        self.types.clone()
+    }
+
     /// Reads the file again and, when all of it loads, puts the new types, readers and TLS pair
     /// in place together and answers the new generation. Otherwise nothing changes and the
     /// mistakes (each with its key; a file's names the file) are answered and logged.

@@ -54,6 +54,11 @@ impl MessageTypes {
         self
     }
 
+    /// Whether any type sets a `gap_alert_after_ms`: without one nothing is ever overdue.
+    pub fn has_gap_alerts(&self) -> bool {
+        !self.gap_alerts.is_empty()
+    }
+
     /// How long an aggregate whose next known message has `message_type` may wait before it is
     /// overdue; `None`: the type sets no `gap_alert_after_ms` (or is unknown), never overdue.
     pub fn gap_alert_after(&self, message_type: &str) -> Option<Duration> {
