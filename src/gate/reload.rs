@@ -244,3 +244,58 @@ fn tls_error(error: TlsError) -> Vec<ConfigError> {
         message: error.to_string(),
     }]
 }
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+    use std::time::Duration;
+
+    use arc_swap::ArcSwap;
+
+    use super::*;
+    use crate::gate::auth::DeliveryRate;
+
+    const PLACED: &str = "order.placed";
+
+    /// A gate file with `order.placed` and, when given, its `gap_alert_after_ms` line.
+    fn write_config(dir: &tempfile::TempDir, gap_alert: &str) -> PathBuf {
+        std::fs::write(dir.path().join("placed.json"), r#"{"type": "object"}"#)
+            .expect("the schema file");
+        let path = dir.path().join("gate.toml");
+        let text = format!("[types.\"{PLACED}\"]\nschema = \"placed.json\"\n{gap_alert}");
+        std::fs::write(&path, text).expect("the gate file");
+        path
+    }
+
+    #[test]
+    fn a_reload_takes_up_a_types_new_gap_alert_and_a_refused_one_keeps_the_old() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = write_config(&dir, "");
+        let config = GateConfig::load(&path).expect("the first file loads");
+        let compiled = MessageTypes::compile(config.types.clone()).expect("compiles");
+        let types: SharedTypes = Arc::new(ArcSwap::from_pointee(compiled));
+        let rate = DeliveryRate {
+            per_second: NonZeroU32::MIN,
+            burst: NonZeroU32::MIN,
+        };
+        let access = Access::new(false, Vec::new(), rate);
+        let reloader = Reloader::new(config, types.clone(), access, None, Metrics::new())
+            .with_source(path.clone());
+        assert_eq!(types.load().gap_alert_after(PLACED), None);
+
+        write_config(&dir, "gap_alert_after_ms = 1500\n");
+        assert_eq!(reloader.reload().expect("reloaded"), 2);
+        assert_eq!(
+            types.load().gap_alert_after(PLACED),
+            Some(Duration::from_millis(1500))
+        );
+
+        write_config(&dir, "gap_alert_after_ms = 0\n");
+        let refused = reloader.reload().expect_err("refused");
+        assert_eq!(refused[0].key, "types.\"order.placed\".gap_alert_after_ms");
+        assert_eq!(
+            types.load().gap_alert_after(PLACED),
+            Some(Duration::from_millis(1500))
+        );
+    }
+}
