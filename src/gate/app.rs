@@ -86,7 +86,8 @@ impl GateApplication {
             tracing::warn!(target: "production_lab::gate", "{line}");
         }
         let types = MessageTypes::compile(config.types.clone())
-            .map_err(|(name, why)| StartupError::Gate(format!("types.\"{name}\".schema: {why}")))?;
+            .map_err(|(name, why)| StartupError::Gate(format!("types.\"{name}\".schema: {why}")))?
+            .with_gap_alerts(config.gap_alerts.clone());
         let tls = match &config.tls {
             Some(files) => Some(
                 ReloadingTls::load(files)
@@ -466,7 +467,7 @@ fn gate_router(
     access: Access,
     reloader: &Reloader,
 ) -> Router {
-    let state = gate_state(config, stores, background, access);
+    let state = gate_state(config, stores, background, access, reloader.types());
     let published = state.document();
     let health = Health {
         inbox: background.inbox.clone(),
@@ -483,6 +484,7 @@ fn gate_router(
             .nats
             .as_ref()
             .map(|nats| nats.publisher.held_epoch()),
+        types: reloader.types(),
     };
     let documented = routes::api(state)
         .merge(health::routes(health, config.metrics.public))
@@ -512,12 +514,13 @@ fn gate_router(
 }
 
 /// What the `/v1` routes share: the observed inbox, the output, the credentials and budgets,
-/// the registry, the change feed.
+/// the registry, the change feed, the message types (for the inventory's gap alerts).
 fn gate_state(
     config: &GateConfig,
     stores: &Stores,
     background: &Background,
     access: Access,
+    types: SharedTypes,
 ) -> GateState {
     GateState::new(GateParts {
         inbox: background.inbox.clone(),
@@ -526,6 +529,7 @@ fn gate_state(
         registry: stores.registry.clone(),
         changes: background.changes.clone(),
         metrics: background.metrics.clone(),
+        types,
         max_payload_bytes: config.limits.max_payload_bytes,
     })
 }

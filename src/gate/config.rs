@@ -45,6 +45,9 @@ pub struct GateConfig {
     /// Each message type with its JSON Schema, as read from its file (compiled by
     /// [`crate::gate::schemas`]).
     pub types: Vec<(String, Value)>,
+    /// Each type's `gap_alert_after_ms`, for the types that set one: how long an aggregate whose
+    /// lowest held successor has that type may wait before it counts as overdue.
+    pub gap_alerts: Vec<(String, Duration)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -537,6 +540,7 @@ struct RawOutput {
 #[serde(deny_unknown_fields)]
 struct RawType {
     schema: Option<PathBuf>,
+    gap_alert_after_ms: Option<u64>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -619,7 +623,7 @@ impl<'a> Checker<'a> {
         let log = self.section::<RawLog>(raw.log, "log");
         let nats = self.nats(raw.nats);
         let publisher = self.publisher(raw.publisher);
-        let types = self.types(raw.types);
+        let (types, gap_alerts) = self.types(raw.types).unzip();
         Some(GateConfig {
             listen: listen?,
             tls: tls?,
@@ -638,6 +642,7 @@ impl<'a> Checker<'a> {
             nats: nats?,
             publisher: publisher?,
             types: types?,
+            gap_alerts: gap_alerts?,
         })
     }
 
@@ -1358,10 +1363,11 @@ impl<'a> Checker<'a> {
         (self.errors.len() == before).then_some(())
     }
 
+    /// Each type's schema, and the gap alerts of the types that set one.
     fn types(
         &mut self,
         types: Option<BTreeMap<String, toml::Value>>,
-    ) -> Option<Vec<(String, Value)>> {
+    ) -> Option<(Vec<(String, Value)>, GapAlerts)> {
         let types = types.unwrap_or_default();
         if types.is_empty() {
             self.error(
@@ -1372,6 +1378,7 @@ impl<'a> Checker<'a> {
         }
         let before = self.errors.len();
         let mut schemas = Vec::new();
+        let mut gap_alerts = Vec::new();
         for (name, value) in types {
             let path = join("types", &name);
             if !is_type_name(&name) {
@@ -1381,18 +1388,36 @@ impl<'a> Checker<'a> {
                 );
                 continue;
             }
-            if let Some(schema) = self.schema(&name, value, &path) {
+            let Some(raw) = self.shape::<RawType>(value, &path) else {
+                continue;
+            };
+            if let Some(after) = self.gap_alert_after(raw.gap_alert_after_ms, &path) {
+                gap_alerts.push((name.clone(), after));
+            }
+            if let Some(schema) = self.schema(&name, raw.schema, &path) {
                 schemas.push((name, schema));
             }
         }
-        (self.errors.len() == before).then_some(schemas)
+        (self.errors.len() == before).then_some((schemas, gap_alerts))
+    }
+
+    /// A type's `gap_alert_after_ms`, when it sets one within bounds.
+    fn gap_alert_after(&mut self, millis: Option<u64>, path: &str) -> Option<Duration> {
+        let millis = millis?;
+        if !(1..=MAX_GAP_ALERT_AFTER_MS).contains(&millis) {
+            self.error(
+                format!("{path}.gap_alert_after_ms"),
+                format!("must be from 1 to {MAX_GAP_ALERT_AFTER_MS} (found {millis})"),
+            );
+            return None;
+        }
+        Some(Duration::from_millis(millis))
     }
 
     /// A type's schema file, read as JSON and compiled as the gate will.
-    fn schema(&mut self, name: &str, value: toml::Value, path: &str) -> Option<Value> {
-        let raw: RawType = self.shape(value, path)?;
+    fn schema(&mut self, name: &str, schema: Option<PathBuf>, path: &str) -> Option<Value> {
         let key = format!("{path}.schema");
-        let relative = self.required(raw.schema, &key)?;
+        let relative = self.required(schema, &key)?;
         let file = self.path(&relative);
         read_schema(name, &file)
             .map_err(|message| self.error(key, format!("{}: {message}", file.display())))
@@ -1466,6 +1491,12 @@ fn field_message(message: &str) -> String {
     }
     message
 }
+
+/// Each `(type name, gap_alert_after)` of the types that set one.
+type GapAlerts = Vec<(String, Duration)>;
+
+/// The longest `gap_alert_after_ms` a type may set: thirty days.
+const MAX_GAP_ALERT_AFTER_MS: u64 = 30 * 24 * 60 * 60 * 1000;
 
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
@@ -2075,6 +2106,24 @@ subject_prefix = "out.orders"
         assert_line(
             &unknown,
             "publisher.lease: unknown key; expected `lease_ms`",
+        );
+    }
+
+    #[test]
+    fn a_types_gap_alert_after_ms_is_read_and_bounded() {
+        let dir = directory();
+        let none = parse(&dir, ORDER_PLACED).expect("accepted");
+        assert!(none.gap_alerts.is_empty());
+        let text = ORDER_PLACED.replace("schema = ", "gap_alert_after_ms = 1500\nschema = ");
+        let set = parse(&dir, &text).expect("accepted");
+        assert_eq!(
+            set.gap_alerts,
+            [("order.placed".to_owned(), Duration::from_millis(1500))]
+        );
+        let zero = ORDER_PLACED.replace("schema = ", "gap_alert_after_ms = 0\nschema = ");
+        assert_eq!(
+            refused(&dir, &zero),
+            ["types.\"order.placed\".gap_alert_after_ms: must be from 1 to 2592000000 (found 0)"]
         );
     }
 

@@ -13,7 +13,9 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::gate::auth::{Access, Reader};
+use crate::gate::handler::SharedTypes;
 use crate::gate::output::OutputStore;
+use crate::gate::overdue::count_overdue;
 use crate::gate::publisher::HeldEpoch;
 use crate::gate::reload::ConfigGeneration;
 use crate::http::error::problem_response_with;
@@ -39,6 +41,8 @@ pub struct Health {
     pub output: OutputStore,
     /// The epoch the publisher holds, when the gate runs one (with NATS).
     pub publisher: Option<HeldEpoch>,
+    /// The message types in use: `gate_aggregates_overdue` goes by their gap alerts.
+    pub types: SharedTypes,
 }
 
 /// The publisher's role and the lease's epoch, as `/ready` and `/metrics` show them: `holder`
@@ -212,6 +216,15 @@ async fn render_metrics(health: &Health) -> Response {
             None
         }
     };
+    if figures.is_some() {
+        let types = health.types.load();
+        match count_overdue(&health.inbox, &types).await {
+            Ok(overdue) => health.metrics.aggregates_overdue(overdue),
+            Err(error) => {
+                tracing::warn!(target: "production_lab::gate", %error, "the overdue aggregates could not be counted");
+            }
+        }
+    }
     let depth = health.store.as_ref().map_or(0, Store::queue_depth);
     record_output_backlog(health).await;
     if health.publisher.is_some()

@@ -1,6 +1,7 @@
 //! The gate's configuration reloaded on SIGHUP: the file given by `--config` is read and checked
-//! again, the message types (their schemas compiled), the readers' tokens and, with `[tls]`, the
-//! certificate and key are all built, and only then swapped in together. A file with a mistake
+//! again, the message types (their schemas compiled, with their `gap_alert_after_ms`), the
+//! readers' tokens and, with `[tls]`, the certificate and key are all built, and only then
+//! swapped in together. A file with a mistake
 //! changes nothing: each mistake is logged with the file and its key, and the gate serves on
 //! with the previous set. Each reload that takes effect counts one more configuration
 //! generation (`/ready`'s `generation`, the `gate_config_generation` gauge).
@@ -104,6 +105,11 @@ impl Reloader {
         self.generation.clone()
     }
 
+    /// The message types in use, replaced at each reload that takes effect.
+    pub fn types(&self) -> SharedTypes {
+        self.types.clone()
+    }
+
     /// Reads the file again and, when all of it loads, puts the new types, readers and TLS pair
     /// in place together and answers the new generation. Otherwise nothing changes and the
     /// mistakes (each with its key; a file's names the file) are answered and logged.
@@ -135,12 +141,14 @@ impl Reloader {
 
     /// The new configuration's parts, each built completely.
     fn prepare(&self, config: &GateConfig) -> Result<Prepared, Vec<ConfigError>> {
-        let types = MessageTypes::compile(config.types.clone()).map_err(|(name, why)| {
-            vec![ConfigError {
-                key: format!("types.{name:?}.schema"),
-                message: why,
-            }]
-        })?;
+        let types = MessageTypes::compile(config.types.clone())
+            .map_err(|(name, why)| {
+                vec![ConfigError {
+                    key: format!("types.{name:?}.schema"),
+                    message: why,
+                }]
+            })?
+            .with_gap_alerts(config.gap_alerts.clone());
         // Whether the gate serves TLS at all is the listener's: a restart's.
         let tls = match (&self.tls, &config.tls) {
             (Some(_), Some(files)) => Some(tls::server_config(files).map_err(tls_error)?),
@@ -235,4 +243,59 @@ fn tls_error(error: TlsError) -> Vec<ConfigError> {
         key: key.to_owned(),
         message: error.to_string(),
     }]
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+    use std::time::Duration;
+
+    use arc_swap::ArcSwap;
+
+    use super::*;
+    use crate::gate::auth::DeliveryRate;
+
+    const PLACED: &str = "order.placed";
+
+    /// A gate file with `order.placed` and, when given, its `gap_alert_after_ms` line.
+    fn write_config(dir: &tempfile::TempDir, gap_alert: &str) -> PathBuf {
+        std::fs::write(dir.path().join("placed.json"), r#"{"type": "object"}"#)
+            .expect("the schema file");
+        let path = dir.path().join("gate.toml");
+        let text = format!("[types.\"{PLACED}\"]\nschema = \"placed.json\"\n{gap_alert}");
+        std::fs::write(&path, text).expect("the gate file");
+        path
+    }
+
+    #[test]
+    fn a_reload_takes_up_a_types_new_gap_alert_and_a_refused_one_keeps_the_old() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = write_config(&dir, "");
+        let config = GateConfig::load(&path).expect("the first file loads");
+        let compiled = MessageTypes::compile(config.types.clone()).expect("compiles");
+        let types: SharedTypes = Arc::new(ArcSwap::from_pointee(compiled));
+        let rate = DeliveryRate {
+            per_second: NonZeroU32::MIN,
+            burst: NonZeroU32::MIN,
+        };
+        let access = Access::new(false, Vec::new(), rate);
+        let reloader = Reloader::new(config, types.clone(), access, None, Metrics::new())
+            .with_source(path.clone());
+        assert_eq!(types.load().gap_alert_after(PLACED), None);
+
+        write_config(&dir, "gap_alert_after_ms = 1500\n");
+        assert_eq!(reloader.reload().expect("reloaded"), 2);
+        assert_eq!(
+            types.load().gap_alert_after(PLACED),
+            Some(Duration::from_millis(1500))
+        );
+
+        write_config(&dir, "gap_alert_after_ms = 0\n");
+        let refused = reloader.reload().expect_err("refused");
+        assert_eq!(refused[0].key, "types.\"order.placed\".gap_alert_after_ms");
+        assert_eq!(
+            types.load().gap_alert_after(PLACED),
+            Some(Duration::from_millis(1500))
+        );
+    }
 }

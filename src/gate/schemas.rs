@@ -3,6 +3,7 @@
 //! says which, and for a refusal where in the payload and why (the validator's first error).
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use jsonschema::Validator;
 use serde_json::Value;
@@ -15,10 +16,12 @@ pub const SKIPPED_TYPE: &str = "gate.skipped";
 /// reason is shown in lists and audit rows, and a validator's message may quote the payload.
 pub const MAX_REASON_CHARS: usize = 300;
 
-/// Each configured message type's compiled schema.
+/// Each configured message type's compiled schema, and how long an aggregate waiting for a
+/// message of that type may wait before it counts as overdue (`gap_alert_after_ms`).
 #[derive(Debug)]
 pub struct MessageTypes {
     validators: HashMap<String, Validator>,
+    gap_alerts: HashMap<String, Duration>,
 }
 
 impl MessageTypes {
@@ -42,7 +45,28 @@ impl MessageTypes {
                 }
             }
         }
-        Ok(MessageTypes { validators })
+        Ok(MessageTypes {
+            validators,
+            gap_alerts: HashMap::new(),
+        })
+    }
+
+    /// These types, with each `(type name, gap_alert_after)` given (a later one for the same
+    /// type replaces an earlier).
+    pub fn with_gap_alerts(mut self, gap_alerts: Vec<(String, Duration)>) -> MessageTypes {
+        self.gap_alerts.extend(gap_alerts);
+        self
+    }
+
+    /// Whether any type sets a `gap_alert_after_ms`: without one nothing is ever overdue.
+    pub fn has_gap_alerts(&self) -> bool {
+        !self.gap_alerts.is_empty()
+    }
+
+    /// How long an aggregate whose next known message has `message_type` may wait before it is
+    /// overdue; `None`: the type sets no `gap_alert_after_ms` (or is unknown), never overdue.
+    pub fn gap_alert_after(&self, message_type: &str) -> Option<Duration> {
+        self.gap_alerts.get(message_type).copied()
     }
 
     /// Whether `payload` is a valid message of `message_type`, or the reason it is poison.
@@ -179,6 +203,18 @@ mod tests {
         let (name, _) =
             MessageTypes::compile(vec![("remote".into(), remote)]).expect_err("refused");
         assert_eq!(name, "remote");
+    }
+
+    #[test]
+    fn a_types_gap_alert_is_its_own_and_a_type_without_one_has_none() {
+        let types = order_placed()
+            .with_gap_alerts(vec![("order.placed".into(), Duration::from_millis(250))]);
+        assert_eq!(
+            types.gap_alert_after("order.placed"),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(types.gap_alert_after("order.shipped"), None);
+        assert_eq!(order_placed().gap_alert_after("order.placed"), None);
     }
 
     #[test]

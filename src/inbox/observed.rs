@@ -211,6 +211,13 @@ impl Inbox for ObservedInbox {
         self.inner.inventory(status, limit).await
     }
 
+    async fn lowest_held_payloads(
+        &self,
+        aggregate_ids: Vec<String>,
+    ) -> Result<Vec<(String, String)>, InboxError> {
+        self.inner.lowest_held_payloads(aggregate_ids).await
+    }
+
     async fn dead_letters(
         &self,
         filter: DeadLetterFilter,

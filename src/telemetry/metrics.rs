@@ -49,6 +49,7 @@ pub const GATE_PUBLISHER_FENCED: &str = "gate_publisher_fenced_total";
 pub const GATE_PUBLISHER_EPOCH: &str = "gate_publisher_epoch";
 pub const GATE_OUTPUT_UNPUBLISHED: &str = "gate_output_unpublished_rows";
 pub const GATE_OUTPUT_OLDEST_UNPUBLISHED: &str = "gate_output_oldest_unpublished_seconds";
+pub const GATE_AGGREGATES_OVERDUE: &str = "gate_aggregates_overdue";
 pub const HTTP_DURATION: &str = "http_request_duration_seconds";
 
 /// The route label of a request that matched no route (404s, and refusals before routing).
@@ -147,6 +148,10 @@ const DESCRIPTIONS: &[Description] = &[
     Description::gauge(
         GATE_PUBLISHER_HOLDING,
         "1 while this gate holds its store's publisher lease and publishes, 0 while it stands by",
+    ),
+    Description::gauge(
+        GATE_AGGREGATES_OVERDUE,
+        "Waiting aggregates past their held successor's type's gap_alert_after_ms (of the first 1000 waiting), read at scrape time",
     ),
     Description::counter(
         GATE_PUBLISHER_FENCED,
@@ -413,6 +418,11 @@ impl Metrics {
             metrics::counter!(GATE_PUBLISHER_FENCED).increment(0);
             metrics::gauge!(GATE_PUBLISHER_HOLDING).set(0.0);
         });
+    }
+
+    /// How many waiting aggregates are overdue, as a scrape just counted them.
+    pub fn aggregates_overdue(&self, overdue: usize) {
+        self.with(|| metrics::gauge!(GATE_AGGREGATES_OVERDUE).set(overdue as f64));
     }
 
     /// The gate's configuration generation now in use.

@@ -7,13 +7,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use ordered_inbox::postgres::{PostgresInbox, Target};
 use ordered_inbox::sqlite::{SqliteInbox, Store, Synchronous, schema};
-use ordered_inbox::{Inbox, Limits};
+use ordered_inbox::{Door, Inbox, Limits, Outcome};
 use production_lab::gate::auth::{Access, DeliveryRate};
-use production_lab::gate::handler::GateHandler;
+use production_lab::gate::handler::{GateHandler, SharedTypes};
+use production_lab::gate::health::{self, Health};
 use production_lab::gate::output::{self, OutputStore};
-use production_lab::gate::routes::{GateParts, GateState, RegistryStore, router};
+use production_lab::gate::reload::ConfigGeneration;
+use production_lab::gate::routes::{GateMessageInput, GateParts, GateState, RegistryStore, router};
 use production_lab::gate::schemas::MessageTypes;
 use production_lab::inbox::changes::InboxChanges;
 use production_lab::inbox::observed::ObservedInbox;
@@ -27,6 +30,8 @@ use crate::helpers::{Backend, client, content_type, poll_until, status_and_json}
 use crate::on_both_backends;
 
 const PLACED: &str = "order.placed";
+/// A type without a `gap_alert_after_ms` in [`Options::gap_alerts`]' tests.
+const NOTED: &str = "order.noted";
 const READER_TOKEN: &str = "reader-token-for-the-dashboard";
 
 /// How a test's gate is set up.
@@ -35,6 +40,8 @@ struct Options {
     rate: DeliveryRate,
     max_payload_bytes: usize,
     limits: Limits,
+    /// Each type's `gap_alert_after_ms`, for the types that set one.
+    gap_alerts: Vec<(String, Duration)>,
 }
 
 impl Default for Options {
@@ -44,6 +51,7 @@ impl Default for Options {
             rate: rate(10_000, 10_000),
             max_payload_bytes: 65_536,
             limits: Limits::default(),
+            gap_alerts: Vec::new(),
         }
     }
 }
@@ -62,6 +70,8 @@ struct TestGate {
     operator_token: String,
     /// Requests with a `waitMs` the gate has received: a long poll is open once it counts one.
     long_polls_received: Arc<AtomicUsize>,
+    /// The observed inbox the routes use, for deliveries through the broker's door.
+    inbox: Arc<dyn Inbox>,
     stop: CancellationToken,
     server: JoinHandle<()>,
     _dir: Option<TempDir>,
@@ -76,7 +86,11 @@ fn types() -> MessageTypes {
             "amount": {"type": "integer", "minimum": 0}
         }
     });
-    MessageTypes::compile(vec![(PLACED.to_owned(), schema)]).expect("the schema")
+    MessageTypes::compile(vec![
+        (PLACED.to_owned(), schema),
+        (NOTED.to_owned(), json!({"type": "object"})),
+    ])
+    .expect("the schemas")
 }
 
 /// The inbox with `limits`, its output and its registry on `backend`, and the first operator's
@@ -146,16 +160,34 @@ async fn spawn_gate(backend: Backend, options: Options) -> TestGate {
         [("dashboard".to_owned(), READER_TOKEN.to_owned())],
         options.rate,
     );
+    let inbox: Arc<dyn Inbox> = Arc::new(observed);
+    let types: SharedTypes = Arc::new(ArcSwap::from_pointee(
+        types().with_gap_alerts(options.gap_alerts),
+    ));
+    let health = Health {
+        inbox: inbox.clone(),
+        metrics: metrics.clone(),
+        store: None,
+        nats: None,
+        access: access.clone(),
+        generation: ConfigGeneration::new(),
+        output: output.clone(),
+        publisher: None,
+        types: types.clone(),
+    };
     let state = GateState::new(GateParts {
-        inbox: Arc::new(observed),
+        inbox: inbox.clone(),
         output,
         access,
         registry,
         changes,
         metrics,
+        types,
         max_payload_bytes: options.max_payload_bytes,
     });
     let (routes, _document) = router(state);
+    let (health_routes, _) = health::routes(health, true).split_for_parts();
+    let routes = routes.merge(health_routes);
     let long_polls_received = Arc::new(AtomicUsize::new(0));
     let counted = long_polls_received.clone();
     let routes = routes.layer(axum::middleware::from_fn(
@@ -190,6 +222,7 @@ async fn spawn_gate(backend: Backend, options: Options) -> TestGate {
         client: client(),
         operator_token,
         long_polls_received,
+        inbox,
         stop,
         server,
         _dir: dir,
@@ -328,6 +361,7 @@ on_both_backends!(
     the_applied_feed_long_poll_answers_as_soon_as_a_message_applies_and_after_pages_on,
     sixteen_concurrent_producer_tasks_never_see_a_5xx_and_the_feed_is_exactly_one_to_n,
     a_dead_letters_skip_and_a_gap_skip_of_three_come_out_as_skip_markers_in_the_applied_feed,
+    a_waiting_aggregate_past_its_held_successors_gap_alert_is_marked_overdue_and_counted,
 );
 
 #[tokio::test]
@@ -973,5 +1007,152 @@ async fn the_inventory_without_a_status_lists_blocked_then_waiting_then_flowing_
     assert_eq!(listed(&waiting), ["waiting-1", "waiting-2"]);
     let (status, problem) = gate.read("/v1/aggregates?status=stuck").await;
     assert_eq!(status, 400, "{problem}");
+    gate.stop().await;
+}
+
+/// The gate's input over NATS as its consumer delivers: through the broker's door, where a
+/// message ahead of its turn is held. Asserts it applied (`held`: false) or was held (true).
+async fn deliver_through_the_broker(gate: &TestGate, aggregate: &str, message: Value, held: bool) {
+    let input: GateMessageInput = serde_json::from_value(message).expect("a message's body");
+    let message = input
+        .validate(aggregate.to_owned())
+        .expect("a valid message");
+    let outcome = gate
+        .inbox
+        .deliver_as(message, Door::Broker, None)
+        .await
+        .expect("the store answers")
+        .expect("an anonymous delivery is admitted");
+    let as_expected = if held {
+        matches!(outcome, Outcome::Held { .. })
+    } else {
+        matches!(outcome, Outcome::Applied { .. })
+    };
+    assert!(as_expected, "{aggregate}: {outcome:?}");
+}
+
+fn typed(aggregate: &str, sequence: i64, message_type: &str) -> Value {
+    let mut message = placed(aggregate, sequence, 5);
+    message["type"] = json!(message_type);
+    message
+}
+
+/// The inventory's `overdue` for each aggregate it lists.
+fn overdue_flags(inventory: &Value) -> Vec<(String, bool)> {
+    inventory["aggregates"]
+        .as_array()
+        .expect("aggregates")
+        .iter()
+        .map(|entry| {
+            (
+                entry["aggregateId"].as_str().unwrap_or_default().to_owned(),
+                entry["overdue"].as_bool().expect("overdue is a boolean"),
+            )
+        })
+        .collect()
+}
+
+/// `gate_aggregates_overdue` on `/metrics`, if the scrape has it.
+async fn overdue_gauge(gate: &TestGate) -> Option<f64> {
+    let text = gate
+        .client
+        .get(gate.url("/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines()
+        .find_map(|line| line.strip_prefix("gate_aggregates_overdue "))
+        .and_then(|value| value.trim().parse().ok())
+}
+
+async fn a_waiting_aggregate_past_its_held_successors_gap_alert_is_marked_overdue_and_counted(
+    backend: Backend,
+) {
+    let options = Options {
+        gap_alerts: vec![
+            (PLACED.to_owned(), Duration::from_millis(1)),
+            ("order.audited".to_owned(), Duration::from_secs(3600)),
+        ],
+        ..Options::default()
+    };
+    let gate = spawn_gate(backend, options).await;
+    // late: its lowest held successor is an order.placed, whose alert is 1 ms.
+    // untimed: its lowest held successor's type sets no alert (the order.placed above it does
+    // not count: the lowest decides).
+    // refused: waits after the HTTP door refused the gap, so nothing is held.
+    for aggregate in ["late", "untimed"] {
+        deliver_through_the_broker(&gate, aggregate, placed(aggregate, 1, 5), false).await;
+    }
+    deliver_through_the_broker(&gate, "late", placed("late", 3, 5), true).await;
+    deliver_through_the_broker(&gate, "untimed", typed("untimed", 3, NOTED), true).await;
+    deliver_through_the_broker(&gate, "untimed", placed("untimed", 4, 5), true).await;
+    let producer = gate.producer("orders").await;
+    let (status, _) = gate
+        .deliver(&producer, "refused", &placed("refused", 1, 5))
+        .await;
+    assert_eq!(status, 200);
+    let (status, _) = gate
+        .deliver(&producer, "refused", &placed("refused", 3, 5))
+        .await;
+    assert_eq!(status, 409, "the HTTP door refuses a gap");
+
+    let inventory = poll_until(
+        "the late aggregate is overdue",
+        || async { gate.read("/v1/aggregates?status=waiting").await.1 },
+        |inventory| {
+            overdue_flags(inventory)
+                .iter()
+                .any(|(id, overdue)| id == "late" && *overdue)
+        },
+    )
+    .await;
+    let mut flags = overdue_flags(&inventory);
+    flags.sort();
+    assert_eq!(
+        flags,
+        [
+            ("late".to_owned(), true),
+            ("refused".to_owned(), false),
+            ("untimed".to_owned(), false)
+        ],
+        "{inventory}"
+    );
+    let counted = poll_until(
+        "the scrape counts the overdue aggregate",
+        || overdue_gauge(&gate),
+        |gauge| gauge.is_some(),
+    )
+    .await;
+    assert_eq!(counted, Some(1.0));
+    gate.stop().await;
+}
+
+#[tokio::test]
+async fn an_aggregate_within_its_successors_gap_alert_is_not_overdue_nor_counted() {
+    let options = Options {
+        gap_alerts: vec![(PLACED.to_owned(), Duration::from_secs(3600))],
+        ..Options::default()
+    };
+    let gate = spawn_gate(Backend::Sqlite, options).await;
+    deliver_through_the_broker(&gate, "patient", placed("patient", 1, 5), false).await;
+    deliver_through_the_broker(&gate, "patient", placed("patient", 3, 5), true).await;
+    let (status, inventory) = gate.read("/v1/aggregates?status=waiting").await;
+    assert_eq!(status, 200, "{inventory}");
+    assert_eq!(
+        overdue_flags(&inventory),
+        [("patient".to_owned(), false)],
+        "{inventory}"
+    );
+    assert_eq!(inventory["aggregates"][0]["held"], 1, "{inventory}");
+    assert_eq!(overdue_gauge(&gate).await, Some(0.0));
+    let (_, document) = gate.read("/v1/openapi.json").await;
+    let entry = &document["components"]["schemas"]["GateInventoryEntry"];
+    assert!(
+        entry.to_string().contains(r#""overdue":{"#),
+        "the document describes overdue: {entry}"
+    );
     gate.stop().await;
 }

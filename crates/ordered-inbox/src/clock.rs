@@ -39,6 +39,14 @@ pub fn seconds_between(since: &str, now: &str) -> i64 {
     }
 }
 
+/// Milliseconds from `since` to `now`, both in the stored format; `None` when either is
+/// unreadable.
+pub fn millis_between(since: &str, now: &str) -> Option<i64> {
+    let since = since.parse::<Timestamp>().ok()?;
+    let now = now.parse::<Timestamp>().ok()?;
+    Some(now.as_millisecond() - since.as_millisecond())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -69,5 +77,14 @@ mod tests {
             0
         );
         assert_eq!(seconds_between("garbage", "2025-01-01T00:00:00.000Z"), 0);
+    }
+
+    #[test]
+    fn millis_between_keeps_milliseconds_and_refuses_what_it_cannot_read() {
+        assert_eq!(
+            millis_between("2025-01-01T00:00:00.000Z", "2025-01-01T00:00:01.250Z"),
+            Some(1250)
+        );
+        assert_eq!(millis_between("garbage", "2025-01-01T00:00:00.000Z"), None);
     }
 }

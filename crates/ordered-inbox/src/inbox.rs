@@ -111,6 +111,14 @@ pub trait Inbox: Send + Sync {
 
     async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError>;
 
+    /// For each aggregate named that holds messages, its lowest held message's payload as
+    /// delivered (JSON text): what a waiting aggregate is known to receive after its gap.
+    /// Aggregates without held messages are left out.
+    async fn lowest_held_payloads(
+        &self,
+        aggregate_ids: Vec<String>,
+    ) -> Result<Vec<(String, String)>, InboxError>;
+
     /// Aggregates in `status`, the longest-standing first.
     async fn inventory(
         &self,

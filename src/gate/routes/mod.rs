@@ -37,6 +37,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::gate::auth::Access;
+use crate::gate::handler::SharedTypes;
 use crate::gate::output::{OutputError, OutputStore};
 use crate::http::error::AppError;
 use crate::inbox::SharedInbox;
@@ -62,6 +63,8 @@ pub struct GateParts {
     /// The feed of committed changes, which wakes the applied feed's long polls.
     pub changes: InboxChanges,
     pub metrics: Metrics,
+    /// The message types in use (reloaded on SIGHUP): the inventory reads their gap alerts.
+    pub types: SharedTypes,
     /// The largest request body a delivery or a resolution may carry.
     pub max_payload_bytes: usize,
 }
@@ -104,6 +107,7 @@ part_from_state!(
     registry: RegistryStore,
     changes: InboxChanges,
     metrics: Metrics,
+    types: SharedTypes,
 );
 
 /// The `/v1` routes with `state`, and the OpenAPI document that describes them (also served at

@@ -9,13 +9,15 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use ordered_inbox::views::{AggregateView, DeadLetterView, InventoryEntry, Page, TimelineEvent};
 use ordered_inbox::{AggregateStatus, GapRecord, ResolutionRecord};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::gate::auth::{Access, Reader};
+use crate::gate::handler::SharedTypes;
+use crate::gate::overdue::overdue_among;
 use crate::http::error::{AppError, Path, Query, json_response};
 use crate::inbox::SharedInbox;
 use crate::inbox::answers::{merged_trail, unknown_aggregate};
@@ -33,6 +35,7 @@ where
     S: Clone + Send + Sync + 'static,
     SharedInbox: FromRef<S>,
     Access: FromRef<S>,
+    SharedTypes: FromRef<S>,
 {
     OpenApiRouter::new()
         .routes(routes!(inventory))
@@ -64,10 +67,20 @@ struct Inventory {
     /// The status asked for; null when every aggregate is listed.
     #[schema(required = true)]
     status: Option<AggregateStatus>,
-    aggregates: Vec<InventoryEntry>,
+    aggregates: Vec<GateInventoryEntry>,
     /// The `after` of the following page; null at the end.
     #[schema(required = true)]
     next: Option<i64>,
+}
+
+/// An aggregate of the inventory, and whether it is overdue.
+#[derive(Serialize, ToSchema)]
+struct GateInventoryEntry {
+    #[serde(flatten)]
+    entry: InventoryEntry,
+    /// Whether it waits longer than its lowest held successor's type's `gap_alert_after_ms`
+    /// allows (false when that type sets none, or when nothing is held).
+    overdue: bool,
 }
 
 /// The order of the list without a status: what needs an operator first.
@@ -91,6 +104,7 @@ const EVERY_STATUS: [AggregateStatus; 3] = [
 async fn inventory(
     _reader: Reader,
     State(inbox): State<SharedInbox>,
+    State(types): State<SharedTypes>,
     Query(query): Query<InventoryQuery>,
 ) -> Result<Response, AppError> {
     let status = match query.status.as_deref() {
@@ -112,10 +126,15 @@ async fn inventory(
     };
     let skipped = usize::try_from(after).unwrap_or(usize::MAX);
     aggregates.drain(..skipped.min(aggregates.len()));
+    let overdue = overdue_among(&inbox, &types.load(), &aggregates).await?;
+    let entries = aggregates.into_iter().map(|entry| GateInventoryEntry {
+        overdue: overdue.contains(&entry.summary.aggregate_id),
+        entry,
+    });
     let page = Page::from_rows(
         (after + 1..)
-            .zip(aggregates)
-            .collect::<Vec<(i64, InventoryEntry)>>(),
+            .zip(entries)
+            .collect::<Vec<(i64, GateInventoryEntry)>>(),
         limit,
     );
     Ok(json_response(

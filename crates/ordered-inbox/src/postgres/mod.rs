@@ -386,6 +386,19 @@ impl Inbox for PostgresInbox {
         .await
     }
 
+    async fn lowest_held_payloads(
+        &self,
+        aggregate_ids: Vec<String>,
+    ) -> Result<Vec<(String, String)>, InboxError> {
+        self.run(move |client, counters| {
+            let aggregate_ids = aggregate_ids.clone();
+            Box::pin(
+                async move { views::lowest_held_payloads(client, counters, &aggregate_ids).await },
+            )
+        })
+        .await
+    }
+
     async fn dead_letters(
         &self,
         filter: DeadLetterFilter,

@@ -42,6 +42,10 @@ SELECT g.lowest FROM refused_gaps g JOIN aggregate_state a ON a.aggregate_id = g
  WHERE g.aggregate_id = $1 AND g.after_last = a.last_sequence";
 const HELD_SEQUENCES: &str =
     "SELECT sequence FROM held_messages WHERE aggregate_id = $1 ORDER BY sequence LIMIT $2";
+const LOWEST_HELD_PAYLOADS: &str = "
+SELECT DISTINCT ON (aggregate_id) aggregate_id, message_payload
+  FROM held_messages WHERE aggregate_id = ANY($1)
+ ORDER BY aggregate_id, sequence";
 const HELD_COUNT: &str = "SELECT COUNT(*) FROM held_messages WHERE aggregate_id = $1";
 const APPLIED_MESSAGES: &str = "
 SELECT message_id, aggregate_id, sequence, payload, applied_at, NULLIF(producer, '')
@@ -514,6 +518,22 @@ pub(super) async fn counts(
         dead_letters: row.try_get(1)?,
         last: row.try_get(2)?,
     })
+}
+
+/// Each named aggregate's lowest held message's payload as delivered, in one read; aggregates
+/// holding nothing are left out.
+pub(super) async fn lowest_held_payloads(
+    client: &Client,
+    counters: &Counters,
+    aggregate_ids: &[String],
+) -> Result<Vec<(String, String)>, Failure> {
+    let statement = client.prepare_cached(LOWEST_HELD_PAYLOADS).await?;
+    let rows = client.query(&statement, &[&aggregate_ids]).await;
+    counters.trip();
+    rows?
+        .iter()
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+        .collect()
 }
 
 /// The aggregate's applied messages in sequence order, after sequence `page.after`.

@@ -264,6 +264,14 @@ impl Inbox for SqliteInbox {
         .await
     }
 
+    async fn lowest_held_payloads(
+        &self,
+        aggregate_ids: Vec<String>,
+    ) -> Result<Vec<(String, String)>, InboxError> {
+        self.read(move |connection| views::lowest_held_payloads(connection, &aggregate_ids))
+            .await
+    }
+
     async fn dead_letters(
         &self,
         filter: DeadLetterFilter,

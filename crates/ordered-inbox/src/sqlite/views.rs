@@ -518,6 +518,28 @@ pub fn applied_messages(
 }
 
 /// Applied messages, dead letters and last sequence of one aggregate.
+/// Each named aggregate's lowest held message's payload as delivered (a seek on the unique
+/// index per aggregate); aggregates holding nothing are left out.
+pub fn lowest_held_payloads(
+    connection: &Connection,
+    aggregate_ids: &[String],
+) -> rusqlite::Result<Vec<(String, String)>> {
+    let mut statement = connection.prepare_cached(
+        "SELECT COALESCE(message_payload, payload) FROM held_messages
+          WHERE aggregate_id = ?1 ORDER BY sequence LIMIT 1",
+    )?;
+    let mut payloads = Vec::new();
+    for aggregate_id in aggregate_ids {
+        let payload: Option<String> = statement
+            .query_row([aggregate_id], |row| row.get(0))
+            .optional()?;
+        if let Some(payload) = payload {
+            payloads.push((aggregate_id.clone(), payload));
+        }
+    }
+    Ok(payloads)
+}
+
 pub fn counts(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<AggregateCounts> {
     connection
         .prepare_cached(
