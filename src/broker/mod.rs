@@ -866,9 +866,6 @@ impl Consumer {
                 }
                 _ => {}
             }
-            if let Some(slot) = in_hand.positions.get_mut(index) {
-                *slot = Some((ordered.aggregate_id.clone(), ordered.sequence));
-            }
             let action = self.verdict_action(
                 message,
                 outcome,
@@ -876,6 +873,12 @@ impl Consumer {
                 producer,
                 &mut in_hand.rejections,
             );
+            // Only a message to park needs its position kept.
+            if action == Action::Wait
+                && let Some(slot) = in_hand.positions.get_mut(index)
+            {
+                *slot = Some((ordered.aggregate_id.clone(), ordered.sequence));
+            }
             if let Some(slot) = in_hand.actions.get_mut(index) {
                 *slot = Some(action);
             }
@@ -1098,7 +1101,7 @@ struct BatchInHand {
     /// The aggregates whose first held message this batch holds, each once: a gap notice each,
     /// once the batch is answered.
     started_waiting: Vec<String>,
-    /// One slot per fetched message: its aggregate and sequence, when it was delivered.
+    /// One slot per fetched message: its aggregate and sequence, when it is to be parked.
     positions: Vec<Option<(String, i64)>>,
     /// The aggregates a message of this batch was applied to: their parked messages are due.
     moved: Vec<String>,
