@@ -4,7 +4,6 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::FromRef;
 use axum::{Router, middleware};
@@ -33,8 +32,7 @@ use crate::store::Store;
 /// for it (lab-testkit's `server::listening_address` reads it).
 const LISTENING_PREFIX: &str = "Now listening on: ";
 
-/// How long in-flight requests and background work may run on after a shutdown signal.
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+pub use http_edge::server::SHUTDOWN_GRACE;
 
 /// Everything the application shares, behind one `Arc`: axum clones a route's whole service
 /// stack, and with it this state, for every request, so a clone must be one reference count
@@ -138,9 +136,14 @@ impl Application {
         let (listener, address) = bind(requested).await?;
         let broker = crate::broker::BrokerLab::with_metrics(metrics.clone());
         let consumer = match &config.nats {
-            Some(nats) => {
-                Some(crate::broker::Consumer::connect(nats.clone(), broker.clone()).await?)
-            }
+            Some(nats) => Some(
+                crate::broker::Consumer::connect(
+                    nats.clone(),
+                    broker.status(),
+                    crate::inbox::input::general_message,
+                )
+                .await?,
+            ),
             None => None,
         };
         let state = assemble_state(config, &settings, stores, metrics, broker)?;
@@ -391,7 +394,7 @@ pub fn router(state: AppState) -> Router {
     crate::observe::routes::publish_document(&document);
     let edge = crate::observe::http::Edge {
         metrics,
-        security: Some(security),
+        admission: Some(std::sync::Arc::new(security)),
         trusted_proxy: None,
     };
     routes

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use production_lab::gate::config::{ConfigErrors, GateConfig};
+use ordering_gate::config::{ConfigErrors, GateConfig};
 use production_lab::observe;
 
 /// The exit status of a refused configuration.
@@ -43,7 +43,7 @@ pub fn run(args: GateArgs) -> anyhow::Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     // Until SIGTERM or Ctrl+C.
-    runtime.block_on(production_lab::gate::app::run(config, args.config))
+    runtime.block_on(ordering_gate::app::run(config, args.config))
 }
 
 /// Prints every mistake, one per line, and exits with status 2.

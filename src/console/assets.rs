@@ -81,7 +81,7 @@ const ASSETS: &[Asset] = &[
     (
         "console.css",
         "text/css; charset=utf-8",
-        include_str!("assets/console.css"),
+        crate::http::pages::CONSOLE_CSS,
     ),
     ("console.js", JAVASCRIPT, include_str!("assets/console.js")),
     ("lesson.js", JAVASCRIPT, include_str!("assets/lesson.js")),
@@ -104,7 +104,7 @@ const ASSETS: &[Asset] = &[
     (
         "favicon.svg",
         "image/svg+xml",
-        include_str!("assets/favicon.svg"),
+        crate::http::pages::FAVICON_SVG,
     ),
 ];
 

@@ -1,26 +1,8 @@
-//! The inbox's wiring in the server, below every door that delivers to it: the shared handle
-//! ([`SharedInbox`], whatever store is underneath), its observing wrapper ([`observed`]: every
-//! verdict counted, logged and told to open consoles where it is decided), the feed of committed
-//! changes ([`changes`]), the message input both doors parse ([`input`], [`pages`]), the answers
-//! every door words alike ([`answers`]) and the operator requests and evidence
-//! queries it reads alike ([`requests`], [`queries`]), and the
-//! lesson's ledger, the handler the inbox runs for every applied message ([`ledger`]).
-//!
-//! The doors (the labs' HTTP routes, the broker's consumer), the console and the operator routes
-//! stand on this floor; it knows none of them.
+//! The inbox's wiring in the lab: the shared wiring of the HTTP edge (the handle, its observing
+//! wrapper, the change feed, the message input, the answers and queries every door words alike),
+//! and the lesson's ledger, the handler the inbox runs for every applied message ([`ledger`]).
 
-pub mod answers;
-pub mod changes;
+pub use http_edge::inbox::{SharedInbox, answers, changes, observed, pages, queries, requests};
+
 pub mod input;
 pub mod ledger;
-pub mod observed;
-pub mod pages;
-pub mod queries;
-pub mod requests;
-
-use std::sync::Arc;
-
-use ordered_inbox::Inbox;
-
-/// The inbox the doors and views use, whatever store is underneath.
-pub type SharedInbox = Arc<dyn Inbox>;

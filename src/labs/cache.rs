@@ -28,7 +28,7 @@ use crate::config::StartupError;
 use crate::http::aspnet::{is_blank_or_longer_than, query_flag};
 use crate::http::error::{AppError, Json, Path, Query, RequestBody};
 use crate::labs::context::StartupContext;
-use crate::labs::gate::LabGate;
+use crate::labs::latch::WorkLatch;
 use crate::store::Store;
 
 /// How long a loaded value stays fresh, as the seed's one-minute expiration.
@@ -118,7 +118,7 @@ impl Drop for Caller<'_> {
 struct CacheProbe {
     reads: AtomicU64,
     factories: AtomicU64,
-    gate: LabGate,
+    gate: WorkLatch,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -297,7 +297,7 @@ async fn stats(State(lab): State<CacheLab>) -> Response {
 
 /// Closes or opens the gate that holds the shared value's factory (a lab control).
 #[utoipa::path(post, path = "/lab/cache/gate/{action}", tag = "cache", operation_id = "cache_set_gate",
-    params(("action" = inline(crate::labs::gate::GateAction), Path, description = "`close` holds the work until `open`")),
+    params(("action" = inline(crate::labs::latch::GateAction), Path, description = "`close` holds the work until `open`")),
     responses(
         (status = 204, description = "The gate is in that position"),
         (status = 400, response = crate::http::openapi::BadRequest),
@@ -519,12 +519,12 @@ mod tests {
     struct GatedLoads {
         entry: CoalescedEntry<u64>,
         runs: Arc<AtomicU64>,
-        gate: LabGate,
+        gate: WorkLatch,
     }
 
     impl GatedLoads {
         fn new() -> Self {
-            let gate = LabGate::default();
+            let gate = WorkLatch::default();
             gate.apply("close").unwrap();
             GatedLoads {
                 entry: CoalescedEntry::new(TaskTracker::new(), CancellationToken::new()),

@@ -7,8 +7,8 @@
 pub mod cache;
 pub mod context;
 pub mod contracts;
-pub mod gate;
 pub mod http;
+pub mod latch;
 pub mod messaging;
 pub mod ordered;
 pub mod outbox;

@@ -211,6 +211,14 @@ fn request_host(headers: &HeaderMap, request_authority: Option<&str>) -> Option<
         .or_else(|| request_authority.map(ToOwned::to_owned))
 }
 
+/// The edge admits every request through the security lab (see [`admit`]).
+impl http_edge::observe::http::Admission for SecurityLab {
+    #[allow(clippy::result_large_err)] // the refusal is the response itself
+    fn admit(&self, request: Request) -> Result<Request, Response> {
+        admit(self, request)
+    }
+}
+
 /// What the edge does for the security lab before any handler runs, as in the seed: refuses a
 /// request whose Host is not allowed (or that has more than one) with a 400 problem, then records
 /// where the request came from (`ClientOrigin`, believing forwarded headers only from the

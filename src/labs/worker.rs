@@ -24,7 +24,7 @@ use utoipa_axum::routes;
 use crate::config::StartupError;
 use crate::http::error::{AppError, Json, Path, RequestBody, with_retry_after};
 use crate::labs::context::StartupContext;
-use crate::labs::gate::LabGate;
+use crate::labs::latch::WorkLatch;
 
 /// How many items may wait for the worker (the one it holds is not counted), as the seed's.
 pub const QUEUE_CAPACITY: usize = 4;
@@ -37,7 +37,7 @@ const MAX_VALUE: i32 = 10;
 pub struct WorkerLab {
     queue: mpsc::Sender<WorkItem>,
     evidence: Arc<ScopeEvidence>,
-    gate: LabGate,
+    gate: WorkLatch,
 }
 
 impl WorkerLab {
@@ -46,7 +46,7 @@ impl WorkerLab {
     pub fn new(context: &StartupContext<'_>) -> Result<Self, StartupError> {
         let (queue, items) = mpsc::channel(QUEUE_CAPACITY);
         let evidence = Arc::new(ScopeEvidence::default());
-        let gate = LabGate::default();
+        let gate = WorkLatch::default();
         let worker = Worker {
             items,
             evidence: evidence.clone(),
@@ -111,7 +111,7 @@ impl ItemScope {
     }
 
     /// The work itself: wait for the lab gate, pretend to be busy, double the value.
-    async fn process(&self, value: i32, gate: &LabGate) -> WorkReceipt {
+    async fn process(&self, value: i32, gate: &WorkLatch) -> WorkReceipt {
         gate.passed().await;
         tokio::time::sleep(PROCESSING_DELAY).await;
         WorkReceipt {
@@ -154,7 +154,7 @@ struct WorkItem {
 struct Worker {
     items: mpsc::Receiver<WorkItem>,
     evidence: Arc<ScopeEvidence>,
-    gate: LabGate,
+    gate: WorkLatch,
     shutdown: CancellationToken,
 }
 
@@ -288,7 +288,7 @@ async fn evidence(State(lab): State<WorkerLab>) -> Response {
 
 /// Closes or opens the gate the worker waits at before each item (a lab control).
 #[utoipa::path(post, path = "/lab/worker/gate/{action}", tag = "worker", operation_id = "worker_set_gate",
-    params(("action" = inline(crate::labs::gate::GateAction), Path, description = "`close` holds the work until `open`")),
+    params(("action" = inline(crate::labs::latch::GateAction), Path, description = "`close` holds the work until `open`")),
     responses(
         (status = 204, description = "The gate is in that position"),
         (status = 400, response = crate::http::openapi::BadRequest),

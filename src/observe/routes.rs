@@ -19,8 +19,7 @@ use crate::labs::security::SecurityLab;
 use crate::store::Store;
 use crate::telemetry::metrics::Metrics;
 
-/// The Prometheus text exposition format, version 0.0.4.
-pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+pub use http_edge::metrics::PROMETHEUS_CONTENT_TYPE;
 
 pub fn routes<S>() -> OpenApiRouter<S>
 where

@@ -14,10 +14,10 @@ use ordered_inbox::{
     Action, BatchDelivery, Door, GapRequest, GapResolved, Inbox, InboxError, Limits, Mode,
     OrderedMessage, Outcome, ResolutionRequest, Resolved, SequenceRange,
 };
-use production_lab::gate::handler::{GateHandler, envelope};
-use production_lab::gate::output::{self, OutputEntry, OutputError, OutputStore};
-use production_lab::gate::publisher::Publisher;
-use production_lab::gate::schemas::MessageTypes;
+use ordering_gate::handler::{GateHandler, envelope};
+use ordering_gate::output::{self, OutputEntry, OutputError, OutputStore};
+use ordering_gate::publisher::Publisher;
+use ordering_gate::schemas::MessageTypes;
 use production_lab::telemetry::metrics::Metrics;
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -314,7 +314,7 @@ async fn the_pending_rows_span_every_aggregate_rather_than_the_first_ones_backlo
     };
     assert_eq!(
         of("order-a"),
-        (1..=production_lab::gate::output::PENDING_PER_AGGREGATE as i64).collect::<Vec<_>>()
+        (1..=ordering_gate::output::PENDING_PER_AGGREGATE as i64).collect::<Vec<_>>()
     );
     assert_eq!(of("order-b"), [1]);
 }

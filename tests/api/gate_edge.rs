@@ -7,8 +7,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use production_lab::gate::app::GateApplication;
-use production_lab::gate::config::GateConfig;
+use ordering_gate::app::GateApplication;
+use ordering_gate::config::GateConfig;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};

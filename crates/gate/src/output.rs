@@ -1,0 +1,517 @@
+//! The gate's output: an outbox in the inbox's own database. The handler's `apply` writes one
+//! row per applied message into `gate_output` inside the inbox's transaction, so a message is
+//! applied and its output row exists together or not at all; the publisher relays the rows not
+//! yet published, and the applied feed reads them back in sequence order.
+//!
+//! `payload` holds the inner payload's canonical JSON (the envelope's `payload`, not the
+//! envelope), `applied_at` the inbox's clock format, `published_at` stays NULL until JetStream
+//! acknowledged the row. A partial index of the unpublished rows keeps the publisher's read of
+//! them as short as its answer.
+
+use std::sync::Arc;
+
+use ordered_inbox::postgres::PostgresInbox;
+use ordered_inbox::sqlite::{Store, StoreError};
+use rusqlite::Connection;
+use serde::Serialize;
+use serde_json::Value;
+use tokio_postgres::types::Type;
+
+/// The most rows one read answers.
+pub const MAX_LIMIT: usize = 1000;
+
+/// The most rows of one aggregate one read of the pending rows answers.
+pub const PENDING_PER_AGGREGATE: usize = 16;
+
+/// What [`OutputStore::pending`] runs on SQLite (`?1`: the limit): at most
+/// [`PENDING_PER_AGGREGATE`] rows of each aggregate, so that a round spans many aggregates,
+/// which the publisher sends at once, rather than the first aggregates' whole backlogs, which
+/// it must send one acknowledgement after another. Every step is an index seek on the
+/// unpublished rows: the next aggregate with any (a recursive walk that stops after `limit`
+/// aggregates), then that aggregate's rows up to its 16th, so an aggregate's backlog behind
+/// them is never read (numbering every unpublished row, as a window function does, read the
+/// whole backlog at every round). `CROSS JOIN` keeps the walk the outer loop and `INDEXED BY`
+/// keeps both reads of rows on the partial index: without them SQLite may scan every
+/// unpublished row for the join, or an aggregate's published history for its 16th row.
+pub const PENDING_SQLITE: &str = "
+WITH RECURSIVE pending_aggregate(id, n) AS (
+    SELECT (SELECT aggregate_id FROM gate_output WHERE published_at IS NULL
+             ORDER BY aggregate_id LIMIT 1), 1
+    UNION ALL
+    SELECT (SELECT aggregate_id FROM gate_output
+             WHERE published_at IS NULL AND aggregate_id > pending_aggregate.id
+             ORDER BY aggregate_id LIMIT 1), n + 1
+      FROM pending_aggregate WHERE id IS NOT NULL AND n < ?1
+)
+SELECT o.aggregate_id, o.sequence, o.message_id, o.message_type, o.payload, o.applied_at
+  FROM pending_aggregate a CROSS JOIN gate_output o INDEXED BY gate_output_unpublished
+ WHERE o.aggregate_id = a.id AND o.published_at IS NULL
+   AND o.sequence <= COALESCE(
+           (SELECT g.sequence FROM gate_output g INDEXED BY gate_output_unpublished
+             WHERE g.aggregate_id = a.id AND g.published_at IS NULL
+             ORDER BY g.sequence LIMIT 1 OFFSET 15),
+           9223372036854775807)
+ ORDER BY o.aggregate_id, o.sequence LIMIT ?1";
+
+/// [`PENDING_SQLITE`] on PostgreSQL (`$1`: the limit), each aggregate's rows in a `LATERAL`
+/// read of its first 16.
+pub const PENDING_POSTGRES: &str = "
+WITH RECURSIVE pending_aggregate(id, n) AS (
+    SELECT (SELECT aggregate_id FROM gate_output WHERE published_at IS NULL
+             ORDER BY aggregate_id LIMIT 1), 1::bigint
+    UNION ALL
+    SELECT (SELECT aggregate_id FROM gate_output
+             WHERE published_at IS NULL AND aggregate_id > pending_aggregate.id
+             ORDER BY aggregate_id LIMIT 1), n + 1
+      FROM pending_aggregate WHERE id IS NOT NULL AND n < $1
+)
+SELECT o.aggregate_id, o.sequence, o.message_id, o.message_type, o.payload, o.applied_at
+  FROM pending_aggregate a CROSS JOIN LATERAL (
+       SELECT * FROM gate_output
+        WHERE aggregate_id = a.id AND published_at IS NULL
+        ORDER BY sequence LIMIT 16) o
+ ORDER BY o.aggregate_id, o.sequence LIMIT $1";
+
+/// The most unpublished rows [`OutputStore::backlog`] counts: past it the count reads "this
+/// many or more", so that a scrape never reads a whole backlog.
+pub const BACKLOG_COUNT_CAP: i64 = 10_000;
+
+/// [`OutputStore::backlog`]'s count (`$1`: the cap), never past the cap. The order makes the
+/// partial index `gate_output_unpublished_age` the plan on both backends: a scan of the table
+/// stopping at the cap would still read every published row it met on the way.
+pub const BACKLOG_COUNT: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM gate_output
+  WHERE published_at IS NULL ORDER BY applied_at LIMIT $1) AS bounded";
+
+/// The oldest unpublished row's `applied_at`: the first entry of the partial index
+/// `gate_output_unpublished_age`, one seek on both backends.
+pub const OLDEST_UNPUBLISHED: &str = "SELECT applied_at FROM gate_output
+  WHERE published_at IS NULL ORDER BY applied_at LIMIT 1";
+
+/// The tables on SQLite, beside the inbox's: the output, and the one row of the publisher's
+/// lease ([`crate::lease`]). Idempotent.
+const SQLITE_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS gate_output(
+    aggregate_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    message_id TEXT NOT NULL,
+    message_type TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    applied_at TEXT NOT NULL,
+    published_at TEXT,
+    PRIMARY KEY(aggregate_id, sequence)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS gate_output_unpublished
+    ON gate_output(aggregate_id, sequence) WHERE published_at IS NULL;
+CREATE INDEX IF NOT EXISTS gate_output_unpublished_age
+    ON gate_output(applied_at) WHERE published_at IS NULL;
+CREATE TABLE IF NOT EXISTS gate_publisher_lease(
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    holder TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    expires_at_ms INTEGER NOT NULL
+);";
+
+/// The tables on PostgreSQL, installed under a transaction-scoped advisory lock so that gates
+/// starting together on one database do not race on the catalog.
+const POSTGRES_SCHEMA: &str = "
+BEGIN;
+SELECT pg_advisory_xact_lock(hashtext('production-lab gate output'));
+CREATE TABLE IF NOT EXISTS gate_output(
+    aggregate_id TEXT NOT NULL,
+    sequence BIGINT NOT NULL,
+    message_id TEXT NOT NULL,
+    message_type TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    applied_at TEXT NOT NULL,
+    published_at TEXT,
+    PRIMARY KEY(aggregate_id, sequence)
+);
+CREATE INDEX IF NOT EXISTS gate_output_unpublished
+    ON gate_output(aggregate_id, sequence) WHERE published_at IS NULL;
+CREATE INDEX IF NOT EXISTS gate_output_unpublished_age
+    ON gate_output(applied_at) WHERE published_at IS NULL;
+CREATE TABLE IF NOT EXISTS gate_publisher_lease(
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    holder TEXT NOT NULL,
+    epoch BIGINT NOT NULL,
+    expires_at_ms BIGINT NOT NULL
+);
+COMMIT;";
+
+const COLUMNS: &str = "aggregate_id, sequence, message_id, message_type, payload, applied_at";
+
+/// The rows applied but not yet published, as a scrape reads them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backlog {
+    /// The unpublished rows, at most [`BACKLOG_COUNT_CAP`] (which means that many or more).
+    pub rows: i64,
+    /// The oldest unpublished row's `applied_at`, if there is one.
+    pub oldest_applied_at: Option<String>,
+}
+
+/// A row of the output: one applied message as the gate emits it.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OutputEntry {
+    pub aggregate_id: String,
+    pub sequence: i64,
+    pub message_id: String,
+    #[serde(rename = "type")]
+    pub message_type: String,
+    pub payload: Value,
+    pub applied_at: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OutputError {
+    /// A read asked for no rows or for more than [`MAX_LIMIT`].
+    #[error("limit must be between 1 and {MAX_LIMIT}, got {0}")]
+    Limit(usize),
+    /// The database cannot be reached now; a retry may succeed.
+    #[error("output store unavailable: {0}")]
+    Unavailable(String),
+    /// Any other failure of the database, or a stored row that does not read back.
+    #[error("output store failure: {0}")]
+    Failed(String),
+}
+
+impl From<StoreError> for OutputError {
+    fn from(error: StoreError) -> Self {
+        if error.is_retryable() {
+            OutputError::Unavailable(error.to_string())
+        } else {
+            OutputError::Failed(error.to_string())
+        }
+    }
+}
+
+impl From<rusqlite::Error> for OutputError {
+    fn from(error: rusqlite::Error) -> Self {
+        OutputError::from(StoreError::from(error))
+    }
+}
+
+impl From<tokio_postgres::Error> for OutputError {
+    fn from(error: tokio_postgres::Error) -> Self {
+        // tokio-postgres's `Display` of a database error is only "db error": name its cause.
+        match error.as_db_error() {
+            Some(db) => {
+                OutputError::Failed(format!("postgres: {} ({})", db.message(), db.code().code()))
+            }
+            None if error.is_closed() => OutputError::Unavailable(format!("postgres: {error}")),
+            None => OutputError::Failed(format!("postgres: {error}")),
+        }
+    }
+}
+
+/// Creates the output table on SQLite, after the inbox's migrations, in one transaction.
+/// Idempotent: run at every start.
+pub fn migrate_sqlite(connection: &mut Connection) -> rusqlite::Result<()> {
+    let transaction = connection.transaction()?;
+    transaction.execute_batch(SQLITE_SCHEMA)?;
+    transaction.commit()
+}
+
+/// Creates the output table on PostgreSQL, after the inbox's migrations. Idempotent.
+pub async fn install_postgres(inbox: &PostgresInbox) -> Result<(), OutputError> {
+    let client = inbox.pool().get().await.map_err(unavailable)?;
+    client.batch_execute(POSTGRES_SCHEMA).await?;
+    Ok(())
+}
+
+/// The output table's reads and the publisher's marks, on the inbox's own database.
+#[derive(Clone)]
+pub enum OutputStore {
+    /// The inbox's SQLite store: reads on its read pool, marks through its writer.
+    Sqlite(Store),
+    /// The PostgreSQL inbox, whose connection pool the reads and marks share.
+    Postgres(Arc<PostgresInbox>),
+}
+
+impl OutputStore {
+    /// The output of the SQLite inbox on `store`.
+    pub fn sqlite(store: Store) -> OutputStore {
+        OutputStore::Sqlite(store)
+    }
+
+    /// The output of the PostgreSQL `inbox`, sharing its pool.
+    pub fn postgres(inbox: &PostgresInbox) -> OutputStore {
+        OutputStore::Postgres(Arc::new(inbox.clone()))
+    }
+
+    /// The applied messages of `aggregate_id` after sequence `after`, in sequence order, at
+    /// most `limit` (1..=[`MAX_LIMIT`]).
+    pub async fn applied(
+        &self,
+        aggregate_id: &str,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<OutputEntry>, OutputError> {
+        let limit = bounded(limit)?;
+        let sql_sqlite = format!(
+            "SELECT {COLUMNS} FROM gate_output WHERE aggregate_id = ?1 AND sequence > ?2
+              ORDER BY sequence LIMIT ?3"
+        );
+        let sql_postgres = format!(
+            "SELECT {COLUMNS} FROM gate_output WHERE aggregate_id = $1 AND sequence > $2
+              ORDER BY sequence LIMIT $3"
+        );
+        match self {
+            OutputStore::Sqlite(store) => {
+                let aggregate_id = aggregate_id.to_owned();
+                store
+                    .read(move |connection| {
+                        sqlite_entries(connection, &sql_sqlite, (aggregate_id, after, limit))
+                    })
+                    .await
+            }
+            OutputStore::Postgres(inbox) => {
+                let client = inbox.pool().get().await.map_err(unavailable)?;
+                let rows = client
+                    .query_typed(
+                        &sql_postgres,
+                        &[
+                            (&aggregate_id, Type::TEXT),
+                            (&after, Type::INT8),
+                            (&limit, Type::INT8),
+                        ],
+                    )
+                    .await?;
+                rows.iter().map(postgres_entry).collect()
+            }
+        }
+    }
+
+    /// Rows not yet published, in (aggregate, sequence) order: the first
+    /// [`PENDING_PER_AGGREGATE`] of each aggregate, at most `limit` (1..=[`MAX_LIMIT`]) in all.
+    /// The read costs what it answers, whatever the backlog behind it ([`PENDING_SQLITE`]).
+    pub async fn pending(&self, limit: usize) -> Result<Vec<OutputEntry>, OutputError> {
+        let limit = bounded(limit)?;
+        match self {
+            OutputStore::Sqlite(store) => {
+                store
+                    .read(move |connection| sqlite_entries(connection, PENDING_SQLITE, [limit]))
+                    .await
+            }
+            OutputStore::Postgres(inbox) => {
+                let client = inbox.pool().get().await.map_err(unavailable)?;
+                let rows = client
+                    .query_typed(PENDING_POSTGRES, &[(&limit, Type::INT8)])
+                    .await?;
+                rows.iter().map(postgres_entry).collect()
+            }
+        }
+    }
+
+    /// The unpublished rows counted up to [`BACKLOG_COUNT_CAP`] and the oldest one's time: two
+    /// index reads whose cost the cap bounds, whatever the backlog.
+    pub async fn backlog(&self) -> Result<Backlog, OutputError> {
+        match self {
+            OutputStore::Sqlite(store) => {
+                store
+                    .read(|connection| {
+                        let count = BACKLOG_COUNT.replace('$', "?");
+                        let rows: i64 = connection
+                            .prepare_cached(&count)?
+                            .query_row([BACKLOG_COUNT_CAP], |row| row.get(0))?;
+                        let oldest = connection
+                            .prepare_cached(OLDEST_UNPUBLISHED)?
+                            .query([])?
+                            .next()?
+                            .map(|row| row.get(0))
+                            .transpose()?;
+                        Ok::<_, OutputError>(Backlog {
+                            rows,
+                            oldest_applied_at: oldest,
+                        })
+                    })
+                    .await
+            }
+            OutputStore::Postgres(inbox) => {
+                let client = inbox.pool().get().await.map_err(unavailable)?;
+                let count = client
+                    .query_typed(BACKLOG_COUNT, &[(&BACKLOG_COUNT_CAP, Type::INT8)])
+                    .await?;
+                let rows = match count.first() {
+                    Some(row) => row.try_get(0)?,
+                    None => 0,
+                };
+                let oldest = client.query_typed(OLDEST_UNPUBLISHED, &[]).await?;
+                let oldest_applied_at = match oldest.first() {
+                    Some(row) => Some(row.try_get(0)?),
+                    None => None,
+                };
+                Ok(Backlog {
+                    rows,
+                    oldest_applied_at,
+                })
+            }
+        }
+    }
+
+    /// Marks the rows `(aggregate_id, sequence)` published now. A row already marked keeps its
+    /// first time; a row that does not exist is no error.
+    pub async fn mark_published(&self, rows: &[(String, i64)]) -> Result<(), OutputError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let now = ordered_inbox::clock::now();
+        match self {
+            OutputStore::Sqlite(store) => {
+                let rows = rows.to_vec();
+                store
+                    .write(move |connection| sqlite_mark(connection, &rows, &now))
+                    .await
+            }
+            OutputStore::Postgres(inbox) => {
+                let (aggregates, sequences): (Vec<&str>, Vec<i64>) = rows
+                    .iter()
+                    .map(|(aggregate, sequence)| (aggregate.as_str(), *sequence))
+                    .unzip();
+                let client = inbox.pool().get().await.map_err(unavailable)?;
+                client
+                    .query_typed(
+                        "UPDATE gate_output SET published_at = $3
+                           FROM unnest($1::text[], $2::bigint[]) AS m(a, s)
+                          WHERE aggregate_id = m.a AND sequence = m.s AND published_at IS NULL",
+                        &[
+                            (&aggregates, Type::TEXT_ARRAY),
+                            (&sequences, Type::INT8_ARRAY),
+                            (&now, Type::TEXT),
+                        ],
+                    )
+                    .await?;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// `limit` as the statements take it, refused outside 1..=[`MAX_LIMIT`].
+fn bounded(limit: usize) -> Result<i64, OutputError> {
+    match i64::try_from(limit) {
+        Ok(bounded) if (1..=MAX_LIMIT).contains(&limit) => Ok(bounded),
+        _ => Err(OutputError::Limit(limit)),
+    }
+}
+
+/// The pool's failure to hand out a connection: the database is down or every connection busy.
+pub(crate) fn unavailable(error: impl std::fmt::Display) -> OutputError {
+    OutputError::Unavailable(error.to_string())
+}
+
+fn sqlite_entries(
+    connection: &Connection,
+    sql: &str,
+    parameters: impl rusqlite::Params,
+) -> Result<Vec<OutputEntry>, OutputError> {
+    let mut statement = connection.prepare_cached(sql)?;
+    let rows = statement.query_map(parameters, |row| {
+        Ok(StoredRow {
+            aggregate_id: row.get(0)?,
+            sequence: row.get(1)?,
+            message_id: row.get(2)?,
+            message_type: row.get(3)?,
+            payload: row.get(4)?,
+            applied_at: row.get(5)?,
+        })
+    })?;
+    let mut entries = Vec::new();
+    for row in rows {
+        entries.push(row?.entry()?);
+    }
+    Ok(entries)
+}
+
+fn sqlite_mark(
+    connection: &Connection,
+    rows: &[(String, i64)],
+    now: &str,
+) -> Result<(), OutputError> {
+    let mut statement = connection.prepare_cached(
+        "UPDATE gate_output SET published_at = ?3
+          WHERE aggregate_id = ?1 AND sequence = ?2 AND published_at IS NULL",
+    )?;
+    for (aggregate, sequence) in rows {
+        statement.execute((aggregate, sequence, now))?;
+    }
+    Ok(())
+}
+
+fn postgres_entry(row: &tokio_postgres::Row) -> Result<OutputEntry, OutputError> {
+    StoredRow {
+        aggregate_id: row.try_get(0)?,
+        sequence: row.try_get(1)?,
+        message_id: row.try_get(2)?,
+        message_type: row.try_get(3)?,
+        payload: row.try_get(4)?,
+        applied_at: row.try_get(5)?,
+    }
+    .entry()
+}
+
+/// A row as stored: the payload still text.
+struct StoredRow {
+    aggregate_id: String,
+    sequence: i64,
+    message_id: String,
+    message_type: String,
+    payload: String,
+    applied_at: String,
+}
+
+impl StoredRow {
+    fn entry(self) -> Result<OutputEntry, OutputError> {
+        let payload = serde_json::from_str(&self.payload).map_err(|error| {
+            OutputError::Failed(format!(
+                "the output row {}:{} holds no JSON payload: {error}",
+                self.aggregate_id, self.sequence
+            ))
+        })?;
+        Ok(OutputEntry {
+            aggregate_id: self.aggregate_id,
+            sequence: self.sequence,
+            message_id: self.message_id,
+            message_type: self.message_type,
+            payload,
+            applied_at: self.applied_at,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pending_statements_take_as_many_rows_of_an_aggregate_as_the_constant_says() {
+        let offset = format!("LIMIT 1 OFFSET {}", PENDING_PER_AGGREGATE - 1);
+        let limit = format!("ORDER BY sequence LIMIT {})", PENDING_PER_AGGREGATE);
+        assert!(PENDING_SQLITE.contains(&offset), "{PENDING_SQLITE}");
+        assert!(PENDING_POSTGRES.contains(&limit), "{PENDING_POSTGRES}");
+    }
+
+    #[test]
+    fn a_read_takes_between_one_and_a_thousand_rows() {
+        assert_eq!(bounded(1), Ok(1));
+        assert_eq!(bounded(MAX_LIMIT), Ok(1000));
+        assert_eq!(bounded(0), Err(OutputError::Limit(0)));
+        assert_eq!(bounded(1001), Err(OutputError::Limit(1001)));
+    }
+
+    #[test]
+    fn an_entry_names_its_type_as_type_in_camel_case() {
+        let entry = OutputEntry {
+            aggregate_id: "order-1".into(),
+            sequence: 2,
+            message_id: "m-2".into(),
+            message_type: "order.placed".into(),
+            payload: serde_json::json!({"amount": 5}),
+            applied_at: "2026-01-01T00:00:00.000Z".into(),
+        };
+        assert_eq!(
+            serde_json::to_string(&entry).unwrap(),
+            r#"{"aggregateId":"order-1","sequence":2,"messageId":"m-2","type":"order.placed","payload":{"amount":5},"appliedAt":"2026-01-01T00:00:00.000Z"}"#
+        );
+    }
+}
