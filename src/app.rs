@@ -137,7 +137,7 @@ impl Application {
         let broker = crate::broker::BrokerLab::with_metrics(metrics.clone());
         let consumer = match &config.nats {
             Some(nats) => Some(
-                crate::broker::Consumer::connect(
+                crate::broker::connect_consumer(
                     nats.clone(),
                     broker.status(),
                     crate::inbox::input::general_message,

@@ -42,11 +42,12 @@ impl BrokerLab {
     /// The evidence of a consumer whose own refusals are counted in `metrics`.
     pub fn with_metrics(metrics: Metrics) -> BrokerLab {
         let pause = Arc::new(PauseAfterCommit::default());
-        let status = ConsumerStatus::with_metrics(metrics).with_after_commit(pause.clone());
+        let status =
+            ConsumerStatus::with_observer(Arc::new(metrics)).with_after_commit(pause.clone());
         BrokerLab { status, pause }
     }
 
-    /// The consumer's evidence, to hand to [`Consumer::connect`].
+    /// The consumer's evidence, to hand to [`connect_consumer`].
     pub fn status(&self) -> ConsumerStatus {
         self.status.clone()
     }

@@ -122,7 +122,7 @@ impl NatsArgs {
         let Some(urls) = self.nats else {
             return Ok(None);
         };
-        let mut broker = production_lab::broker::BrokerConfig::new(&urls)?;
+        let mut broker = production_lab::broker::loopback_config(&urls)?;
         broker.stream = self.nats_stream;
         broker.subject_prefix = self.nats_subject_prefix;
         broker.durable = self.nats_durable;

@@ -10,7 +10,7 @@ use async_nats::jetstream;
 use lab_testkit::bench::amount;
 use lab_testkit::nats::{NatsServer, partition_config};
 use ordered_inbox::OrderedMessage;
-use production_lab::broker::{BrokerConfig, wire};
+use production_lab::broker::{BrokerConfig, loopback_config, wire};
 use serde_json::{Value, json};
 
 use crate::helpers::{
@@ -175,7 +175,7 @@ pub(crate) async fn spawn_consumer(
     nats: &NatsServer,
     adjust: impl FnOnce(&mut BrokerConfig),
 ) -> TestApp {
-    let mut broker = BrokerConfig::new(&nats.url).unwrap();
+    let mut broker = loopback_config(&nats.url).unwrap();
     broker.ack_wait = Duration::from_secs(5);
     adjust(&mut broker);
     spawn_app_with(move |config| config.nats = Some(broker)).await
@@ -639,7 +639,7 @@ fn a_nats_url_off_loopback_is_refused_at_start_with_one_line() {
 async fn past_the_hold_limit_messages_wait_in_the_consumer_and_apply_in_order_once_their_aggregate_moves()
  {
     let nats = start_nats(None);
-    let mut broker = BrokerConfig::new(&nats.url).unwrap();
+    let mut broker = loopback_config(&nats.url).unwrap();
     // Parked messages outlive several ack waits: progress acks keep them from redelivery.
     broker.ack_wait = Duration::from_secs(1);
     broker.nak_delay = Duration::from_millis(200);
@@ -685,7 +685,7 @@ async fn past_the_hold_limit_messages_wait_in_the_consumer_and_apply_in_order_on
         .get_stream("ORDERED")
         .await
         .expect("the stream")
-        .consumer_info(BrokerConfig::new(&nats.url).unwrap().durable_name())
+        .consumer_info(loopback_config(&nats.url).unwrap().durable_name())
         .await
         .expect("the consumer");
     assert_eq!(consumer_info.num_redelivered, 0, "{consumer_info:?}");
@@ -740,7 +740,7 @@ async fn publish_as(
 /// Settings whose messages come back quickly: an un-acked one after 5 s, a nak'd one (a ledger
 /// failure) or a parked one (a full hold) without a sign of movement after 50 ms.
 pub(crate) fn quick_redelivery(nats: &NatsServer) -> BrokerConfig {
-    let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
+    let mut broker = loopback_config(&nats.url).expect("a loopback NATS URL");
     broker.ack_wait = Duration::from_secs(5);
     broker.nak_delay = Duration::from_millis(50);
     broker

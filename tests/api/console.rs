@@ -7,7 +7,7 @@ use axum::Router;
 use axum::response::Html;
 use axum::routing::get;
 use futures_util::StreamExt;
-use production_lab::broker::BrokerConfig;
+use production_lab::broker::loopback_config;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -926,7 +926,7 @@ async fn inventory_row(
 async fn broker_messages_ahead_of_their_turn_show_held_in_the_console_until_their_predecessor_applies()
  {
     let nats = start_nats(None);
-    let broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
+    let broker = loopback_config(&nats.url).expect("a loopback NATS URL");
     let app = spawn_app_with(move |config| config.nats = Some(broker)).await;
     let js = jetstream_of(&nats).await;
     let aggregate = "held-acct";

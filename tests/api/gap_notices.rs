@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use futures_util::StreamExt;
 use lab_testkit::nats::NatsServer;
-use production_lab::broker::BrokerConfig;
+use production_lab::broker::loopback_config;
 use production_lab::broker::wire::{self, GapNotice};
 use serde_json::{Value, json};
 
@@ -78,7 +78,7 @@ impl Notices {
 
 /// B consuming `nats`, on `backend`, its notices repeated every `interval`.
 async fn consumer(nats: &NatsServer, backend: Backend, interval: Duration) -> TestApp {
-    let mut broker = BrokerConfig::new(&nats.url).expect("a loopback NATS URL");
+    let mut broker = loopback_config(&nats.url).expect("a loopback NATS URL");
     broker.gap_notice_interval = interval;
     spawn_app_on_with(backend, move |config| config.nats = Some(broker)).await
 }

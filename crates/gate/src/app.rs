@@ -382,7 +382,7 @@ impl Nats {
         let input_client = nats_client("production-lab gate input", settings).await?;
         let consumer = Consumer::with_client(
             input,
-            ConsumerStatus::with_metrics(metrics.clone()),
+            ConsumerStatus::with_observer(Arc::new(metrics.clone())),
             input_client,
             gate_message,
         )

@@ -45,14 +45,7 @@ impl Credential {
     }
 }
 
-/// The token of one `Bearer TOKEN` value (surrounding blanks aside), or `None` for any other
-/// scheme or an empty token.
-pub fn bearer_token(value: &str) -> Option<&str> {
-    let mut parts = value.trim().splitn(2, ' ');
-    let scheme = parts.next().unwrap_or_default();
-    let token = parts.next().unwrap_or_default().trim();
-    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
-}
+pub use ordered_inbox::jetstream::wire::bearer_token;
 
 /// The credential of an HTTP request; 400 problem+json for two values or one that is not
 /// visible ASCII.

@@ -17,8 +17,8 @@
 //! 5. [`observe`]: the edge middleware (request ids, access lines, HTTP metrics), the log format.
 //! 6. [`inbox`]: the shared inbox handle, its observing wrapper, the change feed, the message
 //!    input and the answers every door words alike.
-//! 7. [`jetstream`]: the JetStream consumer that acks after the COMMIT, its wire format and its
-//!    settings.
+//! 7. [`jetstream`]: how a server connects the library's JetStream consumer (TLS, credentials,
+//!    reconnects) and words its refusals.
 
 pub mod body_budget;
 pub mod credential;

@@ -789,6 +789,17 @@ fn status_class(status: StatusCode) -> &'static str {
     }
 }
 
+/// The JetStream consumer counts what it refuses itself like the inbox's own refusals.
+impl ordered_inbox::jetstream::ConsumerObserver for Metrics {
+    fn producer_headers_malformed(&self) {
+        Metrics::producer_headers_malformed(self);
+    }
+
+    fn producer_refusal(&self, refusal: &ProducerRefusal) {
+        Metrics::producer_refusal(self, Door::Broker, refusal);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

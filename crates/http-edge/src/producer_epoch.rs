@@ -2,22 +2,7 @@
 //! and the NATS broker door): the decimal number a session answered, written as the session wrote
 //! it, so that `+4`, `04` or `000004` never pass for epoch 4.
 
-/// The largest number of digits an epoch can have (`i64::MAX` has 19).
-const MAX_DIGITS: usize = 19;
-
-/// The epoch `text` names: ASCII digits only, no sign, no leading zero, at least 1, at most
-/// `i64::MAX`. Whitespace around the value is not part of it (HTTP's optional whitespace, a NATS
-/// header written with a space after the colon). `None` for anything else.
-pub fn parse(text: &str) -> Option<i64> {
-    let digits = text.trim();
-    let canonical = (1..=MAX_DIGITS).contains(&digits.len())
-        && digits.bytes().all(|byte| byte.is_ascii_digit())
-        && !digits.starts_with('0');
-    if !canonical {
-        return None;
-    }
-    digits.parse::<i64>().ok()
-}
+pub use ordered_inbox::jetstream::wire::parse_epoch as parse;
 
 #[cfg(test)]
 mod tests {

@@ -182,6 +182,8 @@ pub mod gaps;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod handling;
 pub mod inbox;
+#[cfg(feature = "jetstream")]
+pub mod jetstream;
 pub mod model;
 pub mod operators;
 pub mod planted;

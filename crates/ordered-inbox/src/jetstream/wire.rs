@@ -14,7 +14,7 @@
 //!   another producer's same id must not fall into JetStream's duplicate window with it.
 //! - **Producer headers** (optional, as on the HTTP general door): `Authorization: Bearer TOKEN`
 //!   and `Producer-Epoch: N`, both or neither, one of each; names in any letter case; `N` as
-//!   [`crate::producer_epoch::parse`] reads it on both doors.
+//!   [`parse_epoch`] reads it on every door.
 //! - **Body**: the HTTP general door's JSON, `{"messageId","sequence","amount"}` with an optional
 //!   `aggregateId` that must name the subject's aggregate.
 //! - **A resend** (a relay answering a gap notice) carries no `Nats-Msg-Id` but
@@ -24,8 +24,8 @@
 //! - **Gap notices** (core NATS, published by the consumer): `gaps.PREFIX.TOKEN`, the body a
 //!   [`GapNotice`].
 
-use ordered_inbox::views::AggregateView;
-use ordered_inbox::{AggregateStatus, OrderedMessage};
+use crate::model::{AggregateStatus, OrderedMessage};
+use crate::views::AggregateView;
 use serde::{Deserialize, Serialize};
 
 /// The header JetStream de-duplicates on.
@@ -141,24 +141,51 @@ pub fn read_credential(
                     .to_owned(),
             );
         }
-        values => match crate::credential::Credential::of_values(values) {
-            Ok(crate::credential::Credential::Bearer(token)) => token,
-            Ok(_) => {
+        [value] => match bearer_token(value) {
+            Some(token) => token.to_owned(),
+            None => {
                 return Err(
                     "the Authorization header must be Bearer TOKEN with a producer's token"
                         .to_owned(),
                 );
             }
-            Err(crate::credential::Ambiguous) => {
-                return Err("two Authorization headers are an ambiguous credential".to_owned());
-            }
         },
+        _ => {
+            return Err("two Authorization headers are an ambiguous credential".to_owned());
+        }
     };
     let [value] = epoch else {
         return Err(EPOCH_ADVICE.to_owned());
     };
-    let epoch = crate::producer_epoch::parse(value).ok_or_else(|| EPOCH_ADVICE.to_owned())?;
+    let epoch = parse_epoch(value).ok_or_else(|| EPOCH_ADVICE.to_owned())?;
     Ok(Some(Credential { token, epoch }))
+}
+
+/// The token of one `Bearer TOKEN` value (surrounding blanks aside), or `None` for any other
+/// scheme or an empty token. The HTTP doors read their `Authorization` header with it too.
+pub fn bearer_token(value: &str) -> Option<&str> {
+    let mut parts = value.trim().splitn(2, ' ');
+    let scheme = parts.next().unwrap_or_default();
+    let token = parts.next().unwrap_or_default().trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+/// The largest number of digits an epoch can have (`i64::MAX` has 19).
+const MAX_EPOCH_DIGITS: usize = 19;
+
+/// The epoch a `Producer-Epoch` header's text names, read alike on every door: ASCII digits only,
+/// no sign, no leading zero, at least 1, at most `i64::MAX`, so that `+4`, `04` or `000004`
+/// never pass for epoch 4. Whitespace around the value is not part of it (HTTP's optional
+/// whitespace, a NATS header written with a space after the colon). `None` for anything else.
+pub fn parse_epoch(text: &str) -> Option<i64> {
+    let digits = text.trim();
+    let canonical = (1..=MAX_EPOCH_DIGITS).contains(&digits.len())
+        && digits.bytes().all(|byte| byte.is_ascii_digit())
+        && !digits.starts_with('0');
+    if !canonical {
+        return None;
+    }
+    digits.parse::<i64>().ok()
 }
 
 /// The aggregate id as one subject token.
@@ -410,7 +437,7 @@ mod tests {
 
     fn view(status: AggregateStatus, last: i64, held: &[i64]) -> AggregateView {
         AggregateView {
-            summary: ordered_inbox::views::AggregateSummary {
+            summary: crate::views::AggregateSummary {
                 aggregate_id: "acct.7".to_owned(),
                 last,
                 expected: last + 1,

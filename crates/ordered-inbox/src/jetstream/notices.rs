@@ -9,12 +9,12 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use ordered_inbox::AggregateStatus;
+use crate::model::AggregateStatus;
 use tokio_util::sync::CancellationToken;
 
-use super::{ConsumerStatus, wire};
-use crate::inbox::SharedInbox;
-use crate::jetstream::config::BrokerConfig;
+use super::config::BrokerConfig;
+use super::status::{ConsumerStatus, SharedInbox};
+use super::wire;
 
 /// The most waiting aggregates one tick reads (the longest-waiting first) to choose its notices
 /// from: a bound on the tick's work however many aggregates wait.

@@ -1,6 +1,6 @@
 //! The NATS JetStream door: a consumer of ordered messages from a durable pull consumer (the lab's
 //! `serve --nats`, the gate's `[nats]`), which hands every fetched batch to the ordered inbox in ONE call
-//! ([`ordered_inbox::Inbox::deliver_batch`], one group commit), through [`Door::Broker`]: a
+//! ([`crate::Inbox::deliver_batch`], one group commit), through [`Door::Broker`]: a
 //! message ahead of its turn is held, not bounced. Each message is acked, nak'd or terminated only
 //! after that call returned, i.e. after the COMMIT that recorded its fate:
 //!
@@ -26,40 +26,39 @@
 pub mod config;
 pub mod notices;
 mod parking;
+mod status;
 pub mod wire;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::delivery::Outcome;
+use crate::error::InboxError;
+use crate::inbox::{BatchDelivery, Undelivered};
+use crate::model::{Door, OrderedMessage};
+use crate::records::{ProducerClaim, ProducerRefusal, RejectedDelivery};
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
-use ordered_inbox::{
-    BatchDelivery, Door, InboxError, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal,
-    RejectedDelivery, Undelivered,
-};
-use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::inbox::SharedInbox;
-pub use crate::jetstream::config::{
+pub use self::config::StartError;
+pub use self::config::{
     BrokerConfig, DEFAULT_ACK_WAIT, DEFAULT_BATCH, DEFAULT_DURABLE, DEFAULT_GAP_NOTICE_INTERVAL,
     DEFAULT_GAP_NOTICES_PER_TICK, DEFAULT_NAK_DELAY, DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX,
-    parse_nats_urls,
+    NatsAccess, NatsAuth, NatsTls,
 };
-use crate::jetstream::config::{NatsAccess, NatsAuth};
-use crate::metrics::Metrics;
-use crate::startup::StartupError;
+pub use self::status::{AfterCommit, ConsumerObserver, ConsumerStatus, Counters, SharedInbox};
 
 /// Rejected deliveries `GET /broker/rejected` keeps (the oldest go first): the inbox's bound.
-pub use ordered_inbox::REJECTED_KEPT;
+pub use crate::records::REJECTED_KEPT;
 /// A producer refusal's name in the counters and the rejected list: the `outcome` the HTTP
 /// general door answers it with (`unauthorized` and `owner required` are its 401s). The inbox
 /// names it, because it also names the refusals of the held messages it rejects.
-pub use ordered_inbox::records::refusal_outcome;
+pub use crate::records::refusal_outcome;
 
 /// The counters' name of a delivery the inbox's handler failed (nak'd, to be delivered again).
 pub const HANDLER_FAILED: &str = "handler failed";
@@ -76,224 +75,6 @@ const PULL_WAIT: Duration = Duration::from_millis(500);
 /// A fetch that has not finished after this long (the server went away mid-request) is given up;
 /// what it received is processed.
 const FETCH_DEADLINE: Duration = Duration::from_secs(3);
-
-/// The server addresses of checked NATS URLs (see [`parse_nats_urls`]).
-pub fn server_addresses(
-    urls: &[String],
-) -> Result<Vec<async_nats::ServerAddr>, <async_nats::ServerAddr as std::str::FromStr>::Err> {
-    urls.iter().map(|url| url.parse()).collect()
-}
-
-/// How a long-lived client of this binary (the consumer, a relay) connects to NATS: named, a
-/// 3 s connection timeout, and reconnecting for ever, 100 ms more between attempts up to 1 s.
-pub fn reconnecting_client(name: String) -> async_nats::ConnectOptions {
-    async_nats::ConnectOptions::new()
-        .name(name)
-        .connection_timeout(Duration::from_secs(3))
-        .max_reconnects(None)
-        .reconnect_delay_callback(|attempts| {
-            Duration::from_millis((attempts as u64).saturating_mul(100).min(1_000))
-        })
-}
-
-/// Doubling from 100 ms up to 5 s between reconnect attempts: a server that blinked is back
-/// within a second, one that stays away (another host, a network between) is not hammered.
-pub fn reconnect_backoff(attempts: usize) -> Duration {
-    let doublings = attempts.saturating_sub(1).min(6) as u32;
-    Duration::from_millis(100u64 << doublings).min(Duration::from_secs(5))
-}
-
-/// Why a NATS client could not connect, sorted so that a caller can name the setting at fault.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum NatsConnectError {
-    /// The server's certificate was refused, or the TLS files could not be used.
-    #[error("{0}")]
-    Certificate(String),
-    /// The credential could not be read, or the server refused it.
-    #[error("{0}")]
-    Credentials(String),
-    #[error("{0}")]
-    Other(String),
-}
-
-/// `options` with `access`'s TLS (required, with its CA and client certificate) and credential.
-pub async fn with_access(
-    options: async_nats::ConnectOptions,
-    access: &NatsAccess,
-) -> Result<async_nats::ConnectOptions, NatsConnectError> {
-    let options = match &access.tls {
-        None => options,
-        Some(tls) => {
-            let options = options
-                .require_tls(true)
-                .add_root_certificates(tls.ca.clone());
-            match &tls.client {
-                Some((certificate, key)) => {
-                    options.add_client_certificate(certificate.clone(), key.clone())
-                }
-                None => options,
-            }
-        }
-    };
-    Ok(match &access.auth {
-        None => options,
-        Some(NatsAuth::CredsFile(path)) => {
-            options.credentials_file(path).await.map_err(|error| {
-                NatsConnectError::Credentials(format!("cannot read {}: {error}", path.display()))
-            })?
-        }
-        Some(NatsAuth::NkeySeed(seed)) => options.nkey(seed.clone()),
-        Some(NatsAuth::UserPassword { user, password }) => {
-            options.user_and_password(user.clone(), password.clone())
-        }
-        Some(NatsAuth::Token(token)) => options.token(token.clone()),
-    })
-}
-
-/// A client named `name` of `urls` with `access`'s TLS and credential, reconnecting for ever
-/// with `reconnect_backoff`. Only the first connection must succeed at once.
-pub async fn connect_client(
-    name: String,
-    urls: &[String],
-    access: &NatsAccess,
-) -> Result<async_nats::Client, NatsConnectError> {
-    let addresses = server_addresses(urls)
-        .map_err(|error| NatsConnectError::Other(format!("invalid address: {error}")))?;
-    let options = reconnecting_client(name).reconnect_delay_callback(reconnect_backoff);
-    with_access(options, access)
-        .await?
-        .connect(addresses)
-        .await
-        .map_err(sort_connect_error)
-}
-
-/// The refusal of a first connection, with its causes, sorted by what it is about.
-fn sort_connect_error(error: async_nats::ConnectError) -> NatsConnectError {
-    let mut text = error.to_string();
-    let mut refused_certificate = false;
-    let mut cause = std::error::Error::source(&error);
-    while let Some(current) = cause {
-        let shown = current.to_string();
-        if !text.contains(&shown) {
-            text = format!("{text}: {shown}");
-        }
-        let tls = current.downcast_ref::<rustls::Error>().or_else(|| {
-            current
-                .downcast_ref::<std::io::Error>()
-                .and_then(|io| io.get_ref())
-                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        });
-        refused_certificate |= matches!(
-            tls,
-            Some(rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented)
-        );
-        cause = current.source();
-    }
-    match error.kind() {
-        async_nats::ConnectErrorKind::AuthorizationViolation
-        | async_nats::ConnectErrorKind::Authentication => NatsConnectError::Credentials(text),
-        async_nats::ConnectErrorKind::Tls => NatsConnectError::Certificate(text),
-        _ if refused_certificate => NatsConnectError::Certificate(text),
-        _ => NatsConnectError::Other(text),
-    }
-}
-
-/// What the consumer did so far, for `GET /broker`.
-#[derive(Debug, Clone, Default, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Counters {
-    pub batches: u64,
-    pub messages: u64,
-    /// Verdicts by name (`applied`, `replay`, `held`, `held again`, …, `malformed`).
-    pub outcomes: BTreeMap<&'static str, u64>,
-    pub acked: u64,
-    pub nakd: u64,
-    pub terminated: u64,
-    pub fetch_errors: u64,
-    pub store_errors: u64,
-    /// Gap notices published (see [`notices`]).
-    pub gap_notices: u64,
-    pub last_error: Option<String>,
-    /// The fault switch stopped the consumer after a COMMIT, before its acks.
-    pub paused_after_commit: bool,
-}
-
-/// Asked after each batch's COMMIT, before its acks. A test's fault switch stops the consumer
-/// there, as a crash between the COMMIT and the acks would; a deployment sets none.
-pub trait AfterCommit: Send + Sync {
-    /// `true`: stop now, before this batch's acks.
-    fn stop_before_acks(&self) -> bool;
-}
-
-/// The consumer's shared evidence. Cheap to clone.
-#[derive(Clone, Default)]
-pub struct ConsumerStatus {
-    inner: Arc<Shared>,
-}
-
-#[derive(Default)]
-struct Shared {
-    config: OnceLock<BrokerConfig>,
-    client: OnceLock<async_nats::Client>,
-    consumer: OnceLock<PullConsumer>,
-    counters: Mutex<Counters>,
-    after_commit: OnceLock<Arc<dyn AfterCommit>>,
-    /// Where a refusal the consumer decides itself (a token that is no active producer's) is
-    /// counted, like the inbox's own refusals.
-    metrics: OnceLock<Metrics>,
-}
-
-impl ConsumerStatus {
-    /// The evidence of a consumer whose own refusals are counted in `metrics`.
-    pub fn with_metrics(metrics: Metrics) -> ConsumerStatus {
-        let lab = ConsumerStatus::default();
-        let _ = lab.inner.metrics.set(metrics);
-        lab
-    }
-
-    fn count(&self, update: impl FnOnce(&mut Counters)) {
-        if let Ok(mut counters) = self.inner.counters.lock() {
-            update(&mut counters);
-        }
-    }
-
-    pub fn counters(&self) -> Counters {
-        self.inner
-            .counters
-            .lock()
-            .map(|counters| counters.clone())
-            .unwrap_or_default()
-    }
-
-    /// The check the consumer makes after each COMMIT, before its acks (see [`AfterCommit`]).
-    pub fn with_after_commit(self, check: Arc<dyn AfterCommit>) -> ConsumerStatus {
-        let _ = self.inner.after_commit.set(check);
-        self
-    }
-
-    pub fn config(&self) -> Option<&BrokerConfig> {
-        self.inner.config.get()
-    }
-
-    pub fn is_connected(&self) -> Option<bool> {
-        self.inner
-            .client
-            .get()
-            .map(|client| client.connection_state() == async_nats::connection::State::Connected)
-    }
-
-    /// The consumer's pending and un-acked counts, as the NATS server reports them now.
-    pub async fn consumer_info(&self) -> Option<Result<(u64, usize), String>> {
-        let consumer = self.inner.consumer.get()?;
-        Some(
-            consumer
-                .get_info()
-                .await
-                .map(|info| (info.num_pending, info.num_ack_pending))
-                .map_err(|error| error.to_string()),
-        )
-    }
-}
 
 /// Reads a message's body for the aggregate its subject names: the inbox's message, or why it
 /// is malformed: each server reads its own body (the lab's general-door JSON, the gate's
@@ -316,44 +97,18 @@ pub struct Consumer {
 }
 
 impl Consumer {
-    /// Connects, creates the stream and the durable consumer if missing, and checks that an
-    /// existing stream takes this consumer's subjects. Every refusal is one line.
-    pub async fn connect(
-        config: BrokerConfig,
-        lab: ConsumerStatus,
-        body: BodyReader,
-    ) -> Result<Consumer, StartupError> {
-        config.validate()?;
-        let refuse = |what: &str, error: &dyn std::fmt::Display| {
-            StartupError::Broker(format!(
-                "NATS at {}: {what}: {error}",
-                config.urls.join(",")
-            ))
-        };
-        let addresses =
-            server_addresses(&config.urls).map_err(|error| refuse("invalid address", &error))?;
-        let client = with_access(
-            reconnecting_client("production-lab".to_owned()),
-            &config.access,
-        )
-        .await
-        .map_err(|error| refuse("cannot connect", &error))?
-        .connect(addresses)
-        .await
-        .map_err(|error| refuse("cannot connect", &error))?;
-        Consumer::with_client(config, lab, client, body).await
-    }
-
-    /// As [`Consumer::connect`], on a client its caller connected (and named) already.
+    /// A consumer on a client its caller connected (and named): creates the stream and the
+    /// durable consumer if missing, and checks that an existing stream takes this consumer's
+    /// subjects. Every refusal is one line.
     pub async fn with_client(
         config: BrokerConfig,
         lab: ConsumerStatus,
         client: async_nats::Client,
         body: BodyReader,
-    ) -> Result<Consumer, StartupError> {
+    ) -> Result<Consumer, StartError> {
         config.validate()?;
         let refuse = |what: &str, error: &dyn std::fmt::Display| {
-            StartupError::Broker(format!(
+            StartError(format!(
                 "NATS at {}: {what}: {error}",
                 config.urls.join(",")
             ))
@@ -710,8 +465,8 @@ impl Consumer {
             }
             Ok(Some(credential)) => credential,
             Err(reason) => {
-                if let Some(metrics) = self.lab.inner.metrics.get() {
-                    metrics.producer_headers_malformed();
+                if let Some(observer) = self.lab.inner.observer.get() {
+                    observer.producer_headers_malformed();
                 }
                 rejections.push(rejected(
                     message,
@@ -954,8 +709,8 @@ impl Consumer {
         producer: Option<String>,
         refusal: &ProducerRefusal,
     ) {
-        if let Some(metrics) = self.lab.inner.metrics.get() {
-            metrics.producer_refusal(Door::Broker, refusal);
+        if let Some(observer) = self.lab.inner.observer.get() {
+            observer.producer_refusal(refusal);
         }
         self.count_outcome(refusal_outcome(refusal));
         rejections.push(rejected(
@@ -1202,7 +957,7 @@ fn rejected(
 ) -> RejectedDelivery {
     let info = message.info().ok();
     RejectedDelivery {
-        at: ordered_inbox::clock::now(),
+        at: crate::clock::now(),
         subject: Some(message.subject.to_string()),
         stream_sequence: info
             .as_ref()
@@ -1234,33 +989,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_loopback_nats_urls_are_accepted() {
-        assert_eq!(
-            parse_nats_urls("nats://127.0.0.1:4222,nats://localhost:4223").unwrap(),
-            ["nats://127.0.0.1:4222", "nats://localhost:4223"]
-        );
-        assert!(parse_nats_urls("nats://[::1]:4222").is_ok());
-        for url in [
-            "nats://10.0.0.1:4222",
-            "nats://demo.nats.io:4222",
-            "nats://127.0.0.1:4222,nats://0.0.0.0:4222",
-        ] {
-            assert!(
-                matches!(parse_nats_urls(url), Err(StartupError::NatsNotLoopback(_))),
-                "{url}"
-            );
-        }
-        for url in ["127.0.0.1:4222", "nats://127.0.0.1", "nats://127.0.0.1:0"] {
-            assert!(
-                matches!(parse_nats_urls(url), Err(StartupError::Broker(_))),
-                "{url}"
-            );
-        }
-    }
-
-    #[test]
     fn partitions_name_their_durable_and_filter() {
-        let mut config = BrokerConfig::new("nats://127.0.0.1:4222").unwrap();
+        let mut config = BrokerConfig::with_checked_urls(vec!["nats://127.0.0.1:4222".to_owned()]);
         assert_eq!(config.filter_subject(), "ordered.*");
         assert_eq!(config.durable_name(), "production-lab");
         config.partitions = 2;
@@ -1270,15 +1000,6 @@ mod tests {
         assert_eq!(config.durable_name(), "production-lab-p1");
         config.partition = 2;
         assert!(config.validate().is_err());
-    }
-
-    #[test]
-    fn reconnects_wait_twice_as_long_each_time_up_to_five_seconds() {
-        let waits: Vec<u64> = [1, 2, 3, 4, 6, 7, 100, usize::MAX]
-            .into_iter()
-            .map(|attempts| reconnect_backoff(attempts).as_millis() as u64)
-            .collect();
-        assert_eq!(waits, [100, 200, 400, 800, 3200, 5000, 5000, 5000]);
     }
 
     #[test]
@@ -1313,7 +1034,7 @@ mod tests {
                 expected: 1,
                 open: 9,
                 limit: 9,
-                reason: ordered_inbox::QuarantineReason::new("poison"),
+                reason: crate::model::QuarantineReason::new("poison"),
             }),
             Action::Nak
         );

@@ -2,11 +2,13 @@
 //! durable consumer to use, how large a fetch is and how long an unacknowledged message waits.
 //! Checked once at start-up; each refusal is one line naming the flag.
 
-use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::startup::StartupError;
+/// Why a consumer could not start: one line that names what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct StartError(pub String);
 
 /// Defaults of the `--nats-*` flags.
 pub const DEFAULT_STREAM: &str = "ORDERED";
@@ -110,11 +112,6 @@ impl std::fmt::Debug for NatsAuth {
 }
 
 impl BrokerConfig {
-    /// The defaults for `urls` (a comma-separated list), checked to be loopback (`serve`'s rule).
-    pub fn new(urls: &str) -> Result<BrokerConfig, StartupError> {
-        Ok(BrokerConfig::with_checked_urls(parse_nats_urls(urls)?))
-    }
-
     /// The defaults for URLs its caller has already checked by its own rule (the gate's
     /// configuration allows any host).
     pub fn with_checked_urls(urls: Vec<String>) -> BrokerConfig {
@@ -135,8 +132,8 @@ impl BrokerConfig {
     }
 
     /// Checks the names and the partition; each refusal is one line.
-    pub fn validate(&self) -> Result<(), StartupError> {
-        let bad = |reason: String| StartupError::Broker(reason);
+    pub fn validate(&self) -> Result<(), StartError> {
+        let bad = |reason: String| StartError(reason);
         if self.partitions == 0 || self.partition >= self.partitions {
             return Err(bad(format!(
                 "--nats-partition must be from 0 to --nats-partitions - 1 (got partition {} of {})",
@@ -175,8 +172,8 @@ impl BrokerConfig {
     }
 
     /// The notices' timer and their subjects, which must stay out of the stream.
-    fn validate_gap_notices(&self) -> Result<(), StartupError> {
-        let bad = |reason: String| StartupError::Broker(reason);
+    fn validate_gap_notices(&self) -> Result<(), StartError> {
+        let bad = |reason: String| StartError(reason);
         if !(Duration::from_millis(100)..=Duration::from_secs(3600))
             .contains(&self.gap_notice_interval)
         {
@@ -258,45 +255,13 @@ fn subject_matches(pattern: &str, subject: &str) -> bool {
     subject_tokens.next().is_none()
 }
 
-/// Splits `--nats` into URLs and refuses anything but `nats://` on a loopback host.
-pub fn parse_nats_urls(urls: &str) -> Result<Vec<String>, StartupError> {
-    let mut parsed = Vec::new();
-    for url in urls.split(',').map(str::trim) {
-        let refuse = || StartupError::NatsNotLoopback(url.to_owned());
-        let authority = url.strip_prefix("nats://").ok_or_else(|| {
-            StartupError::Broker(format!("--nats '{url}' must be nats://HOST:PORT"))
-        })?;
-        let authority = authority.strip_suffix('/').unwrap_or(authority);
-        let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
-            let (host, after) = bracketed.split_once(']').ok_or_else(refuse)?;
-            (host, after.strip_prefix(':').unwrap_or(""))
-        } else {
-            authority.rsplit_once(':').ok_or_else(|| {
-                StartupError::Broker(format!("--nats '{url}' must be nats://HOST:PORT"))
-            })?
-        };
-        if port.parse::<u16>().map_or(true, |port| port == 0) {
-            return Err(StartupError::Broker(format!(
-                "--nats '{url}': the port must be a number from 1 to 65535"
-            )));
-        }
-        let loopback = host.eq_ignore_ascii_case("localhost")
-            || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
-        if !loopback {
-            return Err(refuse());
-        }
-        parsed.push(url.to_owned());
-    }
-    Ok(parsed)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn gap_notices_stay_out_of_the_stream_of_the_messages() {
-        let mut config = BrokerConfig::new("nats://127.0.0.1:4222").unwrap();
+        let mut config = BrokerConfig::with_checked_urls(vec!["nats://127.0.0.1:4222".to_owned()]);
         assert_eq!(config.gap_subject_prefix(), "gaps.ordered");
         assert!(config.validate().is_ok());
         config.partitions = 2;
