@@ -572,10 +572,28 @@ impl Delivery<'_> {
                 },
             });
         }
-        // The classroom door may deliver a quarantined id again (its identity rule only knows
-        // applied messages); like the seed it keeps one row, counting the repeat if the content
-        // matches.
-        let note = match &self.facts.dead_letter {
+        let note = self.record_dead_letter(&reason, &mut changes);
+        changes.push(self.quarantined_entry(note, &reason, detail));
+        DeliveryPlan {
+            outcome: Outcome::Quarantined {
+                expected,
+                reason,
+                dead_letter: note,
+            },
+            changes,
+        }
+    }
+
+    /// The dead letter of a quarantine: a new one, or the known one seen again. The classroom
+    /// door may deliver a quarantined id again (its identity rule only knows applied messages);
+    /// like the seed it keeps one row, counting the repeat if the content matches. `None`: the
+    /// id is a dead letter of other content, and nothing is counted.
+    fn record_dead_letter(
+        &self,
+        reason: &QuarantineReason,
+        changes: &mut Vec<Change>,
+    ) -> Option<DeadLetterNote> {
+        match &self.facts.dead_letter {
             None => {
                 changes.push(Change::InsertDeadLetter {
                     producer: self.producer.map(str::to_owned),
@@ -603,8 +621,18 @@ impl Delivery<'_> {
                 })
             }
             Some(_) => None,
-        };
-        changes.push(match note {
+        }
+    }
+
+    /// The timeline's entry of a quarantine: the first sighting with its reason and the
+    /// handler's detail, or a repeat with its count.
+    fn quarantined_entry(
+        &self,
+        note: Option<DeadLetterNote>,
+        reason: &QuarantineReason,
+        detail: Detail,
+    ) -> Change {
+        match note {
             Some(note) if note.observations == 1 => self.entry(
                 TimelineKind::Quarantined,
                 TimelineDetail::Quarantined {
@@ -618,14 +646,6 @@ impl Delivery<'_> {
                     observations: note.map(|note| note.observations),
                 },
             ),
-        });
-        DeliveryPlan {
-            outcome: Outcome::Quarantined {
-                expected,
-                reason,
-                dead_letter: note,
-            },
-            changes,
         }
     }
 
@@ -717,97 +737,129 @@ pub(crate) fn drain(
     let now = context.now;
     let DrainStart {
         aggregate_id,
-        mut row,
+        row,
         after,
         held,
         open,
         owner,
     } = start;
     let ordered = still_held(held, owner, row.last, now, changes);
-    let mut open: Vec<OpenDeadLetter> = open.to_vec();
-    let mut after = after.to_owned();
-    let mut released = 0;
-    let entry = |kind, held: &HeldMessage, detail| {
-        Change::Append(TimelineEntry {
-            aggregate_id: aggregate_id.to_owned(),
-            at: now.to_owned(),
-            kind,
-            sequence: Some(held.message.sequence),
-            message_id: Some(held.message.message_id.clone()),
-            detail,
-        })
+    let mut drain = Draining {
+        aggregate_id,
+        now,
+        row,
+        open: open.to_vec(),
+        after: after.to_owned(),
+        released: 0,
     };
     for next in &ordered {
-        let message = &next.message;
-        let release = |changes: &mut Vec<Change>| {
-            changes.push(Change::ReleaseHeld {
-                producer: next.producer().map(str::to_owned),
-                message_id: message.message_id.clone(),
-            });
-            changes.push(entry(
-                TimelineKind::Drained,
-                next,
-                TimelineDetail::Drained {
-                    held_at: next.held_at.clone(),
-                    after: after.clone(),
-                },
-            ));
-        };
-        match decide(row.last, message, context.check) {
-            Decision::Apply { sequence } => {
-                release(changes);
-                changes.push(Change::InsertApplied {
-                    producer: next.producer().map(str::to_owned),
-                    message: message.clone(),
-                    payload: next.payload.clone(),
-                    applied_at: now.to_owned(),
-                });
-                let superseded = supersede_at(
-                    aggregate_id,
-                    sequence,
-                    &open,
-                    &message.message_id,
-                    now,
-                    changes,
-                );
-                open.retain(|letter| !superseded.contains(&letter.message_id));
-                row.last = sequence;
-                after = message.message_id.clone();
-                released += 1;
-            }
+        match decide(drain.row.last, &next.message, context.check) {
+            Decision::Apply { sequence } => drain.apply(next, sequence, changes),
             Decision::Quarantine { poison, .. }
-                if open.len() < context.limits.max_open_dead_letters =>
+                if drain.open.len() < context.limits.max_open_dead_letters =>
             {
-                release(changes);
-                changes.push(Change::InsertDeadLetter {
-                    producer: next.producer().map(str::to_owned),
-                    message: message.clone(),
-                    payload: next.payload.clone(),
-                    reason: poison.reason.clone(),
-                    at: now.to_owned(),
-                });
-                changes.push(entry(
-                    TimelineKind::Quarantined,
-                    next,
-                    TimelineDetail::Quarantined {
-                        reason: poison.reason,
-                        detail: poison.detail,
-                    },
-                ));
-                row.status = AggregateStatus::Blocked;
-                row.since = Some(now.to_owned());
-                return row;
+                drain.quarantine(next, poison, changes);
+                return drain.row;
             }
             // A gap ends the drain; so does a poison message the full quarantine cannot take
             // (it stays held, and the aggregate waits).
             _ => break,
         }
     }
-    if ordered.len() > released && row.status != AggregateStatus::Waiting {
+    let mut row = drain.row;
+    if ordered.len() > drain.released && row.status != AggregateStatus::Waiting {
         row.status = AggregateStatus::Waiting;
         row.since = Some(now.to_owned());
     }
     row
+}
+
+/// A drain under way: the aggregate's row as the released messages leave it, its open dead
+/// letters, the message whose sequence came last and how many were released.
+struct Draining<'a> {
+    aggregate_id: &'a str,
+    now: &'a str,
+    row: AggregateRow,
+    open: Vec<OpenDeadLetter>,
+    after: String,
+    released: usize,
+}
+
+impl Draining<'_> {
+    /// A timeline entry of the aggregate about the held message `held`.
+    fn entry(&self, kind: TimelineKind, held: &HeldMessage, detail: TimelineDetail) -> Change {
+        Change::Append(TimelineEntry {
+            aggregate_id: self.aggregate_id.to_owned(),
+            at: self.now.to_owned(),
+            kind,
+            sequence: Some(held.message.sequence),
+            message_id: Some(held.message.message_id.clone()),
+            detail,
+        })
+    }
+
+    /// Releases `next` from the held set, with its `drained` entry.
+    fn release(&self, next: &HeldMessage, changes: &mut Vec<Change>) {
+        changes.push(Change::ReleaseHeld {
+            producer: next.producer().map(str::to_owned),
+            message_id: next.message.message_id.clone(),
+        });
+        changes.push(self.entry(
+            TimelineKind::Drained,
+            next,
+            TimelineDetail::Drained {
+                held_at: next.held_at.clone(),
+                after: self.after.clone(),
+            },
+        ));
+    }
+
+    /// Applies `next` at `sequence`: it supersedes the open dead letters at that sequence.
+    fn apply(&mut self, next: &HeldMessage, sequence: i64, changes: &mut Vec<Change>) {
+        let message = &next.message;
+        self.release(next, changes);
+        changes.push(Change::InsertApplied {
+            producer: next.producer().map(str::to_owned),
+            message: message.clone(),
+            payload: next.payload.clone(),
+            applied_at: self.now.to_owned(),
+        });
+        let superseded = supersede_at(
+            self.aggregate_id,
+            sequence,
+            &self.open,
+            &message.message_id,
+            self.now,
+            changes,
+        );
+        self.open
+            .retain(|letter| !superseded.contains(&letter.message_id));
+        self.row.last = sequence;
+        self.after = message.message_id.clone();
+        self.released += 1;
+    }
+
+    /// Quarantines `next`, a poison: a dead letter that blocks the aggregate and ends the drain.
+    fn quarantine(&mut self, next: &HeldMessage, poison: Poison, changes: &mut Vec<Change>) {
+        self.release(next, changes);
+        changes.push(Change::InsertDeadLetter {
+            producer: next.producer().map(str::to_owned),
+            message: next.message.clone(),
+            payload: next.payload.clone(),
+            reason: poison.reason.clone(),
+            at: self.now.to_owned(),
+        });
+        changes.push(self.entry(
+            TimelineKind::Quarantined,
+            next,
+            TimelineDetail::Quarantined {
+                reason: poison.reason,
+                detail: poison.detail,
+            },
+        ));
+        self.row.status = AggregateStatus::Blocked;
+        self.row.since = Some(self.now.to_owned());
+    }
 }
 
 /// The held messages that may still drain after `last`, in sequence order. The others are
