@@ -184,7 +184,10 @@ mod handling;
 pub mod inbox;
 pub mod model;
 pub mod operators;
+#[cfg(feature = "planted-bugs")]
 pub mod planted;
+#[cfg(not(feature = "planted-bugs"))]
+mod planted;
 pub mod policy;
 #[cfg(feature = "postgres")]
 pub mod postgres;
