@@ -172,6 +172,8 @@
 //! here speaks HTTP: verdicts, conflicts and refusals are enums, and a server words them. Nor
 //! does anything here know what a payload means: that is the handler's.
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod builder;
 pub mod change;
 pub mod clock;
 pub mod content;
@@ -200,6 +202,8 @@ pub mod sqlite;
 pub mod timeline;
 pub mod views;
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use builder::OrderedInbox;
 pub use change::Change;
 pub use content::{AcceptAll, ApplyOutcome, Check, Detail, Poison, canonical_json};
 pub use delivery::{

@@ -1,6 +1,6 @@
 //! The PostgreSQL backend: [`PostgresInbox`] implements [`crate::Inbox`] on a shared PostgreSQL
 //! database, so that any number of server processes serve one inbox with one authoritative
-//! sequence per aggregate.
+//! sequence per aggregate. [`crate::OrderedInbox::postgres`] opens one ([`PostgresBuilder`]).
 //!
 //! - [`schema`]: the inbox's tables and their versioned migrations, run under an advisory lock;
 //! - [`handler`]: the application's handler, run in the operation's transaction;
@@ -32,6 +32,7 @@
 //! client disconnect) never leaves a transaction half-way on a pooled connection.
 
 mod batch;
+mod builder;
 mod connection;
 pub mod engine;
 mod error;
@@ -57,6 +58,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use deadpool_postgres::{ManagerConfig, Pool, RecyclingMethod, Runtime};
 
+pub use builder::PostgresBuilder;
 pub use connection::{
     ATTEMPTS, CONNECT_TIMEOUT, Counters, POOL_SIZE, POOL_WAIT, PostgresError, PostgresStats, Target,
 };
@@ -123,6 +125,15 @@ impl PostgresInbox {
         handler: Arc<dyn PostgresHandler>,
     ) -> Result<PostgresInbox, PostgresError> {
         schema::migrate(&target).await?;
+        PostgresInbox::start(target, limits, handler)
+    }
+
+    /// The pool and the group commit's writer on a database whose schema is up to date.
+    fn start(
+        target: Target,
+        limits: Limits,
+        handler: Arc<dyn PostgresHandler>,
+    ) -> Result<PostgresInbox, PostgresError> {
         let manager = target.manager(ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         });
