@@ -31,29 +31,38 @@ use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
 /// the time that stamps every row.
 #[derive(Clone, Copy)]
 pub struct Context<'a> {
+    /// The store's bounds.
     pub limits: &'a Limits,
+    /// The application's check.
     pub check: &'a dyn Check,
+    /// The time now, in the stored format ([`crate::clock`]).
     pub now: &'a str,
 }
 
 /// How an earlier delivery of the same message was applied.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AppliedRecord {
+    /// The sequence it applied at.
     pub sequence: i64,
+    /// When it applied (unknown for rows written before the column existed).
     pub applied_at: Option<String>,
 }
 
 /// The dead letter a quarantined delivery is recorded as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeadLetterNote {
+    /// The dead letter's status.
     pub status: DeadLetterStatus,
+    /// How many times it has been seen.
     pub observations: i64,
 }
 
 /// The verdict on a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
+    /// Applied at the expected sequence, with the handler's writes, in one transaction.
     Applied {
+        /// The sequence it applied at.
         sequence: i64,
         /// Open dead letters at this sequence that the message replaced.
         superseded: Vec<String>,
@@ -63,14 +72,19 @@ pub enum Outcome {
     },
     /// The same id with the same payload was applied before; nothing changed.
     Replay {
+        /// The earlier apply.
         original: AppliedRecord,
     },
     /// The id is known with a different payload; nothing changed.
     PayloadConflict,
+    /// Ahead of its turn and refused; nothing applied.
     Gap {
+        /// The sequence the aggregate waits for.
         expected: i64,
     },
+    /// Behind its turn (the sequence was already passed); nothing applied.
     Stale {
+        /// The sequence the aggregate waits for.
         expected: i64,
         /// The operator's gap resolution that skipped this sequence (the message arrived after
         /// it), if one did.
@@ -78,7 +92,9 @@ pub enum Outcome {
     },
     /// Recorded as a dead letter (or seen again as one); the aggregate did not advance.
     Quarantined {
+        /// The sequence the aggregate waits for.
         expected: i64,
+        /// Why it is poison.
         reason: QuarantineReason,
         /// `None` when the classroom door re-observed an id whose dead letter holds other content.
         dead_letter: Option<DeadLetterNote>,
@@ -86,8 +102,11 @@ pub enum Outcome {
     /// A new poison message, refused: the aggregate already holds `open` open dead letters, the
     /// most [`Limits::max_open_dead_letters`] allows. Only a bounded observation was written.
     QuarantineFull {
+        /// The sequence the aggregate waits for.
         expected: i64,
+        /// The aggregate's open dead letters.
         open: usize,
+        /// The most it may have.
         limit: usize,
         /// Why the message is poison.
         reason: QuarantineReason,
@@ -96,16 +115,22 @@ pub enum Outcome {
     /// as soon as `expected` and the sequences between do. `held` counts the aggregate's held
     /// messages now. `repeated`: the same message was already held; nothing changed.
     Held {
+        /// The sequence the aggregate waits for.
         expected: i64,
+        /// How many messages the aggregate holds now.
         held: usize,
+        /// Whether it was held already.
         repeated: bool,
     },
     /// ([`Door::Broker`] only) Ahead of its turn, but the aggregate already holds `held`
     /// messages, the most [`Limits::max_held_per_aggregate`] allows: not recorded (but for a
     /// bounded observation); deliver it again later.
     HoldFull {
+        /// The sequence the aggregate waits for.
         expected: i64,
+        /// How many messages the aggregate holds.
         held: usize,
+        /// The most it may hold.
         limit: usize,
     },
 }
@@ -124,7 +149,9 @@ impl Outcome {
 /// The verdict and the rows that record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeliveryPlan {
+    /// The verdict.
     pub outcome: Outcome,
+    /// The changes that record it, in order.
     pub changes: Vec<Change>,
 }
 

@@ -199,6 +199,8 @@
 //! here speaks HTTP: verdicts, conflicts and refusals are enums, and a server words them. Nor
 //! does anything here know what a payload means: that is the handler's.
 
+#![warn(missing_docs)]
+
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod builder;
 pub mod change;

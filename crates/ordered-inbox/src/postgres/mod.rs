@@ -169,6 +169,7 @@ impl PostgresInbox {
         &self.target
     }
 
+    /// The counters of operations, round trips, retries and group commits so far.
     pub fn stats(&self) -> PostgresStats {
         PostgresStats {
             operations: self.counters.operations.load(Ordering::Relaxed),

@@ -136,6 +136,7 @@ impl SqliteInbox {
             .await
     }
 
+    /// The store the inbox lives in, for the application's own reads and writes.
     pub fn store(&self) -> &Store {
         &self.store
     }
