@@ -34,16 +34,16 @@ pub struct OrderedInbox {
 
 impl OrderedInbox {
     /// An inbox in the SQLite file at `path` (created if missing), with its writer thread and
-    /// group commit; see [`crate::sqlite::SqliteBuilder`].
+    /// group commit; see [`crate::sqlite::builder::SqliteBuilder`].
     #[cfg(feature = "sqlite")]
-    pub fn sqlite(path: impl AsRef<std::path::Path>) -> crate::sqlite::SqliteBuilder {
-        crate::sqlite::SqliteBuilder::new(path.as_ref())
+    pub fn sqlite(path: impl AsRef<std::path::Path>) -> crate::sqlite::builder::SqliteBuilder {
+        crate::sqlite::builder::SqliteBuilder::new(path.as_ref())
     }
 
     /// An inbox in the PostgreSQL database at `url` (`postgres://user@host/database`), shared
-    /// by any number of server processes; see [`crate::postgres::PostgresBuilder`].
+    /// by any number of server processes; see [`crate::postgres::builder::PostgresBuilder`].
     #[cfg(feature = "postgres")]
-    pub fn postgres(url: impl Into<String>) -> crate::postgres::PostgresBuilder {
-        crate::postgres::PostgresBuilder::new(url.into())
+    pub fn postgres(url: impl Into<String>) -> crate::postgres::builder::PostgresBuilder {
+        crate::postgres::builder::PostgresBuilder::new(url.into())
     }
 }

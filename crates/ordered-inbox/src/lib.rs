@@ -108,8 +108,8 @@
 //! On PostgreSQL the same check goes with a [`postgres::PostgresHandler`], whose `apply` gets the
 //! client inside the open transaction (a [`postgres::HandlerClient`], with a statement cache per
 //! connection), and `OrderedInbox::postgres(url).handler(..).migrate(sql).open()` opens it
-//! ([`postgres::PostgresBuilder`]). Handlers may also define what "the same content" means
-//! ([`Check::canonical`], see [`content`]); the default is the payload's canonical JSON.
+//! ([`postgres::builder::PostgresBuilder`]). Handlers may also define what "the same content"
+//! means ([`Check::canonical`], see [`content`]); the default is the payload's canonical JSON.
 //!
 //! ## Guarantees
 //!

@@ -1,7 +1,10 @@
 //! The PostgreSQL backend: [`PostgresInbox`] implements [`crate::Inbox`] on a shared PostgreSQL
 //! database, so that any number of server processes serve one inbox with one authoritative
-//! sequence per aggregate. [`crate::OrderedInbox::postgres`] opens one ([`PostgresBuilder`]).
+//! sequence per aggregate. [`crate::OrderedInbox::postgres`] opens one
+//! ([`builder::PostgresBuilder`]).
 //!
+//! - [`builder`]: how an inbox is opened: its handler, bounds, access and the application's
+//!   tables;
 //! - [`schema`]: the inbox's tables and their versioned migrations, run under an advisory lock;
 //! - [`handler`]: the application's handler, run in the operation's transaction;
 //! - `writer`, `batch`: the group commit of deliveries: one queue, its writer task, one
@@ -32,7 +35,7 @@
 //! client disconnect) never leaves a transaction half-way on a pooled connection.
 
 mod batch;
-mod builder;
+pub mod builder;
 mod connection;
 pub mod engine;
 mod error;
@@ -58,7 +61,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use deadpool_postgres::{ManagerConfig, Pool, RecyclingMethod, Runtime};
 
-pub use builder::PostgresBuilder;
 pub use connection::{
     ATTEMPTS, CONNECT_TIMEOUT, Counters, POOL_SIZE, POOL_WAIT, PostgresError, PostgresStats, Target,
 };

@@ -1,7 +1,8 @@
 //! The SQLite backend: [`SqliteInbox`] implements [`crate::Inbox`] on a [`Store`], the
 //! single-writer SQLite store with group commit that the owner of the file may share for tables
-//! of its own. [`crate::OrderedInbox::sqlite`] opens one ([`SqliteBuilder`]).
+//! of its own. [`crate::OrderedInbox::sqlite`] opens one ([`builder::SqliteBuilder`]).
 //!
+//! - [`builder`]: how an inbox is opened: its handler, bounds and the application's tables;
 //! - [`store`]: the writer thread, group commit, read connections;
 //! - [`connection`]: the writer's connection, with statements prepared once for its life;
 //! - [`schema`]: the inbox's tables and migrations;
@@ -14,7 +15,7 @@
 //! - [`operators`]: the operator and producer registry commands on a file;
 //! - `rejected`: the rejected list's rows.
 
-mod builder;
+pub mod builder;
 pub mod connection;
 pub mod engine;
 mod facts;
@@ -41,7 +42,6 @@ pub use store::{
     WriterObserver, is_busy, is_constraint,
 };
 
-pub use builder::SqliteBuilder;
 pub use connection::{WriterConnection, WriterStatement};
 pub use handler::SqliteHandler;
 
