@@ -15,18 +15,15 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind, Message, stream};
 use futures_util::StreamExt;
-use ordered_inbox::sqlite::{
-    SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, WriterConnection, schema,
-};
+use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, StoreError, WriterConnection};
 use ordered_inbox::{
-    ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, Limits, OrderedMessage, Outcome,
-    Poison, Undelivered,
+    ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, OrderedInbox, OrderedMessage,
+    Outcome, Poison, Undelivered,
 };
 use rusqlite::Connection;
 use serde::Deserialize;
@@ -192,13 +189,12 @@ impl Answered {
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
 
-fn open_inbox(path: &Path) -> Result<SqliteInbox, StoreError> {
-    let store = Store::open(path, Synchronous::Full, |connection| {
-        schema::migrate(connection)?;
-        connection.execute_batch(ORDERS_TABLE)
-    })?;
-    let handler = Arc::new(OrderLines);
-    Ok(SqliteInbox::with_handler(store, Limits::default(), handler))
+async fn open_inbox(path: &Path) -> Result<SqliteInbox, StoreError> {
+    OrderedInbox::sqlite(path)
+        .handler(OrderLines)
+        .migrate(|connection| connection.execute_batch(ORDERS_TABLE))
+        .open()
+        .await
 }
 
 async fn open_consumer(client: async_nats::Client) -> Result<PullConsumer, Failure> {
@@ -242,7 +238,7 @@ async fn run() -> Result<(), Failure> {
         }
     }
     let directory = tempfile::tempdir()?;
-    let inbox = open_inbox(&database.unwrap_or_else(|| directory.path().join("orders.db")))?;
+    let inbox = open_inbox(&database.unwrap_or_else(|| directory.path().join("orders.db"))).await?;
     let outcome = match nats {
         Some(url) => consume_until_stopped(&url, &inbox).await,
         None => check_itself(&inbox).await,

@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use lab_testkit::pg::{ClusterOptions, PrivateCluster};
-use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox, Target};
-use ordered_inbox::{ApplyOutcome, HandlerError, Limits, OrderedMessage};
+use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox};
+use ordered_inbox::{ApplyOutcome, HandlerError, OrderedInbox, OrderedMessage};
 use orders::{Failure, OrderLines, line, verdict_on};
 use serde_json::{Value, json};
 use tokio_postgres::Client;
@@ -86,14 +86,10 @@ CREATE INDEX IF NOT EXISTS ix_orders_order ON orders(order_id, sequence);";
 // Plumbing: the inbox's tables and the application's in one database.
 
 async fn open_inbox(url: &str) -> Result<PostgresInbox, Failure> {
-    let handler = Arc::new(OrderLines);
-    let inbox = PostgresInbox::open_with_handler(Target::parse(url)?, Limits::default(), handler);
-    let inbox = inbox.await?;
-    inbox
-        .pool()
-        .get()
-        .await?
-        .batch_execute(ORDERS_TABLE)
+    let inbox = OrderedInbox::postgres(url)
+        .handler(OrderLines)
+        .migrate(ORDERS_TABLE)
+        .open()
         .await?;
     Ok(inbox)
 }

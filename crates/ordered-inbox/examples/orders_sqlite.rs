@@ -22,10 +22,8 @@ mod orders;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ordered_inbox::sqlite::{
-    SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, WriterConnection, schema,
-};
-use ordered_inbox::{ApplyOutcome, HandlerError, Limits, OrderedMessage};
+use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, StoreError, WriterConnection};
+use ordered_inbox::{ApplyOutcome, HandlerError, OrderedInbox, OrderedMessage};
 use orders::{Failure, OrderLines, line, verdict_on};
 use rusqlite::Connection;
 use serde_json::{Value, json};
@@ -90,13 +88,12 @@ CREATE INDEX IF NOT EXISTS ix_orders_order ON orders(order_id, sequence);";
 // ---------------------------------------------------------------------------------------------
 // Plumbing: one file for the inbox's tables and the application's.
 
-fn open_inbox(path: &Path) -> Result<SqliteInbox, StoreError> {
-    let store = Store::open(path, Synchronous::Full, |connection| {
-        schema::migrate(connection)?;
-        connection.execute_batch(ORDERS_TABLE)
-    })?;
-    let handler = Arc::new(OrderLines);
-    Ok(SqliteInbox::with_handler(store, Limits::default(), handler))
+async fn open_inbox(path: &Path) -> Result<SqliteInbox, StoreError> {
+    OrderedInbox::sqlite(path)
+        .handler(OrderLines)
+        .migrate(|connection| connection.execute_batch(ORDERS_TABLE))
+        .open()
+        .await
 }
 
 #[tokio::main]
@@ -110,7 +107,7 @@ async fn run() -> Result<(), Failure> {
     let path = args
         .database
         .map_or_else(|| directory.path().join("orders.db"), PathBuf::from);
-    let inbox = open_inbox(&path)?;
+    let inbox = open_inbox(&path).await?;
     let outcome = match args.listen {
         Some(listen) => orders::serve(Arc::new(inbox.clone()), listen).await,
         None => orders::check_itself(Arc::new(inbox.clone()), async || lines(&inbox).await).await,

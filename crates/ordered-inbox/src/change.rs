@@ -14,7 +14,9 @@ use crate::timeline::TimelineEntry;
 pub enum Change {
     /// Insert or overwrite the aggregate's row.
     PutAggregate {
+        /// The aggregate.
         aggregate_id: String,
+        /// Its row as it is to be.
         row: AggregateRow,
     },
     /// An applied message, its id in `producer`'s namespace (`None`: the anonymous one), with its
@@ -22,38 +24,58 @@ pub enum Change {
     /// application handler's `apply` for it first, in the same transaction, and records the
     /// event with the detail `apply` returned.
     InsertApplied {
+        /// The namespace of the message id (`None`: the anonymous one).
         producer: Option<String>,
+        /// The message as delivered.
         message: OrderedMessage,
+        /// Its canonical content.
         payload: String,
+        /// When it applied.
         applied_at: String,
     },
     /// A new dead letter, its id in `producer`'s namespace (`None`: the anonymous one).
     InsertDeadLetter {
+        /// The namespace of the message id (`None`: the anonymous one).
         producer: Option<String>,
+        /// The message as delivered.
         message: OrderedMessage,
+        /// Its canonical content.
         payload: String,
+        /// Why it is poison.
         reason: QuarantineReason,
+        /// When it was quarantined.
         at: String,
     },
     /// A dead letter seen again: its count becomes `observations`.
     ObserveDeadLetter {
+        /// The namespace of the message id (`None`: the anonymous one).
         producer: Option<String>,
+        /// The dead letter's message id.
         message_id: String,
+        /// How many times it has been seen, this time included.
         observations: i64,
+        /// When it was seen again.
         at: String,
     },
     /// The aggregate's open dead letters with these ids (whatever their namespace: all of them
     /// wait for the same sequence), whose sequence `by` took.
     SupersedeDeadLetters {
+        /// The aggregate.
         aggregate_id: String,
+        /// The dead letters' message ids.
         message_ids: Vec<String>,
+        /// The message id that took their sequence.
         by: String,
+        /// When.
         at: String,
     },
     /// The dead letter an operator resolves; the audit row follows as [`Change::RecordResolution`].
     ResolveDeadLetter {
+        /// The namespace of the message id (`None`: the anonymous one).
         producer: Option<String>,
+        /// The dead letter's message id.
         message_id: String,
+        /// When it was resolved.
         at: String,
     },
     /// Insert one held message: a plain row keyed by its producer (`claim`'s, `None`: the
@@ -62,16 +84,22 @@ pub enum Change {
     /// (when it was held). At most one message is held per (aggregate, sequence); the core never
     /// asks for a second.
     InsertHeld {
+        /// The producer and epoch it was delivered under (`None`: anonymous).
         claim: Option<ProducerClaim>,
+        /// The message as delivered.
         message: OrderedMessage,
+        /// Its canonical content.
         payload: String,
+        /// When it was held.
         at: String,
     },
     /// Delete the held message row with this id in `producer`'s namespace: it was drained (applied or quarantined, which
     /// the changes that follow record; the `drained` timeline event keeps the evidence), or
     /// rejected ([`Change::RecordRejected`] and a `held rejected` event follow).
     ReleaseHeld {
+        /// The namespace of the message id (`None`: the anonymous one).
         producer: Option<String>,
+        /// The held message's id.
         message_id: String,
     },
     /// Insert an entry of the rejected list and prune the list to the newest
@@ -85,16 +113,22 @@ pub enum Change {
     /// Record `owner` as the aggregate's owner (a claim or a transfer): the aggregate's owner
     /// columns, created with the aggregate's row if it has none yet (last 0, flowing).
     SetOwner {
+        /// The aggregate.
         aggregate_id: String,
+        /// Its owner from now on.
         owner: AggregateOwner,
+        /// When it became the owner.
         at: String,
     },
     /// Stamp the producer's last delivery time (a delivery to `aggregate_id`: a backend may keep
     /// the time per aggregate, so that one producer's deliveries to different aggregates never
     /// write the same row).
     TouchProducer {
+        /// The producer.
         producer: String,
+        /// The aggregate it delivered to.
         aggregate_id: String,
+        /// When it delivered.
         at: String,
     },
     /// Insert the transfer's audit row (the `owner transferred` event follows as an
@@ -104,8 +138,11 @@ pub enum Change {
     /// backend keeps, per aggregate, the lowest such sequence since that last (a note taken at
     /// another last is replaced), from which the missing range is told ([`crate::gaps`]).
     NoteGap {
+        /// The aggregate.
         aggregate_id: String,
+        /// Its last applied sequence when the gap was seen.
         last: i64,
+        /// The sequence delivered ahead of its turn.
         sequence: i64,
     },
     /// Insert a gap resolution's audit row and append its `gap skipped` event (whose detail
@@ -168,6 +205,7 @@ impl Change {
 
 /// A decision's outcome with the changes that record it: what a backend writes.
 pub trait Plan {
+    /// The changes to write, in order.
     fn changes(&self) -> &[Change];
 }
 

@@ -48,11 +48,14 @@ pub type Detail = Map<String, Value>;
 /// by this object's members).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Poison {
+    /// Why the message is poison, as the dead letter keeps it.
     pub reason: QuarantineReason,
+    /// What else the handler reports; the timeline's entry shows it.
     pub detail: Detail,
 }
 
 impl Poison {
+    /// A poison with `reason` and no detail.
     pub fn new(reason: impl Into<String>) -> Poison {
         Poison {
             reason: QuarantineReason::new(reason),
@@ -88,7 +91,10 @@ pub trait Check: Send + Sync {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ApplyOutcome {
     /// Applied: the handler's writes stand, and the `applied` event carries `detail`.
-    Applied { detail: Detail },
+    Applied {
+        /// What the handler reports of the apply.
+        detail: Detail,
+    },
     /// Poison after all, from what the handler read in its tables: its writes for this message
     /// are rolled back and the message is quarantined exactly as a poison from [`Check::check`].
     Poison(Poison),

@@ -31,29 +31,38 @@ use crate::timeline::{TimelineDetail, TimelineEntry, TimelineKind};
 /// the time that stamps every row.
 #[derive(Clone, Copy)]
 pub struct Context<'a> {
+    /// The store's bounds.
     pub limits: &'a Limits,
+    /// The application's check.
     pub check: &'a dyn Check,
+    /// The time now, in the stored format ([`crate::clock`]).
     pub now: &'a str,
 }
 
 /// How an earlier delivery of the same message was applied.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AppliedRecord {
+    /// The sequence it applied at.
     pub sequence: i64,
+    /// When it applied (unknown for rows written before the column existed).
     pub applied_at: Option<String>,
 }
 
 /// The dead letter a quarantined delivery is recorded as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeadLetterNote {
+    /// The dead letter's status.
     pub status: DeadLetterStatus,
+    /// How many times it has been seen.
     pub observations: i64,
 }
 
 /// The verdict on a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
+    /// Applied at the expected sequence, with the handler's writes, in one transaction.
     Applied {
+        /// The sequence it applied at.
         sequence: i64,
         /// Open dead letters at this sequence that the message replaced.
         superseded: Vec<String>,
@@ -63,14 +72,19 @@ pub enum Outcome {
     },
     /// The same id with the same payload was applied before; nothing changed.
     Replay {
+        /// The earlier apply.
         original: AppliedRecord,
     },
     /// The id is known with a different payload; nothing changed.
     PayloadConflict,
+    /// Ahead of its turn and refused; nothing applied.
     Gap {
+        /// The sequence the aggregate waits for.
         expected: i64,
     },
+    /// Behind its turn (the sequence was already passed); nothing applied.
     Stale {
+        /// The sequence the aggregate waits for.
         expected: i64,
         /// The operator's gap resolution that skipped this sequence (the message arrived after
         /// it), if one did.
@@ -78,7 +92,9 @@ pub enum Outcome {
     },
     /// Recorded as a dead letter (or seen again as one); the aggregate did not advance.
     Quarantined {
+        /// The sequence the aggregate waits for.
         expected: i64,
+        /// Why it is poison.
         reason: QuarantineReason,
         /// `None` when the classroom door re-observed an id whose dead letter holds other content.
         dead_letter: Option<DeadLetterNote>,
@@ -86,8 +102,11 @@ pub enum Outcome {
     /// A new poison message, refused: the aggregate already holds `open` open dead letters, the
     /// most [`Limits::max_open_dead_letters`] allows. Only a bounded observation was written.
     QuarantineFull {
+        /// The sequence the aggregate waits for.
         expected: i64,
+        /// The aggregate's open dead letters.
         open: usize,
+        /// The most it may have.
         limit: usize,
         /// Why the message is poison.
         reason: QuarantineReason,
@@ -96,16 +115,22 @@ pub enum Outcome {
     /// as soon as `expected` and the sequences between do. `held` counts the aggregate's held
     /// messages now. `repeated`: the same message was already held; nothing changed.
     Held {
+        /// The sequence the aggregate waits for.
         expected: i64,
+        /// How many messages the aggregate holds now.
         held: usize,
+        /// Whether it was held already.
         repeated: bool,
     },
     /// ([`Door::Broker`] only) Ahead of its turn, but the aggregate already holds `held`
     /// messages, the most [`Limits::max_held_per_aggregate`] allows: not recorded (but for a
     /// bounded observation); deliver it again later.
     HoldFull {
+        /// The sequence the aggregate waits for.
         expected: i64,
+        /// How many messages the aggregate holds.
         held: usize,
+        /// The most it may hold.
         limit: usize,
     },
 }
@@ -124,7 +149,9 @@ impl Outcome {
 /// The verdict and the rows that record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeliveryPlan {
+    /// The verdict.
     pub outcome: Outcome,
+    /// The changes that record it, in order.
     pub changes: Vec<Change>,
 }
 
@@ -572,10 +599,28 @@ impl Delivery<'_> {
                 },
             });
         }
-        // The classroom door may deliver a quarantined id again (its identity rule only knows
-        // applied messages); like the seed it keeps one row, counting the repeat if the content
-        // matches.
-        let note = match &self.facts.dead_letter {
+        let note = self.record_dead_letter(&reason, &mut changes);
+        changes.push(self.quarantined_entry(note, &reason, detail));
+        DeliveryPlan {
+            outcome: Outcome::Quarantined {
+                expected,
+                reason,
+                dead_letter: note,
+            },
+            changes,
+        }
+    }
+
+    /// The dead letter of a quarantine: a new one, or the known one seen again. The classroom
+    /// door may deliver a quarantined id again (its identity rule only knows applied messages);
+    /// like the seed it keeps one row, counting the repeat if the content matches. `None`: the
+    /// id is a dead letter of other content, and nothing is counted.
+    fn record_dead_letter(
+        &self,
+        reason: &QuarantineReason,
+        changes: &mut Vec<Change>,
+    ) -> Option<DeadLetterNote> {
+        match &self.facts.dead_letter {
             None => {
                 changes.push(Change::InsertDeadLetter {
                     producer: self.producer.map(str::to_owned),
@@ -603,8 +648,18 @@ impl Delivery<'_> {
                 })
             }
             Some(_) => None,
-        };
-        changes.push(match note {
+        }
+    }
+
+    /// The timeline's entry of a quarantine: the first sighting with its reason and the
+    /// handler's detail, or a repeat with its count.
+    fn quarantined_entry(
+        &self,
+        note: Option<DeadLetterNote>,
+        reason: &QuarantineReason,
+        detail: Detail,
+    ) -> Change {
+        match note {
             Some(note) if note.observations == 1 => self.entry(
                 TimelineKind::Quarantined,
                 TimelineDetail::Quarantined {
@@ -618,14 +673,6 @@ impl Delivery<'_> {
                     observations: note.map(|note| note.observations),
                 },
             ),
-        });
-        DeliveryPlan {
-            outcome: Outcome::Quarantined {
-                expected,
-                reason,
-                dead_letter: note,
-            },
-            changes,
         }
     }
 
@@ -717,97 +764,129 @@ pub(crate) fn drain(
     let now = context.now;
     let DrainStart {
         aggregate_id,
-        mut row,
+        row,
         after,
         held,
         open,
         owner,
     } = start;
     let ordered = still_held(held, owner, row.last, now, changes);
-    let mut open: Vec<OpenDeadLetter> = open.to_vec();
-    let mut after = after.to_owned();
-    let mut released = 0;
-    let entry = |kind, held: &HeldMessage, detail| {
-        Change::Append(TimelineEntry {
-            aggregate_id: aggregate_id.to_owned(),
-            at: now.to_owned(),
-            kind,
-            sequence: Some(held.message.sequence),
-            message_id: Some(held.message.message_id.clone()),
-            detail,
-        })
+    let mut drain = Draining {
+        aggregate_id,
+        now,
+        row,
+        open: open.to_vec(),
+        after: after.to_owned(),
+        released: 0,
     };
     for next in &ordered {
-        let message = &next.message;
-        let release = |changes: &mut Vec<Change>| {
-            changes.push(Change::ReleaseHeld {
-                producer: next.producer().map(str::to_owned),
-                message_id: message.message_id.clone(),
-            });
-            changes.push(entry(
-                TimelineKind::Drained,
-                next,
-                TimelineDetail::Drained {
-                    held_at: next.held_at.clone(),
-                    after: after.clone(),
-                },
-            ));
-        };
-        match decide(row.last, message, context.check) {
-            Decision::Apply { sequence } => {
-                release(changes);
-                changes.push(Change::InsertApplied {
-                    producer: next.producer().map(str::to_owned),
-                    message: message.clone(),
-                    payload: next.payload.clone(),
-                    applied_at: now.to_owned(),
-                });
-                let superseded = supersede_at(
-                    aggregate_id,
-                    sequence,
-                    &open,
-                    &message.message_id,
-                    now,
-                    changes,
-                );
-                open.retain(|letter| !superseded.contains(&letter.message_id));
-                row.last = sequence;
-                after = message.message_id.clone();
-                released += 1;
-            }
+        match decide(drain.row.last, &next.message, context.check) {
+            Decision::Apply { sequence } => drain.apply(next, sequence, changes),
             Decision::Quarantine { poison, .. }
-                if open.len() < context.limits.max_open_dead_letters =>
+                if drain.open.len() < context.limits.max_open_dead_letters =>
             {
-                release(changes);
-                changes.push(Change::InsertDeadLetter {
-                    producer: next.producer().map(str::to_owned),
-                    message: message.clone(),
-                    payload: next.payload.clone(),
-                    reason: poison.reason.clone(),
-                    at: now.to_owned(),
-                });
-                changes.push(entry(
-                    TimelineKind::Quarantined,
-                    next,
-                    TimelineDetail::Quarantined {
-                        reason: poison.reason,
-                        detail: poison.detail,
-                    },
-                ));
-                row.status = AggregateStatus::Blocked;
-                row.since = Some(now.to_owned());
-                return row;
+                drain.quarantine(next, poison, changes);
+                return drain.row;
             }
             // A gap ends the drain; so does a poison message the full quarantine cannot take
             // (it stays held, and the aggregate waits).
             _ => break,
         }
     }
-    if ordered.len() > released && row.status != AggregateStatus::Waiting {
+    let mut row = drain.row;
+    if ordered.len() > drain.released && row.status != AggregateStatus::Waiting {
         row.status = AggregateStatus::Waiting;
         row.since = Some(now.to_owned());
     }
     row
+}
+
+/// A drain under way: the aggregate's row as the released messages leave it, its open dead
+/// letters, the message whose sequence came last and how many were released.
+struct Draining<'a> {
+    aggregate_id: &'a str,
+    now: &'a str,
+    row: AggregateRow,
+    open: Vec<OpenDeadLetter>,
+    after: String,
+    released: usize,
+}
+
+impl Draining<'_> {
+    /// A timeline entry of the aggregate about the held message `held`.
+    fn entry(&self, kind: TimelineKind, held: &HeldMessage, detail: TimelineDetail) -> Change {
+        Change::Append(TimelineEntry {
+            aggregate_id: self.aggregate_id.to_owned(),
+            at: self.now.to_owned(),
+            kind,
+            sequence: Some(held.message.sequence),
+            message_id: Some(held.message.message_id.clone()),
+            detail,
+        })
+    }
+
+    /// Releases `next` from the held set, with its `drained` entry.
+    fn release(&self, next: &HeldMessage, changes: &mut Vec<Change>) {
+        changes.push(Change::ReleaseHeld {
+            producer: next.producer().map(str::to_owned),
+            message_id: next.message.message_id.clone(),
+        });
+        changes.push(self.entry(
+            TimelineKind::Drained,
+            next,
+            TimelineDetail::Drained {
+                held_at: next.held_at.clone(),
+                after: self.after.clone(),
+            },
+        ));
+    }
+
+    /// Applies `next` at `sequence`: it supersedes the open dead letters at that sequence.
+    fn apply(&mut self, next: &HeldMessage, sequence: i64, changes: &mut Vec<Change>) {
+        let message = &next.message;
+        self.release(next, changes);
+        changes.push(Change::InsertApplied {
+            producer: next.producer().map(str::to_owned),
+            message: message.clone(),
+            payload: next.payload.clone(),
+            applied_at: self.now.to_owned(),
+        });
+        let superseded = supersede_at(
+            self.aggregate_id,
+            sequence,
+            &self.open,
+            &message.message_id,
+            self.now,
+            changes,
+        );
+        self.open
+            .retain(|letter| !superseded.contains(&letter.message_id));
+        self.row.last = sequence;
+        self.after = message.message_id.clone();
+        self.released += 1;
+    }
+
+    /// Quarantines `next`, a poison: a dead letter that blocks the aggregate and ends the drain.
+    fn quarantine(&mut self, next: &HeldMessage, poison: Poison, changes: &mut Vec<Change>) {
+        self.release(next, changes);
+        changes.push(Change::InsertDeadLetter {
+            producer: next.producer().map(str::to_owned),
+            message: next.message.clone(),
+            payload: next.payload.clone(),
+            reason: poison.reason.clone(),
+            at: self.now.to_owned(),
+        });
+        changes.push(self.entry(
+            TimelineKind::Quarantined,
+            next,
+            TimelineDetail::Quarantined {
+                reason: poison.reason,
+                detail: poison.detail,
+            },
+        ));
+        self.row.status = AggregateStatus::Blocked;
+        self.row.since = Some(self.now.to_owned());
+    }
 }
 
 /// The held messages that may still drain after `last`, in sequence order. The others are

@@ -25,6 +25,7 @@ pub enum InboxError {
 pub struct HandlerError(pub String);
 
 impl HandlerError {
+    /// A handler failure that says `text`.
     pub fn new(text: impl Into<String>) -> HandlerError {
         HandlerError(text.into())
     }

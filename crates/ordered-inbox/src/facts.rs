@@ -12,7 +12,9 @@ pub struct AppliedFact {
     pub payload: String,
     /// Unknown for rows written before the columns existed.
     pub aggregate_id: Option<String>,
+    /// Unknown for rows written before the columns existed.
     pub sequence: Option<i64>,
+    /// Unknown for rows written before the columns existed.
     pub applied_at: Option<String>,
 }
 
@@ -21,10 +23,15 @@ pub struct AppliedFact {
 pub struct KnownDeadLetter {
     /// Unknown for dead letters recorded before payloads were kept.
     pub payload: Option<String>,
+    /// Unknown for dead letters recorded before sequences were kept.
     pub aggregate_id: Option<String>,
+    /// Unknown for dead letters recorded before sequences were kept.
     pub sequence: Option<i64>,
+    /// Why it is poison.
     pub reason: QuarantineReason,
+    /// Its status.
     pub status: DeadLetterStatus,
+    /// How many times it has been seen.
     pub observations: i64,
 }
 
@@ -33,6 +40,7 @@ pub struct KnownDeadLetter {
 pub struct OpenDeadLetter {
     /// The namespace of its message id: the producer that delivered it (`None`: anonymous).
     pub producer: Option<String>,
+    /// Its message id.
     pub message_id: String,
     /// Unknown for dead letters recorded before sequences were kept.
     pub sequence: Option<i64>,
@@ -45,6 +53,7 @@ pub struct HeldMessage {
     pub message: OrderedMessage,
     /// The canonical content.
     pub payload: String,
+    /// When it was held.
     pub held_at: String,
     /// The producer that delivered it and the epoch it was sent under (`None`: anonymous). Its
     /// id is in that producer's namespace, and a drain applies it as that producer.
@@ -65,8 +74,11 @@ impl HeldMessage {
 /// What the store knows that a delivery's verdict depends on.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeliveryFacts {
+    /// An applied message with the delivered id.
     pub applied: Option<AppliedFact>,
+    /// A dead letter with the delivered id.
     pub dead_letter: Option<KnownDeadLetter>,
+    /// The aggregate's row (`None`: none yet).
     pub aggregate: Option<AggregateRow>,
     /// Every open dead letter of the aggregate; only a blocked aggregate has any, so a backend
     /// may leave this empty for one that is not blocked.
@@ -110,9 +122,11 @@ pub struct OwnershipFacts {
 /// What a transfer's decision depends on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferFacts {
+    /// Whether the operator is registered and not revoked.
     pub operator_active: bool,
     /// The receiving producer's row (`None`: unknown).
     pub producer: Option<ProducerFact>,
+    /// The aggregate's owner (`None`: unowned).
     pub owner: Option<AggregateOwner>,
     /// The aggregate's last applied sequence (0 without a row).
     pub last: i64,
@@ -124,26 +138,32 @@ pub struct TransferFacts {
 /// The dead letter being resolved, as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetterFact {
+    /// Its status.
     pub status: DeadLetterStatus,
     /// Unknown for dead letters recorded before sequences were kept.
     pub aggregate_id: Option<String>,
+    /// Unknown for dead letters recorded before sequences were kept.
     pub sequence: Option<i64>,
 }
 
 /// What the store knows that a resolution depends on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolutionFacts {
+    /// The dead letter (`None`: unknown).
     pub dead_letter: Option<DeadLetterFact>,
     /// The recorded resolution, when the dead letter is already resolved.
     pub recorded: Option<ResolutionRecord>,
     /// The dead letter's aggregate.
     pub aggregate: Option<AggregateRow>,
+    /// The aggregate's open dead letters, while it is blocked.
     pub open_dead_letters: Vec<OpenDeadLetter>,
     /// Whether the operator is still active (not revoked since authentication).
     pub operator_active: bool,
     /// What is known of the replacement's message id.
     pub replacement_applied: Option<AppliedFact>,
+    /// A dead letter with the replacement's message id.
     pub replacement_dead_letter: Option<KnownDeadLetter>,
+    /// A held message with the replacement's message id.
     pub replacement_held: Option<HeldMessage>,
     /// The aggregate's held messages, in sequence order: the resolution drains those it makes
     /// next.

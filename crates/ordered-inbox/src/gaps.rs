@@ -76,18 +76,24 @@ pub fn waiting(
 /// One gap resolution request, from an authenticated operator.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GapRequest {
+    /// The aggregate waiting for the missing sequences.
     pub aggregate_id: String,
+    /// The operator who resolves, as named in the registry.
     pub operator: String,
     /// The sequences to go on without: `from` must be the expected one.
     pub range: SequenceRange,
+    /// The last applied sequence the operator saw; the resolution is refused if it moved.
     pub expected_last: i64,
+    /// Why the sequences are skipped, for the audit row.
     pub reason: String,
 }
 
 /// An applied message of the aggregate inside the requested range.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AppliedInRange {
+    /// The sequence it took.
     pub sequence: i64,
+    /// Its message id.
     pub message_id: String,
 }
 
@@ -96,9 +102,11 @@ pub struct AppliedInRange {
 pub struct GapFacts {
     /// The aggregate's row (`None`: the store never recorded it).
     pub aggregate: Option<AggregateRow>,
+    /// The aggregate's open dead letters.
     pub open_dead_letters: Vec<OpenDeadLetter>,
     /// The aggregate's held messages, in sequence order.
     pub held: Vec<HeldMessage>,
+    /// The aggregate's owner (`None`: unowned).
     pub owner: Option<AggregateOwner>,
     /// Whether the operator is still active (not revoked since authentication).
     pub operator_active: bool,
@@ -115,30 +123,42 @@ pub struct GapFacts {
 pub enum GapConflict {
     /// Another resolution already skipped `from`.
     AlreadySkipped {
+        /// That resolution's id, if known.
         resolution_id: Option<i64>,
+        /// The range it skipped.
         range: SequenceRange,
     },
     /// A message took a sequence of the range: it was not missing after all.
     AppliedInRange {
+        /// The sequence taken.
         sequence: i64,
+        /// The message that took it.
         message_id: String,
     },
+    /// The aggregate's last applied sequence is not the one the operator saw.
     ExpectedLastMismatch {
+        /// The last applied sequence the operator saw.
         expected_last: i64,
+        /// The aggregate's last applied sequence now.
         last: i64,
     },
     /// `from` is not the sequence the aggregate expects.
     NotExpected {
+        /// The range's first sequence.
         from: i64,
+        /// The sequence the aggregate expects.
         expected: i64,
     },
     /// A dead letter holds `from`: that is a dead letter's resolution.
     DeadLetterOpen {
+        /// The dead letter's message id.
         message_id: String,
     },
     /// A held message lies inside the range: it is not missing.
     HeldInRange {
+        /// The held message's sequence.
         sequence: i64,
+        /// Its message id.
         message_id: String,
     },
 }
@@ -148,6 +168,7 @@ pub enum GapConflict {
 pub enum GapRefusal {
     /// The store never recorded the aggregate.
     NotFound,
+    /// A precondition failed.
     Conflict(GapConflict),
     /// The operator was revoked after authenticating.
     Unauthorized,
@@ -157,12 +178,16 @@ pub enum GapRefusal {
 #[derive(Debug, thiserror::Error)]
 pub enum GapResolutionError {
     #[error("no aggregate '{0}' was ever recorded")]
+    /// The aggregate was never recorded.
     NotFound(String),
     #[error("a gap resolution precondition failed: {0:?}")]
+    /// A precondition failed; nothing was written.
     Conflict(GapConflict),
     #[error("the operator's token is no longer valid")]
+    /// The operator is unknown or revoked.
     Unauthorized,
     #[error(transparent)]
+    /// The store failed.
     Store(#[from] InboxError),
 }
 
@@ -180,6 +205,7 @@ impl GapResolutionError {
 /// What a gap resolution did, or would do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GapResolved {
+    /// Resolved now, as recorded.
     New(GapRecord),
     /// The same operator sent the same resolution before: its original record, nothing changed.
     Repeated(GapRecord),
@@ -188,6 +214,7 @@ pub enum GapResolved {
 }
 
 impl GapResolved {
+    /// The resolution's audit record, new or earlier.
     pub fn record(&self) -> &GapRecord {
         match self {
             GapResolved::New(record)
@@ -211,7 +238,9 @@ impl GapResolved {
 /// The decided gap resolution and its rows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GapPlan {
+    /// The answer.
     pub resolved: GapResolved,
+    /// The changes that record it, in order.
     pub changes: Vec<Change>,
 }
 

@@ -42,8 +42,11 @@ pub enum Undelivered {
 /// it (`None`: anonymous).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchDelivery {
+    /// The message.
     pub message: OrderedMessage,
+    /// The door it came through.
     pub door: Door,
+    /// The producer and epoch it was sent under (`None`: anonymous).
     pub claim: Option<ProducerClaim>,
 }
 
@@ -109,6 +112,7 @@ pub trait Inbox: Send + Sync {
     /// Who `token` belongs to (`None`: no token was offered) and how many operators are active.
     async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError>;
 
+    /// The aggregate's position, status and open dead letters (`None`: never recorded).
     async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError>;
 
     /// For each aggregate named that holds messages, its lowest held message's payload as

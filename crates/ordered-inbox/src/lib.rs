@@ -3,35 +3,25 @@
 //! A per-aggregate ordered inbox in front of an application's own handler: each aggregate's
 //! messages apply in sequence order, exactly once, and the application's handler runs for each
 //! of them inside the inbox's own transaction, so the inbox's rows and the application's rows
-//! commit together or not at all.
+//! commit together or not at all. It keeps its state in a SQLite file or a PostgreSQL database,
+//! beside the application's own tables.
 //!
 //! A message is an identity (`message_id`), a position (`aggregate_id`, `sequence`) and a JSON
-//! payload the inbox does not interpret ([`OrderedMessage`]). One ahead of its turn is a *gap*,
-//! one behind it is *stale*; a poison message (the handler says why) at the expected sequence
-//! becomes a *dead letter* and blocks its aggregate until a corrected message under a new id
-//! takes the sequence or an *operator* resolves it, with an audit row. A message id never changes
-//! meaning, across applied messages, dead letters and held messages alike. Every change and
-//! every rejection is on the aggregate's *timeline*.
+//! payload the inbox does not interpret ([`OrderedMessage`]).
 //!
-//! Through a broker's door ([`Door::Broker`]) a message ahead of its turn is *held* rather than
-//! refused: recorded, and applied (or quarantined) in sequence order in the same transaction as
-//! the predecessor that makes it next, whichever door or resolution that came through. A batch of
-//! deliveries ([`Inbox::deliver_batch`]) costs one transaction.
-//!
-//! ## A handler of one's own
+//! ## A handler of one's own, opened with the builder
 //!
 //! An order book: an order with a negative quantity is poison (the pure [`Check`]), and applying
 //! an order writes the application's `orders` table in the inbox's transaction
 //! ([`sqlite::SqliteHandler::apply`]), reporting a short detail that the timeline shows.
+//! [`OrderedInbox::sqlite`] opens the inbox with it: the inbox's migrations, then the
+//! application's own, in one file.
 //!
 //! ```
-//! use std::sync::Arc;
-//!
-//! use ordered_inbox::sqlite::{
-//!     SqliteHandler, SqliteInbox, Store, StoreError, Synchronous, WriterConnection, schema,
-//! };
+//! use ordered_inbox::sqlite::{SqliteHandler, StoreError, WriterConnection};
 //! use ordered_inbox::{
-//!     ApplyOutcome, Check, Door, HandlerError, Inbox, Limits, OrderedMessage, Outcome, Poison,
+//!     ApplyOutcome, Check, Door, HandlerError, Inbox, Limits, OrderedInbox, OrderedMessage,
+//!     Outcome, Poison,
 //! };
 //! use rusqlite::Connection;
 //! use serde_json::json;
@@ -75,16 +65,18 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dir = tempfile::tempdir()?;
-//! let path = dir.path().join("shop.db");
-//! // One file for the inbox's tables and the application's.
-//! let store = Store::open(&path, Synchronous::Full, |connection| {
-//!     schema::migrate(connection)?;
-//!     connection.execute_batch(
-//!         "CREATE TABLE IF NOT EXISTS orders(message_id TEXT PRIMARY KEY, customer TEXT,
-//!                                            sku TEXT, quantity INTEGER)",
-//!     )
-//! })?;
-//! let inbox = SqliteInbox::with_handler(store.clone(), Limits::default(), Arc::new(OrderBook));
+//! let inbox = OrderedInbox::sqlite(dir.path().join("shop.db"))
+//!     .handler(OrderBook)
+//!     .limits(Limits::default())
+//!     // The application's own tables, in the same file; run at every open, after the inbox's.
+//!     .migrate(|connection| {
+//!         connection.execute_batch(
+//!             "CREATE TABLE IF NOT EXISTS orders(message_id TEXT PRIMARY KEY, customer TEXT,
+//!                                                sku TEXT, quantity INTEGER)",
+//!         )
+//!     })
+//!     .open()
+//!     .await?;
 //! let order = |id: &str, sequence, quantity| OrderedMessage {
 //!     message_id: id.into(),
 //!     aggregate_id: "customer-7".into(),
@@ -106,7 +98,7 @@
 //! let count = |connection: &Connection| {
 //!     connection.query_row("SELECT COUNT(*) FROM orders", [], |row| row.get(0))
 //! };
-//! let orders: i64 = store.read(move |connection| count(connection).map_err(StoreError::from)).await?;
+//! let orders: i64 = inbox.store().read(move |connection| count(connection).map_err(StoreError::from)).await?;
 //! assert_eq!(orders, 1);
 //! inbox.shutdown().await;
 //! # Ok(())
@@ -115,8 +107,42 @@
 //!
 //! On PostgreSQL the same check goes with a [`postgres::PostgresHandler`], whose `apply` gets the
 //! client inside the open transaction (a [`postgres::HandlerClient`], with a statement cache per
-//! connection). Handlers may also define what "the same content" means
-//! ([`Check::canonical`], see [`content`]); the default is the payload's canonical JSON.
+//! connection), and `OrderedInbox::postgres(url).handler(..).migrate(sql).open()` opens it
+//! ([`postgres::builder::PostgresBuilder`]). Handlers may also define what "the same content"
+//! means ([`Check::canonical`], see [`content`]); the default is the payload's canonical JSON.
+//!
+//! ## Guarantees
+//!
+//! - **Order per aggregate.** An aggregate's messages apply in sequence order, one after the
+//!   other; aggregates are independent. One ahead of its turn is a *gap*, one behind it is
+//!   *stale*; neither applies.
+//! - **Exactly once.** The handler's `apply` runs in the inbox's transaction, so a message's
+//!   inbox row and the application's rows commit together or not at all; a message delivered
+//!   again is a *replay* and the handler does not run again.
+//! - **Identity.** A message id never changes meaning, across applied messages, dead letters and
+//!   held messages alike: the same id with other content is a conflict
+//!   ([`Outcome::PayloadConflict`]) and changes nothing.
+//! - **Dead letters.** A poison message (the handler says why) at the expected sequence becomes
+//!   a *dead letter* and blocks its aggregate until a corrected message under a new id takes the
+//!   sequence or an *operator* resolves it (skip or replace), with an audit row.
+//! - **Held messages through the broker's door.** Through [`Door::Broker`] a message ahead of
+//!   its turn is *held* rather than refused: recorded, and applied (or quarantined) in sequence
+//!   order in the same transaction as the predecessor that makes it next, whichever door or
+//!   resolution that came through. A batch of deliveries ([`Inbox::deliver_batch`]) costs one
+//!   transaction.
+//! - **Evidence.** Every change and every rejection is on the aggregate's *timeline*; the
+//!   views read back aggregates, the inventory, dead letters and the audit trail.
+//!
+//! ## Feature flags
+//!
+//! - `sqlite` (on by default): the [`sqlite`] backend, one file with a group-commit writer.
+//! - `postgres`: the [`postgres`] backend, one database shared by several server processes,
+//!   with TLS to a server on another host.
+//! - `openapi`: JSON Schema descriptions (utoipa `ToSchema`) of the views and statuses, for a
+//!   server that publishes an OpenAPI document of its answers.
+//! - `planted-bugs`: for testing only. Makes the `planted` module public, whose known bugs a
+//!   simulator's tests plant one at a time to show that they are caught; never for a real
+//!   build.
 //!
 //! ## Examples
 //!
@@ -144,6 +170,7 @@
 //! The crate is a functional core with storage behind one seam. Its modules import one way,
 //! from the decisions down to the values they share:
 //!
+//! - [`OrderedInbox`]: the way in, a builder per backend.
 //! - [`model`], [`error`]: the typed values (messages, doors, statuses, stored enums, limits)
 //!   and the failures.
 //! - [`content`]: what the application says about content: [`Check`], [`Poison`],
@@ -172,6 +199,10 @@
 //! here speaks HTTP: verdicts, conflicts and refusals are enums, and a server words them. Nor
 //! does anything here know what a payload means: that is the handler's.
 
+#![warn(missing_docs)]
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod builder;
 pub mod change;
 pub mod clock;
 pub mod content;
@@ -186,7 +217,10 @@ pub mod inbox;
 pub mod jetstream;
 pub mod model;
 pub mod operators;
+#[cfg(feature = "planted-bugs")]
 pub mod planted;
+#[cfg(not(feature = "planted-bugs"))]
+mod planted;
 pub mod policy;
 #[cfg(feature = "postgres")]
 pub mod postgres;
@@ -199,6 +233,8 @@ pub mod sqlite;
 pub mod timeline;
 pub mod views;
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use builder::OrderedInbox;
 pub use change::Change;
 pub use content::{AcceptAll, ApplyOutcome, Check, Detail, Poison, canonical_json};
 pub use delivery::{

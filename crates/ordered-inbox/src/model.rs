@@ -14,9 +14,13 @@ use serde_json::Value;
 /// "the same content" a definite question.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OrderedMessage {
+    /// Its identity: the same id always means the same content.
     pub message_id: String,
+    /// The aggregate whose sequence it takes.
     pub aggregate_id: String,
+    /// Its position in the aggregate's sequence, from 1.
     pub sequence: i64,
+    /// The application's content; the inbox does not interpret it.
     pub payload: Value,
 }
 
@@ -41,7 +45,9 @@ pub enum Door {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown {what} '{found}' in the store")]
 pub struct UnknownValue {
+    /// What kind of value it was meant to be.
     pub what: &'static str,
+    /// The text found.
     pub found: String,
 }
 
@@ -129,7 +135,9 @@ stored_enum!(
 stored_enum!(
     /// The kind of a resolution, as the audit row stores it.
     ActionKind, "resolution action" {
+        /// A new message under a new id took the dead letter's sequence.
         Replace => "replace",
+        /// The dead letter's sequence was passed without a message.
         Skip => "skip",
     }
 );
@@ -141,6 +149,7 @@ stored_enum!(
 pub struct QuarantineReason(String);
 
 impl QuarantineReason {
+    /// A reason with this text.
     pub fn new(reason: impl Into<String>) -> QuarantineReason {
         QuarantineReason(reason.into())
     }
@@ -176,15 +185,19 @@ impl utoipa::ToSchema for QuarantineReason {}
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Position {
+    /// The aggregate's last applied sequence.
     pub last: i64,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// What the application's handler shows of the aggregate, if anything.
     pub state: Option<Value>,
 }
 
 /// An aggregate's row: position, status and when it entered that status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AggregateRow {
+    /// The last applied sequence (0 before any).
     pub last: i64,
+    /// Where it stands.
     pub status: AggregateStatus,
     /// Unknown only for rows written before the status existed.
     pub since: Option<String>,

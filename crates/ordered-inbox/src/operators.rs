@@ -15,14 +15,18 @@ pub const NAME_MAX: usize = 64;
 /// An operator as a listing shows it: never the token.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OperatorRecord {
+    /// The operator's name.
     pub name: String,
+    /// When it was registered.
     pub created_at: String,
+    /// When it was revoked (`None`: active).
     pub revoked_at: Option<String>,
 }
 
 /// What a revocation did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Revocation {
+    /// When the name was revoked.
     pub revoked_at: String,
     /// True when the operator had been revoked before (nothing changed).
     pub already: bool,
@@ -41,7 +45,9 @@ pub struct OperatorCheck {
 /// resolve dead letters and transfer aggregates) and producers (who write aggregates' sequences).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Registry {
+    /// The operators, who resolve.
     Operators,
+    /// The producers, who deliver under sessions and epochs.
     Producers,
 }
 
@@ -75,25 +81,39 @@ pub enum OperatorError {
     #[error(
         "database {0} does not exist: start the server with --database {0} first, or check the path"
     )]
+    /// The database file does not exist.
     MissingDatabase(String),
     #[error(
         "'{1}' is not a valid {0} name: use 1 to {NAME_MAX} letters, digits, '.', '_', '-' or '@'"
     )]
+    /// The name is not a valid name.
     InvalidName(Registry, String),
     #[error("the {0} '{1}' already exists")]
+    /// The name is taken.
     AlreadyExists(Registry, String),
     #[error(
         "the {registry} '{name}' was revoked at {revoked_at}; names are not reused, so that the audit trail names one {registry}: choose another name"
     )]
+    /// The name was revoked; names are not reused.
     NameRetired {
+        /// The registry.
         registry: Registry,
+        /// The name.
         name: String,
+        /// When it was revoked.
         revoked_at: String,
     },
     #[error("no {0} named '{1}'")]
+    /// No one has the name.
     Unknown(Registry, String),
+    /// The database failed.
     #[error("database {path}: {reason}")]
-    Store { path: String, reason: String },
+    Store {
+        /// The database's path.
+        path: String,
+        /// What failed.
+        reason: String,
+    },
 }
 
 /// The stored form of a token: lowercase hex SHA-256 of its text.

@@ -10,13 +10,27 @@ use crate::model::OrderedMessage;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// It is the next sequence and acceptable: apply it; `last` becomes `sequence`.
-    Apply { sequence: i64 },
+    Apply {
+        /// The sequence it takes.
+        sequence: i64,
+    },
     /// It is the next sequence but poison: record it, leave `last` where it is.
-    Quarantine { expected: i64, poison: Poison },
+    Quarantine {
+        /// The sequence it holds.
+        expected: i64,
+        /// Why it is poison.
+        poison: Poison,
+    },
     /// A later sequence arrived before its predecessor: `expected` is still required.
-    Gap { expected: i64 },
+    Gap {
+        /// The sequence still required.
+        expected: i64,
+    },
     /// The sequence was already passed.
-    Stale { expected: i64 },
+    Stale {
+        /// The sequence the aggregate waits for.
+        expected: i64,
+    },
 }
 
 /// Decides one message. `last` is the aggregate's last applied sequence (0 before any). Only a

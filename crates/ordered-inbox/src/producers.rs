@@ -100,20 +100,26 @@ pub fn next_epoch(fact: ProducerFact) -> Result<i64, ProducerRefusal> {
 /// An operator's transfer of an aggregate to a producer, with preconditions like a resolution's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferRequest {
+    /// The aggregate whose ownership moves.
     pub aggregate_id: String,
+    /// The operator who transfers it, as named in the registry.
     pub operator: String,
+    /// The producer that receives it.
     pub producer: String,
     /// The owner the operator believes the aggregate has (`None`: unowned).
     pub expected_owner: Option<String>,
     /// The last applied sequence the operator believes the aggregate has.
     pub expected_last: i64,
+    /// Why, for the audit row.
     pub reason: String,
 }
 
 /// A decided transfer and the rows that record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferPlan {
+    /// The transfer's audit record.
     pub record: TransferRecord,
+    /// The changes that record it, in order.
     pub changes: Vec<Change>,
 }
 

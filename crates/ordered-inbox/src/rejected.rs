@@ -19,7 +19,10 @@ pub enum HeldRejection {
     /// Producer admission refuses it now, as it would refuse its delivery now.
     Refused(ProducerRefusal),
     /// Another message took its sequence while it was held; the aggregate expects `expected`.
-    Stale { expected: i64 },
+    Stale {
+        /// The sequence the aggregate waits for.
+        expected: i64,
+    },
 }
 
 impl HeldRejection {

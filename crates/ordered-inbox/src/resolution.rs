@@ -34,13 +34,17 @@ use crate::views::CurrentState;
 pub enum Action {
     /// Apply a new message, under a new id, at the dead letter's sequence.
     Replace {
+        /// The new message id.
         message_id: String,
+        /// The new payload.
         payload: Value,
     },
+    /// Go on without the dead letter's sequence.
     Skip,
 }
 
 impl Action {
+    /// The kind, as the audit row stores it.
     pub fn kind(&self) -> ActionKind {
         match self {
             Action::Replace { .. } => ActionKind::Replace,
@@ -68,17 +72,24 @@ pub struct ResolutionRequest {
     /// The namespace of the dead letter's message id: the producer that delivered it (`None`:
     /// an anonymous delivery). A replacement is applied in the same namespace.
     pub producer: Option<String>,
+    /// The dead letter's message id.
     pub dead_letter_id: String,
+    /// The operator who resolves, as named in the registry.
     pub operator: String,
+    /// Replace or skip.
     pub action: Action,
+    /// The last applied sequence the operator saw; the resolution is refused if it moved.
     pub expected_last: i64,
+    /// Why, for the audit row.
     pub reason: String,
 }
 
 /// Whether to write the resolution or only report it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
+    /// Write the resolution.
     Commit,
+    /// Decide it and answer what it would do; write nothing.
     DryRun,
 }
 
@@ -102,16 +113,23 @@ pub enum ConflictKind {
     NotOpen(DeadLetterStatus),
     /// An early dead letter with no stored sequence or payload.
     SequenceUnknown,
+    /// The aggregate's last applied sequence is not the one the operator saw.
     ExpectedLastMismatch {
+        /// The last applied sequence the operator saw.
         expected_last: i64,
+        /// The aggregate's last applied sequence now.
         last: i64,
     },
+    /// The dead letter's sequence is not the aggregate's next one.
     NotNextSequence {
+        /// The dead letter's sequence.
         sequence: i64,
+        /// The aggregate's next sequence.
         needed: i64,
     },
     /// The replacement's message id is already known.
     ReplacementIdUsed {
+        /// That id.
         message_id: String,
     },
 }
@@ -119,7 +137,9 @@ pub enum ConflictKind {
 /// A refused resolution, decided from the facts alone. Nothing is written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
+    /// No dead letter has the id.
     NotFound,
+    /// A precondition failed.
     Conflict(ConflictKind),
     /// The replacement itself is poison (its check, or its handler's `apply`).
     ReplacementQuarantined(QuarantineReason),
@@ -132,24 +152,33 @@ pub enum Refusal {
 #[derive(Debug, thiserror::Error)]
 pub enum ResolutionError {
     #[error("no dead letter has message id '{0}'")]
+    /// No dead letter has the id.
     NotFound(String),
     #[error("a resolution precondition failed: {kind:?}")]
+    /// A precondition failed; nothing was written.
     Conflict {
+        /// Which one.
         kind: ConflictKind,
+        /// The dead letter and its aggregate as they are now.
         current: Box<CurrentState>,
     },
     #[error("the replacement would be quarantined: {0}")]
+    /// The replacement itself is poison; nothing was written.
     ReplacementQuarantined(QuarantineReason),
     #[error("the operator's token is no longer valid")]
+    /// The operator is unknown or revoked.
     Unauthorized,
     #[error(transparent)]
+    /// The store failed.
     Store(#[from] InboxError),
 }
 
 /// The decided resolution and its rows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolutionPlan {
+    /// The answer.
     pub resolved: Resolved,
+    /// The changes that record it, in order.
     pub changes: Vec<Change>,
 }
 

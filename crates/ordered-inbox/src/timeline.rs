@@ -16,14 +16,21 @@ pub const OBSERVATIONS_KEPT: i64 = 100;
 stored_enum!(
     /// What a timeline entry records.
     TimelineKind, "timeline kind" {
+        /// A message applied.
         Applied => "applied",
+        /// A poison message recorded as a dead letter.
         Quarantined => "quarantined",
+        /// An open dead letter whose sequence another message took.
         Superseded => "superseded",
         /// A resolution took a sequence with no effect.
         Skipped => "skipped",
+        /// An operator resolved a dead letter, with an audit row.
         Resolved => "resolved",
+        /// A message ahead of its turn refused.
         Gap => "gap",
+        /// A message behind its turn refused.
         Stale => "stale",
+        /// A known id offered with other content.
         PayloadConflict => "payload conflict",
         /// A quarantined message delivered again, unchanged.
         QuarantinedAgain => "quarantined again",
@@ -71,101 +78,146 @@ impl TimelineKind {
 pub enum TimelineDetail {
     /// Gap and stale: the sequence still required.
     Expected {
+        /// The sequence still required.
         expected: i64,
     },
     /// A late arrival of a sequence an operator's gap resolution skipped: the sequence still
     /// required and the resolution that skipped it.
     #[serde(rename_all = "camelCase")]
     SkippedLate {
+        /// The sequence still required.
         expected: i64,
+        /// The gap resolution that skipped it.
         skipped_by: i64,
     },
     /// A known id offered with other content.
     Offered {
+        /// The canonical content offered.
         offered: String,
     },
     /// The general door's repeat of a quarantined message.
     SeenAgain {
+        /// How many times it has been seen.
         observations: i64,
+        /// The dead letter's status.
         status: DeadLetterStatus,
     },
     /// The classroom door's repeat (no count when the stored content differs).
     Repeated {
+        /// How many times it has been seen, when the content matches.
         observations: Option<i64>,
     },
     /// A poison message recorded: its reason, then the members of the poison's detail.
     Quarantined {
+        /// Why it is poison.
         reason: QuarantineReason,
         #[serde(flatten)]
+        /// What else the handler reported.
         detail: Detail,
     },
     #[serde(rename_all = "camelCase")]
+    /// A poison message not recorded: the aggregate has as many open dead letters as it may.
     QuarantineFull {
+        /// The aggregate's open dead letters.
         open_dead_letters: usize,
+        /// The most it may have.
         limit: usize,
     },
     /// What the handler's `apply` reported (stored as the object itself; an empty one as no
     /// detail at all).
     Applied(Detail),
+    /// An open dead letter whose sequence another message took.
     Superseded {
+        /// The message id that took it.
         by: String,
     },
+    /// An operator skipped a dead letter's sequence.
     Skipped {
+        /// Always 0: a skip changes nothing but the position; kept in the stored format.
         effect: i64,
+        /// The operator who skipped it.
         operator: String,
     },
     /// A message held: the sequence still required and how many the aggregate holds now.
     Held {
+        /// The sequence still required.
         expected: i64,
+        /// How many messages the aggregate holds now.
         held: usize,
     },
     /// A held message released: since when it was held, and the message (or skip) whose
     /// sequence made it next.
     #[serde(rename_all = "camelCase")]
     Drained {
+        /// When it was held.
         held_at: String,
+        /// The message id (or skipped dead letter) whose sequence made it next.
         after: String,
     },
+    /// A message not held: the aggregate holds as many as it may.
     HoldFull {
+        /// How many messages the aggregate holds.
         held: usize,
+        /// The most it may hold.
         limit: usize,
     },
     /// A held message rejected: the rejected list's outcome and reason, and since when it was
     /// held.
     #[serde(rename_all = "camelCase")]
     HeldRejected {
+        /// The rejected list's outcome.
         outcome: String,
+        /// When it was held.
         held_at: String,
+        /// Why it was rejected.
         reason: String,
     },
     /// The producer that claimed the aggregate and the epoch of its session.
     Claimed {
+        /// The producer.
         producer: String,
+        /// The epoch of its session.
         epoch: i64,
     },
     /// An operator's transfer: from whom (none: unowned), to whom, under which epoch, and why.
     Transferred {
+        /// The operator.
         operator: String,
+        /// The owner before (`None`: unowned).
         from: Option<String>,
+        /// The owner from now on.
         to: String,
+        /// The epoch it owns the aggregate from.
         epoch: i64,
+        /// Why, as the operator gave it.
         reason: String,
     },
     /// An operator's gap resolution: its audit row, the range skipped, who and why.
     #[serde(rename_all = "camelCase")]
     GapSkipped {
+        /// The resolution's audit row.
         resolution_id: i64,
+        /// The first sequence skipped.
         from: i64,
+        /// The last sequence skipped.
         through: i64,
+        /// The operator who resolved.
         operator: String,
+        /// Why, as the operator gave it.
         reason: String,
     },
     #[serde(rename_all = "camelCase")]
+    /// An operator's resolution of a dead letter: its audit row, the action, who and why.
     Resolved {
+        /// The resolution's audit row.
         resolution_id: i64,
+        /// Replace or skip.
         action: ActionKind,
+        /// The operator who resolved.
         operator: String,
+        /// Why, as the operator gave it.
         reason: String,
+        /// The replacement's message id, for a replace.
         replacement_message_id: Option<String>,
     },
 }
@@ -189,11 +241,17 @@ impl TimelineDetail {
 /// One entry to append.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TimelineEntry {
+    /// The aggregate.
     pub aggregate_id: String,
+    /// When.
     pub at: String,
+    /// What happened.
     pub kind: TimelineKind,
+    /// The sequence concerned, if any.
     pub sequence: Option<i64>,
+    /// The message id concerned, if any.
     pub message_id: Option<String>,
+    /// Its detail.
     pub detail: TimelineDetail,
 }
 

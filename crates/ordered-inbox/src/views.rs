@@ -14,10 +14,13 @@ use crate::timeline::TimelineKind;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AggregateSummary {
+    /// The aggregate.
     pub aggregate_id: String,
+    /// Its last applied sequence (0 before any).
     pub last: i64,
     /// The sequence the aggregate needs next.
     pub expected: i64,
+    /// Where it stands.
     pub status: AggregateStatus,
     /// When the aggregate entered its status.
     pub since: Option<String>,
@@ -30,6 +33,7 @@ pub struct AggregateSummary {
 /// A view that holds aggregate summaries: a backend gives each the handler's `state` of its
 /// aggregate in the snapshot it read the view in.
 pub trait Summaries {
+    /// The summaries found, for the handler's state to be added to each.
     fn summaries(&mut self) -> Vec<&mut AggregateSummary>;
 }
 
@@ -75,11 +79,13 @@ impl Summaries for CurrentState {
 #[serde(rename_all = "camelCase")]
 pub struct AggregateView {
     #[serde(flatten)]
+    /// The aggregate's position and status.
     pub summary: AggregateSummary,
     /// The first [`OPEN_DEAD_LETTERS_SHOWN`] open dead letters, the first seen first.
     pub open_dead_letters: Vec<DeadLetterView>,
     /// How many are open in all; more than the list holds when it was cut.
     pub open_dead_letter_count: i64,
+    /// Whether the list was cut.
     pub open_dead_letters_truncated: bool,
     /// The sequences held for the aggregate until their predecessors apply, lowest first (at
     /// most [`HELD_SHOWN`]).
@@ -97,7 +103,9 @@ pub struct AggregateView {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct MissingRange {
+    /// The first missing sequence.
     pub from: i64,
+    /// The last missing sequence (`None`: nothing ahead is known).
     pub through: Option<i64>,
 }
 
@@ -116,11 +124,15 @@ pub struct AppliedMessage {
     /// The producer whose message id this is (absent: the anonymous namespace).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub producer: Option<String>,
+    /// Its message id.
     pub message_id: String,
+    /// Its aggregate (unknown for rows written before the column existed).
     pub aggregate_id: Option<String>,
+    /// Its sequence (unknown for rows written before the column existed).
     pub sequence: Option<i64>,
     /// The canonical content as stored: opaque JSON.
     pub payload: Value,
+    /// When it applied (unknown for rows written before the column existed).
     pub applied_at: Option<String>,
 }
 
@@ -130,9 +142,11 @@ pub struct AppliedMessage {
 #[serde(rename_all = "camelCase")]
 pub struct InventoryEntry {
     #[serde(flatten)]
+    /// The aggregate's position and status.
     pub summary: AggregateSummary,
     /// Whole seconds since the aggregate entered its status.
     pub age_seconds: i64,
+    /// Its open dead letters.
     pub open_dead_letters: i64,
     /// Messages held for the aggregate until a missing predecessor arrives.
     pub held: i64,
@@ -147,11 +161,17 @@ pub struct InventoryEntry {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ResolutionSummary {
+    /// The audit row's id.
     pub resolution_id: i64,
+    /// Replace or skip.
     pub action: ActionKind,
+    /// The operator who resolved.
     pub operator: String,
+    /// Why, as the operator gave it.
     pub reason: String,
+    /// When.
     pub resolved_at: String,
+    /// The replacement's message id, for a replace.
     pub replacement_message_id: Option<String>,
 }
 
@@ -164,19 +184,29 @@ pub struct DeadLetterView {
     /// The producer whose message id this is (absent: the anonymous namespace).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub producer: Option<String>,
+    /// Its message id.
     pub message_id: String,
+    /// Its aggregate (unknown for early dead letters).
     pub aggregate_id: Option<String>,
+    /// Its sequence (unknown for early dead letters).
     pub sequence: Option<i64>,
     /// The canonical payload as stored: opaque JSON.
     pub payload: Option<Value>,
+    /// Why it is poison.
     pub reason: QuarantineReason,
+    /// When it was first seen.
     pub first_seen: Option<String>,
+    /// When it was last seen.
     pub last_seen: Option<String>,
+    /// How many times it has been seen.
     pub observations: i64,
+    /// Where it is in its lifecycle.
     pub status: DeadLetterStatus,
     /// The message whose application (or skip) took the sequence.
     pub superseded_by: Option<String>,
+    /// When it stopped being open.
     pub closed_at: Option<String>,
+    /// The resolution that closed it, if an operator did.
     pub resolution: Option<ResolutionSummary>,
 }
 
@@ -185,10 +215,15 @@ pub struct DeadLetterView {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct TimelineEvent {
+    /// The entry's id, in the order entries were written.
     pub id: i64,
+    /// When.
     pub at: String,
+    /// What happened.
     pub kind: TimelineKind,
+    /// The sequence concerned, if any.
     pub sequence: Option<i64>,
+    /// The message id concerned, if any.
     pub message_id: Option<String>,
     /// True for a rejection observation (kept only among the newest per aggregate).
     pub observation: bool,
@@ -201,7 +236,9 @@ pub struct TimelineEvent {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct CurrentState {
+    /// The aggregate's summary, if it was recorded.
     pub aggregate: Option<AggregateSummary>,
+    /// The dead letter, if it exists.
     pub dead_letter: Option<DeadLetterView>,
 }
 
@@ -209,8 +246,11 @@ pub struct CurrentState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AggregateCounts {
+    /// Messages applied.
     pub applied: i64,
+    /// Dead letters recorded.
     pub dead_letters: i64,
+    /// The last applied sequence.
     pub last: i64,
 }
 
@@ -221,6 +261,7 @@ pub struct AggregateCounts {
 pub struct InboxHealth {
     /// Every status of [`AggregateStatus::ALL`] with its count, zero included.
     pub aggregates: Vec<(AggregateStatus, i64)>,
+    /// Dead letters open across all aggregates.
     pub open_dead_letters: i64,
     /// Messages held ahead of their turn (broker door) until their predecessors apply.
     pub held_messages: i64,
@@ -234,14 +275,18 @@ pub struct InboxHealth {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct OwnershipState {
+    /// The owner (`None`: unowned).
     pub owner: Option<AggregateOwner>,
+    /// The last applied sequence (0 without a row).
     pub last: i64,
 }
 
 /// A refused transfer and the ownership as it is now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferConflict {
+    /// Why the transfer was refused.
     pub refusal: TransferRefusal,
+    /// The ownership as it is.
     pub current: OwnershipState,
 }
 
@@ -250,18 +295,26 @@ pub struct TransferConflict {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ProducerView {
+    /// The producer's name.
     pub name: String,
+    /// The epoch of its newest session.
     pub current_epoch: i64,
+    /// How many aggregates it owns.
     pub owned_aggregates: i64,
+    /// When it last delivered, if ever.
     pub last_delivery_at: Option<String>,
+    /// When it was registered.
     pub created_at: String,
+    /// When it was revoked (`None`: active).
     pub revoked_at: Option<String>,
 }
 
 /// Which dead letters to list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeadLetterFilter {
+    /// Only dead letters in this status.
     pub status: Option<DeadLetterStatus>,
+    /// Only the dead letters of this aggregate.
     pub aggregate_id: Option<String>,
 }
 
@@ -270,12 +323,14 @@ pub struct DeadLetterFilter {
 pub struct PageRequest {
     /// The cursor: the `next` of the previous page, 0 for the first.
     pub after: i64,
+    /// The most items on the page.
     pub limit: i64,
 }
 
 /// One page of a list, oldest first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Page<T> {
+    /// The items, oldest first.
     pub items: Vec<T>,
     /// The `after` of the following page; `None` when this page reaches the end.
     pub next: Option<i64>,

@@ -9,11 +9,13 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox, Target};
+use ordered_inbox::postgres::{
+    HandlerClient, PostgresError, PostgresHandler, PostgresInbox, Target,
+};
 use ordered_inbox::{
     Action, ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
-    Mode, OrderedMessage, Outcome, Poison, ResolutionError, ResolutionRequest, Resolved,
-    Undelivered,
+    Mode, OrderedInbox, OrderedMessage, Outcome, Poison, ResolutionError, ResolutionRequest,
+    Resolved, Undelivered,
 };
 use serde_json::{Value, json};
 use tokio_postgres::Client;
@@ -726,4 +728,55 @@ async fn two_inboxes_groups_over_overlapping_aggregates_in_opposite_orders_finis
     );
     first.close();
     second.close();
+}
+
+#[tokio::test]
+async fn the_builder_opens_a_database_with_the_inbox_and_the_application_tables_and_runs_the_handler()
+ {
+    let cluster = Cluster::start();
+    // Run at every open, so written to be run again.
+    let tables = ORDER_TABLES.replace("CREATE TABLE ", "CREATE TABLE IF NOT EXISTS ");
+    let open = || {
+        OrderedInbox::postgres(cluster.url())
+            .handler(Orders)
+            .limits(Limits::default())
+            .migrate(tables.clone())
+            .open()
+    };
+    let inbox = open().await.unwrap();
+    let applied = inbox.deliver(order("m-1", "a", 1, 4), Door::General).await;
+    assert!(
+        matches!(&applied, Ok(Outcome::Applied { detail, .. }) if detail["ordered"] == 4),
+        "{applied:?}"
+    );
+    inbox.close();
+
+    // Opened again: both migrations run again without harm, and the database remembers.
+    let inbox = open().await.unwrap();
+    let again = inbox.deliver(order("m-1", "a", 1, 4), Door::General).await;
+    assert!(matches!(again, Ok(Outcome::Replay { .. })), "{again:?}");
+    let client = inbox.target().connect().await.unwrap();
+    assert_eq!(
+        texts(&client, "SELECT message_id FROM orders").await,
+        ["m-1"]
+    );
+    inbox.close();
+}
+
+#[tokio::test]
+async fn the_builder_refuses_a_failing_application_migration_and_a_host_beyond_loopback() {
+    let cluster = Cluster::start();
+    let broken = OrderedInbox::postgres(cluster.url())
+        .migrate("CREATE TABLE broken(")
+        .open()
+        .await;
+    assert!(
+        matches!(&broken, Err(PostgresError::Connect { reason, .. }) if reason.contains("application's tables")),
+        "{:?}",
+        broken.err()
+    );
+    let remote = OrderedInbox::postgres("postgres://inbox@db.example.com/inbox")
+        .open()
+        .await;
+    assert!(remote.is_err(), "a host beyond loopback needs `remote`");
 }

@@ -99,6 +99,7 @@ impl Target {
         }) && self.config.get_hostaddrs().iter().all(IpAddr::is_loopback)
     }
 
+    /// The connection settings, password included: not for printing.
     pub fn config(&self) -> &tokio_postgres::Config {
         &self.config
     }
@@ -394,11 +395,15 @@ impl Counters {
 /// A snapshot of [`Counters`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PostgresStats {
+    /// Operations run (deliveries, resolutions, reads and the rest).
     pub operations: u64,
+    /// Flights of pipelined statements sent.
     pub round_trips: u64,
+    /// Transactions run again after PostgreSQL asked for a retry.
     pub retries: u64,
     /// Transactions the group commit committed, and the deliveries in them.
     pub group_commits: u64,
+    /// Deliveries committed by the group commit.
     pub grouped_deliveries: u64,
     /// Groups replayed one delivery at a time (a poison or an error from the handler's `apply`,
     /// or a value PostgreSQL refused).

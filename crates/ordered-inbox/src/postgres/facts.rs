@@ -19,8 +19,8 @@
 
 use futures_util::future::join_all;
 use futures_util::join;
-use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
+use tokio_postgres::{Row, Statement};
 
 use super::connection::{Client, Counters, Failure};
 use super::rows::{
@@ -271,145 +271,240 @@ async fn locked_resolution_facts(
     request: &ResolutionRequest,
     aggregate_id: Option<&str>,
 ) -> Result<ResolutionFacts, Failure> {
-    let lock_aggregate = client.prepare_cached(LOCK_AGGREGATE).await?;
-    let lock_message = client.prepare_cached(LOCK_MESSAGE).await?;
-    let dead_letter_fact = client.prepare_cached(DEAD_LETTER_FACT).await?;
-    let aggregate_row = client.prepare_cached(AGGREGATE_ROW).await?;
-    let open_dead_letters = client.prepare_cached(OPEN_DEAD_LETTERS).await?;
-    let operator_active = client.prepare_cached(OPERATOR_ACTIVE).await?;
-    let applied_message = client.prepare_cached(APPLIED_MESSAGE).await?;
-    let known_dead_letter = client.prepare_cached(KNOWN_DEAD_LETTER).await?;
-    let recorded = client.prepare_cached(views::RESOLUTION_OF).await?;
-    let held_message = client.prepare_cached(HELD_MESSAGE).await?;
-    let held_for = client.prepare_cached(HELD_FOR).await?;
-
+    let statements = ResolutionStatements::prepare(client).await?;
     let replacement_id = match &request.action {
         Action::Replace { message_id, .. } => Some(message_id.as_str()),
         Action::Skip => None,
     };
-    // The replacement is applied in the dead letter's namespace.
-    let producer = request.producer.as_deref();
-    let space = namespace(producer);
-    let mut message_keys: Vec<String> = std::iter::once(request.dead_letter_id.as_str())
+    let rows = ResolutionRows::read(
+        client,
+        counters,
+        &statements,
+        request,
+        aggregate_id,
+        replacement_id,
+    )
+    .await?;
+    rows.into_facts(aggregate_id, replacement_id)
+}
+
+/// The statements of a resolution's locks and facts, prepared once per connection.
+struct ResolutionStatements {
+    lock_aggregate: Statement,
+    lock_message: Statement,
+    dead_letter_fact: Statement,
+    aggregate_row: Statement,
+    open_dead_letters: Statement,
+    operator_active: Statement,
+    applied_message: Statement,
+    known_dead_letter: Statement,
+    recorded: Statement,
+    held_message: Statement,
+    held_for: Statement,
+}
+
+impl ResolutionStatements {
+    async fn prepare(client: &Client) -> Result<ResolutionStatements, Failure> {
+        Ok(ResolutionStatements {
+            lock_aggregate: client.prepare_cached(LOCK_AGGREGATE).await?,
+            lock_message: client.prepare_cached(LOCK_MESSAGE).await?,
+            dead_letter_fact: client.prepare_cached(DEAD_LETTER_FACT).await?,
+            aggregate_row: client.prepare_cached(AGGREGATE_ROW).await?,
+            open_dead_letters: client.prepare_cached(OPEN_DEAD_LETTERS).await?,
+            operator_active: client.prepare_cached(OPERATOR_ACTIVE).await?,
+            applied_message: client.prepare_cached(APPLIED_MESSAGE).await?,
+            known_dead_letter: client.prepare_cached(KNOWN_DEAD_LETTER).await?,
+            recorded: client.prepare_cached(views::RESOLUTION_OF).await?,
+            held_message: client.prepare_cached(HELD_MESSAGE).await?,
+            held_for: client.prepare_cached(HELD_FOR).await?,
+        })
+    }
+}
+
+/// The lock keys of a resolution's message ids: the dead letter's and the replacement's, in
+/// the dead letter's namespace (the replacement is applied there), sorted and deduplicated.
+fn resolution_message_keys(
+    producer: Option<&str>,
+    dead_letter_id: &str,
+    replacement_id: Option<&str>,
+) -> Vec<String> {
+    let mut message_keys: Vec<String> = std::iter::once(dead_letter_id)
         .chain(replacement_id)
         .map(|id| message_key(producer, id))
         .collect();
     message_keys.sort_unstable();
     message_keys.dedup();
-    let no_aggregate = String::new();
-    let aggregate_key = aggregate_id.unwrap_or(&no_aggregate);
-    let replacement_key = replacement_id.unwrap_or("");
+    message_keys
+}
 
-    // The aggregate first, then the message ids in sorted order: one order for every
-    // transaction, so that locks alone never deadlock.
-    let lock_params: Vec<(&tokio_postgres::Statement, [&(dyn ToSql + Sync); 1])> = aggregate_id
+/// Takes a resolution's locks: the aggregate first, then the message ids in sorted order. One
+/// order for every transaction, so that locks alone never deadlock.
+async fn lock_resolution(
+    client: &Client,
+    statements: &ResolutionStatements,
+    aggregate_id: Option<&str>,
+    message_keys: &[String],
+) -> Vec<Result<u64, tokio_postgres::Error>> {
+    let lock_params: Vec<(&Statement, [&(dyn ToSql + Sync); 1])> = aggregate_id
         .iter()
-        .map(|id| (&lock_aggregate, [id as &(dyn ToSql + Sync)]))
+        .map(|id| (&statements.lock_aggregate, [id as &(dyn ToSql + Sync)]))
         .chain(
             message_keys
                 .iter()
-                .map(|key| (&lock_message, [key as &(dyn ToSql + Sync)])),
+                .map(|key| (&statements.lock_message, [key as &(dyn ToSql + Sync)])),
         )
         .collect();
-    let locks = join_all(
+    join_all(
         lock_params
             .iter()
             .map(|(statement, params)| client.execute(*statement, params)),
-    );
-    let by_dead_letter: [&(dyn ToSql + Sync); 2] = [&request.dead_letter_id, &space];
-    let by_aggregate: [&(dyn ToSql + Sync); 1] = [&aggregate_key];
-    let by_operator: [&(dyn ToSql + Sync); 1] = [&request.operator];
-    let by_replacement: [&(dyn ToSql + Sync); 2] = [&replacement_key, &space];
-    let (
-        locks,
-        dead_letter,
-        aggregate,
-        open,
-        active,
-        applied,
-        known,
-        recorded,
-        replacement_held,
-        held,
-    ) = join!(
-        locks,
-        client.query_opt(&dead_letter_fact, &by_dead_letter),
-        client.query_opt(&aggregate_row, &by_aggregate),
-        client.query(&open_dead_letters, &by_aggregate),
-        client.query_one(&operator_active, &by_operator),
-        client.query_opt(&applied_message, &by_replacement),
-        client.query_opt(&known_dead_letter, &by_replacement),
-        client.query_opt(&recorded, &by_dead_letter),
-        client.query_opt(&held_message, &by_replacement),
-        client.query(&held_for, &by_aggregate),
-    );
-    counters.trip();
-    // Every answer is checked, needed or not: an error anywhere aborted the transaction.
-    for lock in locks {
-        lock?;
-    }
-    let (dead_letter, aggregate, open, active, applied, known, recorded) = (
-        dead_letter?,
-        aggregate?,
-        open?,
-        active?,
-        applied?,
-        known?,
-        recorded?,
-    );
-    let (replacement_held, held) = (replacement_held?, held?);
-    let dead_letter = dead_letter
-        .map(|row| -> Result<DeadLetterFact, Failure> {
-            Ok(DeadLetterFact {
-                status: parsed(&row, 0)?,
-                aggregate_id: row.try_get(1)?,
-                sequence: row.try_get(2)?,
-            })
+    )
+    .await
+}
+
+/// The rows a resolution's facts are read from, every answer of the flight checked.
+struct ResolutionRows {
+    dead_letter: Option<Row>,
+    aggregate: Option<Row>,
+    open: Vec<Row>,
+    active: Row,
+    applied: Option<Row>,
+    known: Option<Row>,
+    recorded: Option<Row>,
+    replacement_held: Option<Row>,
+    held: Vec<Row>,
+}
+
+impl ResolutionRows {
+    /// The locks and every read of the resolution, pipelined in one flight.
+    async fn read(
+        client: &Client,
+        counters: &Counters,
+        statements: &ResolutionStatements,
+        request: &ResolutionRequest,
+        aggregate_id: Option<&str>,
+        replacement_id: Option<&str>,
+    ) -> Result<ResolutionRows, Failure> {
+        let producer = request.producer.as_deref();
+        let space = namespace(producer);
+        let message_keys =
+            resolution_message_keys(producer, &request.dead_letter_id, replacement_id);
+        let no_aggregate = String::new();
+        let aggregate_key = aggregate_id.unwrap_or(&no_aggregate);
+        let replacement_key = replacement_id.unwrap_or("");
+        let by_dead_letter: [&(dyn ToSql + Sync); 2] = [&request.dead_letter_id, &space];
+        let by_aggregate: [&(dyn ToSql + Sync); 1] = [&aggregate_key];
+        let by_operator: [&(dyn ToSql + Sync); 1] = [&request.operator];
+        let by_replacement: [&(dyn ToSql + Sync); 2] = [&replacement_key, &space];
+        let s = statements;
+        let (
+            locks,
+            dead_letter,
+            aggregate,
+            open,
+            active,
+            applied,
+            known,
+            recorded,
+            replacement_held,
+            held,
+        ) = join!(
+            lock_resolution(client, s, aggregate_id, &message_keys),
+            client.query_opt(&s.dead_letter_fact, &by_dead_letter),
+            client.query_opt(&s.aggregate_row, &by_aggregate),
+            client.query(&s.open_dead_letters, &by_aggregate),
+            client.query_one(&s.operator_active, &by_operator),
+            client.query_opt(&s.applied_message, &by_replacement),
+            client.query_opt(&s.known_dead_letter, &by_replacement),
+            client.query_opt(&s.recorded, &by_dead_letter),
+            client.query_opt(&s.held_message, &by_replacement),
+            client.query(&s.held_for, &by_aggregate),
+        );
+        counters.trip();
+        // Every answer is checked, needed or not: an error anywhere aborted the transaction.
+        for lock in locks {
+            lock?;
+        }
+        Ok(ResolutionRows {
+            dead_letter: dead_letter?,
+            aggregate: aggregate?,
+            open: open?,
+            active: active?,
+            applied: applied?,
+            known: known?,
+            recorded: recorded?,
+            replacement_held: replacement_held?,
+            held: held?,
         })
-        .transpose()?;
-    let (aggregate, owner) = match (aggregate_id, aggregate) {
-        (Some(_), Some(row)) => (Some(aggregate_from(&row, 0)?), owner_from(&row, 3)?),
-        _ => (None, None),
-    };
-    let blocked = aggregate.as_ref().map(|row| row.status) == Some(AggregateStatus::Blocked);
-    let open_dead_letters = if blocked {
-        open.iter()
-            .map(open_from_row)
-            .collect::<Result<_, Failure>>()?
-    } else {
-        Vec::new()
-    };
-    let (replacement_applied, replacement_dead_letter, replacement_held) = match replacement_id {
-        Some(_) => (
-            applied.map(|row| applied_from(&row, 0)).transpose()?,
-            known
-                .map(|row| known_dead_letter_from(&row, 0))
+    }
+
+    /// The resolution's facts from its rows: the aggregate's only if the dead letter has one,
+    /// its open dead letters only while it is blocked, the replacement's only if there is one.
+    fn into_facts(
+        self,
+        aggregate_id: Option<&str>,
+        replacement_id: Option<&str>,
+    ) -> Result<ResolutionFacts, Failure> {
+        let dead_letter = self
+            .dead_letter
+            .map(|row| -> Result<DeadLetterFact, Failure> {
+                Ok(DeadLetterFact {
+                    status: parsed(&row, 0)?,
+                    aggregate_id: row.try_get(1)?,
+                    sequence: row.try_get(2)?,
+                })
+            })
+            .transpose()?;
+        let (aggregate, owner) = match (aggregate_id, self.aggregate) {
+            (Some(_), Some(row)) => (Some(aggregate_from(&row, 0)?), owner_from(&row, 3)?),
+            _ => (None, None),
+        };
+        let blocked = aggregate.as_ref().map(|row| row.status) == Some(AggregateStatus::Blocked);
+        let open_dead_letters = if blocked {
+            self.open
+                .iter()
+                .map(open_from_row)
+                .collect::<Result<_, Failure>>()?
+        } else {
+            Vec::new()
+        };
+        let (replacement_applied, replacement_dead_letter, replacement_held) = match replacement_id
+        {
+            Some(_) => (
+                self.applied.map(|row| applied_from(&row, 0)).transpose()?,
+                self.known
+                    .map(|row| known_dead_letter_from(&row, 0))
+                    .transpose()?,
+                self.replacement_held
+                    .map(|row| held_from(&row, 0))
+                    .transpose()?,
+            ),
+            None => (None, None, None),
+        };
+        let held = match aggregate_id {
+            Some(_) => self
+                .held
+                .iter()
+                .map(|row| held_from(row, 0))
+                .collect::<Result<_, Failure>>()?,
+            None => Vec::new(),
+        };
+        Ok(ResolutionFacts {
+            dead_letter,
+            recorded: self
+                .recorded
+                .map(|row| views::resolution_from_row(&row))
                 .transpose()?,
-            replacement_held.map(|row| held_from(&row, 0)).transpose()?,
-        ),
-        None => (None, None, None),
-    };
-    let held = match aggregate_id {
-        Some(_) => held
-            .iter()
-            .map(|row| held_from(row, 0))
-            .collect::<Result<_, Failure>>()?,
-        None => Vec::new(),
-    };
-    Ok(ResolutionFacts {
-        dead_letter,
-        recorded: recorded
-            .map(|row| views::resolution_from_row(&row))
-            .transpose()?,
-        aggregate,
-        open_dead_letters,
-        operator_active: active.try_get(0)?,
-        replacement_applied,
-        replacement_dead_letter,
-        replacement_held,
-        held,
-        owner,
-    })
+            aggregate,
+            open_dead_letters,
+            operator_active: self.active.try_get(0)?,
+            replacement_applied,
+            replacement_dead_letter,
+            replacement_held,
+            held,
+            owner,
+        })
+    }
 }
 
 /// BEGIN, the aggregate's lock, and a transfer's facts in one flight: the ownership as it is

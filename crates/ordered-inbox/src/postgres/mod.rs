@@ -1,7 +1,10 @@
 //! The PostgreSQL backend: [`PostgresInbox`] implements [`crate::Inbox`] on a shared PostgreSQL
 //! database, so that any number of server processes serve one inbox with one authoritative
-//! sequence per aggregate.
+//! sequence per aggregate. [`crate::OrderedInbox::postgres`] opens one
+//! ([`builder::PostgresBuilder`]).
 //!
+//! - [`builder`]: how an inbox is opened: its handler, bounds, access and the application's
+//!   tables;
 //! - [`schema`]: the inbox's tables and their versioned migrations, run under an advisory lock;
 //! - [`handler`]: the application's handler, run in the operation's transaction;
 //! - `writer`, `batch`: the group commit of deliveries: one queue, its writer task, one
@@ -32,6 +35,7 @@
 //! client disconnect) never leaves a transaction half-way on a pooled connection.
 
 mod batch;
+pub mod builder;
 mod connection;
 pub mod engine;
 mod error;
@@ -123,6 +127,15 @@ impl PostgresInbox {
         handler: Arc<dyn PostgresHandler>,
     ) -> Result<PostgresInbox, PostgresError> {
         schema::migrate(&target).await?;
+        PostgresInbox::start(target, limits, handler)
+    }
+
+    /// The pool and the group commit's writer on a database whose schema is up to date.
+    fn start(
+        target: Target,
+        limits: Limits,
+        handler: Arc<dyn PostgresHandler>,
+    ) -> Result<PostgresInbox, PostgresError> {
         let manager = target.manager(ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         });
@@ -158,6 +171,7 @@ impl PostgresInbox {
         &self.target
     }
 
+    /// The counters of operations, round trips, retries and group commits so far.
     pub fn stats(&self) -> PostgresStats {
         PostgresStats {
             operations: self.counters.operations.load(Ordering::Relaxed),

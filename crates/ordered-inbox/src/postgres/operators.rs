@@ -62,7 +62,9 @@ pub(super) async fn check(
 /// or a target its caller checked by its own rule (a gate's store on another host, over TLS).
 #[derive(Debug, Clone, Copy)]
 pub enum Database<'a> {
+    /// A URL, checked by [`Target::parse`].
     Url(&'a str),
+    /// A target its caller checked.
     Target(&'a Target),
 }
 

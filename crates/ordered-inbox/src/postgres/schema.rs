@@ -295,6 +295,15 @@ pub fn current_version() -> i64 {
 /// Brings the inbox's tables up to [`current_version`], each step in its own transaction, under
 /// the migration lock. A database from a newer build is refused rather than guessed at.
 pub async fn migrate(target: &Target) -> Result<(), PostgresError> {
+    migrate_with(target, None).await
+}
+
+/// [`migrate`], then the application's own `tables` (SQL statements, run in one implicit
+/// transaction) under the same lock, so that servers starting together create them once.
+pub(super) async fn migrate_with(
+    target: &Target,
+    tables: Option<&str>,
+) -> Result<(), PostgresError> {
     let client = target.connect().await?;
     let failed = |error: tokio_postgres::Error| PostgresError::Connect {
         target: target.to_string(),
@@ -305,7 +314,10 @@ pub async fn migrate(target: &Target) -> Result<(), PostgresError> {
         .execute("SELECT pg_advisory_lock($1, $2)", &[&first, &second])
         .await
         .map_err(failed)?;
-    let migrated = migrate_locked(&client, target).await;
+    let migrated = match migrate_locked(&client, target).await {
+        Ok(()) => migrate_application(&client, target, tables).await,
+        failed => failed,
+    };
     // Dropping the connection would release the lock too; unlocking keeps it explicit.
     let unlocked = client
         .execute("SELECT pg_advisory_unlock($1, $2)", &[&first, &second])
@@ -313,6 +325,24 @@ pub async fn migrate(target: &Target) -> Result<(), PostgresError> {
     migrated?;
     unlocked.map_err(failed)?;
     Ok(())
+}
+
+/// The application's `tables`, after the inbox's.
+async fn migrate_application(
+    client: &tokio_postgres::Client,
+    target: &Target,
+    tables: Option<&str>,
+) -> Result<(), PostgresError> {
+    let Some(tables) = tables else {
+        return Ok(());
+    };
+    client
+        .batch_execute(tables)
+        .await
+        .map_err(|error| PostgresError::Connect {
+            target: target.to_string(),
+            reason: format!("migrating the application's tables: {}", error_text(&error)),
+        })
 }
 
 async fn migrate_locked(

@@ -34,6 +34,7 @@ pub enum SslMode {
 }
 
 impl SslMode {
+    /// libpq's spelling.
     pub fn as_str(self) -> &'static str {
         match self {
             SslMode::Disable => "disable",
@@ -74,17 +75,21 @@ impl FromStr for SslMode {
 /// A client certificate (PEM chain) and its private key (PEM), for servers that ask for one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientCertificate {
+    /// The certificate file (PEM).
     pub certificate: PathBuf,
+    /// Its private key file (PEM).
     pub key: PathBuf,
 }
 
 /// How a target is reached: TLS settings and the password. `Debug` hides the password.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Remote {
+    /// Whether and how TLS is used.
     pub sslmode: SslMode,
     /// The CA file (PEM) the server's certificate must chain to; required by `verify-ca` and
     /// `verify-full`.
     pub root_certificate: Option<PathBuf>,
+    /// A client certificate to authenticate with, if the server asks for one.
     pub client_certificate: Option<ClientCertificate>,
     /// The password for SCRAM-SHA-256 (or whatever the server asks for).
     pub password: Option<String>,

@@ -157,34 +157,11 @@ pub(super) async fn writes_for(
     writes: &mut Vec<Write>,
 ) -> Result<Option<i64>, Failure> {
     let write = match change {
+        Change::InsertApplied { .. }
+        | Change::InsertDeadLetter { .. }
+        | Change::ObserveDeadLetter { .. } => message_write(client, change, detail, writes).await?,
         Change::PutAggregate { aggregate_id, row } => {
             put_aggregate(client, aggregate_id, row).await?
-        }
-        Change::InsertApplied {
-            producer,
-            message,
-            payload,
-            applied_at,
-        } => {
-            let inserted =
-                insert_applied(client, producer.as_deref(), message, payload, applied_at);
-            writes.push(inserted.await?);
-            applied_event(client, message, applied_at, detail).await?
-        }
-        Change::InsertDeadLetter {
-            producer,
-            message,
-            payload,
-            reason,
-            at,
-        } => insert_dead_letter(client, producer.as_deref(), message, payload, reason, at).await?,
-        Change::ObserveDeadLetter {
-            producer,
-            message_id,
-            observations,
-            at,
-        } => {
-            observe_dead_letter(client, producer.as_deref(), message_id, *observations, at).await?
         }
         Change::SupersedeDeadLetters {
             aggregate_id,
@@ -238,6 +215,44 @@ pub(super) async fn writes_for(
     };
     writes.push(write);
     Ok(None)
+}
+
+/// The last statement of a change of one message's own row (applied, a new dead letter, or one
+/// seen again); an applied message's row goes to `writes` first, its `applied` event is
+/// returned. [`writes_for`] routes only these three here.
+async fn message_write(
+    client: &Client,
+    change: &Change,
+    detail: &Detail,
+    writes: &mut Vec<Write>,
+) -> Result<Write, Failure> {
+    match change {
+        Change::InsertApplied {
+            producer,
+            message,
+            payload,
+            applied_at,
+        } => {
+            let inserted =
+                insert_applied(client, producer.as_deref(), message, payload, applied_at);
+            writes.push(inserted.await?);
+            applied_event(client, message, applied_at, detail).await
+        }
+        Change::InsertDeadLetter {
+            producer,
+            message,
+            payload,
+            reason,
+            at,
+        } => insert_dead_letter(client, producer.as_deref(), message, payload, reason, at).await,
+        Change::ObserveDeadLetter {
+            producer,
+            message_id,
+            observations,
+            at,
+        } => observe_dead_letter(client, producer.as_deref(), message_id, *observations, at).await,
+        other => unreachable!("not a message's own row: {other:?}"),
+    }
 }
 
 async fn put_aggregate(

@@ -30,6 +30,7 @@ impl SqlKey {
 }
 
 impl<'c> WriterConnection<'c> {
+    /// The writer's view of `connection`.
     pub fn new(connection: &'c Connection) -> WriterConnection<'c> {
         WriterConnection {
             connection,

@@ -43,9 +43,13 @@ use crate::views::{CurrentState, TransferConflict};
 /// bounds and the time that stamps every row.
 #[derive(Clone, Copy)]
 pub struct Unit<'a, 'c> {
+    /// The writer's connection, inside the unit's transaction.
     pub connection: &'a WriterConnection<'c>,
+    /// The application's handler.
     pub handler: &'a dyn SqliteHandler,
+    /// The store's bounds.
     pub limits: &'a Limits,
+    /// The time now, in the stored format ([`crate::clock`]).
     pub now: &'a str,
 }
 

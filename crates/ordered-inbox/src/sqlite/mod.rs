@@ -1,7 +1,8 @@
 //! The SQLite backend: [`SqliteInbox`] implements [`crate::Inbox`] on a [`Store`], the
 //! single-writer SQLite store with group commit that the owner of the file may share for tables
-//! of its own.
+//! of its own. [`crate::OrderedInbox::sqlite`] opens one ([`builder::SqliteBuilder`]).
 //!
+//! - [`builder`]: how an inbox is opened: its handler, bounds and the application's tables;
 //! - [`store`]: the writer thread, group commit, read connections;
 //! - [`connection`]: the writer's connection, with statements prepared once for its life;
 //! - [`schema`]: the inbox's tables and migrations;
@@ -14,6 +15,7 @@
 //! - [`operators`]: the operator and producer registry commands on a file;
 //! - `rejected`: the rejected list's rows.
 
+pub mod builder;
 pub mod connection;
 pub mod engine;
 mod facts;
@@ -134,6 +136,7 @@ impl SqliteInbox {
             .await
     }
 
+    /// The store the inbox lives in, for the application's own reads and writes.
     pub fn store(&self) -> &Store {
         &self.store
     }

@@ -46,8 +46,10 @@ const WRITER_CACHE_KIB: u32 = 16 * 1024;
 const READ_POOL_SIZE: usize = 8;
 
 #[derive(Debug, thiserror::Error)]
+/// A failure of the store.
 pub enum StoreError {
     #[error("sqlite: {0}")]
+    /// SQLite refused or failed a statement.
     Sqlite(#[from] rusqlite::Error),
     /// The writer could not take or commit a transaction, or has stopped.
     #[error("store unavailable: {0}")]
@@ -83,11 +85,14 @@ impl From<StoreError> for crate::error::InboxError {
 /// committed transaction survives a power cut; NORMAL in WAL mode may lose the last ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Synchronous {
+    /// A commit may be lost on a power cut, never corrupted (in WAL mode).
     Normal,
+    /// A commit survives a power cut.
     Full,
 }
 
 impl Synchronous {
+    /// The value of `PRAGMA synchronous`.
     pub fn pragma_value(self) -> &'static str {
         match self {
             Synchronous::Normal => "NORMAL",
@@ -127,6 +132,7 @@ pub struct BatchCommitted {
 /// Called on the writer thread after every committed batch; it must return quickly (it delays
 /// the next batch).
 pub trait WriterObserver: Send + Sync {
+    /// Called on the writer thread after `batch` committed.
     fn batch_committed(&self, batch: BatchCommitted);
 }
 
@@ -158,7 +164,9 @@ struct WriterStats {
 /// How many group transactions were committed and how many units of work they carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreStats {
+    /// Transactions committed.
     pub commits: u64,
+    /// Units of work they carried.
     pub units: u64,
     /// Batches run a second time, each unit in its own savepoint, because a unit failed.
     pub replayed: u64,
@@ -291,6 +299,7 @@ impl Store {
         self.inner.stats.queued.load(Ordering::Relaxed)
     }
 
+    /// The database file's path.
     pub fn path(&self) -> &Path {
         &self.inner.path
     }

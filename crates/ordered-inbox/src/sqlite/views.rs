@@ -16,6 +16,7 @@ use crate::views::{
     PageRequest, ProducerView, ResolutionSummary, Summaries, TimelineEvent,
 };
 
+/// The aggregate's summary row (`None`: never recorded).
 pub fn aggregate_summary(
     connection: &Connection,
     aggregate_id: &str,
@@ -54,6 +55,7 @@ pub fn add_states(
     Ok(())
 }
 
+/// The aggregate's view: its summary and open dead letters (`None`: never recorded).
 pub fn aggregate_view(
     connection: &Connection,
     aggregate_id: &str,
@@ -540,6 +542,7 @@ pub fn lowest_held_payloads(
     Ok(payloads)
 }
 
+/// How many messages the aggregate applied and dead-lettered, and its last sequence.
 pub fn counts(connection: &Connection, aggregate_id: &str) -> rusqlite::Result<AggregateCounts> {
     connection
         .prepare_cached(

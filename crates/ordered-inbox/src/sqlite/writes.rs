@@ -22,46 +22,10 @@ pub(super) fn write(
     detail: &Detail,
 ) -> rusqlite::Result<Option<i64>> {
     match change {
+        Change::InsertApplied { .. }
+        | Change::InsertDeadLetter { .. }
+        | Change::ObserveDeadLetter { .. } => write_message(connection, change, detail),
         Change::PutAggregate { aggregate_id, row } => put_aggregate(connection, aggregate_id, row),
-        Change::InsertApplied {
-            producer,
-            message,
-            payload,
-            applied_at,
-        } => insert_applied(
-            connection,
-            producer.as_deref(),
-            message,
-            payload,
-            applied_at,
-            detail,
-        ),
-        Change::InsertDeadLetter {
-            producer,
-            message,
-            payload,
-            reason,
-            at,
-        } => insert_dead_letter(
-            connection,
-            producer.as_deref(),
-            message,
-            payload,
-            reason,
-            at,
-        ),
-        Change::ObserveDeadLetter {
-            producer,
-            message_id,
-            observations,
-            at,
-        } => observe_dead_letter(
-            connection,
-            producer.as_deref(),
-            message_id,
-            *observations,
-            at,
-        ),
         Change::SupersedeDeadLetters {
             aggregate_id,
             message_ids,
@@ -103,6 +67,57 @@ pub(super) fn write(
         }
     }?;
     Ok(None)
+}
+
+/// Writes a change of one message's own row: applied, a new dead letter, or one seen again.
+/// [`write`] routes only these three here.
+fn write_message(
+    connection: &WriterConnection<'_>,
+    change: &Change,
+    detail: &Detail,
+) -> rusqlite::Result<()> {
+    match change {
+        Change::InsertApplied {
+            producer,
+            message,
+            payload,
+            applied_at,
+        } => insert_applied(
+            connection,
+            producer.as_deref(),
+            message,
+            payload,
+            applied_at,
+            detail,
+        ),
+        Change::InsertDeadLetter {
+            producer,
+            message,
+            payload,
+            reason,
+            at,
+        } => insert_dead_letter(
+            connection,
+            producer.as_deref(),
+            message,
+            payload,
+            reason,
+            at,
+        ),
+        Change::ObserveDeadLetter {
+            producer,
+            message_id,
+            observations,
+            at,
+        } => observe_dead_letter(
+            connection,
+            producer.as_deref(),
+            message_id,
+            *observations,
+            at,
+        ),
+        other => unreachable!("not a message's own row: {other:?}"),
+    }
 }
 
 /// Writes the aggregate's row. Most deliveries only move its position (the status and the time
