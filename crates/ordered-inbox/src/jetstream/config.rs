@@ -12,12 +12,19 @@ pub struct StartError(pub String);
 
 /// Defaults of the `--nats-*` flags.
 pub const DEFAULT_STREAM: &str = "ORDERED";
+/// The subjects' first token: `ordered.<aggregate>`.
 pub const DEFAULT_SUBJECT_PREFIX: &str = "ordered";
+/// The durable consumer's base name.
 pub const DEFAULT_DURABLE: &str = "production-lab";
+/// The most messages one fetch carries.
 pub const DEFAULT_BATCH: usize = 256;
+/// How long JetStream waits for an answer before it delivers a message again.
 pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+/// The first back-off of a nak.
 pub const DEFAULT_NAK_DELAY: Duration = Duration::from_secs(1);
+/// How often the gap notices of waiting aggregates are published again.
 pub const DEFAULT_GAP_NOTICE_INTERVAL: Duration = Duration::from_secs(30);
+/// The most gap notices one tick publishes.
 pub const DEFAULT_GAP_NOTICES_PER_TICK: usize = 100;
 
 /// The first token of every gap notice's subject, `gaps.PREFIX.AGGREGATE`: a root of its own, so
@@ -35,14 +42,19 @@ pub fn gap_subject_prefix(subject_prefix: &str) -> String {
 pub struct BrokerConfig {
     /// Loopback `nats://HOST:PORT` URLs of one NATS server or cluster.
     pub urls: Vec<String>,
+    /// The JetStream stream's name.
     pub stream: String,
+    /// The subjects' first token.
     pub subject_prefix: String,
     /// The durable consumer's base name; with partitions, `-pK` is appended.
     pub durable: String,
+    /// How many partitions the subjects are mapped into (1: none).
     pub partitions: u32,
+    /// This consumer's partition, from 0.
     pub partition: u32,
     /// The most messages one fetch (and so one commit) carries.
     pub batch: usize,
+    /// How long JetStream waits for an answer before it delivers a message again.
     pub ack_wait: Duration,
     /// The first back-off of a nak; it grows with each redelivery, up to 30 s.
     pub nak_delay: Duration,
@@ -58,11 +70,14 @@ pub struct BrokerConfig {
 /// kind of credential. `Debug` hides the secrets.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsAccess {
+    /// TLS to the server, if any.
     pub tls: Option<NatsTls>,
+    /// The client's credential, if any.
     pub auth: Option<NatsAuth>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// TLS to a NATS server: its CA and an optional client certificate.
 pub struct NatsTls {
     /// The CA file (PEM) the server's certificate must chain to.
     pub ca: PathBuf,
@@ -77,10 +92,14 @@ pub enum NatsAuth {
     CredsFile(PathBuf),
     /// A user nkey's seed (`SU…`).
     NkeySeed(String),
+    /// A user and a password.
     UserPassword {
+        /// The user's name.
         user: String,
+        /// The password.
         password: String,
     },
+    /// A token.
     Token(String),
 }
 

@@ -843,8 +843,11 @@ async fn collect(
 /// What to tell the broker about one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
+    /// Acknowledge: its fate is recorded.
     Ack,
+    /// Ask for a redelivery after a back-off.
     Nak,
+    /// Terminate: never delivered again.
     Term,
     /// Its aggregate cannot take it yet: parked until the aggregate moves (nak'd when parking
     /// is full).

@@ -34,6 +34,7 @@ pub struct GapNotifier {
 }
 
 impl GapNotifier {
+    /// A notifier publishing on `client` under `config`'s subject prefix, counting in `lab`.
     pub fn new(
         client: async_nats::Client,
         config: &BrokerConfig,

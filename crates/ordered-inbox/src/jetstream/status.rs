@@ -27,17 +27,25 @@ pub trait ConsumerObserver: Send + Sync {
 #[derive(Debug, Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Counters {
+    /// Batches fetched and answered.
     pub batches: u64,
+    /// Messages in those batches.
     pub messages: u64,
     /// Verdicts by name (`applied`, `replay`, `held`, `held again`, …, `malformed`).
     pub outcomes: BTreeMap<&'static str, u64>,
+    /// Messages acknowledged.
     pub acked: u64,
+    /// Messages nak'd for a redelivery.
     pub nakd: u64,
+    /// Messages terminated.
     pub terminated: u64,
+    /// Fetches that failed.
     pub fetch_errors: u64,
+    /// Deliveries the store failed.
     pub store_errors: u64,
     /// Gap notices published (see [`notices`]).
     pub gap_notices: u64,
+    /// The last error, in one line.
     pub last_error: Option<String>,
     /// The fault switch stopped the consumer after a COMMIT, before its acks.
     pub paused_after_commit: bool,
@@ -82,6 +90,7 @@ impl ConsumerStatus {
         }
     }
 
+    /// What the consumer did so far.
     pub fn counters(&self) -> Counters {
         self.inner
             .counters
@@ -96,10 +105,12 @@ impl ConsumerStatus {
         self
     }
 
+    /// The consumer's settings, once it connected.
     pub fn config(&self) -> Option<&BrokerConfig> {
         self.inner.config.get()
     }
 
+    /// Whether its NATS connection is up now; `None` before it connected.
     pub fn is_connected(&self) -> Option<bool> {
         self.inner
             .client

@@ -62,17 +62,23 @@ pub fn gap_subjects(prefix: &str) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GapNotice {
+    /// The waiting aggregate.
     pub aggregate_id: String,
+    /// The sequences it waits for.
     pub missing: MissingRange,
+    /// The sequences held behind the missing ones.
     pub held_sequences: Vec<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Since when it waits, if known.
     pub waiting_since: Option<String>,
 }
 
 /// The sequences `from` through `through`, both included.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MissingRange {
+    /// The first missing sequence.
     pub from: i64,
+    /// The last missing sequence.
     pub through: i64,
 }
 
@@ -100,7 +106,9 @@ impl GapNotice {
 /// A producer's credential read from a message's headers; the token is never logged.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Credential {
+    /// The producer's token.
     pub token: String,
+    /// The epoch of its session.
     pub epoch: i64,
 }
 
@@ -268,8 +276,11 @@ pub fn aggregate_of_subject(
 /// Why a delivery is malformed, with what could still be read of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Malformed {
+    /// The aggregate its subject named, when it could be read.
     pub aggregate_id: Option<String>,
+    /// The message id, when it could be read.
     pub message_id: Option<String>,
+    /// Why it is malformed.
     pub reason: String,
 }
 
