@@ -76,13 +76,9 @@ pub(super) async fn labs_page() -> Response {
     render(LAYOUT, &LABS)
 }
 
-/// The static files: name, content type, content.
+/// The console's own static files (name, content type, content), beside the shared ones
+/// ([`pages::SHARED_ASSETS`]: the stylesheet, the icon and `common.js`).
 const ASSETS: &[Asset] = &[
-    (
-        "console.css",
-        "text/css; charset=utf-8",
-        crate::http::pages::CONSOLE_CSS,
-    ),
     ("console.js", JAVASCRIPT, include_str!("assets/console.js")),
     ("lesson.js", JAVASCRIPT, include_str!("assets/lesson.js")),
     (
@@ -101,16 +97,11 @@ const ASSETS: &[Asset] = &[
         include_str!("assets/deadletter.js"),
     ),
     ("labs.js", JAVASCRIPT, include_str!("assets/labs.js")),
-    (
-        "favicon.svg",
-        "image/svg+xml",
-        crate::http::pages::FAVICON_SVG,
-    ),
 ];
 
-/// `GET /console/assets/{name}`: one of [`ASSETS`], else 404.
+/// `GET /console/assets/{name}`: a shared file or one of [`ASSETS`], else 404.
 #[utoipa::path(get, path = "/console/assets/{name}", tag = "console",
-    params(("name" = String, Path, description = "console.css, console.js, a page's script, favicon.svg")),
+    params(("name" = String, Path, description = "console.css, common.js, console.js, a page's script, favicon.svg")),
     responses(
         (status = 200, description = "The file", content(
             (String = "text/css"), (String = "text/javascript"), (String = "image/svg+xml"),

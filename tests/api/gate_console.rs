@@ -176,6 +176,7 @@ async fn the_console_pages_load_without_a_token_with_strict_headers_but_every_da
         "/console/aggregate?id=order-1",
         "/console/deadletter?messageId=m-2&producer=shop",
         "/console/producers",
+        "/console/assets/common.js",
         "/console/assets/gate.js",
         "/console/assets/console.css",
     ] {

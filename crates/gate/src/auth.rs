@@ -267,13 +267,9 @@ pub fn operator_revoked() -> Response {
     )
 }
 
-/// The title of every producer's 401.
-const PRODUCER_REQUIRED: &str = "Producer authentication required";
-
-/// 401 for a producer: what its credential lacks; nothing was changed.
-pub fn producer_unauthorized(detail: impl Into<String>) -> Response {
-    unauthorized(PRODUCER_REQUIRED, detail)
-}
+/// 401 for a producer: what its credential lacks; nothing was changed. Every door words it
+/// alike.
+pub use http_edge::inbox::verdicts::producer_unauthorized;
 
 /// Who makes a delivery, read from the request's head as an extractor, so that a delivery
 /// without a valid credential is answered before its body is read (a client without one cannot

@@ -4,6 +4,7 @@
 
 (() => {
   const C = LabConsole;
+  const { paragraph } = C;
   const PAGE = 20;
   const id = C.param('id');
   const problem = document.getElementById('aggregate-error');
@@ -121,10 +122,6 @@
     gapExpectedLast.value = String(a.last);
   }
 
-  function paragraph(text, attributes = {}) {
-    return C.el('p', { ...attributes, text });
-  }
-
   /** The request body from the gap form, or a sentence saying what is missing. */
   function readGapForm() {
     const from = gapFrom.valueAsNumber;
@@ -164,8 +161,7 @@
   }
 
   function renderGap(state, kind, lines) {
-    gapResult.dataset.state = state;
-    gapResult.replaceChildren(C.el('div', { class: kind }, ...lines));
+    C.result('gap-result', state, kind, lines);
   }
 
   async function submitGap(dryRun) {

@@ -4,6 +4,7 @@
 
 (() => {
   const C = LabConsole;
+  const { paragraph } = C;
   const id = C.param('id');
   // A producer's dead letter is addressed with its producer (absent: an anonymous delivery's).
   const producer = C.param('producer');
@@ -14,7 +15,6 @@
   const form = document.getElementById('resolve-form');
   const expectedLast = document.getElementById('expected-last');
   const replacementFields = document.getElementById('replacement-fields');
-  const result = document.getElementById('resolve-result');
   const moved = document.getElementById('dl-moved');
   document.getElementById('dl-id').textContent = id;
   document.title = `Dead letter ${id} · production-lab console`;
@@ -114,10 +114,6 @@
     return { body };
   }
 
-  function paragraph(text, attributes = {}) {
-    return C.el('p', { ...attributes, text });
-  }
-
   function describeRecord(r) {
     const what = r.replacement
       ? `replace ${r.messageId} with ${r.replacement.messageId} (amount ${r.replacement.amount})`
@@ -175,8 +171,7 @@
   }
 
   function render(state, kind, lines) {
-    result.dataset.state = state;
-    result.replaceChildren(C.el('div', { class: kind }, ...lines));
+    C.result('resolve-result', state, kind, lines);
   }
 
   async function submit(dryRun) {

@@ -13,8 +13,10 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::producers::{producer_claim, refused};
-use super::verdicts::{DeliveryAccepted, DeliveryRefused, Quarantined, verdict_response};
+use super::producers::producer_claim;
+use super::verdicts::{
+    DeliveryAccepted, DeliveryRefused, GeneralDoor, Quarantined, refused, verdict_response,
+};
 use crate::http::error::{AppError, Json, Path, Query, json_response};
 use crate::inbox::SharedInbox;
 use crate::inbox::answers::unknown_aggregate;
@@ -79,8 +81,8 @@ async fn deliver(
     let delivered = Delivered::of(&message);
     Ok(
         match inbox.deliver_as(message, Door::General, claim).await? {
-            Ok(outcome) => verdict_response(&delivered, outcome),
-            Err(refusal) => refused(&delivered, refusal),
+            Ok(outcome) => verdict_response::<GeneralDoor>(&delivered, outcome),
+            Err(refusal) => refused::<GeneralDoor>(&delivered, refusal),
         },
     )
 }

@@ -15,8 +15,7 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::producers::refused;
-use super::quarantine_full;
+use super::verdicts::{GeneralDoor, quarantine_full, refused};
 use crate::http::aspnet::is_blank_or_longer_than;
 use crate::http::error::{AppError, Json, RequestBody, json_response};
 use crate::inbox::SharedInbox;
@@ -150,7 +149,7 @@ async fn apply(
     Ok(
         match inbox.deliver_as(message, Door::Classroom, None).await? {
             Ok(outcome) => classroom_response(&delivered, &outcome),
-            Err(refusal) => refused(&delivered, refusal),
+            Err(refusal) => refused::<GeneralDoor>(&delivered, refusal),
         },
     )
 }

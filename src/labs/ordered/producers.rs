@@ -8,7 +8,7 @@ use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::views::{OwnershipState, ProducerView};
-use ordered_inbox::{ProducerClaim, ProducerRefusal, TransferRefusal, TransferRequest};
+use ordered_inbox::{ProducerClaim, TransferRefusal, TransferRequest};
 use serde::{Deserialize, Deserializer};
 use serde_json::json;
 use utoipa::ToSchema;
@@ -16,10 +16,11 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::operator::{authenticate, unauthorized};
+use super::verdicts::producer_unauthorized;
 use crate::http::credential::{Credential, credential};
 use crate::http::error::{AppError, Json, Path, RequestBody, json_response, problem_response_with};
 use crate::inbox::SharedInbox;
-use crate::inbox::input::{Delivered, validate_aggregate_id, validate_sequence};
+use crate::inbox::input::{validate_aggregate_id, validate_sequence};
 use crate::inbox::requests::reason;
 
 /// The header a producer's delivery names its session's epoch in.
@@ -110,16 +111,11 @@ pub(super) async fn producer_claim(
         .map_err(|error| AppError::from(error).into_response())?
         .ok_or_else(|| {
             producer_unauthorized(
-                "the token is not an active producer's token (unknown or revoked)".into(),
+                "the token is not an active producer's token (unknown or revoked)",
             )
         })?;
     let epoch = epoch_header(headers).map_err(IntoResponse::into_response)?;
     Ok(Some(ProducerClaim { producer, epoch }))
-}
-
-/// 401 for a producer: what its credential lacks; nothing was changed.
-fn producer_unauthorized(detail: String) -> Response {
-    crate::http::credential::unauthorized("Producer authentication required", detail)
 }
 
 /// `Producer-Epoch: N`, exactly one, written as [`crate::http::producer_epoch::parse`] reads it.
@@ -138,83 +134,6 @@ fn epoch_header(headers: &HeaderMap) -> Result<i64, AppError> {
                 "{ADVICE}, a whole number from 1 in digits only (no sign, no leading zero)"
             ))
         })
-}
-
-/// The answer to a delivery the inbox refused before deciding it: nothing was written.
-pub(super) fn refused(message: &Delivered, refusal: ProducerRefusal) -> Response {
-    let about = |outcome: &str| {
-        json!({
-            "outcome": outcome,
-            "aggregateId": message.aggregate_id,
-            "messageId": message.message_id,
-            "retryable": false,
-        })
-    };
-    let with = |mut body: serde_json::Value, key: &str, value: serde_json::Value| {
-        if let Some(object) = body.as_object_mut() {
-            object.insert(key.to_owned(), value);
-        }
-        body
-    };
-    match refusal {
-        ProducerRefusal::Fenced {
-            offered,
-            current_epoch,
-        } => problem_response_with(
-            StatusCode::CONFLICT,
-            "Fenced",
-            Some(&format!(
-                "epoch {offered} is older than the producer's current epoch {current_epoch}: a newer instance of this producer has taken over; this instance must stop (nothing was applied)"
-            )),
-            with(about("fenced"), "currentEpoch", json!(current_epoch)),
-        ),
-        ProducerRefusal::EpochNotIssued {
-            offered,
-            current_epoch,
-        } => problem_response_with(
-            StatusCode::BAD_REQUEST,
-            "Epoch never issued",
-            Some(&format!(
-                "epoch {offered} was never issued to this producer (its current epoch is {current_epoch}); use the epoch POST /producers/session answered"
-            )),
-            with(
-                about("epoch not issued"),
-                "currentEpoch",
-                json!(current_epoch),
-            ),
-        ),
-        ProducerRefusal::NoSession => problem_response_with(
-            StatusCode::CONFLICT,
-            "No producer session",
-            Some("the producer has never started a session: POST /producers/session first"),
-            with(about("no session"), "currentEpoch", json!(0)),
-        ),
-        ProducerRefusal::Revoked => {
-            producer_unauthorized("the producer was revoked before the delivery".to_owned())
-        }
-        ProducerRefusal::NotOwner { owner } => problem_response_with(
-            StatusCode::FORBIDDEN,
-            "Not the owner",
-            Some(&format!(
-                "aggregate '{}' is owned by producer '{owner}'; only its owner may write its sequence (an operator may transfer it)",
-                message.aggregate_id
-            )),
-            with(about("not the owner"), "owner", json!(owner)),
-        ),
-        ProducerRefusal::OwnerRequired => producer_unauthorized(format!(
-            "aggregate '{}' is owned by a producer: deliver with its token (Authorization: Bearer TOKEN) and Producer-Epoch",
-            message.aggregate_id
-        )),
-        ProducerRefusal::ClaimRequiresOperator => problem_response_with(
-            StatusCode::FORBIDDEN,
-            "The aggregate has history and no owner",
-            Some(&format!(
-                "aggregate '{}' was written before any producer claimed it; only an operator may give it an owner (POST /aggregates/{{id}}/owner)",
-                message.aggregate_id
-            )),
-            with(about("claim requires operator"), "owner", json!(null)),
-        ),
-    }
 }
 
 /// `POST /producers/session`: the producer's epoch goes one up; every delivery under an older

@@ -1,7 +1,7 @@
 //! The console's pages and static files, compiled into the binary. Pages are one layout with a
 //! page's own `<main>` filled in; nothing from a request is ever written into them (the scripts
-//! read the query string themselves and render it as text). The stylesheet and the icon are the
-//! lab console's files, included as they are: static text, no route of the lab's.
+//! read the query string themselves and render it as text). The stylesheet, the icon and the
+//! script helpers both consoles share are http-edge's ([`pages::SHARED_ASSETS`]).
 
 use axum::extract::Path;
 use axum::response::Response;
@@ -68,10 +68,8 @@ pub(super) async fn producers_page() -> Response {
     render(LAYOUT, &PRODUCERS)
 }
 
-/// The static files: name, content type, content.
+/// The console's own static files (name, content type, content), beside the shared ones.
 const ASSETS: &[Asset] = &[
-    ("console.css", "text/css; charset=utf-8", pages::CONSOLE_CSS),
-    ("favicon.svg", "image/svg+xml", pages::FAVICON_SVG),
     ("gate.js", JAVASCRIPT, include_str!("assets/gate.js")),
     ("signin.js", JAVASCRIPT, include_str!("assets/signin.js")),
     (
@@ -91,9 +89,9 @@ const ASSETS: &[Asset] = &[
     ),
 ];
 
-/// `GET /console/assets/{name}`: one of [`ASSETS`], else 404.
+/// `GET /console/assets/{name}`: a shared file or one of [`ASSETS`], else 404.
 #[utoipa::path(get, path = "/console/assets/{name}", tag = "console",
-    params(("name" = String, Path, description = "console.css, gate.js, a page's script, favicon.svg")),
+    params(("name" = String, Path, description = "console.css, common.js, gate.js, a page's script, favicon.svg")),
     responses(
         (status = 200, description = "The file", content(
             (String = "text/css"), (String = "text/javascript"), (String = "image/svg+xml"),

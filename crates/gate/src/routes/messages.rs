@@ -13,7 +13,9 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::PayloadLimit;
-use super::verdicts::{DeliveryAccepted, DeliveryRefused, Quarantined, refused, verdict_response};
+use super::verdicts::{
+    DeliveryAccepted, DeliveryRefused, GateDoor, Quarantined, refused, verdict_response,
+};
 use crate::auth::{Access, DeliveryCredential, active_producer, producer_unauthorized};
 use crate::edge::{payload_too_large, refuse_declared_oversize};
 use http_edge::credential::{Credential, credential};
@@ -166,8 +168,8 @@ async fn deliver(
     let delivered = Delivered::of(&message);
     Ok(
         match inbox.deliver_as(message, Door::General, claim).await? {
-            Ok(outcome) => verdict_response(&delivered, outcome),
-            Err(refusal) => refused(&delivered, refusal),
+            Ok(outcome) => verdict_response::<GateDoor>(&delivered, outcome),
+            Err(refusal) => refused::<GateDoor>(&delivered, refusal),
         },
     )
 }

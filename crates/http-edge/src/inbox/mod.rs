@@ -2,8 +2,9 @@
 //! ([`SharedInbox`], whatever store is underneath), its observing wrapper ([`observed`]: every
 //! verdict counted, logged and told to open consoles where it is decided), the feed of committed
 //! changes ([`changes`]), the message input the doors parse ([`input`], [`pages`]), the answers
-//! every door words alike ([`answers`]) and the operator requests and evidence queries it reads
-//! alike ([`requests`], [`queries`]).
+//! every door words alike ([`answers`]), the verdicts every HTTP door answers a delivery with in
+//! its own words ([`verdicts`]), and the operator requests and evidence queries it reads alike
+//! ([`requests`], [`queries`]).
 //!
 //! The doors (HTTP routes, the JetStream consumer), the consoles and the operator routes stand on
 //! this floor; it knows none of them, nor any application's handler.
@@ -15,6 +16,7 @@ pub mod observed;
 pub mod pages;
 pub mod queries;
 pub mod requests;
+pub mod verdicts;
 
 use std::sync::Arc;
 

@@ -1,6 +1,7 @@
 //! What both consoles (the lab's and the gate's) serve their pages with: one layout with a
-//! page's own `<main>` filled in, the static files compiled into the binary, and the headers
-//! every console response carries. Nothing from a request is ever written into a page (the
+//! page's own `<main>` filled in, the static files compiled into the binary (the ones both
+//! share, [`SHARED_ASSETS`], beside each console's own), and the headers every console response
+//! carries. Nothing from a request is ever written into a page (the
 //! scripts read the query string themselves and render it as text).
 
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};
@@ -47,9 +48,13 @@ pub fn render(layout: &str, page: &Page) -> Response {
     response
 }
 
-/// The file `name` of `assets`, else 404.
+/// The file `name` of [`SHARED_ASSETS`] or of a console's own `assets`, else 404.
 pub fn asset(assets: &[Asset], name: &str) -> Result<Response, AppError> {
-    let Some((_, content_type, body)) = assets.iter().find(|(known, _, _)| *known == name) else {
+    let Some((_, content_type, body)) = SHARED_ASSETS
+        .iter()
+        .chain(assets)
+        .find(|(known, _, _)| *known == name)
+    else {
         return Err(AppError::problem_with_detail(
             StatusCode::NOT_FOUND,
             "No such console file",
@@ -92,10 +97,24 @@ pub async fn protect(mut response: Response) -> Response {
 }
 
 /// What a console's own test checks of each of its pages: it marks its nav entry, leaves no
-/// placeholder, loads its script (which `assets` serves) and holds no inline script or style.
+/// placeholder, loads the shared helpers before its own script (which `assets` serves) and
+/// holds no inline script or style; and that its files do not shadow the shared ones.
 pub fn assert_well_formed(layout: &str, pages: &[&Page], assets: &[Asset]) {
+    for (shared, _, _) in SHARED_ASSETS {
+        assert!(
+            !assets.iter().any(|(name, _, _)| name == shared),
+            "{shared} is served from the shared files only"
+        );
+    }
     for page in pages {
         let html = html(layout, page);
+        let common = html.find("/console/assets/common.js");
+        let own = html.find(&format!("/console/assets/{}.js", page.name));
+        assert!(
+            common.is_some_and(|common| own.is_some_and(|own| common < own)),
+            "{} loads common.js before its own script",
+            page.name
+        );
         assert!(
             html.contains("aria-current=\"page\""),
             "{} marks its nav entry",
@@ -109,7 +128,10 @@ pub fn assert_well_formed(layout: &str, pages: &[&Page], assets: &[Asset]) {
             page.name
         );
         assert!(
-            assets.iter().any(|(name, _, _)| *name == script),
+            SHARED_ASSETS
+                .iter()
+                .chain(assets)
+                .any(|(name, _, _)| *name == script),
             "{script} is served"
         );
         assert!(
@@ -129,3 +151,13 @@ pub fn assert_well_formed(layout: &str, pages: &[&Page], assets: &[Asset]) {
 pub const CONSOLE_CSS: &str = include_str!("console.css");
 /// The icon both consoles share, served as `favicon.svg`.
 pub const FAVICON_SVG: &str = include_str!("favicon.svg");
+/// The script helpers both consoles share (`ConsoleCommon`), served as `common.js` and loaded
+/// by each layout before the console's own helpers.
+pub const COMMON_JS: &str = include_str!("common.js");
+
+/// The files every console serves under `/console/assets/` beside its own.
+pub const SHARED_ASSETS: &[Asset] = &[
+    ("console.css", "text/css; charset=utf-8", CONSOLE_CSS),
+    ("favicon.svg", "image/svg+xml", FAVICON_SVG),
+    ("common.js", JAVASCRIPT, COMMON_JS),
+];
