@@ -8,7 +8,7 @@
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use ordered_inbox::RejectedDelivery;
+use ordered_inbox::records::RejectedDelivery;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::{IntoParams, ToSchema};

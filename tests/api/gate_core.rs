@@ -11,8 +11,9 @@ use futures_util::StreamExt;
 use ordered_inbox::postgres::{PostgresInbox, Target};
 use ordered_inbox::sqlite::{SqliteInbox, Store, Synchronous, schema};
 use ordered_inbox::{
-    Action, BatchDelivery, Door, GapRequest, GapResolved, Inbox, InboxError, Limits, Mode,
-    OrderedMessage, Outcome, ResolutionRequest, Resolved, SequenceRange,
+    BatchDelivery, Door, Inbox, InboxError, Limits, OrderedMessage, Outcome, gaps::GapRequest,
+    gaps::GapResolved, records::SequenceRange, resolution::Action, resolution::Mode,
+    resolution::ResolutionRequest, resolution::Resolved,
 };
 use ordering_gate::handler::{GateHandler, envelope};
 use ordering_gate::output::{self, OutputEntry, OutputError, OutputStore};

@@ -597,7 +597,10 @@ async fn a_server_reaches_postgresql_through_a_unix_socket_directory() {
 #[tokio::test]
 async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
     use ordered_inbox::postgres::{PostgresInbox, Target};
-    use ordered_inbox::{Action, BatchDelivery, Door, Inbox, Limits, Mode, ResolutionRequest};
+    use ordered_inbox::{
+        BatchDelivery, Door, Inbox, Limits, resolution::Action, resolution::Mode,
+        resolution::ResolutionRequest,
+    };
     use production_lab::inbox::ledger::{self, Ledger, views::AggregateView};
 
     let url = fresh_database();
@@ -664,7 +667,8 @@ async fn a_batch_with_producer_claims_is_checked_message_by_message_in_postgresq
     use ordered_inbox::operators::Registry;
     use ordered_inbox::postgres::{PostgresInbox, Target};
     use ordered_inbox::{
-        BatchDelivery, Door, Inbox, Limits, Outcome, ProducerClaim, ProducerRefusal, Undelivered,
+        BatchDelivery, Door, Inbox, Limits, Outcome, Undelivered, records::ProducerClaim,
+        records::ProducerRefusal,
     };
     use production_lab::inbox::ledger;
 

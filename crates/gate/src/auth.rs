@@ -20,8 +20,8 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use governor::clock::Clock;
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
-use ordered_inbox::ProducerClaim;
 use ordered_inbox::operators::token_hash;
+use ordered_inbox::records::ProducerClaim;
 use serde_json::json;
 use subtle::ConstantTimeEq;
 

@@ -19,8 +19,8 @@ use async_trait::async_trait;
 use ordered_inbox::postgres::{HandlerClient, PostgresHandler};
 use ordered_inbox::sqlite::{SqliteHandler, WriterConnection};
 use ordered_inbox::{
-    ApplyOutcome, Check, Detail, HandlerError, OrderedMessage, Poison, SkippedSequences,
-    canonical_json, clock,
+    ApplyOutcome, Check, Detail, HandlerError, OrderedMessage, Poison, clock,
+    content::canonical_json, records::SkippedSequences,
 };
 use rusqlite::Connection;
 use serde_json::{Value, json};
@@ -439,7 +439,7 @@ mod tests {
     fn a_skip_marker_names_its_resolution_in_its_id_and_payload() {
         let skipped = SkippedSequences {
             aggregate_id: "order-1".into(),
-            range: ordered_inbox::SequenceRange {
+            range: ordered_inbox::records::SequenceRange {
                 from: 5,
                 through: 7,
             },

@@ -20,8 +20,8 @@ use metrics_exporter_prometheus::{
 use ordered_inbox::sqlite::{BatchCommitted, WriterObserver};
 use ordered_inbox::views::InboxHealth;
 use ordered_inbox::{
-    ActionKind, AggregateStatus, Door, GapResolutionError, GapResolved, Outcome, ProducerRefusal,
-    ResolutionError, Resolved,
+    AggregateStatus, Door, Outcome, gaps::GapResolutionError, gaps::GapResolved, model::ActionKind,
+    records::ProducerRefusal, resolution::ResolutionError, resolution::Resolved,
 };
 
 /// The Prometheus text exposition format, version 0.0.4.

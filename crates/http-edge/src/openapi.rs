@@ -81,7 +81,7 @@ pub struct StoreUnavailable(Problem);
 pub struct StoreFailed(Problem);
 
 /// The root of the document: its info and the components every lab refers to. The labs' paths
-/// are merged in by the router (see [`crate::app::api_router`]).
+/// are merged in by the router (the lab's `app::api_router`, the gate's `routes::finish`).
 #[derive(OpenApi)]
 #[openapi(
     info(

@@ -6,7 +6,9 @@
 use lab_testkit::simulate::model::{Admitting, Producer, admission};
 use ordered_inbox::producers::{Admission, admit};
 use ordered_inbox::records::refusal_outcome;
-use ordered_inbox::{AggregateOwner, OwnershipFacts, ProducerClaim, ProducerFact};
+use ordered_inbox::{
+    facts::OwnershipFacts, facts::ProducerFact, records::AggregateOwner, records::ProducerClaim,
+};
 use proptest::prelude::*;
 
 const NAMES: [&str; 2] = ["p", "q"];

@@ -25,7 +25,7 @@ use ordered_inbox::model::{
 use ordered_inbox::planted::{self, Bug};
 use ordered_inbox::records::ResolutionRecord;
 use ordered_inbox::resolution::{Action, Mode, ResolutionRequest, Resolved, decide_resolution};
-use ordered_inbox::{Check, Door, Limits, OrderedMessage, Poison, canonical_json};
+use ordered_inbox::{Check, Door, Limits, OrderedMessage, Poison, content::canonical_json};
 use proptest::prelude::*;
 use proptest::test_runner::{
     Config, FailurePersistence, FileFailurePersistence, RngAlgorithm, TestCaseError, TestError,

@@ -1,33 +1,33 @@
-//! A NATS JetStream pull consumer in front of the ordered inbox on SQLite. Order events are
-//! published to `orders.{order}` as `{"messageId", "sequence", "payload": {"sku", "quantity"}}`;
-//! the consumer hands each fetched batch to the inbox in one `deliver_batch` (one commit) through
-//! the broker's door, which holds an event that is ahead of its turn until its predecessor
-//! arrives, and the handler writes each applied line into the `orders` table in that commit.
-//! Each message is answered only after the COMMIT: acked once recorded, nak'd when the handler
-//! failed (it comes back), terminated when it can never be recorded.
+//! A NATS JetStream pull consumer in front of the ordered inbox on SQLite, with the library's
+//! consumer ([`ordered_inbox::jetstream`], feature `jetstream`). Order events are published to
+//! `orders.{order}` as `{"messageId", "sequence", "payload": {"sku", "quantity"}}` with the
+//! message id in `Nats-Msg-Id`; the consumer hands each fetched batch to the inbox in one
+//! `deliver_batch` (one commit) through the broker's door, which holds an event that is ahead of
+//! its turn until its predecessor arrives, and the handler writes each applied line into the
+//! `orders` table in that commit. Each message is answered only after the COMMIT: acked once
+//! recorded, nak'd when the handler failed (it comes back), terminated when it can never be
+//! recorded. All this program writes is the handler, the body reader and the settings.
 //!
 //! ```sh
 //! # Checks itself on a private nats-server (Debian package `nats-server`): publishes shuffled
 //! # events with duplicates and a poison one, consumes until each is answered, checks the table.
-//! cargo run -p ordered-inbox --example jetstream_orders
+//! cargo run -p ordered-inbox --features jetstream --example jetstream_orders
 //! # Consumes the stream ORDERS of the server at URL until Ctrl+C.
-//! cargo run -p ordered-inbox --example jetstream_orders -- --nats nats://127.0.0.1:4222 --database orders.db
+//! cargo run -p ordered-inbox --features jetstream --example jetstream_orders -- --nats nats://127.0.0.1:4222 --database orders.db
 //! ```
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
-use async_nats::jetstream::{self, AckKind, Message, stream};
-use futures_util::StreamExt;
+use async_nats::jetstream;
+use ordered_inbox::jetstream::{BrokerConfig, Consumer, ConsumerStatus, SharedInbox, wire};
 use ordered_inbox::sqlite::{SqliteHandler, SqliteInbox, StoreError, WriterConnection};
-use ordered_inbox::{
-    ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, OrderedInbox, OrderedMessage,
-    Outcome, Poison, Undelivered,
-};
+use ordered_inbox::{ApplyOutcome, Check, HandlerError, OrderedInbox, OrderedMessage, Poison};
 use rusqlite::Connection;
 use serde::Deserialize;
 use serde_json::json;
+use tokio_util::sync::CancellationToken;
 
 // ---------------------------------------------------------------------------------------------
 // The handler: a line needs a positive quantity, and applying it writes it.
@@ -70,7 +70,7 @@ CREATE TABLE IF NOT EXISTS orders(order_id TEXT NOT NULL, sequence INTEGER NOT N
                                   quantity INTEGER NOT NULL);";
 
 // ---------------------------------------------------------------------------------------------
-// The consumer: one batch, one commit, then the answers.
+// The consumer: the library's, reading this program's events.
 
 /// What a message of the stream carries; its order is the subject's last token.
 #[derive(Deserialize)]
@@ -81,111 +81,41 @@ struct Event {
     payload: serde_json::Value,
 }
 
-const SUBJECTS: &str = "orders.*";
-const BATCH: usize = 64;
-/// How long a nak'd message waits before it is delivered again.
-const REDELIVERY: Duration = Duration::from_secs(1);
-
-/// Fetches, delivers and answers batches until `done` says so (after a batch) or the process is
-/// stopped, and counts its answers.
-async fn consume(
-    consumer: &PullConsumer,
-    inbox: &SqliteInbox,
-    done: impl Fn(&Answered) -> bool,
-) -> Result<Answered, Failure> {
-    let mut answered = Answered::default();
-    while !done(&answered) {
-        let batch = consumer
-            .batch()
-            .max_messages(BATCH)
-            .expires(Duration::from_secs(1));
-        let messages: Vec<Message> = batch
-            .messages()
-            .await?
-            .filter_map(async |message| message.ok())
-            .collect()
-            .await;
-        let kinds = deliver(inbox, &messages).await;
-        for (message, kind) in messages.iter().zip(kinds) {
-            answered.count(&kind);
-            if let Err(error) = message.ack_with(kind).await {
-                // Not fatal: the stream delivers it again after its ack wait, and the inbox
-                // answers that delivery as a replay.
-                eprintln!("jetstream_orders: an answer was lost: {error}");
-            }
-        }
-    }
-    Ok(answered)
-}
-
-/// Delivers the batch's readable messages in one call and decides each message's answer.
-async fn deliver(inbox: &SqliteInbox, messages: &[Message]) -> Vec<AckKind> {
-    let read: Vec<Option<OrderedMessage>> = messages.iter().map(ordered).collect();
-    let deliveries = read.iter().flatten().cloned();
-    let deliveries = deliveries.map(|message| BatchDelivery::anonymous(message, Door::Broker));
-    // `Ok` once the batch committed; an `Err` committed none of it.
-    let mut answers = match inbox.deliver_batch(deliveries.collect()).await {
-        Ok(verdicts) => verdicts.iter().map(answer).collect(),
-        Err(_) => Vec::new(),
-    }
-    .into_iter();
-    let answer = |read: &Option<OrderedMessage>| match read {
-        // Unreadable: it never will be.
-        None => AckKind::Term,
-        Some(_) => answers.next().unwrap_or(AckKind::Nak(Some(REDELIVERY))),
-    };
-    read.iter().map(answer).collect()
-}
-
-fn ordered(message: &Message) -> Option<OrderedMessage> {
-    let order = message.subject.as_str().strip_prefix("orders.")?;
-    let event: Event = serde_json::from_slice(&message.payload).ok()?;
-    Some(OrderedMessage {
+/// An event's body for the order its subject names, or why it is malformed (it is terminated).
+fn read_event(order: String, body: &[u8]) -> Result<OrderedMessage, String> {
+    let event: Event = serde_json::from_slice(body).map_err(|error| error.to_string())?;
+    Ok(OrderedMessage {
         message_id: event.message_id,
-        aggregate_id: order.to_owned(),
+        aggregate_id: order,
         sequence: event.sequence,
         payload: event.payload,
     })
 }
 
-fn answer(verdict: &Result<Outcome, Undelivered>) -> AckKind {
-    match verdict {
-        // Recorded: applied, applied before, held for its turn, or a dead letter.
-        Ok(
-            Outcome::Applied { .. }
-            | Outcome::Replay { .. }
-            | Outcome::Held { .. }
-            | Outcome::Quarantined { .. },
-        ) => AckKind::Ack,
-        // Never recordable as it is.
-        Ok(Outcome::Stale { .. } | Outcome::PayloadConflict) | Err(Undelivered::Refused(_)) => {
-            AckKind::Term
-        }
-        // Not recorded now (a bound was reached, or the handler failed): it comes back.
-        Ok(Outcome::Gap { .. } | Outcome::HoldFull { .. } | Outcome::QuarantineFull { .. })
-        | Err(Undelivered::Handler(_)) => AckKind::Nak(Some(REDELIVERY)),
-    }
+/// The stream ORDERS on `orders.*`, consumed by the durable `orders-inbox`.
+fn settings(url: &str) -> BrokerConfig {
+    let mut settings = BrokerConfig::with_checked_urls(vec![url.to_owned()]);
+    settings.stream = "ORDERS".to_owned();
+    settings.subject_prefix = "orders".to_owned();
+    settings.durable = "orders-inbox".to_owned();
+    settings
 }
 
-#[derive(Debug, Default)]
-struct Answered {
-    acked: usize,
-    terminated: usize,
-    nakd: usize,
-}
-
-impl Answered {
-    fn count(&mut self, kind: &AckKind) {
-        match kind {
-            AckKind::Ack => self.acked += 1,
-            AckKind::Term => self.terminated += 1,
-            _ => self.nakd += 1,
-        }
-    }
+/// Runs the library's consumer on `client` until `stop` is cancelled; its evidence is `status`.
+async fn consume(
+    client: async_nats::Client,
+    url: &str,
+    inbox: SharedInbox,
+    status: ConsumerStatus,
+    stop: CancellationToken,
+) -> Result<(), Failure> {
+    let consumer = Consumer::with_client(settings(url), status, client, read_event).await?;
+    consumer.run(inbox, stop).await;
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
-// Plumbing: the inbox, the stream and its durable consumer, and the self-check.
+// Plumbing: the inbox and the self-check.
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
 
@@ -195,24 +125,6 @@ async fn open_inbox(path: &Path) -> Result<SqliteInbox, StoreError> {
         .migrate(|connection| connection.execute_batch(ORDERS_TABLE))
         .open()
         .await
-}
-
-async fn open_consumer(client: async_nats::Client) -> Result<PullConsumer, Failure> {
-    let stream = jetstream::new(client)
-        .get_or_create_stream(stream::Config {
-            name: "ORDERS".to_owned(),
-            subjects: vec![SUBJECTS.to_owned()],
-            ..Default::default()
-        })
-        .await?;
-    let config = pull::Config {
-        durable_name: Some("orders-inbox".to_owned()),
-        ack_policy: AckPolicy::Explicit,
-        ..Default::default()
-    };
-    Ok(stream
-        .get_or_create_consumer("orders-inbox", config)
-        .await?)
 }
 
 #[tokio::main]
@@ -238,32 +150,33 @@ async fn run() -> Result<(), Failure> {
         }
     }
     let directory = tempfile::tempdir()?;
-    let inbox = open_inbox(&database.unwrap_or_else(|| directory.path().join("orders.db"))).await?;
+    let path = database.unwrap_or_else(|| directory.path().join("orders.db"));
+    let inbox = Arc::new(open_inbox(&path).await?);
     let outcome = match nats {
-        Some(url) => consume_until_stopped(&url, &inbox).await,
-        None => check_itself(&inbox).await,
+        Some(url) => consume_until_stopped(&url, inbox.clone()).await,
+        None => check_itself(inbox.clone()).await,
     };
     inbox.shutdown().await;
     outcome
 }
 
-async fn consume_until_stopped(url: &str, inbox: &SqliteInbox) -> Result<(), Failure> {
-    let consumer = open_consumer(async_nats::connect(url).await?).await?;
-    println!("consuming {SUBJECTS} at {url}");
+async fn consume_until_stopped(url: &str, inbox: Arc<SqliteInbox>) -> Result<(), Failure> {
+    let client = async_nats::connect(url).await?;
+    let stop = CancellationToken::new();
+    let consumer = consume(client, url, inbox, ConsumerStatus::default(), stop.clone());
+    println!("consuming orders.* at {url}");
     tokio::select! {
-        consumed = consume(&consumer, inbox, |_| false) => consumed.map(|_| ()),
-        _ = tokio::signal::ctrl_c() => Ok(()),
+        consumed = consumer => consumed,
+        _ = tokio::signal::ctrl_c() => {
+            stop.cancel();
+            Ok(())
+        }
     }
 }
 
-/// Publishes three orders' events shuffled, with duplicates and a poison line, consumes until
-/// every message is answered and checks the table.
-async fn check_itself(inbox: &SqliteInbox) -> Result<(), Failure> {
-    let server = tokio::task::spawn_blocking(|| lab_testkit::nats::NatsServer::start(None));
-    let server = server.await??;
-    let client = server.connect().await?;
-    let consumer = open_consumer(client.clone()).await?;
-
+/// Three orders' events, shuffled, with duplicates (sent under the resend header, which
+/// JetStream does not de-duplicate on, so that the inbox recognises them) and a poison line.
+fn events() -> Vec<(String, String, String, bool)> {
     let mut events = Vec::new();
     for order in ["order-1", "order-2", "order-3"] {
         for sequence in 1..=5 {
@@ -273,32 +186,68 @@ async fn check_itself(inbox: &SqliteInbox) -> Result<(), Failure> {
             } else {
                 sequence
             };
+            let id = format!("{order}-{sequence}");
             let payload = json!({ "sku": "tea", "quantity": quantity });
-            let event = json!({ "messageId": format!("{order}-{sequence}"), "sequence": sequence, "payload": payload });
-            events.push((format!("orders.{order}"), event.to_string()));
+            let event = json!({ "messageId": id, "sequence": sequence, "payload": payload });
+            events.push((
+                wire::subject_for("orders", order),
+                id,
+                event.to_string(),
+                false,
+            ));
         }
     }
-    // Without a `Nats-Msg-Id` header the stream keeps duplicates: the inbox recognises them.
-    events.extend(events.clone().into_iter().step_by(2));
+    let again = events
+        .clone()
+        .into_iter()
+        .step_by(2)
+        .map(|(s, i, e, _)| (s, i, e, true));
+    events.extend(again.collect::<Vec<_>>());
     rand::seq::SliceRandom::shuffle(events.as_mut_slice(), &mut rand::rng());
+    events
+}
+
+/// Publishes the events, consumes until every message is acked and checks the table.
+async fn check_itself(inbox: Arc<SqliteInbox>) -> Result<(), Failure> {
+    let server = tokio::task::spawn_blocking(|| lab_testkit::nats::NatsServer::start(None));
+    let server = server.await??;
+    let client = server.connect().await?;
+    let (status, stop) = (ConsumerStatus::default(), CancellationToken::new());
+    // The consumer creates the stream before anything is published.
+    let consumer = Consumer::with_client(
+        settings(&server.url),
+        status.clone(),
+        client.clone(),
+        read_event,
+    )
+    .await?;
+    let running = tokio::spawn(consumer.run(inbox.clone() as SharedInbox, stop.clone()));
+    let events = events();
     let context = jetstream::new(client);
-    for (subject, event) in &events {
+    for (subject, id, event, resent) in &events {
+        let mut headers = async_nats::HeaderMap::new();
+        let header = if *resent {
+            wire::RESEND_HEADER
+        } else {
+            wire::MESSAGE_ID_HEADER
+        };
+        headers.insert(header, id.as_str());
         context
-            .publish(subject.clone(), event.clone().into())
+            .publish_with_headers(subject.clone(), headers, event.clone().into())
             .await?
             .await?;
     }
-
-    let all_acked = |answered: &Answered| answered.acked >= events.len();
-    let consumed = tokio::time::timeout(
-        Duration::from_secs(60),
-        consume(&consumer, inbox, all_acked),
-    );
-    let answered = consumed
-        .await
-        .map_err(|_| "not every message was acked in time")??;
-    if answered.acked != events.len() || answered.terminated + answered.nakd > 0 {
-        return Err(format!("{} published, answered {answered:?}", events.len()).into());
+    let answered = async {
+        while status.counters().acked < events.len() as u64 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let in_time = tokio::time::timeout(Duration::from_secs(60), answered).await;
+    stop.cancel();
+    running.await?;
+    let counters = status.counters();
+    if in_time.is_err() || counters.terminated + counters.nakd > 0 {
+        return Err(format!("{} published, answered {counters:?}", events.len()).into());
     }
     let lines = inbox
         .store()

@@ -1,6 +1,6 @@
 //! [`OrderedInbox`]: the way in, one builder per backend.
 
-/// Opens an ordered inbox: [`OrderedInbox::sqlite`] or [`OrderedInbox::postgres`] start a
+/// Opens an ordered inbox: `OrderedInbox::sqlite` or `OrderedInbox::postgres` start a
 /// builder that takes the application's handler, the bounds and the application's own tables,
 /// and whose `open` brings the schema up to date and returns the running inbox.
 ///

@@ -194,6 +194,7 @@ impl Change {
     }
 
     /// Whether writing this change may skip sequences (see [`Change::skipped`]).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     fn skips(&self) -> bool {
         match self {
             Change::RecordResolution(record) => record.action == ActionKind::Skip,
@@ -211,15 +212,9 @@ pub trait Plan {
 
 /// Whether writing `changes` calls the application's handler: a change applies a message, or a
 /// resolution skips sequences (the handler hears of them).
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))] // only the SQLite writer asks
 pub fn calls_handler(changes: &[Change]) -> bool {
     changes
         .iter()
         .any(|change| change.applied_message().is_some() || change.skips())
-}
-
-/// Whether any of `changes` applies a message (so that the application's handler runs).
-pub fn applies_any(changes: &[Change]) -> bool {
-    changes
-        .iter()
-        .any(|change| change.applied_message().is_some())
 }

@@ -9,7 +9,7 @@
 //! the same plan, each through the ordinary policy: a held poison message is quarantined and
 //! stops the drain.
 //!
-//! A backend reads [`DeliveryFacts`] and writes [`DeliveryPlan::changes`] inside one transaction
+//! A backend reads `DeliveryFacts` and writes `DeliveryPlan::changes` inside one transaction
 //! that serializes deliveries to the same aggregate; that is what makes concurrent deliveries of
 //! one sequence apply exactly once. Nothing here touches a database.
 
@@ -148,7 +148,8 @@ impl Outcome {
 
 /// The verdict and the rows that record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeliveryPlan {
+#[cfg_attr(feature = "testing", visibility::make(pub))]
+pub(crate) struct DeliveryPlan {
     /// The verdict.
     pub outcome: Outcome,
     /// The changes that record it, in order.
@@ -171,7 +172,8 @@ impl crate::change::Plan for DeliveryPlan {
 /// nothing on the aggregate either: no row, no observation. Either would give it history, and an
 /// unowned aggregate with history can only get an owner from an operator, so a refused delivery
 /// would squat the id as surely as a claim.
-pub fn decide_producer_delivery(
+#[cfg_attr(feature = "testing", visibility::make(pub))]
+pub(crate) fn decide_producer_delivery(
     message: &OrderedMessage,
     door: Door,
     claim: Option<&ProducerClaim>,
@@ -224,7 +226,8 @@ fn claim_changes(message: &OrderedMessage, owner: AggregateOwner, now: &str) -> 
 }
 
 /// Decides one anonymous delivery through `door`, stamping every row with `context.now`.
-pub fn decide_delivery(
+#[cfg_attr(feature = "testing", visibility::make(pub))]
+pub(crate) fn decide_delivery(
     message: &OrderedMessage,
     door: Door,
     facts: &DeliveryFacts,
@@ -238,7 +241,8 @@ pub fn decide_delivery(
 /// namespace: a message's identity is (producer, message id). Without the epoch a producer's
 /// message was sent under ([`decide_producer_delivery`] has it) there is nothing to hold it
 /// under, so a producer's early message is a gap here on every door.
-pub fn decide_delivery_as(
+#[cfg_attr(feature = "testing", visibility::make(pub))]
+pub(crate) fn decide_delivery_as(
     producer: Option<&str>,
     message: &OrderedMessage,
     door: Door,

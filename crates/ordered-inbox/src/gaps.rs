@@ -5,7 +5,7 @@
 //! broker door holds, or one the general door refused as a gap. If the expected message was lost
 //! upstream it never comes, and nothing but a resend moves the aggregate. [`missing`] tells the
 //! range (from the expected sequence to one below the lowest sequence seen ahead of it since the
-//! last apply); [`decide_gap_resolution`] is the operator's way past it, with the same authority,
+//! last apply); `decide_gap_resolution` is the operator's way past it, with the same authority,
 //! audit, race guard (`expectedLast`), dry run and identical-repeat rule as a dead letter's
 //! resolution ([`crate::resolution`]):
 //!
@@ -15,7 +15,7 @@
 //!   delivery ([`crate::delivery`]), in the same plan.
 //!
 //! A skipped sequence that arrives later is stale, naming the resolution (see
-//! [`crate::facts::DeliveryFacts::skipped_by`]). The preconditions are checked against facts
+//! `crate::facts::DeliveryFacts::skipped_by`). The preconditions are checked against facts
 //! read in the transaction the changes are written in, so of a late message and a skip racing
 //! for one sequence exactly one wins, and the other is refused naming it.
 
@@ -99,7 +99,8 @@ pub struct AppliedInRange {
 
 /// What the store knows that a gap resolution depends on, read in its transaction.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct GapFacts {
+#[cfg_attr(feature = "testing", visibility::make(pub))]
+pub(crate) struct GapFacts {
     /// The aggregate's row (`None`: the store never recorded it).
     pub aggregate: Option<AggregateRow>,
     /// The aggregate's open dead letters.
@@ -252,7 +253,8 @@ impl crate::change::Plan for GapPlan {
 
 /// Decides a gap resolution. With [`Mode::DryRun`] the plan carries no changes and the record
 /// no id (what would drain is still told).
-pub fn decide_gap_resolution(
+#[cfg_attr(feature = "testing", visibility::make(pub))]
+pub(crate) fn decide_gap_resolution(
     request: &GapRequest,
     facts: &GapFacts,
     mode: Mode,

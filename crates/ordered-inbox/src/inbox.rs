@@ -93,7 +93,7 @@ pub trait Inbox: Send + Sync {
         mode: Mode,
     ) -> Result<Resolved, ResolutionError>;
 
-    /// Resolves a gap for an authenticated operator ([`crate::gaps::decide_gap_resolution`]),
+    /// Resolves a gap for an authenticated operator (`crate::gaps::decide_gap_resolution`),
     /// or (dry run) reports what that would do.
     async fn resolve_gap(
         &self,
@@ -172,7 +172,7 @@ pub trait Inbox: Send + Sync {
 
     /// Decides and records one delivery made by `claim`'s producer (`None`: anonymous), with
     /// epoch fencing and ownership checked in the same transaction as the write
-    /// ([`crate::decide_producer_delivery`]). The inner `Err` is a refusal: nothing was written.
+    /// (`crate::delivery::decide_producer_delivery`). The inner `Err` is a refusal: nothing was written.
     async fn deliver_as(
         &self,
         message: OrderedMessage,
@@ -192,7 +192,7 @@ pub trait Inbox: Send + Sync {
 
     /// An operator's transfer of an aggregate to a producer, checked against its preconditions
     /// and recorded with an audit row and a timeline event, in one transaction; the held
-    /// messages it makes inadmissible are rejected in it ([`crate::producers::decide_transfer`]).
+    /// messages it makes inadmissible are rejected in it (`crate::producers::decide_transfer`).
     async fn transfer_owner(
         &self,
         request: TransferRequest,

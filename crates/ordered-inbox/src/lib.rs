@@ -105,10 +105,10 @@
 //! # }
 //! ```
 //!
-//! On PostgreSQL the same check goes with a [`postgres::PostgresHandler`], whose `apply` gets the
-//! client inside the open transaction (a [`postgres::HandlerClient`], with a statement cache per
+//! On PostgreSQL the same check goes with a `postgres::PostgresHandler`, whose `apply` gets the
+//! client inside the open transaction (a `postgres::HandlerClient`, with a statement cache per
 //! connection), and `OrderedInbox::postgres(url).handler(..).migrate(sql).open()` opens it
-//! ([`postgres::builder::PostgresBuilder`]). Handlers may also define what "the same content"
+//! (`postgres::builder::PostgresBuilder`). Handlers may also define what "the same content"
 //! means ([`Check::canonical`], see [`content`]); the default is the payload's canonical JSON.
 //!
 //! ## Guarantees
@@ -136,10 +136,16 @@
 //! ## Feature flags
 //!
 //! - `sqlite` (on by default): the [`sqlite`] backend, one file with a group-commit writer.
-//! - `postgres`: the [`postgres`] backend, one database shared by several server processes,
+//! - `postgres`: the `postgres` backend, one database shared by several server processes,
 //!   with TLS to a server on another host.
 //! - `openapi`: JSON Schema descriptions (utoipa `ToSchema`) of the views and statuses, for a
 //!   server that publishes an OpenAPI document of its answers.
+//! - `jetstream`: the `jetstream` module's consumer, which hands each fetched batch of a JetStream
+//!   pull consumer to [`Inbox::deliver_batch`] through the broker's door and acks, naks or
+//!   terminates each message only after the COMMIT that recorded its fate.
+//! - `testing`: for testing only. Makes the pure core's decisions (`decide_delivery`,
+//!   `decide_resolution`, …), their facts and their change plans public, for a simulator's or a
+//!   property test's direct calls; never for a real build.
 //! - `planted-bugs`: for testing only. Makes the `planted` module public, whose known bugs a
 //!   simulator's tests plant one at a time to show that they are caught; never for a real
 //!   build.
@@ -175,9 +181,9 @@
 //!   and the failures.
 //! - [`content`]: what the application says about content: [`Check`], [`Poison`],
 //!   [`ApplyOutcome`], the canonical form, the default handler [`AcceptAll`].
-//! - [`records`], [`timeline`], [`facts`], [`change`]: what the decisions write and read: the
+//! - [`records`], [`timeline`], `facts`, `change`: what the decisions write and read: the
 //!   audit and ownership records, the timeline's entries, the facts a backend reads, the change
-//!   plan a backend writes.
+//!   plan a backend writes (the last two public only with `testing`).
 //! - [`policy`]: the ordering rule for one sequence against the last applied one.
 //! - [`rejected`], [`producers`]: held messages that may no longer apply; who may write an
 //!   aggregate's sequence (producer sessions and epochs, ownership and its transfer).
@@ -190,9 +196,10 @@
 //!   aggregate).
 //! - [`sqlite`] (feature `sqlite`, on by default): one writer thread with group commit (a
 //!   savepoint per unit only when a unit fails), read connections, the inbox's schema.
-//! - [`postgres`] (feature `postgres`): for several server processes on one database: a
+//! - `postgres` (feature `postgres`): for several server processes on one database: a
 //!   connection pool, one transaction per operation serialized per aggregate by advisory and
 //!   row locks, pipelined prepared statements, versioned migrations.
+//! - `jetstream` (feature `jetstream`): the JetStream consumer that acks after the COMMIT.
 //! - [`clock`]: the stored timestamp format.
 //!
 //! The two backends are the only modules that know SQL; neither holds an ordering rule. Nothing
@@ -203,12 +210,18 @@
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod builder;
+#[cfg(feature = "testing")]
 pub mod change;
+#[cfg(not(feature = "testing"))]
+mod change;
 pub mod clock;
 pub mod content;
 pub mod delivery;
 pub mod error;
+#[cfg(feature = "testing")]
 pub mod facts;
+#[cfg(not(feature = "testing"))]
+mod facts;
 pub mod gaps;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod handling;
@@ -235,29 +248,8 @@ pub mod views;
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub use builder::OrderedInbox;
-pub use change::Change;
-pub use content::{AcceptAll, ApplyOutcome, Check, Detail, Poison, canonical_json};
-pub use delivery::{
-    Context, DeadLetterNote, DeliveryPlan, Outcome, decide_delivery, decide_delivery_as,
-    decide_producer_delivery,
-};
+pub use content::{AcceptAll, ApplyOutcome, Check, Detail, Poison};
+pub use delivery::Outcome;
 pub use error::{HandlerError, InboxError};
-pub use facts::{DeliveryFacts, HeldMessage, OwnershipFacts, ProducerFact};
-pub use gaps::{
-    GapConflict, GapFacts, GapRequest, GapResolutionError, GapResolved, decide_gap_resolution,
-};
 pub use inbox::{BatchDelivery, Inbox, Undelivered};
-pub use model::{
-    ActionKind, AggregateStatus, DeadLetterStatus, Door, Limits, OrderedMessage, Position,
-    QuarantineReason,
-};
-pub use producers::{TransferPlan, TransferRequest};
-pub use records::{
-    AggregateOwner, DrainOutcome, DrainedMessage, GapRecord, ProducerClaim, ProducerRefusal,
-    REJECTED_KEPT, RejectedDelivery, Replacement, ResolutionRecord, SequenceRange,
-    SkippedSequences, TransferRecord, TransferRefusal,
-};
-pub use rejected::HeldRejection;
-pub use resolution::{
-    Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved, decide_resolution,
-};
+pub use model::{AggregateStatus, Door, Limits, OrderedMessage};

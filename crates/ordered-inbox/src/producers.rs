@@ -6,8 +6,8 @@
 //! to an aggregate without history claims it; afterwards only its owner may write it, and an
 //! operator may transfer it.
 //!
-//! Everything here is pure: a backend reads [`OwnershipFacts`] in the same transaction as the
-//! delivery's other facts and writes the claim [`crate::change::Change`]s it is given.
+//! Everything here is pure: a backend reads `OwnershipFacts` in the same transaction as the
+//! delivery's other facts and writes the claim `crate::change::Change`s it is given.
 
 use crate::change::Change;
 use crate::facts::{HeldMessage, OwnershipFacts, ProducerFact, TransferFacts};
@@ -116,7 +116,8 @@ pub struct TransferRequest {
 
 /// A decided transfer and the rows that record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransferPlan {
+#[cfg_attr(feature = "testing", visibility::make(pub))]
+pub(crate) struct TransferPlan {
     /// The transfer's audit record.
     pub record: TransferRecord,
     /// The changes that record it, in order.
@@ -128,7 +129,8 @@ pub struct TransferPlan {
 /// Each held message must pass the admission its own delivery would pass under the new owner
 /// (`admit_held`), and one that no longer may write the aggregate (an anonymous one, another
 /// producer's) is rejected in the same plan, so no held message outlives its right to apply.
-pub fn decide_transfer(
+#[cfg_attr(feature = "testing", visibility::make(pub))]
+pub(crate) fn decide_transfer(
     request: &TransferRequest,
     facts: &TransferFacts,
     now: &str,

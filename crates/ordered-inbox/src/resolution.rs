@@ -189,7 +189,8 @@ impl crate::change::Plan for ResolutionPlan {
 }
 
 /// Decides a resolution. With [`Mode::DryRun`] the plan carries no changes and the record no id.
-pub fn decide_resolution(
+#[cfg_attr(feature = "testing", visibility::make(pub))]
+pub(crate) fn decide_resolution(
     request: &ResolutionRequest,
     facts: &ResolutionFacts,
     mode: Mode,

@@ -13,9 +13,10 @@ use ordered_inbox::postgres::{
     HandlerClient, PostgresError, PostgresHandler, PostgresInbox, Target,
 };
 use ordered_inbox::{
-    Action, ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
-    Mode, OrderedInbox, OrderedMessage, Outcome, Poison, ResolutionError, ResolutionRequest,
-    Resolved, Undelivered,
+    ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
+    OrderedInbox, OrderedMessage, Outcome, Poison, Undelivered, resolution::Action,
+    resolution::Mode, resolution::ResolutionError, resolution::ResolutionRequest,
+    resolution::Resolved,
 };
 use serde_json::{Value, json};
 use tokio_postgres::Client;

@@ -4,7 +4,7 @@
 //! ledger's `state`, which the inbox read in the same snapshot as the rest of each view.
 
 use ordered_inbox::views::{self as inbox, DeadLetterView};
-use ordered_inbox::{ActionKind, AggregateStatus, Position as InboxPosition};
+use ordered_inbox::{AggregateStatus, model::ActionKind, model::Position as InboxPosition};
 use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -202,10 +202,10 @@ pub struct ResolutionRecord {
     pub resolved_at: String,
 }
 
-impl From<ordered_inbox::ResolutionRecord> for ResolutionRecord {
+impl From<ordered_inbox::records::ResolutionRecord> for ResolutionRecord {
     /// The totals are the ledger's states the audit row kept. A dry run's replacement was not
     /// applied, so it has no state after: its total is the one applying it would reach.
-    fn from(record: ordered_inbox::ResolutionRecord) -> Self {
+    fn from(record: ordered_inbox::records::ResolutionRecord) -> Self {
         let replacement = record.replacement.map(|replacement| Replacement {
             amount: amount_in(&replacement.payload).unwrap_or_default(),
             message_id: replacement.message_id,

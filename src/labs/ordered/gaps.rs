@@ -7,7 +7,9 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use ordered_inbox::{DrainedMessage, GapRecord, GapResolutionError, GapResolved};
+use ordered_inbox::{
+    gaps::GapResolutionError, gaps::GapResolved, records::DrainedMessage, records::GapRecord,
+};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
@@ -87,7 +89,7 @@ pub(super) struct GapResolutionRecord {
 
 impl From<GapRecord> for GapResolutionRecord {
     fn from(record: GapRecord) -> Self {
-        let position = |position: &ordered_inbox::Position| Position {
+        let position = |position: &ordered_inbox::model::Position| Position {
             last: position.last,
             total: total_in(position.state.as_ref()),
         };

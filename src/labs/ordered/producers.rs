@@ -8,7 +8,7 @@ use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::views::{OwnershipState, ProducerView};
-use ordered_inbox::{ProducerClaim, TransferRefusal, TransferRequest};
+use ordered_inbox::{producers::TransferRequest, records::ProducerClaim, records::TransferRefusal};
 use serde::{Deserialize, Deserializer};
 use serde_json::json;
 use utoipa::ToSchema;
@@ -60,7 +60,7 @@ struct ProducerList {
 struct Transferred {
     #[schema(pattern = "^owner transferred$")]
     outcome: String,
-    transfer: ordered_inbox::TransferRecord,
+    transfer: ordered_inbox::records::TransferRecord,
 }
 
 /// A refused transfer: what failed, and the aggregate's owner and last sequence now.

@@ -6,7 +6,10 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use ordered_inbox::{Action, ResolutionError, ResolutionRequest, Resolved};
+use ordered_inbox::{
+    resolution::Action, resolution::ResolutionError, resolution::ResolutionRequest,
+    resolution::Resolved,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};

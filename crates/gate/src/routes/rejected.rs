@@ -69,8 +69,8 @@ struct RejectedEntry {
     reason: String,
 }
 
-impl From<ordered_inbox::RejectedDelivery> for RejectedEntry {
-    fn from(entry: ordered_inbox::RejectedDelivery) -> RejectedEntry {
+impl From<ordered_inbox::records::RejectedDelivery> for RejectedEntry {
+    fn from(entry: ordered_inbox::records::RejectedDelivery) -> RejectedEntry {
         RejectedEntry {
             at: entry.at,
             subject: entry.subject,

@@ -10,8 +10,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::views::CurrentState;
 use ordered_inbox::{
-    Action, GapRecord, GapResolutionError, GapResolved, ResolutionError, ResolutionRecord,
-    ResolutionRequest, Resolved,
+    gaps::GapResolutionError, gaps::GapResolved, records::GapRecord, records::ResolutionRecord,
+    resolution::Action, resolution::ResolutionError, resolution::ResolutionRequest,
+    resolution::Resolved,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

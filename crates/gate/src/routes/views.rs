@@ -8,7 +8,7 @@ use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use ordered_inbox::views::{AggregateView, DeadLetterView, InventoryEntry, Page, TimelineEvent};
-use ordered_inbox::{AggregateStatus, GapRecord, ResolutionRecord};
+use ordered_inbox::{AggregateStatus, records::GapRecord, records::ResolutionRecord};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::{IntoParams, ToSchema};

@@ -7,7 +7,7 @@
 use axum::http::StatusCode;
 use axum::response::Response;
 use ordered_inbox::views::Page;
-use ordered_inbox::{ConflictKind, GapConflict};
+use ordered_inbox::{gaps::GapConflict, resolution::ConflictKind};
 use serde::Serialize;
 use serde_json::{Value, json};
 

@@ -2,7 +2,9 @@
 //! publishes one bounded event per committed change, whatever door, route or consumer made it,
 //! and whoever listens (the console's live pages) subscribes. Nobody listening is fine.
 
-use ordered_inbox::{GapRecord, Outcome, ResolutionRecord, TransferRecord};
+use ordered_inbox::{
+    Outcome, records::GapRecord, records::ResolutionRecord, records::TransferRecord,
+};
 use serde::Serialize;
 use tokio::sync::broadcast;
 

@@ -15,10 +15,12 @@ use ordered_inbox::views::{
     TransferConflict,
 };
 use ordered_inbox::{
-    AggregateStatus, BatchDelivery, Door, GapRecord, GapRequest, GapResolutionError, GapResolved,
-    Inbox, InboxError, Mode, OrderedMessage, Outcome, ProducerClaim, ProducerRefusal,
-    QuarantineReason, RejectedDelivery, ResolutionError, ResolutionRecord, ResolutionRequest,
-    Resolved, TransferRecord, Undelivered,
+    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, OrderedMessage, Outcome, Undelivered,
+    gaps::GapRequest, gaps::GapResolutionError, gaps::GapResolved, model::QuarantineReason,
+    records::GapRecord, records::ProducerClaim, records::ProducerRefusal,
+    records::RejectedDelivery, records::ResolutionRecord, records::TransferRecord,
+    resolution::Mode, resolution::ResolutionError, resolution::ResolutionRequest,
+    resolution::Resolved,
 };
 
 use super::changes::InboxChanges;

@@ -5,7 +5,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::views::{DeadLetterFilter, MissingRange, PageRequest};
-use ordered_inbox::{AggregateStatus, DeadLetterStatus};
+use ordered_inbox::{AggregateStatus, model::DeadLetterStatus};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 

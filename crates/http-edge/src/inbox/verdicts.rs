@@ -15,7 +15,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use ordered_inbox::delivery::AppliedRecord;
 use ordered_inbox::{
-    DeadLetterNote, DeadLetterStatus, Detail, Outcome, ProducerRefusal, QuarantineReason,
+    Detail, Outcome, delivery::DeadLetterNote, model::DeadLetterStatus, model::QuarantineReason,
+    records::ProducerRefusal,
 };
 use serde::Serialize;
 use serde_json::{Value, json};

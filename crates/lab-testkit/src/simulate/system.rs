@@ -18,7 +18,7 @@ use ordered_inbox::timeline::TimelineKind;
 use ordered_inbox::views::PageRequest;
 use ordered_inbox::{
     ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
-    OrderedMessage, Outcome, Poison, ProducerClaim, Undelivered,
+    OrderedMessage, Outcome, Poison, Undelivered, records::ProducerClaim,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;

@@ -43,7 +43,7 @@ pub struct Counters {
     pub fetch_errors: u64,
     /// Deliveries the store failed.
     pub store_errors: u64,
-    /// Gap notices published (see [`notices`]).
+    /// Gap notices published (see [`super::notices`]).
     pub gap_notices: u64,
     /// The last error, in one line.
     pub last_error: Option<String>,

@@ -676,7 +676,7 @@ mod tests {
                 "resolved|{}",
                 TimelineDetail::Resolved {
                     resolution_id: 1,
-                    action: crate::ActionKind::Skip,
+                    action: crate::model::ActionKind::Skip,
                     operator: "alice".into(),
                     reason: "duplicate order".into(),
                     replacement_message_id: None
@@ -974,7 +974,7 @@ mod tests {
             Outcome::Quarantined {
                 expected: 2,
                 reason: QuarantineReason::new("over the cap"),
-                dead_letter: Some(crate::DeadLetterNote {
+                dead_letter: Some(crate::delivery::DeadLetterNote {
                     status: DeadLetterStatus::Open,
                     observations: 1
                 }),

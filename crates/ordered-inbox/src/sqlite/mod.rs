@@ -497,7 +497,7 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(poison.sequence, Some(2));
-        assert_eq!(poison.status, crate::DeadLetterStatus::Open);
+        assert_eq!(poison.status, crate::model::DeadLetterStatus::Open);
         assert_eq!(poison.reason.as_str(), "negative quantity");
         assert_eq!(books.dead_letter(None, "m-1".into()).await.unwrap(), None);
         books.shutdown().await;
