@@ -57,12 +57,21 @@ pub struct BenchGateArgs {
     /// Skip `bench broker` in the same run.
     #[arg(long)]
     pub without_broker: bool,
+    /// The gates' store: SQLite, or a private PostgreSQL (durable commits).
+    #[arg(long, value_enum, default_value = "sqlite")]
+    pub backend: Backend,
+    /// Gates on the one store: 1, or 2 with `--backend postgres`.
+    #[arg(long, default_value_t = 1)]
+    pub gates: usize,
+    /// Then run once more offered at half the measured input → output rate, for its p99.
+    #[arg(long)]
+    pub steady_at_half: bool,
     /// Also write the figures as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
 
-/// Which store `bench ordered` measures.
+/// Which store `bench ordered` and `bench gate` measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
     /// The SQLite server (group commit) against one transaction per message.
@@ -204,6 +213,9 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
                     messages: args.messages,
                     batch: args.batch,
                     broker,
+                    postgres: args.backend == Backend::Postgres,
+                    gates: args.gates,
+                    steady_at_half: args.steady_at_half,
                 };
                 (Rendered::of(&bench::gate::run(&options).await?)?, args.json)
             }

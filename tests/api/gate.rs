@@ -174,13 +174,20 @@ impl GateProcess {
 
     /// [`GateProcess::start`] with environment variables for the process.
     pub(crate) fn start_with_env(config: &Path, env: &[(&str, &str)]) -> GateProcess {
+        let mut gate = command();
+        gate.envs(env.iter().copied());
+        GateProcess::start_command(gate, config)
+    }
+
+    /// [`GateProcess::start`] with `program` as the `production-lab` binary: a command that
+    /// runs it (such as `ip netns exec NS production-lab`), its environment set.
+    pub(crate) fn start_command(mut program: std::process::Command, config: &Path) -> GateProcess {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(config.with_file_name("gate.log"))
             .expect("the gate's log file");
-        let mut child = command()
-            .envs(env.iter().copied())
+        let mut child = program
             .arg("gate")
             .arg("--config")
             .arg(config)
@@ -227,7 +234,7 @@ impl GateProcess {
     }
 
     /// Sends `signal` (`STOP`, `CONT`, `TERM`) to the gate's process.
-    fn signal(&self, signal: &str) {
+    pub(crate) fn signal(&self, signal: &str) {
         let status = std::process::Command::new("kill")
             .args([&format!("-{signal}"), &self.child.id().to_string()])
             .status()

