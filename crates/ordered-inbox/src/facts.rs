@@ -128,6 +128,9 @@ pub struct DeadLetterFact {
     /// Unknown for dead letters recorded before sequences were kept.
     pub aggregate_id: Option<String>,
     pub sequence: Option<i64>,
+    /// The message's stored content (its canonical form), which an accepting resolution applies;
+    /// unknown for dead letters recorded before payloads were kept.
+    pub payload: Option<String>,
 }
 
 /// What the store knows that a resolution depends on.

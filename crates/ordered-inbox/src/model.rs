@@ -131,6 +131,8 @@ stored_enum!(
     ActionKind, "resolution action" {
         Replace => "replace",
         Skip => "skip",
+        /// The dead letter's own message, applied as it was delivered once it passes the check.
+        Accept => "accept",
     }
 );
 

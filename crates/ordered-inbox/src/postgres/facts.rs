@@ -73,7 +73,7 @@ const OPEN_DEAD_LETTERS: &str = "SELECT message_id, sequence, NULLIF(producer, '
   FROM deadletters WHERE aggregate_id = $1 AND status = 'open' ORDER BY id";
 const DEAD_LETTER_HOME: &str =
     "SELECT aggregate_id FROM deadletters WHERE message_id = $1 AND producer = $2";
-const DEAD_LETTER_FACT: &str = "SELECT status, aggregate_id, sequence FROM deadletters
+const DEAD_LETTER_FACT: &str = "SELECT status, aggregate_id, sequence, payload FROM deadletters
   WHERE message_id = $1 AND producer = $2";
 /// The held row of this identity, and those of this aggregate, each with its producer's row as
 /// it is now, locked `FOR SHARE` until the transaction ends (as a delivery locks its producer's
@@ -285,7 +285,7 @@ async fn locked_resolution_facts(
 
     let replacement_id = match &request.action {
         Action::Replace { message_id, .. } => Some(message_id.as_str()),
-        Action::Skip => None,
+        Action::Skip | Action::Accept => None,
     };
     // The replacement is applied in the dead letter's namespace.
     let producer = request.producer.as_deref();
@@ -364,6 +364,7 @@ async fn locked_resolution_facts(
                 status: parsed(&row, 0)?,
                 aggregate_id: row.try_get(1)?,
                 sequence: row.try_get(2)?,
+                payload: row.try_get(3)?,
             })
         })
         .transpose()?;
