@@ -20,6 +20,7 @@ mod gate_config;
 mod gate_console;
 mod gate_core;
 mod gate_edge;
+mod gate_recheck;
 mod gate_reload;
 mod gate_remote;
 mod gate_routes;
