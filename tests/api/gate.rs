@@ -140,6 +140,11 @@ schema = "shipped.json"
         self.dir.path().join("gate.toml")
     }
 
+    /// Writes (or replaces) the file `name` in the gate's directory.
+    pub(crate) fn write(&self, name: &str, text: &str) {
+        std::fs::write(self.dir.path().join(name), text).expect("a gate file");
+    }
+
     /// The same files with `[publisher] lease_ms` set.
     fn with_lease_ms(self, lease_ms: u64) -> GateFiles {
         let text = std::fs::read_to_string(self.config()).unwrap();
@@ -162,7 +167,7 @@ schema = "shipped.json"
 pub(crate) struct GateProcess {
     child: Child,
     /// `https://127.0.0.1:PORT`
-    address: String,
+    pub(crate) address: String,
 }
 
 impl GateProcess {
@@ -310,12 +315,12 @@ pub(crate) async fn add_producer(
 
 /// One message of the workload.
 #[derive(Debug, Clone)]
-struct Message {
-    aggregate: String,
-    sequence: i64,
-    message_id: String,
-    kind: &'static str,
-    payload: Value,
+pub(crate) struct Message {
+    pub(crate) aggregate: String,
+    pub(crate) sequence: i64,
+    pub(crate) message_id: String,
+    pub(crate) kind: &'static str,
+    pub(crate) payload: Value,
 }
 
 impl Message {
@@ -384,7 +389,7 @@ async fn deliver_until_decided(
 }
 
 /// Publishes `message` on the gate's input stream as `producer`.
-async fn publish(js: &jetstream::Context, producer: &Producer, message: &Message) {
+pub(crate) async fn publish(js: &jetstream::Context, producer: &Producer, message: &Message) {
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(
         "Nats-Msg-Id",
@@ -409,13 +414,13 @@ async fn publish(js: &jetstream::Context, producer: &Producer, message: &Message
 /// What a downstream consumer read from the output stream: per aggregate the sequences in the
 /// order they arrived, with their bodies, and every `Nats-Msg-Id`.
 #[derive(Debug, Default)]
-struct Output {
-    by_aggregate: BTreeMap<String, Vec<(i64, Value)>>,
+pub(crate) struct Output {
+    pub(crate) by_aggregate: BTreeMap<String, Vec<(i64, Value)>>,
     ids: Vec<String>,
 }
 
 /// Reads the whole output stream from its start with an ordered view of it.
-async fn read_output(js: &jetstream::Context) -> Output {
+pub(crate) async fn read_output(js: &jetstream::Context) -> Output {
     let Ok(mut stream) = js.get_stream(OUTPUT_STREAM).await else {
         return Output::default();
     };
@@ -470,7 +475,7 @@ async fn read_output(js: &jetstream::Context) -> Output {
 }
 
 /// Every aggregate's output is exactly 1..=n in order, with no id twice.
-fn assert_in_order_once(output: &Output, expected: &BTreeMap<String, i64>) {
+pub(crate) fn assert_in_order_once(output: &Output, expected: &BTreeMap<String, i64>) {
     let distinct: HashSet<&String> = output.ids.iter().collect();
     assert_eq!(
         distinct.len(),

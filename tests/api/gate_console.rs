@@ -177,6 +177,8 @@ async fn the_console_pages_load_without_a_token_with_strict_headers_but_every_da
         "/console/deadletter?messageId=m-2&producer=shop",
         "/console/producers",
         "/console/assets/common.js",
+        "/console/recheck",
+        "/console/assets/recheck.js",
         "/console/assets/gate.js",
         "/console/assets/console.css",
     ] {
@@ -223,6 +225,8 @@ async fn the_console_pages_load_without_a_token_with_strict_headers_but_every_da
     for path in [
         "/v1/deadletters/resolution?messageId=m-2&producer=shop",
         "/v1/aggregates/order-1/gaps/resolution",
+        "/v1/deadletters/recheck",
+        "/v1/deadletters/skip?dryRun=true",
         "/v1/producers",
     ] {
         let response = gate
@@ -514,4 +518,127 @@ async fn a_reader_sees_the_pages_without_a_resolution_form_and_a_refused_token_i
         .await
         .unwrap();
     assert_eq!(untouched["status"], "open");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gate_recheck_in_the_console_previews_first_then_applies_what_the_reloaded_schema_now_accepts()
+ {
+    let gate = ConsoleGate::start();
+    gate.quarantine_the_second_message().await;
+    // The schema is corrected to allow the refund's negative amount, and reloaded.
+    std::fs::write(
+        gate._dir.path().join("placed.json"),
+        PLACED_SCHEMA.replace(", \"minimum\": 0", ""),
+    )
+    .unwrap();
+    gate.gate.hang_up();
+    crate::helpers::poll_until(
+        "the corrected schema reloaded (generation 2)",
+        || async {
+            let ready: Value = gate
+                .get("/ready", None)
+                .await
+                .json()
+                .await
+                .unwrap_or(Value::Null);
+            ready["generation"].as_u64()
+        },
+        |generation| *generation == Some(2),
+    )
+    .await;
+
+    let browser = Browser::start("gate-console-recheck").await;
+    browser
+        .run(async {
+            sign_in(&browser, &gate, &gate.operator).await;
+            browser.click("a[data-nav=\"recheck\"]").await;
+            browser.wait_for("#recheck-form").await;
+            let run_disabled: bool = browser
+                .wait_js(
+                    "the recheck form shown to an operator",
+                    "return document.getElementById('recheck').hidden ? null : document.getElementById('run').disabled;",
+                    |disabled: &Option<bool>| disabled.is_some(),
+                )
+                .await
+                .unwrap_or(false);
+            assert!(run_disabled, "running waits for a preview");
+            browser.fill("#filter-type", "order.placed").await;
+            browser
+                .fill("#reason", "refunds are negative amounts: schema corrected")
+                .await;
+
+            browser.click("#preview").await;
+            browser
+                .wait_js::<String, _>(
+                    "the dry run's preview",
+                    "return document.getElementById('recheck-result').dataset.state;",
+                    |state| state == "preview",
+                )
+                .await;
+            let preview = browser.text("#recheck-result").await;
+            assert!(
+                preview.contains("nothing was written")
+                    && preview.contains("1 applied")
+                    && preview.contains("generation 2"),
+                "{preview}"
+            );
+            let rows = browser.table("recheck-aggregates").await;
+            assert_eq!(rows.len(), 1, "{rows:?}");
+            assert_eq!(rows[0][0], AGGREGATE);
+            assert!(rows[0][1].contains("m-2 (2)"), "{rows:?}");
+            let still_open = gate
+                .get("/v1/deadletter?messageId=m-2&producer=shop", Some(READER_TOKEN))
+                .await
+                .json::<Value>()
+                .await
+                .unwrap();
+            assert_eq!(still_open["status"], "open", "a dry run changes nothing");
+
+            browser.click("#run").await;
+            browser
+                .wait_js::<String, _>(
+                    "the recheck's result",
+                    "return document.getElementById('recheck-result').dataset.state;",
+                    |state| state == "done",
+                )
+                .await;
+            let done = browser.text("#recheck-result").await;
+            assert!(done.contains("1 applied"), "{done}");
+            let rows = browser.table("recheck-aggregates").await;
+            assert!(rows[0][1].contains("m-2 (2)"), "{rows:?}");
+            let run_disabled: bool = browser
+                .js("return document.getElementById('run').disabled;", vec![])
+                .await;
+            assert!(run_disabled, "another run needs another preview");
+        })
+        .await;
+    browser.close().await;
+
+    let aggregate: Value = gate
+        .get("/v1/aggregates/order-1", Some(READER_TOKEN))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (&aggregate["last"], &aggregate["status"]),
+        (&json!(2), &json!("flowing"))
+    );
+    let trail: Value = gate
+        .get("/v1/resolutions", Some(READER_TOKEN))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let record = &trail["resolutions"][0];
+    assert_eq!(
+        (&record["action"], &record["operator"]),
+        (&json!("accept"), &json!("alice"))
+    );
+    assert!(
+        record["reason"]
+            .as_str()
+            .is_some_and(|reason| reason.contains("configuration generation 2")),
+        "{record}"
+    );
 }

@@ -21,6 +21,7 @@ mod gate_console;
 mod gate_core;
 mod gate_edge;
 mod gate_netns;
+mod gate_recheck;
 mod gate_reload;
 mod gate_remote;
 mod gate_routes;

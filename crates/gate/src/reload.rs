@@ -169,7 +169,11 @@ impl Reloader {
 
     /// Swaps every part in; answers the new generation.
     fn install(&self, prepared: Prepared) -> u64 {
-        self.types.store(Arc::new(prepared.types));
+        // Reloads run one at a time, so the next generation is known before it is counted: the
+        // types carry it from the moment they are in place.
+        let next = self.generation.current() + 1;
+        self.types
+            .store(Arc::new(prepared.types.with_generation(next)));
         self.access.replace_readers(prepared.readers);
         if let (Some(running), Some(pair)) = (&self.tls, prepared.tls) {
             running.install(pair);
@@ -285,6 +289,11 @@ mod tests {
 
         write_config(&dir, "gap_alert_after_ms = 1500\n");
         assert_eq!(reloader.reload().expect("reloaded"), 2);
+        assert_eq!(
+            types.load().generation(),
+            2,
+            "the types carry their generation"
+        );
         assert_eq!(
             types.load().gap_alert_after(PLACED),
             Some(Duration::from_millis(1500))

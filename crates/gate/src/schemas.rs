@@ -22,6 +22,9 @@ pub const MAX_REASON_CHARS: usize = 300;
 pub struct MessageTypes {
     validators: HashMap<String, Validator>,
     gap_alerts: HashMap<String, Duration>,
+    /// The configuration generation these types belong to (1 as started): what a recheck's
+    /// audit row names, read from the same set it validated against.
+    generation: u64,
 }
 
 impl MessageTypes {
@@ -48,6 +51,7 @@ impl MessageTypes {
         Ok(MessageTypes {
             validators,
             gap_alerts: HashMap::new(),
+            generation: 1,
         })
     }
 
@@ -56,6 +60,17 @@ impl MessageTypes {
     pub fn with_gap_alerts(mut self, gap_alerts: Vec<(String, Duration)>) -> MessageTypes {
         self.gap_alerts.extend(gap_alerts);
         self
+    }
+
+    /// These types, as the configuration's generation `generation`.
+    pub fn with_generation(mut self, generation: u64) -> MessageTypes {
+        self.generation = generation;
+        self
+    }
+
+    /// The configuration generation these types belong to.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Whether any type sets a `gap_alert_after_ms`: without one nothing is ever overdue.

@@ -412,13 +412,14 @@ impl MemoryStore {
             .unwrap_or_default();
         let replacement = match &request.action {
             Action::Replace { message_id, .. } => message_id.clone(),
-            Action::Skip => String::new(),
+            Action::Skip | Action::Accept => String::new(),
         };
         ResolutionFacts {
             dead_letter: dead_letter.map(|d| DeadLetterFact {
                 status: d.status,
                 aggregate_id: Some(d.message.aggregate_id.clone()),
                 sequence: Some(d.message.sequence),
+                payload: Some(d.payload.clone()),
             }),
             recorded: self.resolutions.get(&request.dead_letter_id).cloned(),
             aggregate: self.rows.get(&aggregate_id).cloned(),

@@ -19,6 +19,12 @@ pub fn format_millis(millis: i64) -> String {
     format_timestamp(instant)
 }
 
+/// An RFC 3339 instant (at any offset) in the stored format, to compare with stored times as
+/// text; `None` for text that is not one.
+pub fn stored_instant(text: &str) -> Option<String> {
+    text.parse::<Timestamp>().ok().map(format_timestamp)
+}
+
 fn format_timestamp(instant: Timestamp) -> String {
     // Truncate to the millisecond first: jiff's `{:.3}` would otherwise round.
     let millis = instant.as_millisecond();

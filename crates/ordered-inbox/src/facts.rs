@@ -144,6 +144,9 @@ pub struct DeadLetterFact {
     pub aggregate_id: Option<String>,
     /// Unknown for dead letters recorded before sequences were kept.
     pub sequence: Option<i64>,
+    /// The message's stored content (its canonical form), which an accepting resolution applies;
+    /// unknown for dead letters recorded before payloads were kept.
+    pub payload: Option<String>,
 }
 
 /// What the store knows that a resolution depends on.

@@ -139,6 +139,8 @@ stored_enum!(
         Replace => "replace",
         /// The dead letter's sequence was passed without a message.
         Skip => "skip",
+        /// The dead letter's own message, applied as it was delivered once it passes the check.
+        Accept => "accept",
     }
 );
 

@@ -4,9 +4,12 @@
 //!
 //! - `replace` applies a new, valid message at the dead letter's sequence through the same
 //!   delivery decision as any message;
-//! - `skip` takes the sequence with an explicit skip event: zero effect, last advances by one.
+//! - `skip` takes the sequence with an explicit skip event: zero effect, last advances by one;
+//! - `accept` applies the dead letter's own message, as it was delivered (its stored content),
+//!   through the same delivery decision: for a message that was poison only by the rule of its
+//!   day (a schema since corrected), it passes the check now and takes its own sequence.
 //!
-//! Either way, held messages that become next drain after it in the same plan (see
+//! Every way, held messages that become next drain after it in the same plan (see
 //! [`crate::delivery`]); the audit row's `after` is the resolution's own step, the drained
 //! messages are on the timeline after it.
 //!
@@ -20,7 +23,7 @@ use serde_json::Value;
 use crate::change::Change;
 use crate::delivery::{Context, DrainStart, Outcome, decide_delivery_as, drain, supersede_at};
 use crate::error::InboxError;
-use crate::facts::{DeliveryFacts, OpenDeadLetter, ResolutionFacts};
+use crate::facts::{DeadLetterFact, DeliveryFacts, OpenDeadLetter, ResolutionFacts};
 use crate::model::{
     ActionKind, AggregateRow, AggregateStatus, DeadLetterStatus, Door, OrderedMessage, Position,
     QuarantineReason,
@@ -41,6 +44,9 @@ pub enum Action {
     },
     /// Go on without the dead letter's sequence.
     Skip,
+    /// Apply the dead letter's own message, as it was delivered, at its sequence: it must pass
+    /// the check now.
+    Accept,
 }
 
 impl Action {
@@ -49,6 +55,7 @@ impl Action {
         match self {
             Action::Replace { .. } => ActionKind::Replace,
             Action::Skip => ActionKind::Skip,
+            Action::Accept => ActionKind::Accept,
         }
     }
 
@@ -61,7 +68,7 @@ impl Action {
                 message_id: message_id.clone(),
                 payload: payload.clone(),
             }),
-            Action::Skip => None,
+            Action::Skip | Action::Accept => None,
         }
     }
 }
@@ -111,7 +118,8 @@ pub enum ConflictKind {
     AlreadyResolved,
     /// Another message already took the dead letter's sequence.
     NotOpen(DeadLetterStatus),
-    /// An early dead letter with no stored sequence or payload.
+    /// An early dead letter with no stored sequence or payload (or, to accept it, a stored
+    /// payload that is not JSON).
     SequenceUnknown,
     /// The aggregate's last applied sequence is not the one the operator saw.
     ExpectedLastMismatch {
@@ -141,7 +149,8 @@ pub enum Refusal {
     NotFound,
     /// A precondition failed.
     Conflict(ConflictKind),
-    /// The replacement itself is poison (its check, or its handler's `apply`).
+    /// The replacement itself is poison (its check, or its handler's `apply`); for `accept`,
+    /// the dead letter's own message still is.
     ReplacementQuarantined(QuarantineReason),
     /// The operator was revoked after authenticating.
     Unauthorized,
@@ -222,6 +231,11 @@ pub(crate) fn decide_resolution(
             payload,
         } => replace(&target, facts, message_id, payload, context, &mut changes)?,
         Action::Skip => skip(&target, &request.operator, facts, context, &mut changes),
+        Action::Accept => {
+            let message = delivered(dead_letter, aggregate_id, sequence, &target)?;
+            let facts = facts_without_itself(&target, facts);
+            apply_at(&target, &message, &facts, context, &mut changes)?
+        }
     };
     let record = ResolutionRecord {
         resolution_id: None,
@@ -384,11 +398,60 @@ fn replace(
         owner: facts.owner.clone(),
         skipped_by: None,
     };
+    apply_at(target, &replacement, &delivery_facts, context, changes)
+}
+
+/// The dead letter's own message as it was delivered: its stored content at its position. A
+/// dead letter without a stored payload (or one that is not JSON) cannot show what it was.
+fn delivered(
+    dead_letter: &DeadLetterFact,
+    aggregate_id: &str,
+    sequence: i64,
+    target: &Target<'_>,
+) -> Result<OrderedMessage, Refusal> {
+    let payload = dead_letter
+        .payload
+        .as_deref()
+        .and_then(|text| serde_json::from_str(text).ok())
+        .ok_or(Refusal::Conflict(ConflictKind::SequenceUnknown))?;
+    Ok(OrderedMessage {
+        message_id: target.dead_letter_id.to_owned(),
+        aggregate_id: aggregate_id.to_owned(),
+        sequence,
+        payload,
+    })
+}
+
+/// What an accepted dead letter's delivery decision knows: its id is neither applied nor held
+/// (an id never has two meanings), and its own dead letter is closed by this resolution, so the
+/// decision sees the aggregate as a first delivery of the message at its sequence would.
+fn facts_without_itself(target: &Target<'_>, facts: &ResolutionFacts) -> DeliveryFacts {
+    DeliveryFacts {
+        applied: None,
+        dead_letter: None,
+        aggregate: facts.aggregate.clone(),
+        open_dead_letters: others_open(facts, target),
+        held_message: None,
+        held: facts.held.clone(),
+        owner: facts.owner.clone(),
+        skipped_by: None,
+    }
+}
+
+/// Applies `message` at the target's sequence through the ordinary delivery decision (which
+/// drains the held successors it makes next). Returns the last sequence after it.
+fn apply_at(
+    target: &Target<'_>,
+    message: &OrderedMessage,
+    delivery_facts: &DeliveryFacts,
+    context: Context<'_>,
+    changes: &mut Vec<Change>,
+) -> Result<i64, Refusal> {
     let plan = decide_delivery_as(
         target.producer,
-        &replacement,
+        message,
         Door::General,
-        &delivery_facts,
+        delivery_facts,
         context,
     );
     match plan.outcome {
@@ -401,7 +464,7 @@ fn replace(
         }
         Outcome::Replay { .. } | Outcome::PayloadConflict => {
             Err(Refusal::Conflict(ConflictKind::ReplacementIdUsed {
-                message_id: message_id.to_owned(),
+                message_id: message.message_id.clone(),
             }))
         }
         // The target was checked to be the next sequence, so the policy cannot see a gap or a
@@ -510,6 +573,7 @@ mod tests {
                 status: DeadLetterStatus::Open,
                 aggregate_id: Some("a".into()),
                 sequence: Some(2),
+                payload: Some(r#"{"quantity":2}"#.into()),
             }),
             recorded: None,
             aggregate: Some(AggregateRow {
@@ -843,5 +907,75 @@ mod tests {
             row.map(|row| (row.last, row.status)),
             Some((2, AggregateStatus::Flowing))
         );
+    }
+
+    #[test]
+    fn an_accepted_dead_letter_applies_its_own_message_and_drains_behind_it() {
+        let facts = ResolutionFacts {
+            held: vec![held_at("m-3", 3, 3), held_at("m-4", 4, 4)],
+            ..blocked()
+        };
+        let plan = decide(&request(Action::Accept, 1), &facts, Mode::Commit).unwrap();
+        let Resolved::New(record) = &plan.resolved else {
+            panic!("expected a resolution");
+        };
+        assert_eq!(record.action, ActionKind::Accept);
+        assert_eq!(record.replacement, None);
+        assert_eq!((record.before.last, record.after.last), (1, 2));
+        let applied: Vec<(&str, i64, &Value)> = plan
+            .changes
+            .iter()
+            .filter_map(|change| match change {
+                Change::InsertApplied { message, .. } => Some((
+                    message.message_id.as_str(),
+                    message.sequence,
+                    &message.payload,
+                )),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            applied,
+            [
+                ("poison-2", 2, &json!({"quantity": 2})),
+                ("m-3", 3, &json!({"quantity": 3})),
+                ("m-4", 4, &json!({"quantity": 4})),
+            ],
+            "its own id and content first, then the held successors"
+        );
+        assert_eq!(superseded(&plan), ["other-2"]);
+        let (released, row) = drained(&plan);
+        assert_eq!(released, ["m-3", "m-4"]);
+        assert_eq!(
+            row.map(|row| (row.last, row.status)),
+            Some((4, AggregateStatus::Flowing))
+        );
+    }
+
+    #[test]
+    fn a_dead_letter_still_poison_or_without_its_content_is_not_accepted() {
+        let mut still = blocked();
+        if let Some(letter) = still.dead_letter.as_mut() {
+            letter.payload = Some(r#"{"quantity":-2}"#.into());
+        }
+        assert_eq!(
+            decide(&request(Action::Accept, 1), &still, Mode::Commit),
+            Err(Refusal::ReplacementQuarantined(QuarantineReason::new(
+                "negative quantity"
+            )))
+        );
+        for payload in [None, Some("not json".to_owned())] {
+            let mut unknown = blocked();
+            if let Some(letter) = unknown.dead_letter.as_mut() {
+                letter.payload = payload;
+            }
+            assert_eq!(
+                decide(&request(Action::Accept, 1), &unknown, Mode::Commit),
+                Err(Refusal::Conflict(ConflictKind::SequenceUnknown))
+            );
+        }
+        let rehearsal = decide(&request(Action::Accept, 1), &blocked(), Mode::DryRun).unwrap();
+        assert!(rehearsal.changes.is_empty());
+        assert!(matches!(rehearsal.resolved, Resolved::DryRun(_)));
     }
 }

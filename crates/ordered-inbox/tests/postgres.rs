@@ -781,3 +781,93 @@ async fn the_builder_refuses_a_failing_application_migration_and_a_host_beyond_l
         .await;
     assert!(remote.is_err(), "a host beyond loopback needs `remote`");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_servers_accepting_one_dead_letter_at_once_apply_it_once_and_drain_behind_it() {
+    let cluster = Cluster::start();
+    let (client, first, second) = two_inboxes(&cluster, ORDER_TABLES, Arc::new(Orders)).await;
+    client
+        .batch_execute(
+            "INSERT INTO operators VALUES ('alice', 'h', 't', NULL);
+             INSERT INTO caps VALUES ('a', 5);",
+        )
+        .await
+        .unwrap();
+    first
+        .deliver(order("m-1", "a", 1, 4), Door::General)
+        .await
+        .unwrap();
+    let capped = first
+        .deliver(order("m-2", "a", 2, 3), Door::General)
+        .await
+        .unwrap();
+    assert!(matches!(&capped, Outcome::Quarantined { .. }), "{capped:?}");
+    let held = first
+        .deliver_as(order("m-3", "a", 3, 1), Door::Broker, None)
+        .await
+        .unwrap();
+    assert!(matches!(held, Ok(Outcome::Held { .. })), "{held:?}");
+    let accept = || ResolutionRequest {
+        producer: None,
+        dead_letter_id: "m-2".into(),
+        operator: "alice".into(),
+        action: Action::Accept,
+        expected_last: 1,
+        reason: "the cap was raised".into(),
+    };
+    let refused = first.resolve(accept(), Mode::Commit).await;
+    assert!(
+        matches!(&refused, Err(ResolutionError::ReplacementQuarantined(reason)) if reason.as_str() == "over the cap"),
+        "{refused:?}"
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT status FROM deadletters WHERE message_id = 'm-2'"
+        )
+        .await,
+        ["open"],
+        "a refused accept writes nothing"
+    );
+
+    client.execute("DELETE FROM caps", &[]).await.unwrap();
+    let (one, other) = tokio::join!(
+        first.resolve(accept(), Mode::Commit),
+        second.resolve(accept(), Mode::Commit)
+    );
+    let outcomes = [one.unwrap(), other.unwrap()];
+    let new = outcomes
+        .iter()
+        .filter(|resolved| matches!(resolved, Resolved::New(_)))
+        .count();
+    let repeated = outcomes
+        .iter()
+        .filter(|resolved| matches!(resolved, Resolved::Repeated(_)))
+        .count();
+    assert_eq!((new, repeated), (1, 1), "{outcomes:?}");
+    assert_eq!(
+        texts(&client, "SELECT message_id FROM orders ORDER BY message_id").await,
+        ["m-1", "m-2", "m-3"],
+        "the accepted message and the held one behind it, each applied once"
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT message_id || '|' || sequence FROM ordered_inbox WHERE aggregate_id = 'a'
+              ORDER BY sequence"
+        )
+        .await,
+        ["m-1|1", "m-2|2", "m-3|3"]
+    );
+    assert_eq!(
+        texts(
+            &client,
+            "SELECT action || '|' || operator || '|' || before_state || '|' || after_state
+               FROM resolutions"
+        )
+        .await,
+        [r#"accept|alice|{"ordered":4}|{"ordered":7}"#]
+    );
+    first.close();
+    second.close();
+}

@@ -29,6 +29,12 @@ const DEAD_LETTER: Page = Page {
     main: include_str!("assets/deadletter.html"),
     nav: "aggregates",
 };
+const RECHECK: Page = Page {
+    name: "recheck",
+    title: "Recheck dead letters",
+    main: include_str!("assets/recheck.html"),
+    nav: "recheck",
+};
 const PRODUCERS: Page = Page {
     name: "producers",
     title: "Producers and operators",
@@ -60,6 +66,14 @@ pub(super) async fn dead_letter_page() -> Response {
     render(LAYOUT, &DEAD_LETTER)
 }
 
+/// `GET /console/recheck`: an operator's recheck or bulk skip of open dead letters.
+#[utoipa::path(get, path = "/console/recheck", tag = "console", responses(
+    (status = 200, description = "The recheck and bulk skip of open dead letters: a filter, a preview, then the run", body = String, content_type = "text/html"),
+))]
+pub(super) async fn recheck_page() -> Response {
+    render(LAYOUT, &RECHECK)
+}
+
 /// `GET /console/producers`: the registry of producers and operators.
 #[utoipa::path(get, path = "/console/producers", tag = "console", responses(
     (status = 200, description = "The registry of producers and operators", body = String, content_type = "text/html"),
@@ -87,6 +101,7 @@ const ASSETS: &[Asset] = &[
         JAVASCRIPT,
         include_str!("assets/producers.js"),
     ),
+    ("recheck.js", JAVASCRIPT, include_str!("assets/recheck.js")),
 ];
 
 /// `GET /console/assets/{name}`: a shared file or one of [`ASSETS`], else 404.
@@ -111,7 +126,7 @@ mod tests {
     fn every_page_names_its_script_and_fills_its_main_without_inline_code() {
         pages::assert_well_formed(
             LAYOUT,
-            &[&SIGN_IN, &AGGREGATE, &DEAD_LETTER, &PRODUCERS],
+            &[&SIGN_IN, &AGGREGATE, &DEAD_LETTER, &RECHECK, &PRODUCERS],
             ASSETS,
         );
     }

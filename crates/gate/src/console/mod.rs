@@ -26,6 +26,7 @@ pub fn routes() -> OpenApiRouter {
         .routes(routes!(assets::sign_in_page))
         .routes(routes!(assets::aggregate_page))
         .routes(routes!(assets::dead_letter_page))
+        .routes(routes!(assets::recheck_page))
         .routes(routes!(assets::producers_page))
         .routes(routes!(assets::asset))
         .layer(middleware::map_response(pages::protect))

@@ -7,12 +7,15 @@
 //! - `rejected`: the NATS deliveries terminated without a verdict;
 //! - `feed`: an aggregate's applied messages as the gate emits them, with a long poll;
 //! - `resolution`: an operator's audited resolution of a dead letter or a gap;
+//! - `bulk`: an operator's recheck (accept what passes the message types in use) or skip of the
+//!   open dead letters one filter matches;
 //! - `registry`: operators add and revoke producers and operators;
 //! - `owner`: an operator's transfer of an aggregate to another producer.
 //!
 //! Every handler takes only the parts it uses ([`FromRef`] of [`GateState`]); the library
 //! decides, these modules word the answers.
 
+mod bulk;
 mod dead_letter;
 mod feed;
 mod messages;
@@ -128,6 +131,7 @@ pub fn api(state: GateState) -> OpenApiRouter {
         .merge(rejected::routes())
         .merge(feed::routes())
         .merge(resolution::routes(body_limit))
+        .merge(bulk::routes(body_limit))
         .merge(registry::routes())
         .merge(owner::routes())
         .routes(routes!(openapi_json))

@@ -69,7 +69,8 @@ pub(crate) async fn resolve(
             .map_err(Failure::Handler)?,
         None => None,
     };
-    let replaces = matches!(request.action, Action::Replace { .. });
+    // An accepted dead letter's own message applies as a replacement does.
+    let replaces = matches!(request.action, Action::Replace { .. } | Action::Accept);
     let states = States {
         before,
         after_the_first_apply: replaces.then_some(home.unwrap_or_default()),

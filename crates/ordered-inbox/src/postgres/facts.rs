@@ -73,7 +73,7 @@ const OPEN_DEAD_LETTERS: &str = "SELECT message_id, sequence, NULLIF(producer, '
   FROM deadletters WHERE aggregate_id = $1 AND status = 'open' ORDER BY id";
 const DEAD_LETTER_HOME: &str =
     "SELECT aggregate_id FROM deadletters WHERE message_id = $1 AND producer = $2";
-const DEAD_LETTER_FACT: &str = "SELECT status, aggregate_id, sequence FROM deadletters
+const DEAD_LETTER_FACT: &str = "SELECT status, aggregate_id, sequence, payload FROM deadletters
   WHERE message_id = $1 AND producer = $2";
 /// The held row of this identity, and those of this aggregate, each with its producer's row as
 /// it is now, locked `FOR SHARE` until the transaction ends (as a delivery locks its producer's
@@ -274,7 +274,7 @@ async fn locked_resolution_facts(
     let statements = ResolutionStatements::prepare(client).await?;
     let replacement_id = match &request.action {
         Action::Replace { message_id, .. } => Some(message_id.as_str()),
-        Action::Skip => None,
+        Action::Skip | Action::Accept => None,
     };
     let rows = ResolutionRows::read(
         client,
@@ -452,6 +452,7 @@ impl ResolutionRows {
                     status: parsed(&row, 0)?,
                     aggregate_id: row.try_get(1)?,
                     sequence: row.try_get(2)?,
+                    payload: row.try_get(3)?,
                 })
             })
             .transpose()?;

@@ -116,7 +116,17 @@ pub const MIGRATIONS: &[&str] = &[
     APPLICATION_CONTENT,
     GAPS,
     HELD_PRODUCERS,
+    ACCEPTED_DEAD_LETTERS,
 ];
+
+/// A resolution may accept a dead letter (version 8; the SQLite backend's version 13): its own
+/// message applied as it was delivered, once it passes the check. `resolutions.action` allows
+/// `accept` beside `replace` and `skip`.
+const ACCEPTED_DEAD_LETTERS: &str = r#"
+ALTER TABLE resolutions DROP CONSTRAINT resolutions_action_check;
+ALTER TABLE resolutions ADD CONSTRAINT resolutions_action_check
+    CHECK(action IN ('replace', 'skip', 'accept'));
+"#;
 
 /// A held message belongs to its producer (version 7; the SQLite backend's version 12):
 /// `held_messages` gains `producer` (`''`: the anonymous namespace, where every existing row

@@ -124,7 +124,8 @@ pub fn resolve_in(
             .map_err(handler_failure)?,
         None => None,
     };
-    let replaces = matches!(request.action, Action::Replace { .. });
+    // An accepted dead letter's own message applies as a replacement does.
+    let replaces = matches!(request.action, Action::Replace { .. } | Action::Accept);
     let states = States {
         before,
         after_the_first_apply: replaces.then_some(home.unwrap_or_default()),
@@ -1223,5 +1224,75 @@ mod tests {
         assert!(skips(&connection).is_empty());
         replace(&connection, "fix-2", 4, "t1").unwrap();
         assert!(skips(&connection).is_empty());
+    }
+
+    fn accept(connection: &Connection, at: &str) -> Result<Resolved, ResolutionError> {
+        let request = ResolutionRequest {
+            producer: None,
+            dead_letter_id: "big-2".into(),
+            operator: "alice".into(),
+            action: Action::Accept,
+            expected_last: 1,
+            reason: "the cap was raised".into(),
+        };
+        resolve_in(
+            unit(&WriterConnection::new(connection), at),
+            &request,
+            Mode::Commit,
+        )
+    }
+
+    #[test]
+    fn an_accepted_dead_letter_applies_as_delivered_and_drains_its_held_successor() {
+        let connection = migrated();
+        connection
+            .execute(
+                "INSERT INTO operators(name, token_hash, created_at) VALUES ('alice', 'h', 't')",
+                [],
+            )
+            .unwrap();
+        cap(&connection, "a", 2);
+        deliver(&connection, &message("m-1", "a", 1, 1), "t0");
+        deliver(&connection, &message("big-2", "a", 2, 4), "t0");
+        deliver_through(&connection, &message("m-3", "a", 3, 1), Door::Broker, "t0");
+        let before = snapshot(&connection);
+        let refused = accept(&connection, "t1").unwrap_err();
+        assert!(
+            matches!(&refused, ResolutionError::ReplacementQuarantined(reason) if reason.as_str() == "over the cap"),
+            "{refused:?}"
+        );
+        assert_eq!(snapshot(&connection), before, "a refusal writes nothing");
+
+        connection.execute("DELETE FROM caps", []).unwrap();
+        let Resolved::New(record) = accept(&connection, "t2").unwrap() else {
+            panic!("expected a resolution");
+        };
+        assert_eq!(record.action, crate::model::ActionKind::Accept);
+        assert_eq!(record.replacement, None);
+        assert_eq!(record.before.state, Some(json!({"ordered": 1})));
+        assert_eq!(record.after.state, Some(json!({"ordered": 5})));
+        assert_eq!(orders(&connection), ["big-2|a|4", "m-1|a|1", "m-3|a|1"]);
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT message_id, sequence FROM ordered_inbox ORDER BY sequence"
+            ),
+            ["m-1|1", "big-2|2", "m-3|3"]
+        );
+        assert_eq!(
+            rows(
+                &connection,
+                "SELECT status, resolution_id FROM deadletters WHERE message_id = 'big-2'"
+            ),
+            ["resolved|1"]
+        );
+        assert_eq!(
+            views::resolution_of(&connection, None, "big-2").unwrap(),
+            Some(record)
+        );
+        assert!(skips(&connection).is_empty(), "an accept skips nothing");
+        // The same message delivered again is a replay of the applied one now.
+        let again = deliver(&connection, &message("big-2", "a", 2, 4), "t3");
+        assert!(matches!(again, Outcome::Replay { .. }), "{again:?}");
     }
 }

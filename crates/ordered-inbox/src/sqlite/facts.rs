@@ -122,7 +122,7 @@ pub(super) fn resolution_facts(
             known_dead_letter(connection, producer, message_id)?,
             held_message(connection, producer, message_id)?,
         ),
-        Action::Skip => (None, None, None),
+        Action::Skip | Action::Accept => (None, None, None),
     };
     Ok(ResolutionFacts {
         recorded: views::resolution_of(connection, producer, &request.dead_letter_id)?,
@@ -145,7 +145,7 @@ fn dead_letter_fact(
 ) -> rusqlite::Result<Option<DeadLetterFact>> {
     connection
         .prepare_cached(
-            "SELECT status, aggregate_id, sequence FROM deadletters
+            "SELECT status, aggregate_id, sequence, payload FROM deadletters
               WHERE producer = ?1 AND message_id = ?2",
         )?
         .query_row(params![namespace(producer), message_id], |row| {
@@ -153,6 +153,7 @@ fn dead_letter_fact(
                 status: parsed(row, 0)?,
                 aggregate_id: row.get(1)?,
                 sequence: row.get(2)?,
+                payload: row.get(3)?,
             })
         })
         .optional()

@@ -465,6 +465,43 @@ ALTER TABLE held_messages_v12 RENAME TO held_messages;
 CREATE UNIQUE INDEX ix_held_messages_aggregate_sequence ON held_messages(aggregate_id, sequence);
 ";
 
+/// A resolution may accept a dead letter (version 13): its own message applied as it was
+/// delivered, once it passes the check. `resolutions.action` allows `accept` beside `replace` and
+/// `skip`. A CHECK constraint is changed only by rebuilding the table (see [`REBUILDS`]): every
+/// column and value is copied by name, each row keeps its id, and the index is recreated.
+const ACCEPTED_DEAD_LETTERS: &str = "
+CREATE TABLE resolutions_v13(
+    id INTEGER PRIMARY KEY,
+    message_id TEXT NOT NULL,
+    aggregate_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    action TEXT NOT NULL CHECK(action IN ('replace', 'skip', 'accept')),
+    operator TEXT NOT NULL REFERENCES operators(name),
+    reason TEXT NOT NULL,
+    expected_last INTEGER NOT NULL,
+    replacement_message_id TEXT,
+    before_last INTEGER NOT NULL,
+    after_last INTEGER NOT NULL,
+    resolved_at TEXT NOT NULL,
+    producer TEXT NOT NULL DEFAULT '',
+    replacement_payload TEXT,
+    before_state TEXT,
+    after_state TEXT,
+    UNIQUE(producer, message_id),
+    FOREIGN KEY(producer, message_id) REFERENCES deadletters(producer, message_id)
+);
+INSERT INTO resolutions_v13(id, message_id, aggregate_id, sequence, action, operator, reason,
+                            expected_last, replacement_message_id, before_last, after_last,
+                            resolved_at, producer, replacement_payload, before_state, after_state)
+SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
+       replacement_message_id, before_last, after_last, resolved_at, producer,
+       replacement_payload, before_state, after_state
+  FROM resolutions;
+DROP TABLE resolutions;
+ALTER TABLE resolutions_v13 RENAME TO resolutions;
+CREATE INDEX ix_resolutions_aggregate ON resolutions(aggregate_id, id);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -480,12 +517,13 @@ pub const MIGRATIONS: &[&str] = &[
     APPLICATION_CONTENT,
     GAPS,
     HELD_PRODUCERS,
+    ACCEPTED_DEAD_LETTERS,
 ];
 
 /// The migrations that rebuild tables: they run with foreign keys off, and check them before
 /// they commit. Named by their script rather than by position, so that appending a migration
 /// never moves an entry here.
-const REBUILDS: &[&str] = &[PRODUCER_IDENTITY, SEED_KEYS_FIRST];
+const REBUILDS: &[&str] = &[PRODUCER_IDENTITY, SEED_KEYS_FIRST, ACCEPTED_DEAD_LETTERS];
 
 /// The inbox schema version this build writes.
 pub fn current_version() -> i64 {
@@ -1137,6 +1175,57 @@ mod tests {
             [],
         );
         assert!(again.is_err(), "(aggregate, sequence) stays unique");
+        assert_eq!(strings(&connection, "PRAGMA integrity_check"), ["ok"]);
+    }
+
+    #[test]
+    fn version_13_keeps_every_resolution_and_allows_an_accepting_one() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        connection
+            .pragma_update(None, "foreign_keys", true)
+            .unwrap();
+        let accepted = MIGRATIONS
+            .iter()
+            .position(|script| *script == ACCEPTED_DEAD_LETTERS)
+            .unwrap() as i64;
+        migrate_to(&mut connection, accepted).unwrap();
+        let row = "SELECT id || '|' || message_id || '|' || action || '|' || operator || '|'
+                          || reason || '|' || COALESCE(replacement_payload, '-') || '|'
+                          || COALESCE(before_state, '-') || '|' || producer
+                     FROM resolutions ORDER BY id";
+        connection
+            .execute_batch(
+                r#"INSERT INTO operators VALUES ('alice', 'h', 't', NULL);
+                 INSERT INTO deadletters(message_id, reason, aggregate_id, sequence, payload,
+                                         status, id, producer)
+                 VALUES ('p-2', 'poison', 'a', 2, '{"v":2}', 'resolved', 1, ''),
+                        ('p-3', 'poison', 'a', 3, '{"v":3}', 'open', 2, '');
+                 INSERT INTO resolutions(id, message_id, aggregate_id, sequence, action, operator,
+                                         reason, expected_last, before_last, after_last,
+                                         resolved_at, producer, before_state)
+                 VALUES (1, 'p-2', 'a', 2, 'skip', 'alice', 'lost', 1, 1, 2, 't1', '',
+                         '{"n":1}');"#,
+            )
+            .unwrap();
+        let before = strings(&connection, row);
+        migrate(&mut connection).unwrap();
+        assert_eq!(strings(&connection, row), before);
+        connection
+            .execute(
+                "INSERT INTO resolutions(id, message_id, aggregate_id, sequence, action, operator,
+                                         reason, expected_last, before_last, after_last,
+                                         resolved_at, producer)
+                 VALUES (2, 'p-3', 'a', 3, 'accept', 'alice', 'fixed', 2, 2, 3, 't2', '')",
+                [],
+            )
+            .unwrap();
+        let unknown =
+            connection.execute("UPDATE resolutions SET action = 'forget' WHERE id = 2", []);
+        assert!(unknown.is_err(), "the action is still checked");
+        assert_eq!(
+            strings(&connection, "PRAGMA foreign_key_check"),
+            Vec::<String>::new()
+        );
         assert_eq!(strings(&connection, "PRAGMA integrity_check"), ["ok"]);
     }
 
