@@ -180,7 +180,7 @@ async fn rejected(
 ) -> Result<Response, AppError> {
     let config = require_consumer(&lab)?;
     let page = page_request(query.after, query.limit)?;
-    let listed = inbox.rejected(page).await?;
+    let listed = inbox.reads().rejected(page).await?;
     let listed = ordered_inbox::views::Page {
         items: listed
             .items

@@ -76,6 +76,7 @@ async fn applied_messages(
     validate_aggregate_id("aggregateId", &aggregate_id)?;
     let page = page_request(query.after, query.limit)?;
     let messages = inbox
+        .reads()
         .applied_messages(aggregate_id.clone(), page)
         .await?
         .map(AppliedMessage::from);

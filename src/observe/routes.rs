@@ -91,7 +91,7 @@ struct NotReady {
 ))]
 async fn ready(State(inbox): State<SharedInbox>, State(security): State<SecurityLab>) -> Response {
     let mut problems = Vec::new();
-    let store = match inbox.health().await {
+    let store = match inbox.reads().health().await {
         Ok(_) => Check::Ok,
         Err(error) => {
             tracing::warn!(target: "production_lab::ready", %error, "readiness: the store does not answer a read");
@@ -134,7 +134,7 @@ async fn metrics(
     State(inbox): State<SharedInbox>,
     State(store): State<Store>,
 ) -> Response {
-    let health = match inbox.health().await {
+    let health = match inbox.reads().health().await {
         Ok(health) => Some(health),
         Err(error) => {
             tracing::warn!(target: "production_lab::metrics", %error, "the inbox's figures could not be read");

@@ -6,15 +6,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::DeliverPolicy, consumer::pull::Config as PullConfig};
+use async_nats::jetstream::consumer::DeliverPolicy;
+use async_nats::jetstream::consumer::pull::Config as PullConfig;
+use async_nats::jetstream::{self};
 use futures_util::StreamExt;
+use ordered_inbox::gaps::{GapRequest, GapResolved};
 use ordered_inbox::postgres::{PostgresInbox, Target};
+use ordered_inbox::records::SequenceRange;
+use ordered_inbox::resolution::{Action, Mode, ResolutionRequest, Resolved};
 use ordered_inbox::sqlite::{SqliteInbox, Store, Synchronous, schema};
-use ordered_inbox::{
-    BatchDelivery, Door, Inbox, InboxError, Limits, OrderedMessage, Outcome, gaps::GapRequest,
-    gaps::GapResolved, records::SequenceRange, resolution::Action, resolution::Mode,
-    resolution::ResolutionRequest, resolution::Resolved,
-};
+use ordered_inbox::{BatchDelivery, Door, Inbox, InboxError, Limits, OrderedMessage, Outcome};
 use ordering_gate::handler::{GateHandler, envelope};
 use ordering_gate::output::{self, OutputEntry, OutputError, OutputStore};
 use ordering_gate::publisher::Publisher;
@@ -205,6 +206,7 @@ async fn an_output_row_already_there_fails_the_delivery_and_records_nothing(back
     );
     let view = gate
         .inbox
+        .reads()
         .aggregate("order-1".into())
         .await
         .expect("the view");

@@ -597,11 +597,10 @@ async fn a_server_reaches_postgresql_through_a_unix_socket_directory() {
 #[tokio::test]
 async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
     use ordered_inbox::postgres::{PostgresInbox, Target};
-    use ordered_inbox::{
-        BatchDelivery, Door, Inbox, Limits, resolution::Action, resolution::Mode,
-        resolution::ResolutionRequest,
-    };
-    use production_lab::inbox::ledger::{self, Ledger, views::AggregateView};
+    use ordered_inbox::resolution::{Action, Mode, ResolutionRequest};
+    use ordered_inbox::{BatchDelivery, Door, Inbox, Limits};
+    use production_lab::inbox::ledger::views::AggregateView;
+    use production_lab::inbox::ledger::{self, Ledger};
 
     let url = fresh_database();
     let inbox = PostgresInbox::open_with_handler(
@@ -627,7 +626,12 @@ async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
             .all(|outcome| matches!(outcome, Ok(ordered_inbox::Outcome::Held { .. }))),
         "{ahead:?}"
     );
-    let view = inbox.aggregate("held".into()).await.unwrap().unwrap();
+    let view = inbox
+        .reads()
+        .aggregate("held".into())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((view.held_sequences, view.held_count), (vec![2, 3, 4], 3));
 
     // Sequence 1 applies and drains 2, which is poison: it is quarantined and stops the drain.
@@ -635,7 +639,12 @@ async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
         .deliver(message("m-1", 1, 1), Door::Broker)
         .await
         .unwrap();
-    let view = inbox.aggregate("held".into()).await.unwrap().unwrap();
+    let view = inbox
+        .reads()
+        .aggregate("held".into())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(view.summary.last, 1);
     assert_eq!(view.held_sequences, vec![3, 4]);
     assert_eq!(view.open_dead_letters[0].message_id, "m-2");
@@ -653,7 +662,14 @@ async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
         reason: "cancelled upstream".into(),
     };
     inbox.resolve(skip, Mode::Commit).await.unwrap();
-    let view = AggregateView::from(inbox.aggregate("held".into()).await.unwrap().unwrap());
+    let view = AggregateView::from(
+        inbox
+            .reads()
+            .aggregate("held".into())
+            .await
+            .unwrap()
+            .unwrap(),
+    );
     assert_eq!((view.summary.last, view.summary.total), (4, 8));
     assert_eq!(view.held_count, 0);
     inbox.close();
@@ -666,10 +682,8 @@ async fn held_successors_are_held_drained_and_resolved_through_postgresql() {
 async fn a_batch_with_producer_claims_is_checked_message_by_message_in_postgresql() {
     use ordered_inbox::operators::Registry;
     use ordered_inbox::postgres::{PostgresInbox, Target};
-    use ordered_inbox::{
-        BatchDelivery, Door, Inbox, Limits, Outcome, Undelivered, records::ProducerClaim,
-        records::ProducerRefusal,
-    };
+    use ordered_inbox::records::{ProducerClaim, ProducerRefusal};
+    use ordered_inbox::{BatchDelivery, Door, Inbox, Limits, Outcome, Undelivered};
     use production_lab::inbox::ledger;
 
     let url = fresh_database();

@@ -210,6 +210,7 @@ where
             return Ok(Reader(name));
         }
         let check = SharedInbox::from_ref(state)
+            .reads()
             .check_operator(Some(token))
             .await
             .map_err(|error| AppError::from(error).into_response())?;
@@ -239,6 +240,7 @@ where
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         let credential = credential(&parts.headers).map_err(IntoResponse::into_response)?;
         let check = SharedInbox::from_ref(state)
+            .reads()
             .check_operator(credential.token().map(str::to_owned))
             .await
             .map_err(|error| AppError::from(error).into_response())?;
@@ -352,6 +354,7 @@ async fn producer_of(
 /// The active producer `token` belongs to, or the 401 that says it is not one.
 pub async fn active_producer(inbox: &SharedInbox, token: String) -> Result<String, Response> {
     inbox
+        .reads()
         .check_producer(token)
         .await
         .map_err(|error| AppError::from(error).into_response())?

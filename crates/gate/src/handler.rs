@@ -16,12 +16,11 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
+use ordered_inbox::content::canonical_json;
 use ordered_inbox::postgres::{HandlerClient, PostgresHandler};
+use ordered_inbox::records::SkippedSequences;
 use ordered_inbox::sqlite::{SqliteHandler, WriterConnection};
-use ordered_inbox::{
-    ApplyOutcome, Check, Detail, HandlerError, OrderedMessage, Poison, clock,
-    content::canonical_json, records::SkippedSequences,
-};
+use ordered_inbox::{ApplyOutcome, Check, Detail, HandlerError, OrderedMessage, Poison, clock};
 use rusqlite::Connection;
 use serde_json::{Value, json};
 use tokio_postgres::types::Type;

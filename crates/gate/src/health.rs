@@ -130,7 +130,7 @@ async fn live() -> &'static str {
 ))]
 async fn ready(State(health): State<Health>) -> Response {
     let mut problems = Vec::new();
-    let store = match health.inbox.health().await {
+    let store = match health.inbox.reads().health().await {
         Ok(_) => "ok",
         Err(error) => {
             tracing::warn!(target: "production_lab::gate", %error, "readiness: the store does not answer a read");
@@ -209,7 +209,7 @@ async fn metrics_for_readers(_reader: Reader, State(health): State<Health>) -> R
 
 /// The Prometheus text of every metric, the inbox's gauges read now.
 async fn render_metrics(health: &Health) -> Response {
-    let figures = match health.inbox.health().await {
+    let figures = match health.inbox.reads().health().await {
         Ok(figures) => Some(figures),
         Err(error) => {
             tracing::warn!(target: "production_lab::gate", %error, "the inbox's figures could not be read");

@@ -35,7 +35,7 @@ pub async fn overdue_among(
         return Ok(HashSet::new());
     }
     let ids = waiting.iter().map(|(id, _)| (*id).to_owned()).collect();
-    let successors = inbox.lowest_held_payloads(ids).await?;
+    let successors = inbox.reads().lowest_held_payloads(ids).await?;
     let now = clock::now();
     let overdue = successors
         .into_iter()
@@ -60,6 +60,7 @@ pub async fn count_overdue(inbox: &SharedInbox, types: &MessageTypes) -> Result<
         return Ok(0);
     }
     let waiting = inbox
+        .reads()
         .inventory(AggregateStatus::Waiting, MAX_WAITING_COUNTED)
         .await?;
     Ok(overdue_among(inbox, types, &waiting).await?.len())

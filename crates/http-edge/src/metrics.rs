@@ -17,12 +17,13 @@ use metrics::{Counter, Histogram, Unit};
 use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
+use ordered_inbox::gaps::{GapResolutionError, GapResolved};
+use ordered_inbox::model::ActionKind;
+use ordered_inbox::records::ProducerRefusal;
+use ordered_inbox::resolution::{ResolutionError, Resolved};
 use ordered_inbox::sqlite::{BatchCommitted, WriterObserver};
 use ordered_inbox::views::InboxHealth;
-use ordered_inbox::{
-    AggregateStatus, Door, Outcome, gaps::GapResolutionError, gaps::GapResolved, model::ActionKind,
-    records::ProducerRefusal, resolution::ResolutionError, resolution::Resolved,
-};
+use ordered_inbox::{AggregateStatus, Door, Outcome};
 
 /// The Prometheus text exposition format, version 0.0.4.
 pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";

@@ -4,11 +4,9 @@
 //! `properties` and `simulate` tests.)
 
 use lab_testkit::simulate::model::{Admitting, Producer, admission};
+use ordered_inbox::facts::{OwnershipFacts, ProducerFact};
 use ordered_inbox::producers::{Admission, admit};
-use ordered_inbox::records::refusal_outcome;
-use ordered_inbox::{
-    facts::OwnershipFacts, facts::ProducerFact, records::AggregateOwner, records::ProducerClaim,
-};
+use ordered_inbox::records::{AggregateOwner, ProducerClaim, refusal_outcome};
 use proptest::prelude::*;
 
 const NAMES: [&str; 2] = ["p", "q"];

@@ -14,6 +14,7 @@ use lab_testkit::simulate::history::{Delivery, DoorKind};
 use lab_testkit::simulate::model::{Bounds, Model, Resolution, Seeded, Stored, Verdict, named};
 use lab_testkit::simulate::system::{Effects, verdict_of};
 use ordered_inbox::change::Change;
+use ordered_inbox::content::canonical_json;
 use ordered_inbox::delivery::{Context, decide_delivery};
 use ordered_inbox::facts::{
     AppliedFact, DeadLetterFact, DeliveryFacts, HeldMessage, KnownDeadLetter, OpenDeadLetter,
@@ -25,7 +26,7 @@ use ordered_inbox::model::{
 use ordered_inbox::planted::{self, Bug};
 use ordered_inbox::records::ResolutionRecord;
 use ordered_inbox::resolution::{Action, Mode, ResolutionRequest, Resolved, decide_resolution};
-use ordered_inbox::{Check, Door, Limits, OrderedMessage, Poison, content::canonical_json};
+use ordered_inbox::{Check, Door, Limits, OrderedMessage, Poison};
 use proptest::prelude::*;
 use proptest::test_runner::{
     Config, FailurePersistence, FileFailurePersistence, RngAlgorithm, TestCaseError, TestError,

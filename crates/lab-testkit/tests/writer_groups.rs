@@ -237,6 +237,7 @@ async fn commit_order(
         let mut after = 0;
         loop {
             let page = inbox
+                .reads()
                 .timeline(aggregate.clone(), PageRequest { after, limit: 1000 })
                 .await
                 .map_err(|e| e.to_string())?;

@@ -101,8 +101,46 @@ pub trait Inbox: Send + Sync {
         mode: Mode,
     ) -> Result<GapResolved, GapResolutionError>;
 
+    /// Decides and records one delivery made by `claim`'s producer (`None`: anonymous), with
+    /// epoch fencing and ownership checked in the same transaction as the write
+    /// (`crate::delivery::decide_producer_delivery`). The inner `Err` is a refusal: nothing was written.
+    async fn deliver_as(
+        &self,
+        message: OrderedMessage,
+        door: Door,
+        claim: Option<ProducerClaim>,
+    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError>;
+
+    /// Starts a new session of `producer`: its epoch goes one up, in one transaction, and every
+    /// delivery under an older epoch is fenced from then on.
+    async fn start_session(
+        &self,
+        producer: String,
+    ) -> Result<Result<i64, ProducerRefusal>, InboxError>;
+
+    /// An operator's transfer of an aggregate to a producer, checked against its preconditions
+    /// and recorded with an audit row and a timeline event, in one transaction; the held
+    /// messages it makes inadmissible are rejected in it (`crate::producers::decide_transfer`).
+    async fn transfer_owner(
+        &self,
+        request: TransferRequest,
+    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError>;
+
+    /// Appends entries to the rejected list (a broker consumer's own terminations), in one
+    /// transaction; the list keeps the newest [`crate::records::REJECTED_KEPT`].
+    async fn record_rejected(&self, rejected: Vec<RejectedDelivery>) -> Result<(), InboxError>;
+
+    /// The reads of the same store.
+    fn reads(&self) -> &dyn InboxReads;
+}
+
+/// What reads the inbox's evidence: views, audit trails, checks of credentials, health. Reads
+/// take no part in the ordering and need no wrapping: a wrapper of [`Inbox`] hands out its
+/// store's reads as they are ([`Inbox::reads`]).
+#[async_trait]
+pub trait InboxReads: Send + Sync {
     /// The gap resolutions' audit rows, oldest first, optionally for one aggregate: numbered in
-    /// the same sequence as [`Inbox::resolutions`], so the two merge into one trail by id.
+    /// the same sequence as [`InboxReads::resolutions`], so the two merge into one trail by id.
     async fn gap_resolutions(
         &self,
         aggregate_id: Option<String>,
@@ -170,43 +208,14 @@ pub trait Inbox: Send + Sync {
         message_id: String,
     ) -> Result<Option<DeadLetterView>, InboxError>;
 
-    /// Decides and records one delivery made by `claim`'s producer (`None`: anonymous), with
-    /// epoch fencing and ownership checked in the same transaction as the write
-    /// (`crate::delivery::decide_producer_delivery`). The inner `Err` is a refusal: nothing was written.
-    async fn deliver_as(
-        &self,
-        message: OrderedMessage,
-        door: Door,
-        claim: Option<ProducerClaim>,
-    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError>;
-
     /// The active producer `token` belongs to (`None`: unknown or revoked).
     async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError>;
-
-    /// Starts a new session of `producer`: its epoch goes one up, in one transaction, and every
-    /// delivery under an older epoch is fenced from then on.
-    async fn start_session(
-        &self,
-        producer: String,
-    ) -> Result<Result<i64, ProducerRefusal>, InboxError>;
-
-    /// An operator's transfer of an aggregate to a producer, checked against its preconditions
-    /// and recorded with an audit row and a timeline event, in one transaction; the held
-    /// messages it makes inadmissible are rejected in it (`crate::producers::decide_transfer`).
-    async fn transfer_owner(
-        &self,
-        request: TransferRequest,
-    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError>;
 
     /// The aggregate's owner and last applied sequence.
     async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError>;
 
     /// Every producer, the first registered first (never tokens).
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError>;
-
-    /// Appends entries to the rejected list (a broker consumer's own terminations), in one
-    /// transaction; the list keeps the newest [`crate::records::REJECTED_KEPT`].
-    async fn record_rejected(&self, rejected: Vec<RejectedDelivery>) -> Result<(), InboxError>;
 
     /// The rejected list, oldest first: the consumer's terminations and the held messages the
     /// inbox rejected (see [`crate::rejected`]).

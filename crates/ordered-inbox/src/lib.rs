@@ -251,5 +251,5 @@ pub use builder::OrderedInbox;
 pub use content::{AcceptAll, ApplyOutcome, Check, Detail, Poison};
 pub use delivery::Outcome;
 pub use error::{HandlerError, InboxError};
-pub use inbox::{BatchDelivery, Inbox, Undelivered};
+pub use inbox::{BatchDelivery, Inbox, InboxReads, Undelivered};
 pub use model::{AggregateStatus, Door, Limits, OrderedMessage};

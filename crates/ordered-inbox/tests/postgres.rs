@@ -12,11 +12,10 @@ use async_trait::async_trait;
 use ordered_inbox::postgres::{
     HandlerClient, PostgresError, PostgresHandler, PostgresInbox, Target,
 };
+use ordered_inbox::resolution::{Action, Mode, ResolutionError, ResolutionRequest, Resolved};
 use ordered_inbox::{
     ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
-    OrderedInbox, OrderedMessage, Outcome, Poison, Undelivered, resolution::Action,
-    resolution::Mode, resolution::ResolutionError, resolution::ResolutionRequest,
-    resolution::Resolved,
+    OrderedInbox, OrderedMessage, Outcome, Poison, Undelivered,
 };
 use serde_json::{Value, json};
 use tokio_postgres::Client;

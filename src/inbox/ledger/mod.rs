@@ -13,7 +13,8 @@ mod postgres;
 mod sqlite;
 pub mod views;
 
-use ordered_inbox::{ApplyOutcome, Check, Detail, OrderedMessage, Poison, content::canonical_json};
+use ordered_inbox::content::canonical_json;
+use ordered_inbox::{ApplyOutcome, Check, Detail, OrderedMessage, Poison};
 use serde::Serialize;
 use serde_json::{Value, json};
 

@@ -3,8 +3,9 @@
 //! message's `amount`, a resolution's `{last, total}` before and after). The totals are the
 //! ledger's `state`, which the inbox read in the same snapshot as the rest of each view.
 
+use ordered_inbox::AggregateStatus;
+use ordered_inbox::model::{ActionKind, Position as InboxPosition};
 use ordered_inbox::views::{self as inbox, DeadLetterView};
-use ordered_inbox::{AggregateStatus, model::ActionKind, model::Position as InboxPosition};
 use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;

@@ -102,9 +102,9 @@ async fn aggregate(
     Path(aggregate_id): Path<String>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
-    match inbox.aggregate(aggregate_id.clone()).await? {
+    match inbox.reads().aggregate(aggregate_id.clone()).await? {
         Some(view) => {
-            let ownership = inbox.ownership(aggregate_id).await?;
+            let ownership = inbox.reads().ownership(aggregate_id).await?;
             let mut body = json!(AggregateView::from(view));
             if let Some(object) = body.as_object_mut() {
                 object.insert("owner".to_owned(), json!(ownership.owner));
@@ -148,6 +148,7 @@ async fn inventory(
     let status = aggregate_status(query.status.as_deref())?;
     let limit = validate_limit(query.limit)?;
     let aggregates: Vec<InventoryEntry> = inbox
+        .reads()
         .inventory(status, limit)
         .await?
         .into_iter()
@@ -189,7 +190,7 @@ async fn timeline(
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
     let page = query.page()?;
-    let events = inbox.timeline(aggregate_id.clone(), page).await?;
+    let events = inbox.reads().timeline(aggregate_id.clone(), page).await?;
     Ok(json_response(
         StatusCode::OK,
         page_body(json!({"aggregateId": aggregate_id}), "events", events),
@@ -220,7 +221,7 @@ async fn dead_letters(
     Query(query): Query<DeadLetterQuery>,
 ) -> Result<Response, AppError> {
     let (filter, page) = query.into_parts()?;
-    let listed = inbox.dead_letters(filter, page).await?;
+    let listed = inbox.reads().dead_letters(filter, page).await?;
     Ok(json_response(
         StatusCode::OK,
         page_body(json!({}), "deadLetters", listed),

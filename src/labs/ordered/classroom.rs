@@ -204,7 +204,7 @@ async fn state(
         applied,
         dead_letters,
         last,
-    } = inbox.counts(CLASSROOM_AGGREGATE.to_owned()).await?;
+    } = inbox.reads().counts(CLASSROOM_AGGREGATE.to_owned()).await?;
     Ok(extract::Json(
         json!({"applied": applied, "deadletters": dead_letters, "last": last}),
     ))

@@ -7,9 +7,8 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use ordered_inbox::{
-    gaps::GapResolutionError, gaps::GapResolved, records::DrainedMessage, records::GapRecord,
-};
+use ordered_inbox::gaps::{GapResolutionError, GapResolved};
+use ordered_inbox::records::{DrainedMessage, GapRecord};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
@@ -228,6 +227,7 @@ async fn refusal(
         }
         GapResolutionError::Conflict(conflict) => {
             let current = inbox
+                .reads()
                 .aggregate(aggregate_id.to_owned())
                 .await?
                 .map(AggregateView::from);

@@ -26,6 +26,7 @@ pub(super) async fn authenticate(
     let credential = credential(headers).map_err(IntoResponse::into_response)?;
     let token = credential.token().map(str::to_owned);
     let check = inbox
+        .reads()
         .check_operator(token)
         .await
         .map_err(|error| AppError::from(error).into_response())?;

@@ -7,8 +7,9 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
+use ordered_inbox::producers::TransferRequest;
+use ordered_inbox::records::{ProducerClaim, TransferRefusal};
 use ordered_inbox::views::{OwnershipState, ProducerView};
-use ordered_inbox::{producers::TransferRequest, records::ProducerClaim, records::TransferRefusal};
 use serde::{Deserialize, Deserializer};
 use serde_json::json;
 use utoipa::ToSchema;
@@ -106,6 +107,7 @@ pub(super) async fn producer_claim(
         Credential::Bearer(token) => token,
     };
     let producer = inbox
+        .reads()
         .check_producer(token)
         .await
         .map_err(|error| AppError::from(error).into_response())?
@@ -155,7 +157,7 @@ async fn session(
             "send Authorization: Bearer TOKEN with a producer's token (production-lab producer add NAME --database PATH)".to_owned(),
         ));
     };
-    let Some(producer) = inbox.check_producer(token).await? else {
+    let Some(producer) = inbox.reads().check_producer(token).await? else {
         return Ok(producer_unauthorized(
             "the token is not an active producer's token (unknown or revoked)".to_owned(),
         ));
@@ -178,7 +180,7 @@ async fn session(
     (status = 503, response = crate::http::openapi::StoreUnavailable),
 ))]
 async fn list(State(inbox): State<SharedInbox>) -> Result<Response, AppError> {
-    let producers = inbox.producers().await?;
+    let producers = inbox.reads().producers().await?;
     Ok(json_response(
         StatusCode::OK,
         json!({"producers": producers}),

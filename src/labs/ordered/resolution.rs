@@ -6,10 +6,7 @@
 use axum::extract::{FromRef, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use ordered_inbox::{
-    resolution::Action, resolution::ResolutionError, resolution::ResolutionRequest,
-    resolution::Resolved,
-};
+use ordered_inbox::resolution::{Action, ResolutionError, ResolutionRequest, Resolved};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
@@ -24,7 +21,8 @@ use crate::inbox::answers::{
     no_such_dead_letter,
 };
 use crate::inbox::input::{validate_message_id, validate_sequence};
-use crate::inbox::ledger::{self, views::CurrentState, views::ResolutionRecord};
+use crate::inbox::ledger::views::{CurrentState, ResolutionRecord};
+use crate::inbox::ledger::{self};
 use crate::inbox::pages::page_body;
 use crate::inbox::queries::AuditQuery;
 use crate::inbox::requests::{
@@ -385,10 +383,12 @@ async fn audit_trail(
 ) -> Result<Response, AppError> {
     let (aggregate_id, page) = query.into_parts()?;
     let dead_letters = inbox
+        .reads()
         .resolutions(aggregate_id.clone(), page)
         .await?
         .map(|record| (record.resolution_id, json!(ResolutionRecord::from(record))));
     let gaps = inbox
+        .reads()
         .gap_resolutions(aggregate_id, page)
         .await?
         .map(|record| {

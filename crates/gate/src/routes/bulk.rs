@@ -20,11 +20,12 @@ use std::collections::HashMap;
 use axum::extract::{DefaultBodyLimit, FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use ordered_inbox::views::{DeadLetterFilter, DeadLetterView, PageRequest};
-use ordered_inbox::{
-    clock, model::DeadLetterStatus, resolution::Action, resolution::ConflictKind, resolution::Mode,
-    resolution::ResolutionError, resolution::ResolutionRequest, resolution::Resolved,
+use ordered_inbox::clock;
+use ordered_inbox::model::DeadLetterStatus;
+use ordered_inbox::resolution::{
+    Action, ConflictKind, Mode, ResolutionError, ResolutionRequest, Resolved,
 };
+use ordered_inbox::views::{DeadLetterFilter, DeadLetterView, PageRequest};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
@@ -464,7 +465,7 @@ async fn candidates(
             after,
             limit: i64::try_from(wanted).unwrap_or(i64::MAX),
         };
-        let page = inbox.dead_letters(filter.clone(), page).await?;
+        let page = inbox.reads().dead_letters(filter.clone(), page).await?;
         scanned += page.items.len();
         found.extend(
             page.items
@@ -625,6 +626,7 @@ async fn drained(
         limit: DRAINED_SHOWN,
     };
     let applied = inbox
+        .reads()
         .applied_messages(aggregate_id.to_owned(), page)
         .await?;
     drained.extend(applied.items.into_iter().map(|message| DrainedEntry {

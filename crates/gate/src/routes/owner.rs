@@ -5,10 +5,9 @@
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
+use ordered_inbox::producers::TransferRequest;
+use ordered_inbox::records::{TransferRecord, TransferRefusal};
 use ordered_inbox::views::OwnershipState;
-use ordered_inbox::{
-    producers::TransferRequest, records::TransferRecord, records::TransferRefusal,
-};
 use serde::{Deserialize, Deserializer};
 use serde_json::json;
 use utoipa::ToSchema;

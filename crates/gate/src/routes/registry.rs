@@ -168,7 +168,7 @@ async fn list_producers(
     _operator: Operator,
     State(inbox): State<SharedInbox>,
 ) -> Result<Response, AppError> {
-    let producers = inbox.producers().await?;
+    let producers = inbox.reads().producers().await?;
     Ok(json_response(
         StatusCode::OK,
         json!({"producers": producers}),

@@ -101,7 +101,7 @@ async fn rejected(
     Query(query): Query<RejectedQuery>,
 ) -> Result<Response, AppError> {
     let page = page_request(query.after, query.limit)?;
-    let listed = inbox.rejected(page).await?;
+    let listed = inbox.reads().rejected(page).await?;
     let listed = ordered_inbox::views::Page {
         items: listed.items.into_iter().map(RejectedEntry::from).collect(),
         next: listed.next,

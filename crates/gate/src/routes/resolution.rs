@@ -8,12 +8,10 @@
 use axum::extract::{DefaultBodyLimit, FromRef, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use ordered_inbox::gaps::{GapResolutionError, GapResolved};
+use ordered_inbox::records::{GapRecord, ResolutionRecord};
+use ordered_inbox::resolution::{Action, ResolutionError, ResolutionRequest, Resolved};
 use ordered_inbox::views::CurrentState;
-use ordered_inbox::{
-    gaps::GapResolutionError, gaps::GapResolved, records::GapRecord, records::ResolutionRecord,
-    resolution::Action, resolution::ResolutionError, resolution::ResolutionRequest,
-    resolution::Resolved,
-};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::{IntoParams, ToSchema};
@@ -337,7 +335,7 @@ async fn gap_refused(
             unknown_aggregate(&aggregate_id).into_response()
         }
         GapResolutionError::Conflict(conflict) => {
-            let current = inbox.aggregate(aggregate_id.to_owned()).await?;
+            let current = inbox.reads().aggregate(aggregate_id.to_owned()).await?;
             let (title, detail) = gap_conflict_words(&conflict, DEAD_LETTER_ROUTE);
             conflict_response(title, &detail, current)
         }

@@ -7,8 +7,9 @@
 use axum::extract::{FromRef, State};
 use axum::http::StatusCode;
 use axum::response::Response;
+use ordered_inbox::AggregateStatus;
+use ordered_inbox::records::{GapRecord, ResolutionRecord};
 use ordered_inbox::views::{AggregateView, DeadLetterView, InventoryEntry, Page, TimelineEvent};
-use ordered_inbox::{AggregateStatus, records::GapRecord, records::ResolutionRecord};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
@@ -121,7 +122,7 @@ async fn inventory(
     // One more than the page, to know whether another page exists.
     let wanted = after + limit + 1;
     let mut aggregates = match status {
-        Some(status) => inbox.inventory(status, wanted).await?,
+        Some(status) => inbox.reads().inventory(status, wanted).await?,
         None => every_aggregate(&inbox, wanted).await?,
     };
     let skipped = usize::try_from(after).unwrap_or(usize::MAX);
@@ -155,7 +156,7 @@ async fn every_aggregate(
         if missing <= 0 {
             break;
         }
-        aggregates.extend(inbox.inventory(status, missing).await?);
+        aggregates.extend(inbox.reads().inventory(status, missing).await?);
     }
     Ok(aggregates)
 }
@@ -180,10 +181,10 @@ async fn aggregate(
     Path(aggregate_id): Path<String>,
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
-    let Some(view) = inbox.aggregate(aggregate_id.clone()).await? else {
+    let Some(view) = inbox.reads().aggregate(aggregate_id.clone()).await? else {
         return Err(unknown_aggregate(&aggregate_id));
     };
-    let ownership = inbox.ownership(aggregate_id).await?;
+    let ownership = inbox.reads().ownership(aggregate_id).await?;
     let mut body = json!(view);
     if let Some(object) = body.as_object_mut() {
         object.insert("owner".to_owned(), json!(ownership.owner));
@@ -223,7 +224,7 @@ async fn timeline(
 ) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
     let page = query.page()?;
-    let events = inbox.timeline(aggregate_id.clone(), page).await?;
+    let events = inbox.reads().timeline(aggregate_id.clone(), page).await?;
     Ok(json_response(
         StatusCode::OK,
         page_body(json!({"aggregateId": aggregate_id}), "events", events),
@@ -279,7 +280,7 @@ async fn dead_letters(
     Query(query): Query<DeadLetterQuery>,
 ) -> Result<Response, AppError> {
     let (filter, page) = query.into_parts()?;
-    let listed = inbox.dead_letters(filter, page).await?;
+    let listed = inbox.reads().dead_letters(filter, page).await?;
     Ok(json_response(
         StatusCode::OK,
         page_body(json!({}), "deadLetters", listed),
@@ -324,10 +325,12 @@ async fn resolutions(
 ) -> Result<Response, AppError> {
     let (aggregate_id, page) = query.into_parts()?;
     let dead_letters = inbox
+        .reads()
         .resolutions(aggregate_id.clone(), page)
         .await?
         .map(|record| (record.resolution_id, json!(record)));
     let gaps = inbox
+        .reads()
         .gap_resolutions(aggregate_id, page)
         .await?
         .map(|record| (record.resolution_id, json!(record)));

@@ -6,8 +6,9 @@
 
 use axum::http::StatusCode;
 use axum::response::Response;
+use ordered_inbox::gaps::GapConflict;
+use ordered_inbox::resolution::ConflictKind;
 use ordered_inbox::views::Page;
-use ordered_inbox::{gaps::GapConflict, resolution::ConflictKind};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -52,6 +53,7 @@ pub async fn find_dead_letter(
     validate_message_id("messageId", &message_id)?;
     let producer = producer_namespace(producer)?;
     match inbox
+        .reads()
         .dead_letter(producer.clone(), message_id.clone())
         .await?
     {

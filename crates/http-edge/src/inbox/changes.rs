@@ -2,9 +2,8 @@
 //! publishes one bounded event per committed change, whatever door, route or consumer made it,
 //! and whoever listens (the console's live pages) subscribes. Nobody listening is fine.
 
-use ordered_inbox::{
-    Outcome, records::GapRecord, records::ResolutionRecord, records::TransferRecord,
-};
+use ordered_inbox::Outcome;
+use ordered_inbox::records::{GapRecord, ResolutionRecord, TransferRecord};
 use serde::Serialize;
 use tokio::sync::broadcast;
 

@@ -7,20 +7,14 @@
 //! reason.
 
 use async_trait::async_trait;
-use ordered_inbox::operators::OperatorCheck;
+use ordered_inbox::gaps::{GapRequest, GapResolutionError, GapResolved};
+use ordered_inbox::model::QuarantineReason;
 use ordered_inbox::producers::TransferRequest;
-use ordered_inbox::views::{
-    AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
-    InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, TimelineEvent,
-    TransferConflict,
-};
+use ordered_inbox::records::{ProducerClaim, ProducerRefusal, RejectedDelivery, TransferRecord};
+use ordered_inbox::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
+use ordered_inbox::views::TransferConflict;
 use ordered_inbox::{
-    AggregateStatus, BatchDelivery, Door, Inbox, InboxError, OrderedMessage, Outcome, Undelivered,
-    gaps::GapRequest, gaps::GapResolutionError, gaps::GapResolved, model::QuarantineReason,
-    records::GapRecord, records::ProducerClaim, records::ProducerRefusal,
-    records::RejectedDelivery, records::ResolutionRecord, records::TransferRecord,
-    resolution::Mode, resolution::ResolutionError, resolution::ResolutionRequest,
-    resolution::Resolved,
+    BatchDelivery, Door, Inbox, InboxError, InboxReads, OrderedMessage, Outcome, Undelivered,
 };
 
 use super::changes::InboxChanges;
@@ -189,85 +183,6 @@ impl Inbox for ObservedInbox {
         resolved
     }
 
-    async fn gap_resolutions(
-        &self,
-        aggregate_id: Option<String>,
-        page: PageRequest,
-    ) -> Result<Page<GapRecord>, InboxError> {
-        self.inner.gap_resolutions(aggregate_id, page).await
-    }
-
-    async fn check_operator(&self, token: Option<String>) -> Result<OperatorCheck, InboxError> {
-        self.inner.check_operator(token).await
-    }
-
-    async fn aggregate(&self, aggregate_id: String) -> Result<Option<AggregateView>, InboxError> {
-        self.inner.aggregate(aggregate_id).await
-    }
-
-    async fn inventory(
-        &self,
-        status: AggregateStatus,
-        limit: i64,
-    ) -> Result<Vec<InventoryEntry>, InboxError> {
-        self.inner.inventory(status, limit).await
-    }
-
-    async fn lowest_held_payloads(
-        &self,
-        aggregate_ids: Vec<String>,
-    ) -> Result<Vec<(String, String)>, InboxError> {
-        self.inner.lowest_held_payloads(aggregate_ids).await
-    }
-
-    async fn dead_letters(
-        &self,
-        filter: DeadLetterFilter,
-        page: PageRequest,
-    ) -> Result<Page<DeadLetterView>, InboxError> {
-        self.inner.dead_letters(filter, page).await
-    }
-
-    async fn timeline(
-        &self,
-        aggregate_id: String,
-        page: PageRequest,
-    ) -> Result<Page<TimelineEvent>, InboxError> {
-        self.inner.timeline(aggregate_id, page).await
-    }
-
-    async fn resolutions(
-        &self,
-        aggregate_id: Option<String>,
-        page: PageRequest,
-    ) -> Result<Page<ResolutionRecord>, InboxError> {
-        self.inner.resolutions(aggregate_id, page).await
-    }
-
-    async fn counts(&self, aggregate_id: String) -> Result<AggregateCounts, InboxError> {
-        self.inner.counts(aggregate_id).await
-    }
-
-    async fn applied_messages(
-        &self,
-        aggregate_id: String,
-        page: PageRequest,
-    ) -> Result<Page<AppliedMessage>, InboxError> {
-        self.inner.applied_messages(aggregate_id, page).await
-    }
-
-    async fn dead_letter(
-        &self,
-        producer: Option<String>,
-        message_id: String,
-    ) -> Result<Option<DeadLetterView>, InboxError> {
-        self.inner.dead_letter(producer, message_id).await
-    }
-
-    async fn health(&self) -> Result<InboxHealth, InboxError> {
-        self.inner.health().await
-    }
-
     async fn deliver_as(
         &self,
         message: OrderedMessage,
@@ -281,10 +196,6 @@ impl Inbox for ObservedInbox {
             Err(error) => self.count_failure(door, error),
         }
         decided
-    }
-
-    async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {
-        self.inner.check_producer(token).await
     }
 
     async fn start_session(
@@ -325,20 +236,13 @@ impl Inbox for ObservedInbox {
         transferred
     }
 
-    async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError> {
-        self.inner.ownership(aggregate_id).await
-    }
-
-    async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
-        self.inner.producers().await
-    }
-
     async fn record_rejected(&self, rejected: Vec<RejectedDelivery>) -> Result<(), InboxError> {
         self.inner.record_rejected(rejected).await
     }
 
-    async fn rejected(&self, page: PageRequest) -> Result<Page<RejectedDelivery>, InboxError> {
-        self.inner.rejected(page).await
+    /// Reads are not observed: the store's own, as they are.
+    fn reads(&self) -> &dyn InboxReads {
+        self.inner.reads()
     }
 }
 

@@ -4,8 +4,9 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use ordered_inbox::AggregateStatus;
+use ordered_inbox::model::DeadLetterStatus;
 use ordered_inbox::views::{DeadLetterFilter, MissingRange, PageRequest};
-use ordered_inbox::{AggregateStatus, model::DeadLetterStatus};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
@@ -129,7 +130,7 @@ pub struct Gaps {
 /// that says why not.
 pub async fn gaps_of(inbox: &SharedInbox, aggregate_id: String) -> Result<Response, AppError> {
     validate_aggregate_id("aggregateId", &aggregate_id)?;
-    let Some(view) = inbox.aggregate(aggregate_id.clone()).await? else {
+    let Some(view) = inbox.reads().aggregate(aggregate_id.clone()).await? else {
         return Err(unknown_aggregate(&aggregate_id));
     };
     let body = Gaps {

@@ -3,9 +3,9 @@
 //! resolution's action. What a replacement carries differs by door (the lesson's amount, the
 //! gate's type and payload), so the door passes in how to read one and how to name its members.
 
-use ordered_inbox::{
-    gaps::GapRequest, records::SequenceRange, resolution::Action, resolution::Mode,
-};
+use ordered_inbox::gaps::GapRequest;
+use ordered_inbox::records::SequenceRange;
+use ordered_inbox::resolution::{Action, Mode};
 use serde::Deserialize;
 use serde_json::Value;
 use utoipa::ToSchema;

@@ -13,11 +13,10 @@ use std::marker::PhantomData;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use ordered_inbox::delivery::AppliedRecord;
-use ordered_inbox::{
-    Detail, Outcome, delivery::DeadLetterNote, model::DeadLetterStatus, model::QuarantineReason,
-    records::ProducerRefusal,
-};
+use ordered_inbox::delivery::{AppliedRecord, DeadLetterNote};
+use ordered_inbox::model::{DeadLetterStatus, QuarantineReason};
+use ordered_inbox::records::ProducerRefusal;
+use ordered_inbox::{Detail, Outcome};
 use serde::Serialize;
 use serde_json::{Value, json};
 use utoipa::openapi::schema::{OneOfBuilder, Schema};

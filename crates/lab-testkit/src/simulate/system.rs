@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use ordered_inbox::gaps::{GapRequest, GapResolutionError};
 use ordered_inbox::postgres::{HandlerClient, PostgresHandler, PostgresInbox, Target};
 use ordered_inbox::producers::TransferRequest;
-use ordered_inbox::records::{SequenceRange, TransferRefusal, refusal_outcome};
+use ordered_inbox::records::{ProducerClaim, SequenceRange, TransferRefusal, refusal_outcome};
 use ordered_inbox::resolution::{Action, Mode, ResolutionError, ResolutionRequest};
 use ordered_inbox::sqlite::{
     SqliteHandler, SqliteInbox, Store, Synchronous, WriterConnection, schema,
@@ -18,7 +18,7 @@ use ordered_inbox::timeline::TimelineKind;
 use ordered_inbox::views::PageRequest;
 use ordered_inbox::{
     ApplyOutcome, BatchDelivery, Check, Door, HandlerError, Inbox, InboxError, Limits,
-    OrderedMessage, Outcome, Poison, Undelivered, records::ProducerClaim,
+    OrderedMessage, Outcome, Poison, Undelivered,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -322,6 +322,7 @@ impl Direct {
     pub async fn stored(&mut self, aggregate_id: &str) -> Result<Stored, String> {
         let view = self
             .inbox
+            .reads()
             .aggregate(aggregate_id.to_owned())
             .await
             .map_err(|e| e.to_string())?;
@@ -347,6 +348,7 @@ impl Direct {
         stored.applied = self.applied(aggregate_id).await?;
         stored.owner = self
             .inbox
+            .reads()
             .ownership(aggregate_id.to_owned())
             .await
             .map_err(|e| e.to_string())?
@@ -377,7 +379,12 @@ impl Direct {
 
     /// Each producer's current epoch (0: unknown or no session yet).
     pub async fn epochs(&self, producers: &[String]) -> Result<Vec<i64>, String> {
-        let known = self.inbox.producers().await.map_err(|e| e.to_string())?;
+        let known = self
+            .inbox
+            .reads()
+            .producers()
+            .await
+            .map_err(|e| e.to_string())?;
         Ok(producers
             .iter()
             .map(|name| {
@@ -395,6 +402,7 @@ impl Direct {
         loop {
             let page = self
                 .inbox
+                .reads()
                 .applied_messages(aggregate_id.to_owned(), PageRequest { after, limit: 1000 })
                 .await
                 .map_err(|e| e.to_string())?;
@@ -418,6 +426,7 @@ impl Direct {
         loop {
             let page = self
                 .inbox
+                .reads()
                 .timeline(aggregate_id.to_owned(), PageRequest { after, limit: 1000 })
                 .await
                 .map_err(|e| e.to_string())?;

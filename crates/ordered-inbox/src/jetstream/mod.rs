@@ -817,7 +817,7 @@ async fn holder_of(
 ) -> Result<Option<String>, InboxError> {
     let holder = match holders.get(&token) {
         Some(holder) => Ok(holder.clone()),
-        None => inbox.check_producer(token.clone()).await,
+        None => inbox.reads().check_producer(token.clone()).await,
     };
     if let Ok(holder) = &holder {
         holders.insert(token, holder.clone());

@@ -76,6 +76,7 @@ impl GapNotifier {
     /// `per_tick`.
     async fn tick(&self, inbox: &SharedInbox) {
         let waiting = match inbox
+            .reads()
             .inventory(AggregateStatus::Waiting, INVENTORY_READ)
             .await
         {
@@ -118,7 +119,7 @@ impl GapNotifier {
 
     /// Publishes the aggregate's notice if its view, read now, still calls for one.
     async fn notice(&self, inbox: &SharedInbox, aggregate_id: String) {
-        let view = match inbox.aggregate(aggregate_id.clone()).await {
+        let view = match inbox.reads().aggregate(aggregate_id.clone()).await {
             Ok(view) => view,
             Err(error) => {
                 tracing::warn!(%error, aggregate_id, "gap notice: cannot read the aggregate");

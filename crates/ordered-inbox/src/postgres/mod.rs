@@ -73,7 +73,7 @@ use connection::{Client, Failure, release_after_failure};
 use crate::content::AcceptAll;
 use crate::delivery::Outcome;
 use crate::gaps::{GapRequest, GapResolutionError, GapResolved};
-use crate::inbox::{BatchDelivery, Inbox, InboxError, Undelivered};
+use crate::inbox::{BatchDelivery, Inbox, InboxError, InboxReads, Undelivered};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::OperatorCheck;
 use crate::producers::TransferRequest;
@@ -352,6 +352,61 @@ impl Inbox for PostgresInbox {
         .await?
     }
 
+    async fn deliver_as(
+        &self,
+        message: OrderedMessage,
+        door: Door,
+        claim: Option<ProducerClaim>,
+    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
+        let delivery = Delivery {
+            message,
+            door,
+            claim,
+            admitted_by_owner: true,
+        };
+        self.deliver_alone(delivery).await
+    }
+
+    async fn start_session(
+        &self,
+        producer: String,
+    ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
+        self.run(move |client, counters| {
+            let producer = producer.clone();
+            Box::pin(async move { engine::start_session(client, counters, &producer).await })
+        })
+        .await
+    }
+
+    async fn transfer_owner(
+        &self,
+        request: TransferRequest,
+    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
+        self.run(move |client, counters| {
+            let request = request.clone();
+            Box::pin(async move { engine::transfer(client, counters, &request).await })
+        })
+        .await
+    }
+
+    async fn record_rejected(&self, entries: Vec<RejectedDelivery>) -> Result<(), InboxError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        self.run(move |client, counters| {
+            let entries = entries.clone();
+            Box::pin(async move { engine::record_rejected(client, counters, &entries).await })
+        })
+        .await
+    }
+
+    fn reads(&self) -> &dyn InboxReads {
+        self
+    }
+}
+
+#[async_trait]
+impl InboxReads for PostgresInbox {
     async fn gap_resolutions(
         &self,
         aggregate_id: Option<String>,
@@ -488,47 +543,10 @@ impl Inbox for PostgresInbox {
         .await
     }
 
-    async fn deliver_as(
-        &self,
-        message: OrderedMessage,
-        door: Door,
-        claim: Option<ProducerClaim>,
-    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
-        let delivery = Delivery {
-            message,
-            door,
-            claim,
-            admitted_by_owner: true,
-        };
-        self.deliver_alone(delivery).await
-    }
-
     async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {
         self.run(move |client, counters| {
             let token = token.clone();
             Box::pin(async move { operators::producer(client, counters, &token).await })
-        })
-        .await
-    }
-
-    async fn start_session(
-        &self,
-        producer: String,
-    ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
-        self.run(move |client, counters| {
-            let producer = producer.clone();
-            Box::pin(async move { engine::start_session(client, counters, &producer).await })
-        })
-        .await
-    }
-
-    async fn transfer_owner(
-        &self,
-        request: TransferRequest,
-    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
-        self.run(move |client, counters| {
-            let request = request.clone();
-            Box::pin(async move { engine::transfer(client, counters, &request).await })
         })
         .await
     }
@@ -544,17 +562,6 @@ impl Inbox for PostgresInbox {
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
         self.run(move |client, counters| {
             Box::pin(async move { views::producers(client, counters).await })
-        })
-        .await
-    }
-
-    async fn record_rejected(&self, entries: Vec<RejectedDelivery>) -> Result<(), InboxError> {
-        if entries.is_empty() {
-            return Ok(());
-        }
-        self.run(move |client, counters| {
-            let entries = entries.clone();
-            Box::pin(async move { engine::record_rejected(client, counters, &entries).await })
         })
         .await
     }

@@ -49,7 +49,7 @@ use crate::clock;
 use crate::content::AcceptAll;
 use crate::delivery::Outcome;
 use crate::gaps::{GapRequest, GapResolutionError, GapResolved};
-use crate::inbox::{BatchDelivery, Inbox, InboxError, Undelivered};
+use crate::inbox::{BatchDelivery, Inbox, InboxError, InboxReads, Undelivered};
 use crate::model::{AggregateStatus, Door, Limits, OrderedMessage};
 use crate::operators::{OperatorCheck, Registry};
 use crate::producers::TransferRequest;
@@ -235,6 +235,62 @@ impl Inbox for SqliteInbox {
             .await
     }
 
+    async fn deliver_as(
+        &self,
+        message: OrderedMessage,
+        door: Door,
+        claim: Option<ProducerClaim>,
+    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
+        let written = self
+            .write(move |unit| engine::deliver_as_in(unit, &message, door, claim.as_ref()))
+            .await
+            .map_err(InboxError::from)?;
+        match written {
+            Ok(outcome) => Ok(Ok(outcome)),
+            Err(Undelivered::Refused(refusal)) => Ok(Err(refusal)),
+            Err(Undelivered::Handler(error)) => Err(InboxError::Handler(error)),
+        }
+    }
+
+    async fn start_session(
+        &self,
+        producer: String,
+    ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
+        self.store
+            .write(move |connection| engine::start_session_in(connection, &producer))
+            .await
+            .map_err(InboxError::from)
+    }
+
+    async fn transfer_owner(
+        &self,
+        request: TransferRequest,
+    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
+        self.store
+            .write(move |connection| engine::transfer_in(connection, &request, &clock::now()))
+            .await
+            .map_err(InboxError::from)
+    }
+
+    async fn record_rejected(&self, entries: Vec<RejectedDelivery>) -> Result<(), InboxError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        self.store
+            .write(move |connection| {
+                rejected::record(connection, &entries).map_err(StoreError::from)
+            })
+            .await
+            .map_err(InboxError::from)
+    }
+
+    fn reads(&self) -> &dyn InboxReads {
+        self
+    }
+}
+
+#[async_trait]
+impl InboxReads for SqliteInbox {
     async fn gap_resolutions(
         &self,
         aggregate_id: Option<String>,
@@ -327,46 +383,9 @@ impl Inbox for SqliteInbox {
         .await
     }
 
-    async fn deliver_as(
-        &self,
-        message: OrderedMessage,
-        door: Door,
-        claim: Option<ProducerClaim>,
-    ) -> Result<Result<Outcome, ProducerRefusal>, InboxError> {
-        let written = self
-            .write(move |unit| engine::deliver_as_in(unit, &message, door, claim.as_ref()))
-            .await
-            .map_err(InboxError::from)?;
-        match written {
-            Ok(outcome) => Ok(Ok(outcome)),
-            Err(Undelivered::Refused(refusal)) => Ok(Err(refusal)),
-            Err(Undelivered::Handler(error)) => Err(InboxError::Handler(error)),
-        }
-    }
-
     async fn check_producer(&self, token: String) -> Result<Option<String>, InboxError> {
         self.read(move |connection| operators::holder(connection, Registry::Producers, &token))
             .await
-    }
-
-    async fn start_session(
-        &self,
-        producer: String,
-    ) -> Result<Result<i64, ProducerRefusal>, InboxError> {
-        self.store
-            .write(move |connection| engine::start_session_in(connection, &producer))
-            .await
-            .map_err(InboxError::from)
-    }
-
-    async fn transfer_owner(
-        &self,
-        request: TransferRequest,
-    ) -> Result<Result<TransferRecord, TransferConflict>, InboxError> {
-        self.store
-            .write(move |connection| engine::transfer_in(connection, &request, &clock::now()))
-            .await
-            .map_err(InboxError::from)
     }
 
     async fn ownership(&self, aggregate_id: String) -> Result<OwnershipState, InboxError> {
@@ -376,18 +395,6 @@ impl Inbox for SqliteInbox {
 
     async fn producers(&self) -> Result<Vec<ProducerView>, InboxError> {
         self.read(views::producers).await
-    }
-
-    async fn record_rejected(&self, entries: Vec<RejectedDelivery>) -> Result<(), InboxError> {
-        if entries.is_empty() {
-            return Ok(());
-        }
-        self.store
-            .write(move |connection| {
-                rejected::record(connection, &entries).map_err(StoreError::from)
-            })
-            .await
-            .map_err(InboxError::from)
     }
 
     async fn rejected(&self, page: PageRequest) -> Result<Page<RejectedDelivery>, InboxError> {
