@@ -1477,3 +1477,109 @@ async fn a_standby_gate_shows_its_output_backlog_growing_and_it_drains_to_zero_o
         Some(3.0)
     );
 }
+
+/// The sums of `/v1/lag`'s samples: (applied, published), each sample's rates checked against
+/// its rows and its seconds on the way.
+fn lag_sums(lag: &Value) -> (u64, u64) {
+    let samples = lag["samples"].as_array().expect("the samples");
+    let mut sums = (0, 0);
+    for sample in samples {
+        let seconds = sample["seconds"].as_f64().expect("the interval's seconds");
+        assert!(seconds > 0.0, "{sample}");
+        let applied = sample["applied"]
+            .as_u64()
+            .expect("the applied rows (below the cap)");
+        let published = sample["published"].as_u64().expect("the published rows");
+        for (rows, rate) in [
+            (applied, &sample["appliedPerSecond"]),
+            (published, &sample["publishedPerSecond"]),
+        ] {
+            let rate = rate.as_f64().expect("a rate");
+            assert!(
+                (rate * seconds - rows as f64).abs() < 0.05,
+                "{rate}/s over {seconds} s is not {rows} rows: {sample}"
+            );
+        }
+        sums = (sums.0 + applied, sums.1 + published);
+    }
+    sums
+}
+
+/// The backlog of the last sample of `/v1/lag`, if there is one.
+fn last_backlog(lag: &Value) -> Option<i64> {
+    lag["samples"].as_array()?.last()?["backlog"].as_i64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_gates_lag_samples_count_the_rows_applied_while_it_stands_by_and_published_once_it_holds_the_lease()
+ {
+    let nats = crate::broker::start_nats(None);
+    let certificate = Certificate::new();
+    let files = GateFiles::new(&certificate, &nats).with_lease_ms(1000);
+    let gate = GateProcess::start(&files.config());
+    let client = certificate.client();
+    let operator = add_operator(&files.database(), "alice");
+    let producer = add_producer(&client, &gate, &operator, "shop").await;
+    let unauthorized = client.get(gate.url("/v1/lag")).send().await.unwrap();
+    assert_eq!(unauthorized.status(), 401);
+    poll_until_within(
+        "the gate holds the lease",
+        Duration::from_secs(20),
+        || publisher_status(&client, &gate),
+        |(role, _)| role == "holder",
+    )
+    .await;
+    // Another gate (none runs) holds the lease for an hour: the rows applied now wait.
+    execute_on(
+        &files.database(),
+        "UPDATE gate_publisher_lease SET holder = 'elsewhere', epoch = 2,
+                expires_at_ms = CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) + 3600000",
+    );
+    poll_until_within(
+        "the gate stands by",
+        Duration::from_secs(20),
+        || publisher_status(&client, &gate),
+        |(role, _)| role == "standby",
+    )
+    .await;
+    for message in messages_of("order-lagging", 4) {
+        assert_eq!(
+            deliver_until_decided(&client, &gate.address, &producer, &message).await,
+            200
+        );
+    }
+    let waiting = poll_until_within(
+        "a sample shows the four waiting rows",
+        Duration::from_secs(30),
+        || gate_json(&client, &gate, &operator, "/v1/lag"),
+        |lag| last_backlog(lag) == Some(4),
+    )
+    .await;
+    assert_eq!(waiting["unpublishedRows"], 4, "{waiting}");
+    assert_eq!(
+        waiting["publisher"],
+        json!({"role": "standby", "epoch": 2}),
+        "{waiting}"
+    );
+    assert_eq!(waiting["sampleEverySeconds"], 5);
+    assert_eq!(lag_sums(&waiting), (4, 0), "{waiting}");
+
+    // The other lets its lease lapse: this gate publishes the four rows.
+    execute_on(
+        &files.database(),
+        "UPDATE gate_publisher_lease SET expires_at_ms = 0",
+    );
+    let drained = poll_until_within(
+        "a sample shows the backlog drained",
+        Duration::from_secs(30),
+        || gate_json(&client, &gate, &operator, "/v1/lag"),
+        |lag| last_backlog(lag) == Some(0),
+    )
+    .await;
+    assert_eq!(drained["unpublishedRows"], 0, "{drained}");
+    assert_eq!(drained["oldestUnpublishedSeconds"], 0, "{drained}");
+    assert_eq!(drained["publisher"]["role"], "holder", "{drained}");
+    assert_eq!(lag_sums(&drained), (4, 4), "{drained}");
+    let js = crate::broker::jetstream_of(&nats).await;
+    assert_eq!(output_count(&js).await, 4);
+}

@@ -4,6 +4,7 @@
 //! pages against the gate's `/v1` routes.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -11,7 +12,7 @@ use tempfile::TempDir;
 
 use crate::browser::Browser;
 use crate::gate::{GateProcess, add_operator};
-use crate::helpers::client;
+use crate::helpers::{client, poll_until_within};
 
 const READER_TOKEN: &str = "reader-token-for-the-gate-console";
 const AGGREGATE: &str = "order-1";
@@ -641,4 +642,53 @@ async fn gate_recheck_in_the_console_previews_first_then_applies_what_the_reload
             .is_some_and(|reason| reason.contains("configuration generation 2")),
         "{record}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_inventory_shows_the_output_lag_and_a_chart_of_the_gates_samples() {
+    let gate = ConsoleGate::start();
+    // Without NATS nothing publishes: the applied message waits in the output.
+    gate.quarantine_the_second_message().await;
+    poll_until_within(
+        "the gate has a sample of the waiting row",
+        Duration::from_secs(20),
+        || async {
+            let response = gate.get("/v1/lag", Some(READER_TOKEN)).await;
+            response.json::<Value>().await.unwrap_or(Value::Null)
+        },
+        |lag| {
+            lag["samples"]
+                .as_array()
+                .is_some_and(|samples| !samples.is_empty())
+        },
+    )
+    .await;
+    let browser = Browser::start("gate-console-lag").await;
+    browser
+        .run(async {
+            sign_in(&browser, &gate, READER_TOKEN).await;
+            browser
+                .wait_text("#lag-unpublished", |text| text == "1")
+                .await;
+            let publisher: String = browser
+                .js(&fact_script("lag-facts", "publisher"), vec![])
+                .await;
+            assert_eq!(publisher, "absent");
+            let chart: (u64, u64, u64) = browser
+                .wait_js(
+                    "the chart draws the samples",
+                    "const chart = document.querySelector('svg#lag-chart'); \
+                     return [Number(chart.dataset.points), \
+                       chart.querySelectorAll('circle[data-series=\"backlog\"]').length, \
+                       chart.querySelectorAll('polyline').length];",
+                    |(points, _, _)| *points >= 1,
+                )
+                .await;
+            assert_eq!(chart.1, chart.0, "a backlog point per sample: {chart:?}");
+            assert_eq!(chart.2, 3, "applied, published and backlog lines");
+            let legend = browser.text("#lag-legend").await;
+            assert!(legend.contains("applied/s"), "{legend}");
+        })
+        .await;
+    browser.close().await;
 }

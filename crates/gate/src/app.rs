@@ -21,8 +21,9 @@ use super::auth::{Access, DeliveryRate};
 use super::config::{GateConfig, GateNats, GateStore, PostgresAccess};
 use super::handler::{GateHandler, SharedTypes};
 use super::health::{self, Health, NatsClients};
+use super::lag::{self, LagSamples, LagState};
 use super::output::{self, OutputStore};
-use super::publisher::Publisher;
+use super::publisher::{PublishedRows, Publisher};
 use super::reload::Reloader;
 use super::routes::{self, GateMessageInput, GateParts, GateState, RegistryStore};
 use super::schemas::MessageTypes;
@@ -59,6 +60,9 @@ struct Background {
     nats: Option<Nats>,
     changes: InboxChanges,
     wake: Arc<Notify>,
+    /// The output's lag samples, which `/v1/lag` answers.
+    lag: LagSamples,
+    output: OutputStore,
 }
 
 /// The gate's store: the SQLite file or the PostgreSQL database, holding the inbox and the
@@ -128,6 +132,8 @@ impl GateApplication {
             nats,
             changes,
             wake,
+            lag: LagSamples::default(),
+            output: stores.output.clone(),
         };
         let access = gate_access(&config);
         let reloader = Reloader::new(
@@ -241,9 +247,22 @@ async fn serve(
 }
 
 impl Background {
-    /// The metrics' upkeep, and with NATS the consumer, the publisher and its wake-ups.
+    /// The metrics' upkeep and the lag's samples, and with NATS the consumer, the publisher
+    /// and its wake-ups.
     fn start(self, tasks: &TaskTracker, shutdown: &CancellationToken) {
         http_edge::observe::spawn_upkeep(self.metrics.clone(), tasks, shutdown.clone());
+        let published = self
+            .nats
+            .as_ref()
+            .map_or_else(PublishedRows::default, |nats| {
+                nats.publisher.published_rows()
+            });
+        tasks.spawn(lag::sample(
+            self.lag,
+            self.output,
+            published,
+            shutdown.clone(),
+        ));
         let Some(nats) = self.nats else {
             return;
         };
@@ -481,8 +500,16 @@ fn gate_router(
             .map(|nats| nats.publisher.held_epoch()),
         types: reloader.types(),
     };
+    let lag = LagState {
+        samples: background.lag.clone(),
+        output: stores.output.clone(),
+        publisher: health.publisher.clone(),
+        access: state.0.access.clone(),
+        inbox: background.inbox.clone(),
+    };
     let documented = routes::api(state)
         .merge(health::routes(health, config.metrics.public))
+        .merge(lag::routes(lag))
         .merge(super::console::routes());
     let (router, _document) = routes::finish(documented, &published);
     let edge = http_edge::observe::http::Edge {

@@ -49,13 +49,22 @@ pub struct Health {
 /// with the epoch it holds, `standby` with the store's (`None` when the store does not answer),
 /// or `absent` (no NATS, no publisher) with 0.
 async fn publisher_status(health: &Health) -> (&'static str, Option<i64>) {
-    let Some(held) = &health.publisher else {
+    publisher_role(health.publisher.as_ref(), &health.output).await
+}
+
+/// [`publisher_status`] of the epoch `held` by this gate's publisher (`None`: no publisher) and
+/// the store's lease in `output`; `/v1/lag` shows it too.
+pub(crate) async fn publisher_role(
+    held: Option<&HeldEpoch>,
+    output: &OutputStore,
+) -> (&'static str, Option<i64>) {
+    let Some(held) = held else {
         return ("absent", Some(0));
     };
     if let Some(epoch) = held.get() {
         return ("holder", Some(epoch));
     }
-    match health.output.lease_epoch().await {
+    match output.lease_epoch().await {
         Ok(epoch) => ("standby", Some(epoch)),
         Err(error) => {
             tracing::warn!(target: "production_lab::gate", %error, "the publisher's lease could not be read");

@@ -22,6 +22,7 @@
 //! - [`edge`]: what is refused from a request's head (conflicting framing, a declared length
 //!   past the limit), unread bodies drained, HSTS and `no-store` on the way out;
 //! - [`health`]: `/live`, `/ready` and `/metrics`, without a token;
+//! - [`lag`]: the output's lag, sampled every few seconds for the last minutes (`/v1/lag`);
 //! - [`overdue`]: which waiting aggregates waited past their successor's type's gap alert;
 //! - [`console`]: the operator's console, static pages calling the `/v1` routes with a token;
 //! - [`reload`]: the configuration read again on SIGHUP (types, readers' tokens, the TLS
@@ -35,6 +36,7 @@ pub mod console;
 pub mod edge;
 pub mod handler;
 pub mod health;
+pub mod lag;
 pub mod lease;
 pub mod output;
 pub mod overdue;

@@ -22,7 +22,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -77,6 +77,23 @@ impl HeldEpoch {
     }
 }
 
+/// The rows this gate's publisher marked published since it started, shared with the lag
+/// sampler ([`crate::lag`]), which reads its growth between two samples.
+#[derive(Clone, Debug, Default)]
+pub struct PublishedRows(Arc<AtomicU64>);
+
+impl PublishedRows {
+    /// The rows published so far.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn add(&self, rows: usize) {
+        self.0
+            .fetch_add(u64::try_from(rows).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
 /// Publishes the gate's output rows to JetStream while it holds the store's lease, until stopped.
 pub struct Publisher {
     output: OutputStore,
@@ -93,6 +110,8 @@ pub struct Publisher {
     lease: Option<Lease>,
     /// [`Publisher::lease`]'s epoch, for the health routes.
     held_epoch: HeldEpoch,
+    /// The rows marked published, for the lag's samples.
+    published: PublishedRows,
     /// Per aggregate, the stream sequence of its subject's last message, as this holder left it.
     last_sequences: HashMap<String, u64>,
 }
@@ -144,6 +163,7 @@ impl Publisher {
             lease_duration: DEFAULT_LEASE,
             lease: None,
             held_epoch: HeldEpoch::default(),
+            published: PublishedRows::default(),
             last_sequences: HashMap::new(),
         }
     }
@@ -164,6 +184,11 @@ impl Publisher {
     /// The epoch of the lease it holds, as it changes.
     pub fn held_epoch(&self) -> HeldEpoch {
         self.held_epoch.clone()
+    }
+
+    /// The rows it marked published, as they grow.
+    pub fn published_rows(&self) -> PublishedRows {
+        self.published.clone()
     }
 
     /// This publisher's name in the lease.
@@ -263,6 +288,7 @@ impl Publisher {
             }
         }
         self.output.mark_published(&acknowledged).await?;
+        self.published.add(acknowledged.len());
         if let Some(metrics) = &self.metrics {
             metrics.gate_published(acknowledged.len());
         }

@@ -16,6 +16,21 @@ const ConsoleCommon = (() => {
     return node;
   }
 
+  /**
+   * An SVG element, as `el` builds an HTML one: attributes (`text` sets its text) and children.
+   * SVG lives in its own namespace, so `el` cannot build it.
+   */
+  function svg(tag, attributes = {}, ...children) {
+    const node = document.createElementNS('http://www.w3.org/2000/svg', tag);
+    for (const [name, value] of Object.entries(attributes)) {
+      if (value === undefined || value === null || value === false) continue;
+      if (name === 'text') node.textContent = String(value);
+      else node.setAttribute(name, value === true ? '' : String(value));
+    }
+    node.append(...children.filter((child) => child !== null && child !== undefined));
+    return node;
+  }
+
   /** How a value reads in a cell: a dash for nothing, JSON for structures. */
   function display(value) {
     if (value === null || value === undefined || value === '') return '—';
@@ -158,7 +173,7 @@ const ConsoleCommon = (() => {
   }
 
   return {
-    el, display, time, duration, segment, address, param, request, problemText, fillTable,
+    el, svg, display, time, duration, segment, address, param, request, problemText, fillTable,
     fillFacts, paragraph, result,
   };
 })();
