@@ -34,7 +34,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::lease::Lease;
-use super::output::{OutputEntry, OutputError, OutputStore};
+use super::output::{OutputEntry, OutputError, OutputStore, PENDING_PER_AGGREGATE};
 use http_edge::jetstream::wire;
 use http_edge::metrics::Metrics;
 
@@ -114,6 +114,9 @@ pub struct Publisher {
     published: PublishedRows,
     /// Per aggregate, the stream sequence of its subject's last message, as this holder left it.
     last_sequences: HashMap<String, u64>,
+    /// The last round published all it read and read as much as a read answers (in all, or of
+    /// one aggregate): rows may be waiting behind them, so the next round starts at once.
+    more_pending: bool,
 }
 
 /// What one aggregate's run of rows came to: the rows acknowledged (or found in the stream
@@ -165,6 +168,7 @@ impl Publisher {
             held_epoch: HeldEpoch::default(),
             published: PublishedRows::default(),
             last_sequences: HashMap::new(),
+            more_pending: false,
         }
     }
 
@@ -225,14 +229,16 @@ impl Publisher {
     }
 
     /// Publishes until `stop` is cancelled: a round whenever woken or every [`INTERVAL`] (or a
-    /// third of the lease, if shorter), and at once again after a full round; after a failure,
-    /// again after a growing pause. At the end the lease is given up.
+    /// third of the lease, if shorter), and at once again after a round that read a full batch
+    /// or an aggregate's full share of one (an aggregate whose backlog outlasted the others'
+    /// would otherwise wait for the next wake or tick at every share); after a failure, again
+    /// after a growing pause. At the end the lease is given up.
     pub async fn run(mut self, stop: CancellationToken) {
         let tick = INTERVAL.min(self.lease_duration / 3);
         let mut backoff = BACKOFF_FIRST;
         while !stop.is_cancelled() {
             let pause = match self.round().await {
-                Ok(published) if published == BATCH => continue,
+                Ok(_) if self.more_pending => continue,
                 Ok(_) => {
                     backoff = BACKOFF_FIRST;
                     None
@@ -265,6 +271,7 @@ impl Publisher {
     /// published (each aggregate's in order, aggregates at once) and the acknowledged ones
     /// marked. The number of rows read, or the first failure.
     pub async fn round(&mut self) -> Result<usize, PublisherError> {
+        self.more_pending = false;
         if !self.hold_lease().await? {
             return Ok(0);
         }
@@ -301,7 +308,11 @@ impl Publisher {
         }
         match failure {
             Some(reason) => Err(PublisherError::Nats(reason)),
-            None => Ok(pending.len()),
+            None => {
+                self.more_pending = pending.len() == BATCH
+                    || by_aggregate(&pending).any(|rows| rows.len() >= PENDING_PER_AGGREGATE);
+                Ok(pending.len())
+            }
         }
     }
 

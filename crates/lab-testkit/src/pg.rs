@@ -46,6 +46,9 @@ pub struct ClusterOptions {
     /// every committed transaction (only an operating-system crash could lose them).
     pub fsync: bool,
     pub max_connections: u32,
+    /// Loads `pg_stat_statements` (every statement, nested and utility ones included), so that
+    /// a bench can tell what each statement costs.
+    pub statement_statistics: bool,
 }
 
 impl ClusterOptions {
@@ -54,6 +57,7 @@ impl ClusterOptions {
         ClusterOptions {
             fsync: false,
             max_connections: 300,
+            statement_statistics: false,
         }
     }
 
@@ -62,6 +66,7 @@ impl ClusterOptions {
         ClusterOptions {
             fsync: true,
             max_connections: 100,
+            statement_statistics: true,
         }
     }
 }
@@ -314,6 +319,12 @@ impl PrivateCluster {
             options.max_connections,
             if options.fsync { "on" } else { "off" },
         )?;
+        if options.statement_statistics {
+            writeln!(
+                conf,
+                "shared_preload_libraries = 'pg_stat_statements'\npg_stat_statements.track = all\npg_stat_statements.track_utility = on"
+            )?;
+        }
         Ok(())
     }
 

@@ -6,7 +6,7 @@
 //!   apply transaction once per message straight through rusqlite;
 //! - [`postgres`]: the same load on SQLite, on a private PostgreSQL through one server and
 //!   through two, next to [`peer`], the same apply as one PL/pgSQL call per message under
-//!   pgbench;
+//!   pgbench, with what each load cost PostgreSQL statement by statement ([`statements`]);
 //! - [`stampede`]: concurrent callers of the cache's shared key behind the lab gate;
 //! - [`broker`]: NATS JetStream through the inbox against a raw consume-and-ack baseline;
 //! - [`flood`]: the broker door's fairness and catch-up under one aggregate's flood of early
@@ -23,6 +23,7 @@ pub mod peer;
 pub mod postgres;
 pub mod relay;
 pub mod stampede;
+pub mod statements;
 
 use std::time::Duration;
 

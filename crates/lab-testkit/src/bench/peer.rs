@@ -17,6 +17,7 @@ use ordered_inbox::postgres::PostgresInbox;
 use serde::Serialize;
 
 use super::BenchError;
+use super::statements::{ClusterProbe, PostgresCost};
 use crate::pg::{PrivateCluster, SUPERUSER};
 use crate::process::cpu_us_per_message;
 
@@ -64,6 +65,8 @@ pub struct PeerFigures {
     pub transactions_per_second: f64,
     /// CPU time the database's processes spent per transaction, in microseconds.
     pub postgres_cpu_us_per_message: Option<f64>,
+    /// WAL and statements per transaction.
+    pub postgres_cost: PostgresCost,
 }
 
 impl std::fmt::Display for PeerFigures {
@@ -79,12 +82,17 @@ impl std::fmt::Display for PeerFigures {
                 "\n           CPU per message: PostgreSQL {postgres:.0} µs"
             )?;
         }
-        Ok(())
+        write!(f, "\n{}", self.postgres_cost)
     }
 }
 
-/// Runs the peer on a fresh database of `cluster` with `clients` pgbench clients.
-pub async fn run_peer(cluster: &PrivateCluster, clients: usize) -> Result<PeerFigures, BenchError> {
+/// Runs the peer on a fresh database of `cluster` with `clients` pgbench clients, what it cost
+/// the cluster read through `probe`.
+pub async fn run_peer(
+    cluster: &PrivateCluster,
+    probe: &ClusterProbe,
+    clients: usize,
+) -> Result<PeerFigures, BenchError> {
     let startup = |what: &str, error: &dyn std::fmt::Display| {
         BenchError::Startup(format!("the PL/pgSQL peer: {what}: {error}"))
     };
@@ -111,6 +119,7 @@ pub async fn run_peer(cluster: &PrivateCluster, clients: usize) -> Result<PeerFi
         .tempfile()
         .map_err(|error| startup("its script", &error))?;
     std::fs::write(script.path(), PEER_SCRIPT).map_err(|error| startup("its script", &error))?;
+    let mark = probe.mark().await?;
     let before = cluster.cpu_ticks();
     let output = pgbench(cluster, clients, script.path())?;
     let postgres_ticks = cluster
@@ -118,6 +127,7 @@ pub async fn run_peer(cluster: &PrivateCluster, clients: usize) -> Result<PeerFi
         .zip(before)
         .map(|(after, before)| after.saturating_sub(before));
     let (transactions, transactions_per_second) = pgbench_figures(&output)?;
+    let postgres_cost = probe.since(mark, "bench_peer", transactions).await?;
     verify_peer(&inbox, transactions).await?;
     inbox.close();
     Ok(PeerFigures {
@@ -129,6 +139,7 @@ pub async fn run_peer(cluster: &PrivateCluster, clients: usize) -> Result<PeerFi
             postgres_ticks,
             usize::try_from(transactions).unwrap_or(usize::MAX),
         ),
+        postgres_cost,
     })
 }
 

@@ -12,6 +12,7 @@ use serde::Serialize;
 use super::database::{expect_stream_state, verify_end_state};
 use super::ordered::{OrderedOptions, http_load};
 use super::peer::{PeerFigures, run_peer};
+use super::statements::{ClusterProbe, PostgresCost};
 use super::{AggregateStream, BenchError, max_ms, percentile, require_positive, workload};
 use crate::pg::{ClusterOptions, PrivateCluster, find_bindir};
 use crate::process::cpu_us_per_message;
@@ -46,6 +47,10 @@ pub struct LoadFigures {
     pub replays: Option<u64>,
     /// PostgreSQL only: throughput as a multiple of the PL/pgSQL peer's.
     pub ratio_to_peer: Option<f64>,
+    /// PostgreSQL only: its CPU per message as a multiple of its CPU per peer transaction.
+    pub postgres_cpu_to_peer: Option<f64>,
+    /// PostgreSQL only: WAL and statements per message.
+    pub postgres_cost: Option<PostgresCost>,
 }
 
 impl std::fmt::Display for LoadFigures {
@@ -85,6 +90,12 @@ impl std::fmt::Display for LoadFigures {
             if let Some(postgres) = self.postgres_cpu_us_per_message {
                 write!(f, ", PostgreSQL {postgres:.0} µs")?;
             }
+            if let Some(ratio) = self.postgres_cpu_to_peer {
+                write!(f, " ({ratio:.2}x the peer's per transaction)")?;
+            }
+        }
+        if let Some(cost) = &self.postgres_cost {
+            write!(f, "\n{cost}")?;
         }
         Ok(())
     }
@@ -134,16 +145,29 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
     let mut runs = vec![sqlite_run(options, &streams).await?];
     let cluster = PrivateCluster::start(ClusterOptions::durable())
         .map_err(|error| BenchError::Startup(format!("a private PostgreSQL: {error}")))?;
-    let peer = run_peer(&cluster, options.concurrency).await?;
+    let probe = ClusterProbe::connect(&cluster).await?;
+    let peer = run_peer(&cluster, &probe, options.concurrency).await?;
     for (run, servers) in [(1usize, 1usize), (2, 2)] {
+        let database = format!("bench_{run}");
         let url = cluster
-            .create_database(&format!("bench_{run}"))
+            .create_database(&database)
             .map_err(|error| BenchError::Startup(format!("a database: {error}")))?;
-        let mut figures = postgres_run(&cluster, &url, servers, options, &streams).await?;
+        let load = PostgresLoad {
+            cluster: &cluster,
+            probe: &probe,
+            database: &database,
+            url: &url,
+        };
+        let mut figures = postgres_run(&load, servers, options, &streams).await?;
         figures.ratio_to_peer = Some(figures.messages_per_second / peer.transactions_per_second);
+        figures.postgres_cpu_to_peer = figures
+            .postgres_cpu_us_per_message
+            .zip(peer.postgres_cpu_us_per_message)
+            .map(|(inbox, peer)| inbox / peer);
         runs.push(figures);
         verify_postgres_end_state(&url, &streams).await?;
     }
+    drop(probe);
     drop(cluster);
     Ok(PostgresReport {
         aggregates: options.aggregates,
@@ -182,20 +206,29 @@ async fn sqlite_run(
     Ok(sqlite)
 }
 
-/// The load through `servers` servers on the PostgreSQL database `url`, with their CPU and the
-/// cluster's, and the round trips and retries the servers counted.
+/// Where a PostgreSQL load runs: the cluster, its probe, the database's name and URL.
+struct PostgresLoad<'a> {
+    cluster: &'a PrivateCluster,
+    probe: &'a ClusterProbe,
+    database: &'a str,
+    url: &'a str,
+}
+
+/// The load through `servers` servers on the load's database, with their CPU and the
+/// cluster's, its WAL and statements, and the round trips and retries the servers counted.
 async fn postgres_run(
-    cluster: &PrivateCluster,
-    url: &str,
+    load: &PostgresLoad<'_>,
     servers: usize,
     options: &OrderedOptions,
     streams: &[AggregateStream],
 ) -> Result<LoadFigures, BenchError> {
+    let (cluster, url) = (load.cluster, load.url);
     let extra = ["--inbox".to_owned(), url.to_owned()];
     let started: Vec<ServerUnderTest> = (0..servers)
         .map(|_| ServerUnderTest::start_with(options.synchronous, options.concurrency, &extra))
         .collect::<Result<_, _>>()?;
     let addresses: Vec<String> = started.iter().map(|s| s.address.clone()).collect();
+    let mark = load.probe.mark().await?;
     let servers_before = servers_cpu_ticks(&started);
     let postgres_before = cluster.cpu_ticks();
     let label = format!("bench ordered: HTTP to {servers} server(s)");
@@ -207,6 +240,8 @@ async fn postgres_run(
     let mut run = figures("postgres", options.messages, elapsed, &latencies, rss);
     run.server_cpu_us_per_message = cpu_us_per_message(server_ticks, options.messages);
     run.postgres_cpu_us_per_message = cpu_us_per_message(postgres_ticks, options.messages);
+    let messages = u64::try_from(options.messages).unwrap_or(u64::MAX);
+    run.postgres_cost = Some(load.probe.since(mark, load.database, messages).await?);
     let counted = stop_and_count(started)?;
     if counted.operations > 0 {
         run.round_trips_per_message = Some(counted.round_trips as f64 / counted.operations as f64);
@@ -273,6 +308,8 @@ fn figures(
         deliveries_per_commit: None,
         replays: None,
         ratio_to_peer: None,
+        postgres_cpu_to_peer: None,
+        postgres_cost: None,
     }
 }
 
