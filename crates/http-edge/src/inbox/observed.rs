@@ -268,6 +268,17 @@ impl Inbox for ObservedInbox {
         self.inner.health().await
     }
 
+    async fn prune(
+        &self,
+        plan: ordered_inbox::retention::PrunePlan,
+    ) -> Result<ordered_inbox::retention::Pruned, InboxError> {
+        self.inner.prune(plan).await
+    }
+
+    async fn retained(&self) -> Result<ordered_inbox::retention::Retained, InboxError> {
+        self.inner.retained().await
+    }
+
     async fn deliver_as(
         &self,
         message: OrderedMessage,
