@@ -24,6 +24,7 @@ use super::health::{self, Health, NatsClients};
 use super::output::{self, OutputStore};
 use super::publisher::Publisher;
 use super::reload::Reloader;
+use super::retention::Pruner;
 use super::routes::{self, GateMessageInput, GateParts, GateState, RegistryStore};
 use super::schemas::MessageTypes;
 use http_edge::inbox::SharedInbox;
@@ -59,6 +60,8 @@ struct Background {
     nats: Option<Nats>,
     changes: InboxChanges,
     wake: Arc<Notify>,
+    /// Prunes the store by `[retention]`.
+    pruner: Pruner,
 }
 
 /// The gate's store: the SQLite file or the PostgreSQL database, holding the inbox and the
@@ -122,12 +125,19 @@ impl GateApplication {
             None => None,
         };
         let (listener, address) = bind(config.listen.address).await?;
+        let pruner = Pruner {
+            inbox: inbox.clone(),
+            output: stores.output.clone(),
+            retention: config.retention,
+            metrics: metrics.clone(),
+        };
         let background = Background {
             inbox,
             metrics,
             nats,
             changes,
             wake,
+            pruner,
         };
         let access = gate_access(&config);
         let reloader = Reloader::new(
@@ -244,6 +254,7 @@ impl Background {
     /// The metrics' upkeep, and with NATS the consumer, the publisher and its wake-ups.
     fn start(self, tasks: &TaskTracker, shutdown: &CancellationToken) {
         http_edge::observe::spawn_upkeep(self.metrics.clone(), tasks, shutdown.clone());
+        tasks.spawn(self.pruner.run(shutdown.clone()));
         let Some(nats) = self.nats else {
             return;
         };

@@ -128,8 +128,8 @@ pub fn plan_batch(
     batch: usize,
 ) -> PrunePlan {
     PrunePlan {
-        identities_before: retention.identities.map(|keep| before(now, keep)),
-        dead_letters_before: retention.dead_letters.map(|keep| before(now, keep)),
+        identities_before: retention.identities.map(|keep| cut_off(now, keep)),
+        dead_letters_before: retention.dead_letters.map(|keep| cut_off(now, keep)),
         timeline_keep: retention.timeline,
         timeline_after: retention.timeline.and(timeline_after),
         batch: batch.max(1),
@@ -138,7 +138,7 @@ pub fn plan_batch(
 
 /// The stored timestamp `keep` before `now`; an unreadable `now` prunes nothing (the cut-off is
 /// the earliest instant).
-fn before(now: &str, keep: Duration) -> String {
+pub fn cut_off(now: &str, keep: Duration) -> String {
     let millis = clock::millis_between("1970-01-01T00:00:00.000Z", now).unwrap_or(i64::MIN);
     let keep = i64::try_from(keep.as_millis()).unwrap_or(i64::MAX);
     clock::format_millis(millis.saturating_sub(keep))
