@@ -335,7 +335,7 @@ impl Message {
 }
 
 /// `sequences` messages for `aggregate`: placed first, then shipped and placed in turn.
-fn messages_of(aggregate: &str, sequences: i64) -> Vec<Message> {
+pub(crate) fn messages_of(aggregate: &str, sequences: i64) -> Vec<Message> {
     (1..=sequences)
         .map(|sequence| {
             let (kind, payload) = if sequence % 2 == 1 {
@@ -362,7 +362,7 @@ fn messages_of(aggregate: &str, sequences: i64) -> Vec<Message> {
 
 /// Delivers `message` over HTTPS until the gate has decided it (applied, a replay, or
 /// quarantined); an early one is answered 409 gap and sent again, as a sloppy producer's retry.
-async fn deliver_until_decided(
+pub(crate) async fn deliver_until_decided(
     client: &HttpsClient,
     gate: &str,
     producer: &Producer,

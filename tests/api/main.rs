@@ -24,6 +24,7 @@ mod gate_netns;
 mod gate_recheck;
 mod gate_reload;
 mod gate_remote;
+mod gate_retention;
 mod gate_routes;
 mod held;
 mod http;

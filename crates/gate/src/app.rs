@@ -25,6 +25,7 @@ use super::lag::{self, LagSamples, LagState};
 use super::output::{self, OutputStore};
 use super::publisher::{PublishedRows, Publisher};
 use super::reload::Reloader;
+use super::retention::Pruner;
 use super::routes::{self, GateMessageInput, GateParts, GateState, RegistryStore};
 use super::schemas::MessageTypes;
 use http_edge::inbox::SharedInbox;
@@ -63,6 +64,8 @@ struct Background {
     /// The output's lag samples, which `/v1/lag` answers.
     lag: LagSamples,
     output: OutputStore,
+    /// Prunes the store by `[retention]`.
+    pruner: Pruner,
 }
 
 /// The gate's store: the SQLite file or the PostgreSQL database, holding the inbox and the
@@ -126,6 +129,12 @@ impl GateApplication {
             None => None,
         };
         let (listener, address) = bind(config.listen.address).await?;
+        let pruner = Pruner {
+            inbox: inbox.clone(),
+            output: stores.output.clone(),
+            retention: config.retention,
+            metrics: metrics.clone(),
+        };
         let background = Background {
             inbox,
             metrics,
@@ -134,6 +143,7 @@ impl GateApplication {
             wake,
             lag: LagSamples::default(),
             output: stores.output.clone(),
+            pruner,
         };
         let access = gate_access(&config);
         let reloader = Reloader::new(
@@ -263,6 +273,7 @@ impl Background {
             published,
             shutdown.clone(),
         ));
+        tasks.spawn(self.pruner.run(shutdown.clone()));
         let Some(nats) = self.nats else {
             return;
         };

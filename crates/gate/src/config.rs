@@ -42,6 +42,8 @@ pub struct GateConfig {
     /// The JetStream input and output; `None` is HTTP only.
     pub nats: Option<GateNats>,
     pub publisher: PublisherSettings,
+    /// `[retention]`: what the store keeps, and how often the gate prunes the rest.
+    pub retention: GateRetention,
     /// Each message type with its JSON Schema, as read from its file (compiled by
     /// [`crate::schemas`]).
     pub types: Vec<(String, Value)>,
@@ -151,6 +153,19 @@ pub struct PublisherSettings {
     pub lease: Duration,
 }
 
+/// `[retention]`: the inbox's policy, the output's, and the pruner's pace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GateRetention {
+    /// Applied identities, timeline compaction, closed dead letters.
+    pub inbox: ordered_inbox::retention::Retention,
+    /// Published output rows are deleted once applied longer ago than this (`None`: kept).
+    pub output: Option<Duration>,
+    /// How long the pruner rests after a round that found nothing more to prune.
+    pub interval: Duration,
+    /// The most rows of each kind one batch deletes.
+    pub batch: usize,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GateNats {
     pub urls: Vec<String>,
@@ -187,6 +202,14 @@ pub const DEFAULT_BATCH: u64 = 64;
 pub const DEFAULT_OUTPUT_STREAM: &str = "GATE_OUT";
 pub const DEFAULT_OUTPUT_SUBJECT_PREFIX: &str = "gate.out";
 pub const DEFAULT_LEASE_MS: u64 = 5_000;
+/// Published output rows are kept as long as applied identities, by default.
+pub const DEFAULT_OUTPUT_RETENTION: Duration =
+    ordered_inbox::retention::Retention::DEFAULT_IDENTITIES;
+pub const DEFAULT_PRUNE_INTERVAL_MS: u64 = 10_000;
+const MAX_PRUNE_INTERVAL_MS: u64 = 3_600_000;
+const MAX_PRUNE_BATCH: u64 = 10_000;
+/// The longest retention a key takes: ten years.
+const MAX_RETENTION: Duration = Duration::from_secs(10 * 366 * 24 * 60 * 60);
 /// The shortest lease the file accepts: its holder renews it several times within.
 const MIN_LEASE_MS: u64 = 300;
 const MAX_LEASE_MS: u64 = 600_000;
@@ -387,6 +410,7 @@ struct RawFile {
     log: Option<toml::Value>,
     nats: Option<toml::Value>,
     publisher: Option<toml::Value>,
+    retention: Option<toml::Value>,
     types: Option<BTreeMap<String, toml::Value>>,
 }
 
@@ -483,6 +507,17 @@ struct RawLog {
 enum RawLogFormat {
     Json,
     Text,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawRetention {
+    identities: Option<String>,
+    timeline: Option<toml::Value>,
+    output: Option<String>,
+    dead_letters: Option<String>,
+    interval_ms: Option<u64>,
+    batch: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -623,6 +658,7 @@ impl<'a> Checker<'a> {
         let log = self.section::<RawLog>(raw.log, "log");
         let nats = self.nats(raw.nats);
         let publisher = self.publisher(raw.publisher);
+        let retention = self.retention(raw.retention);
         let (types, gap_alerts) = self.types(raw.types).unzip();
         Some(GateConfig {
             listen: listen?,
@@ -641,6 +677,7 @@ impl<'a> Checker<'a> {
             },
             nats: nats?,
             publisher: publisher?,
+            retention: retention?,
             types: types?,
             gap_alerts: gap_alerts?,
         })
@@ -1103,6 +1140,88 @@ impl<'a> Checker<'a> {
         })
     }
 
+    fn retention(&mut self, value: Option<toml::Value>) -> Option<GateRetention> {
+        let raw: RawRetention = self.section(value, "retention")?;
+        let before = self.errors.len();
+        let defaults = ordered_inbox::retention::Retention::default();
+        let identities = self.kept_for(raw.identities, "retention.identities", defaults.identities);
+        let output = self.kept_for(
+            raw.output,
+            "retention.output",
+            Some(DEFAULT_OUTPUT_RETENTION),
+        );
+        let dead_letters = self.kept_for(
+            raw.dead_letters,
+            "retention.dead_letters",
+            defaults.dead_letters,
+        );
+        let timeline = match raw.timeline {
+            None => defaults.timeline,
+            Some(toml::Value::String(text)) if text == "forever" => None,
+            Some(toml::Value::Integer(kept)) if (1..=i64::from(u32::MAX)).contains(&kept) => {
+                u32::try_from(kept).ok()
+            }
+            Some(found) => {
+                self.error(
+                    "retention.timeline",
+                    format!("must be a number of events from 1 up, or \"forever\" (found {found})"),
+                );
+                None
+            }
+        };
+        let interval_ms = raw.interval_ms.unwrap_or(DEFAULT_PRUNE_INTERVAL_MS);
+        if !(1..=MAX_PRUNE_INTERVAL_MS).contains(&interval_ms) {
+            self.error(
+                "retention.interval_ms",
+                format!("must be from 1 to {MAX_PRUNE_INTERVAL_MS} (found {interval_ms})"),
+            );
+        }
+        let batch = raw
+            .batch
+            .unwrap_or(ordered_inbox::retention::DEFAULT_BATCH as u64);
+        if !(1..=MAX_PRUNE_BATCH).contains(&batch) {
+            self.error(
+                "retention.batch",
+                format!("must be from 1 to {MAX_PRUNE_BATCH} (found {batch})"),
+            );
+        }
+        (self.errors.len() == before).then(|| GateRetention {
+            inbox: ordered_inbox::retention::Retention {
+                identities,
+                timeline,
+                dead_letters,
+            },
+            output,
+            interval: Duration::from_millis(interval_ms),
+            batch: usize::try_from(batch).unwrap_or(1),
+        })
+    }
+
+    /// A retention key: a duration such as `7d`, `12h`, `30m`, `45s` or `500ms`, or `forever`.
+    fn kept_for(
+        &mut self,
+        text: Option<String>,
+        key: &str,
+        default: Option<Duration>,
+    ) -> Option<Duration> {
+        let Some(text) = text else {
+            return default;
+        };
+        match retention_duration(&text) {
+            Some(kept) => kept,
+            None => {
+                self.error(
+                    key,
+                    format!(
+                        "must be a duration such as \"7d\", \"12h\", \"30m\", \"45s\" or \"500ms\" \
+                         (at most ten years), or \"forever\" (found \"{text}\")"
+                    ),
+                );
+                None
+            }
+        }
+    }
+
     fn nats(&mut self, value: Option<toml::Value>) -> Option<Option<GateNats>> {
         let Some(value) = value else {
             return Some(None);
@@ -1494,6 +1613,27 @@ fn field_message(message: &str) -> String {
 
 /// Each `(type name, gap_alert_after)` of the types that set one.
 type GapAlerts = Vec<(String, Duration)>;
+
+/// A retention's text: `Some(None)` for `forever`, `Some(Some(d))` for a whole number of days,
+/// hours, minutes, seconds or milliseconds up to [`MAX_RETENTION`], `None` for anything else.
+fn retention_duration(text: &str) -> Option<Option<Duration>> {
+    if text == "forever" {
+        return Some(None);
+    }
+    let split = text.find(|c: char| !c.is_ascii_digit())?;
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().ok()?;
+    let millis_per = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return None,
+    };
+    let kept = Duration::from_millis(number.checked_mul(millis_per)?);
+    (kept <= MAX_RETENTION).then_some(Some(kept))
+}
 
 /// The longest `gap_alert_after_ms` a type may set: thirty days.
 const MAX_GAP_ALERT_AFTER_MS: u64 = 30 * 24 * 60 * 60 * 1000;
@@ -2085,6 +2225,53 @@ subject_prefix = "out.orders"
         );
         let none = format!("[store]\n{ORDER_PLACED}");
         assert_line(&refused(&dir, &none), "store: give exactly one of");
+    }
+
+    #[test]
+    fn retention_defaults_to_a_week_of_identities_and_output_and_names_each_wrong_key() {
+        let dir = directory();
+        let defaults = parse(&dir, ORDER_PLACED).expect("accepted").retention;
+        assert_eq!(
+            defaults.inbox.identities,
+            Some(Duration::from_secs(7 * 86_400))
+        );
+        assert_eq!(defaults.output, Some(Duration::from_secs(7 * 86_400)));
+        assert_eq!(
+            (defaults.inbox.timeline, defaults.inbox.dead_letters),
+            (None, None)
+        );
+        let set = parse(
+            &dir,
+            &format!(
+                "[retention]\nidentities = \"36h\"\ntimeline = 50\noutput = \"forever\"\n\
+                 dead_letters = \"30d\"\ninterval_ms = 250\nbatch = 100\n{ORDER_PLACED}"
+            ),
+        )
+        .expect("accepted")
+        .retention;
+        assert_eq!(set.inbox.identities, Some(Duration::from_secs(36 * 3600)));
+        assert_eq!(set.inbox.timeline, Some(50));
+        assert_eq!(set.output, None);
+        assert_eq!(
+            set.inbox.dead_letters,
+            Some(Duration::from_secs(30 * 86_400))
+        );
+        assert_eq!((set.interval, set.batch), (Duration::from_millis(250), 100));
+        let wrong = refused(
+            &dir,
+            &format!(
+                "[retention]\nidentities = \"7 days\"\ntimeline = 0\noutput = \"99999d\"\n\
+                 batch = 0\n{ORDER_PLACED}"
+            ),
+        );
+        for key in ["identities", "timeline", "output", "batch"] {
+            assert_line(&wrong, &format!("retention.{key}: must be"));
+        }
+        let unknown = refused(
+            &dir,
+            &format!("[retention]\nidentity = \"1d\"\n{ORDER_PLACED}"),
+        );
+        assert_line(&unknown, "retention.identity: unknown key");
     }
 
     #[test]

@@ -42,5 +42,6 @@ pub mod output;
 pub mod overdue;
 pub mod publisher;
 pub mod reload;
+pub mod retention;
 pub mod routes;
 pub mod schemas;

@@ -109,6 +109,12 @@ CREATE TABLE IF NOT EXISTS gate_publisher_lease(
     holder TEXT NOT NULL,
     epoch INTEGER NOT NULL,
     expires_at_ms INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS gate_output_published_age
+    ON gate_output(applied_at) WHERE published_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS gate_output_pruned(
+    aggregate_id TEXT PRIMARY KEY,
+    through INTEGER NOT NULL
 );";
 
 /// The tables on PostgreSQL, installed under a transaction-scoped advisory lock so that gates
@@ -135,6 +141,12 @@ CREATE TABLE IF NOT EXISTS gate_publisher_lease(
     holder TEXT NOT NULL,
     epoch BIGINT NOT NULL,
     expires_at_ms BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS gate_output_published_age
+    ON gate_output(applied_at) WHERE published_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS gate_output_pruned(
+    aggregate_id TEXT PRIMARY KEY,
+    through BIGINT NOT NULL
 );
 COMMIT;";
 
@@ -385,6 +397,143 @@ impl OutputStore {
             }
         }
     }
+}
+
+impl OutputStore {
+    /// Deletes at most `batch` published rows applied before `before` (a stored timestamp), the
+    /// oldest first, and records per aggregate the highest sequence deleted, so that the feed
+    /// can tell a reader who asks for a pruned range (see [`OutputStore::pruned_through`]).
+    /// Unpublished rows are never deleted. On SQLite one writer unit; on PostgreSQL one
+    /// transaction on a connection of its own. Answers the rows deleted.
+    pub async fn prune(&self, before: String, batch: usize) -> Result<u64, OutputError> {
+        let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
+        match self {
+            OutputStore::Sqlite(store) => {
+                store
+                    .write(move |connection| sqlite_prune(connection, &before, batch))
+                    .await
+            }
+            OutputStore::Postgres(inbox) => {
+                let mut client = inbox.pool().get().await.map_err(unavailable)?;
+                let transaction = client.transaction().await?;
+                let deleted = transaction
+                    .query_typed(
+                        "WITH gone AS (
+                             DELETE FROM gate_output
+                              WHERE (aggregate_id, sequence) IN (
+                                    SELECT aggregate_id, sequence FROM gate_output
+                                     WHERE published_at IS NOT NULL AND applied_at < $1
+                                     ORDER BY applied_at LIMIT $2)
+                             RETURNING aggregate_id, sequence),
+                         highest AS (
+                             INSERT INTO gate_output_pruned(aggregate_id, through)
+                             SELECT aggregate_id, MAX(sequence) FROM gone GROUP BY aggregate_id
+                             ON CONFLICT (aggregate_id) DO UPDATE
+                                SET through = GREATEST(gate_output_pruned.through, EXCLUDED.through))
+                         SELECT COUNT(*) FROM gone",
+                        &[(&before, Type::TEXT), (&batch, Type::INT8)],
+                    )
+                    .await?;
+                transaction.commit().await?;
+                let count: i64 = match deleted.first() {
+                    Some(row) => row.try_get(0)?,
+                    None => 0,
+                };
+                Ok(u64::try_from(count).unwrap_or(0))
+            }
+        }
+    }
+
+    /// The highest sequence of `aggregate_id` whose output row was pruned (`None`: none was).
+    pub async fn pruned_through(&self, aggregate_id: &str) -> Result<Option<i64>, OutputError> {
+        let aggregate_id = aggregate_id.to_owned();
+        match self {
+            OutputStore::Sqlite(store) => {
+                store
+                    .read(move |connection| {
+                        let through = connection
+                            .prepare_cached(
+                                "SELECT through FROM gate_output_pruned WHERE aggregate_id = ?1",
+                            )?
+                            .query([&aggregate_id])?
+                            .next()?
+                            .map(|row| row.get(0))
+                            .transpose()?;
+                        Ok::<_, OutputError>(through)
+                    })
+                    .await
+            }
+            OutputStore::Postgres(inbox) => {
+                let client = inbox.pool().get().await.map_err(unavailable)?;
+                let rows = client
+                    .query_typed(
+                        "SELECT through FROM gate_output_pruned WHERE aggregate_id = $1",
+                        &[(&aggregate_id, Type::TEXT)],
+                    )
+                    .await?;
+                match rows.first() {
+                    Some(row) => Ok(Some(row.try_get(0)?)),
+                    None => Ok(None),
+                }
+            }
+        }
+    }
+
+    /// The oldest retained output row's applied time (`None`: the output is empty).
+    pub async fn oldest(&self) -> Result<Option<String>, OutputError> {
+        const OLDEST: &str = "SELECT MIN(applied_at) FROM gate_output";
+        match self {
+            OutputStore::Sqlite(store) => {
+                store
+                    .read(|connection| {
+                        let oldest: Option<String> = connection
+                            .prepare_cached(OLDEST)?
+                            .query_row([], |row| row.get(0))?;
+                        Ok::<_, OutputError>(oldest)
+                    })
+                    .await
+            }
+            OutputStore::Postgres(inbox) => {
+                let client = inbox.pool().get().await.map_err(unavailable)?;
+                let rows = client.query_typed(OLDEST, &[]).await?;
+                match rows.first() {
+                    Some(row) => Ok(row.try_get(0)?),
+                    None => Ok(None),
+                }
+            }
+        }
+    }
+}
+
+fn sqlite_prune(connection: &Connection, before: &str, batch: i64) -> Result<u64, OutputError> {
+    let mut highest: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
+    let mut deleted = 0u64;
+    {
+        let mut statement = connection.prepare_cached(
+            "DELETE FROM gate_output
+              WHERE (aggregate_id, sequence) IN (
+                    SELECT aggregate_id, sequence FROM gate_output
+                     WHERE published_at IS NOT NULL AND applied_at < ?1
+                     ORDER BY applied_at LIMIT ?2)
+             RETURNING aggregate_id, sequence",
+        )?;
+        let mut rows = statement.query((before, batch))?;
+        while let Some(row) = rows.next()? {
+            let aggregate: String = row.get(0)?;
+            let sequence: i64 = row.get(1)?;
+            let entry = highest.entry(aggregate).or_insert(sequence);
+            *entry = (*entry).max(sequence);
+            deleted += 1;
+        }
+    }
+    let mut record = connection.prepare_cached(
+        "INSERT INTO gate_output_pruned(aggregate_id, through) VALUES (?1, ?2)
+         ON CONFLICT(aggregate_id) DO UPDATE SET through = MAX(through, excluded.through)",
+    )?;
+    for (aggregate, through) in &highest {
+        record.execute((aggregate, through))?;
+    }
+    Ok(deleted)
 }
 
 /// `limit` as the statements take it, refused outside 1..=[`MAX_LIMIT`].

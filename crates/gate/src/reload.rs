@@ -194,6 +194,7 @@ impl Reloader {
             ("limits", started.limits != config.limits),
             ("metrics", started.metrics != config.metrics),
             ("log", started.log != config.log),
+            ("retention", started.retention != config.retention),
             (
                 "auth.anonymous_writes",
                 started.auth.anonymous_writes != config.auth.anonymous_writes,

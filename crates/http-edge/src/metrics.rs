@@ -55,6 +55,11 @@ pub const GATE_OUTPUT_UNPUBLISHED: &str = "gate_output_unpublished_rows";
 pub const GATE_OUTPUT_OLDEST_UNPUBLISHED: &str = "gate_output_oldest_unpublished_seconds";
 pub const GATE_AGGREGATES_OVERDUE: &str = "gate_aggregates_overdue";
 pub const HTTP_DURATION: &str = "http_request_duration_seconds";
+pub const STORE_PRUNED: &str = "store_pruned_rows_total";
+pub const STORE_BYTES: &str = "store_size_bytes";
+pub const STORE_OLDEST_RETAINED: &str = "store_oldest_retained_seconds";
+/// The kinds of rows retention prunes, as the `kind` label spells them.
+pub const RETAINED_KINDS: &[&str] = &["identities", "timeline", "dead_letters", "output"];
 
 /// The route label of a request that matched no route (404s, and refusals before routing).
 pub const UNMATCHED_ROUTE: &str = "unmatched";
@@ -168,6 +173,18 @@ const DESCRIPTIONS: &[Description] = &[
     Description::gauge(
         GATE_OUTPUT_UNPUBLISHED,
         "Gate output rows applied but not yet published, counted up to 10000 (10000 means 10000 or more), read at scrape time",
+    ),
+    Description::counter(
+        STORE_PRUNED,
+        "Rows the retention policy pruned, by kind (identities, timeline, dead_letters, output)",
+    ),
+    Description::gauge(
+        STORE_BYTES,
+        "The store's size: the SQLite file and its WAL, or PostgreSQL's inbox tables, read after each pruning round",
+    ),
+    Description::gauge(
+        STORE_OLDEST_RETAINED,
+        "Seconds since the oldest retained row of each kind was written (identities: applied; dead_letters: closed), read after each pruning round",
     ),
     Description::gauge(
         GATE_OUTPUT_OLDEST_UNPUBLISHED,
@@ -421,6 +438,21 @@ impl Metrics {
             metrics::counter!(GATE_PUBLISH_FAILURES).increment(0);
             metrics::counter!(GATE_PUBLISHER_FENCED).increment(0);
             metrics::gauge!(GATE_PUBLISHER_HOLDING).set(0.0);
+        });
+    }
+
+    /// Rows of `kind` (one of [`RETAINED_KINDS`]) the retention policy pruned.
+    pub fn pruned(&self, kind: &'static str, rows: u64) {
+        self.with(|| metrics::counter!(STORE_PRUNED, "kind" => kind).increment(rows));
+    }
+
+    /// The store's size and, per kind, the age of its oldest retained row (`None`: none).
+    pub fn retained(&self, bytes: u64, ages: &[(&'static str, Option<f64>)]) {
+        self.with(|| {
+            metrics::gauge!(STORE_BYTES).set(bytes as f64);
+            for (kind, age) in ages {
+                metrics::gauge!(STORE_OLDEST_RETAINED, "kind" => *kind).set(age.unwrap_or(0.0));
+            }
         });
     }
 

@@ -20,6 +20,7 @@ use crate::records::{
     GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
+use crate::retention::{PrunePlan, Pruned, Retained};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
     InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, TimelineEvent,
@@ -130,6 +131,12 @@ pub trait Inbox: Send + Sync {
     /// transaction; the list keeps the newest [`crate::records::REJECTED_KEPT`].
     async fn record_rejected(&self, rejected: Vec<RejectedDelivery>) -> Result<(), InboxError>;
 
+    /// Runs one bounded batch of pruning (see [`crate::retention`]): at most `plan.batch` rows
+    /// of each kind, in one transaction of its own (on SQLite, one unit of the writer between
+    /// deliveries' group commits). Positions and the audit trail are never touched, so a
+    /// delivery concurrent with it is decided as before or after it, never otherwise.
+    async fn prune(&self, plan: PrunePlan) -> Result<Pruned, InboxError>;
+
     /// The reads of the same store.
     fn reads(&self) -> &dyn InboxReads;
 }
@@ -225,4 +232,7 @@ pub trait InboxReads: Send + Sync {
     /// to call on every metrics scrape and readiness probe: a few indexed reads, no writes. An
     /// `Err` means the store does not answer reads.
     async fn health(&self) -> Result<InboxHealth, InboxError>;
+
+    /// The store's size and its oldest retained row of each kind.
+    async fn retained(&self) -> Result<Retained, InboxError>;
 }

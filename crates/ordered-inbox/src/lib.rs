@@ -190,6 +190,7 @@
 //! - [`delivery`], [`resolution`]: the decisions of a delivery and of an operator's resolution:
 //!   facts in, verdict and changes out.
 //! - [`views`]: the evidence read back (aggregate, inventory, dead letters, audit trail).
+//! - [`retention`]: what a store keeps and for how long; the cut-offs of a batch of pruning.
 //! - [`operators`]: tokens and names of the people who may resolve.
 //! - [`inbox`]: the [`Inbox`] trait every backend implements (async; a backend reads facts,
 //!   writes the decided changes and runs the handler in one transaction serialized per
@@ -241,6 +242,7 @@ pub mod producers;
 pub mod records;
 pub mod rejected;
 pub mod resolution;
+pub mod retention;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 pub mod timeline;

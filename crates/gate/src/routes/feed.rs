@@ -19,7 +19,7 @@ use utoipa_axum::routes;
 
 use crate::auth::{Access, Reader};
 use crate::output::{OutputEntry, OutputStore};
-use http_edge::error::{AppError, Path, Query, json_response};
+use http_edge::error::{AppError, Path, Query, json_response, problem_response_with};
 use http_edge::inbox::SharedInbox;
 use http_edge::inbox::changes::InboxChanges;
 use http_edge::inbox::input::validate_aggregate_id;
@@ -73,6 +73,7 @@ struct AppliedFeed {
     security(("reader" = []), ("operator" = [])),
     responses(
         (status = 200, description = "The applied messages after `after`, in sequence order (empty when none applied within waitMs)", body = AppliedFeed),
+        (status = 410, description = "`after` lies before the first retained sequence (`firstRetained`): the output before it was pruned"),
         (status = 400, response = http_edge::openapi::BadRequest),
         (status = 401, description = "No reader's or operator's token", body = http_edge::openapi::Problem, content_type = "application/problem+json"),
         (status = 500, response = http_edge::openapi::StoreFailed),
@@ -94,6 +95,22 @@ async fn applied(
         return Err(AppError::bad_request(format!(
             "waitMs must be from 0 to {MAX_WAIT_MS}"
         )));
+    }
+    // Rows at or below `through` were pruned: answering from the first retained one would
+    // hide the pruned range from a reader that has not seen it.
+    if let Some(through) = output.pruned_through(&aggregate_id).await?
+        && after < through
+    {
+        return Ok(problem_response_with(
+            StatusCode::GONE,
+            "Pruned",
+            Some(&format!(
+                "the output of this aggregate through sequence {through} is no longer kept; \
+                 the first retained sequence is {}",
+                through + 1
+            )),
+            json!({"aggregateId": aggregate_id, "after": after, "firstRetained": through + 1}),
+        ));
     }
     let read = Read {
         output: &output,

@@ -183,6 +183,13 @@ impl Inbox for ObservedInbox {
         resolved
     }
 
+    async fn prune(
+        &self,
+        plan: ordered_inbox::retention::PrunePlan,
+    ) -> Result<ordered_inbox::retention::Pruned, InboxError> {
+        self.inner.prune(plan).await
+    }
+
     async fn deliver_as(
         &self,
         message: OrderedMessage,

@@ -45,6 +45,7 @@ mod gaps;
 pub mod handler;
 pub mod operators;
 mod rejected;
+mod retention;
 mod rows;
 pub mod schema;
 pub mod tls;
@@ -81,6 +82,7 @@ use crate::records::{
     GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
+use crate::retention::{PrunePlan, Pruned, Retained};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
     InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, TimelineEvent,
@@ -400,6 +402,14 @@ impl Inbox for PostgresInbox {
         .await
     }
 
+    async fn prune(&self, plan: PrunePlan) -> Result<Pruned, InboxError> {
+        self.run(move |client, counters| {
+            let plan = plan.clone();
+            Box::pin(async move { retention::prune(client, counters, &plan).await })
+        })
+        .await
+    }
+
     fn reads(&self) -> &dyn InboxReads {
         self
     }
@@ -576,6 +586,13 @@ impl InboxReads for PostgresInbox {
     async fn health(&self) -> Result<InboxHealth, InboxError> {
         self.run(move |client, counters| {
             Box::pin(async move { views::health(client, counters).await })
+        })
+        .await
+    }
+
+    async fn retained(&self) -> Result<Retained, InboxError> {
+        self.run(move |client, counters| {
+            Box::pin(async move { retention::retained(client, counters).await })
         })
         .await
     }

@@ -117,7 +117,15 @@ pub const MIGRATIONS: &[&str] = &[
     GAPS,
     HELD_PRODUCERS,
     ACCEPTED_DEAD_LETTERS,
+    PRUNED_IDENTITIES,
 ];
+
+/// Applied identities are pruned oldest first (version 9): an index on `applied_at` lets a
+/// bounded prune find the oldest rows without reading the table (see [`crate::retention`]).
+/// The SQLite backend needs none: one writer inserts in time order, so its rowid order is.
+const PRUNED_IDENTITIES: &str = r#"
+CREATE INDEX ix_ordered_inbox_applied_at ON ordered_inbox(applied_at);
+"#;
 
 /// A resolution may accept a dead letter (version 8; the SQLite backend's version 13): its own
 /// message applied as it was delivered, once it passes the check. `resolutions.action` allows

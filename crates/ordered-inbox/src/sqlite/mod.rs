@@ -24,6 +24,7 @@ pub mod gaps;
 pub mod handler;
 pub mod operators;
 mod rejected;
+mod retention;
 mod rows;
 pub mod schema;
 pub mod store;
@@ -57,6 +58,7 @@ use crate::records::{
     GapRecord, ProducerClaim, ProducerRefusal, RejectedDelivery, ResolutionRecord, TransferRecord,
 };
 use crate::resolution::{Mode, ResolutionError, ResolutionRequest, Resolved};
+use crate::retention::{PrunePlan, Pruned, Retained};
 use crate::views::{
     AggregateCounts, AggregateView, AppliedMessage, DeadLetterFilter, DeadLetterView, InboxHealth,
     InventoryEntry, OwnershipState, Page, PageRequest, ProducerView, Summaries, TimelineEvent,
@@ -284,6 +286,13 @@ impl Inbox for SqliteInbox {
             .map_err(InboxError::from)
     }
 
+    async fn prune(&self, plan: PrunePlan) -> Result<Pruned, InboxError> {
+        self.store
+            .write(move |connection| retention::prune(connection, &plan).map_err(StoreError::from))
+            .await
+            .map_err(InboxError::from)
+    }
+
     fn reads(&self) -> &dyn InboxReads {
         self
     }
@@ -406,6 +415,12 @@ impl InboxReads for SqliteInbox {
         self.read(move |connection| views::health(connection, &clock::now()))
             .await
     }
+
+    async fn retained(&self) -> Result<Retained, InboxError> {
+        let path = self.store.path().to_owned();
+        self.read(move |connection| retention::retained(connection, &path))
+            .await
+    }
 }
 
 #[cfg(test)]
@@ -448,6 +463,171 @@ mod tests {
             })
             .await
             .unwrap()
+    }
+
+    /// Prunes every applied identity there is now, in batches of `batch`.
+    async fn prune_all_identities(inbox: &SqliteInbox, batch: usize) -> u64 {
+        let retention = crate::retention::Retention {
+            identities: Some(std::time::Duration::ZERO),
+            timeline: None,
+            dead_letters: None,
+        };
+        // A cut-off just past now: every identity applied so far is older.
+        let now = clock::format_millis(
+            clock::millis_between("1970-01-01T00:00:00.000Z", &clock::now()).unwrap() + 1,
+        );
+        let mut total = 0;
+        loop {
+            let plan = crate::retention::plan_batch(&retention, &now, None, batch);
+            let pruned = inbox.prune(plan).await.unwrap();
+            total += pruned.identities;
+            if !pruned.more {
+                return total;
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_pruned_identity_answers_stale_on_both_doors_and_its_position_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = order_book(&dir.path().join("inbox.db"));
+        for sequence in 1..=5 {
+            let id = format!("m-{sequence}");
+            inbox
+                .deliver(message(&id, sequence, 1), Door::General)
+                .await
+                .unwrap();
+        }
+        assert_eq!(prune_all_identities(&inbox, 2).await, 5);
+        assert_eq!(
+            scalar(&inbox, "SELECT COUNT(*) FROM ordered_inbox").await,
+            0
+        );
+        for door in [Door::General, Door::Broker] {
+            let again = inbox.deliver(message("m-3", 3, 1), door).await.unwrap();
+            assert!(
+                matches!(again, Outcome::Stale { expected: 6, .. }),
+                "{door:?}: {again:?}"
+            );
+        }
+        assert_eq!(scalar(&inbox, "SELECT COUNT(*) FROM orders").await, 5);
+        assert_eq!(
+            scalar(
+                &inbox,
+                "SELECT last_sequence FROM aggregate_state WHERE aggregate_id = 'acct'"
+            )
+            .await,
+            5
+        );
+        let next = inbox
+            .deliver(message("m-6", 6, 1), Door::General)
+            .await
+            .unwrap();
+        assert!(
+            matches!(next, Outcome::Applied { sequence: 6, .. }),
+            "{next:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn pruning_concurrent_with_deliveries_applies_every_sequence_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = Arc::new(order_book(&dir.path().join("inbox.db")));
+        let deliveries = (0..4).map(|aggregate| {
+            let inbox = inbox.clone();
+            tokio::spawn(async move {
+                for sequence in 1..=200 {
+                    let message = order(
+                        &format!("a{aggregate}-{sequence}"),
+                        &format!("acct-{aggregate}"),
+                        sequence,
+                        1,
+                    );
+                    // Each message twice: the second is a replay or, once pruned, stale.
+                    for _ in 0..2 {
+                        let outcome = inbox.deliver(message.clone(), Door::General).await.unwrap();
+                        assert!(
+                            matches!(
+                                outcome,
+                                Outcome::Applied { .. }
+                                    | Outcome::Replay { .. }
+                                    | Outcome::Stale { .. }
+                            ),
+                            "{outcome:?}"
+                        );
+                    }
+                }
+            })
+        });
+        let deliveries: Vec<_> = deliveries.collect();
+        let mut pruned = 0;
+        while !deliveries.iter().all(|task| task.is_finished()) {
+            pruned += prune_all_identities(&inbox, 7).await;
+            tokio::task::yield_now().await;
+        }
+        for task in deliveries {
+            task.await.unwrap();
+        }
+        pruned += prune_all_identities(&inbox, 7).await;
+        assert_eq!(pruned, 800);
+        assert_eq!(scalar(&inbox, "SELECT COUNT(*) FROM orders").await, 800);
+        assert_eq!(
+            scalar(&inbox, "SELECT COUNT(DISTINCT message_id) FROM orders").await,
+            800
+        );
+        assert_eq!(
+            scalar(&inbox, "SELECT SUM(last_sequence) FROM aggregate_state").await,
+            800
+        );
+    }
+
+    #[tokio::test]
+    async fn compaction_keeps_the_newest_events_of_an_aggregate() {
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = order_book(&dir.path().join("inbox.db"));
+        // Ten stale observations and a gap: timeline rows of their own.
+        inbox
+            .deliver(message("m-1", 1, 1), Door::General)
+            .await
+            .unwrap();
+        for n in 0..10 {
+            inbox
+                .deliver(message(&format!("s-{n}"), 1, 1), Door::General)
+                .await
+                .unwrap();
+        }
+        let before = scalar(&inbox, "SELECT COUNT(*) FROM aggregate_timeline").await;
+        assert!(before >= 10, "{before}");
+        let retention = crate::retention::Retention {
+            identities: None,
+            timeline: Some(3),
+            dead_letters: None,
+        };
+        let mut cursor = None;
+        loop {
+            let plan = crate::retention::plan_batch(&retention, &clock::now(), cursor, 8);
+            let pruned = inbox.prune(plan).await.unwrap();
+            cursor = pruned.timeline_cursor;
+            if !pruned.more {
+                break;
+            }
+        }
+        assert_eq!(
+            scalar(&inbox, "SELECT COUNT(*) FROM aggregate_timeline").await,
+            3
+        );
+        assert_eq!(
+            scalar(
+                &inbox,
+                "SELECT COUNT(*) FROM aggregate_timeline
+                  WHERE id >= (SELECT MAX(id) - 2 FROM aggregate_timeline)"
+            )
+            .await,
+            3
+        );
+        let retained = inbox.retained().await.unwrap();
+        assert!(retained.bytes > 0);
+        assert!(retained.oldest_identity.is_some());
     }
 
     #[tokio::test]

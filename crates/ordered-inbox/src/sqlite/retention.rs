@@ -1,0 +1,140 @@
+//! Pruning in SQLite: one bounded batch per writer unit, so that deliveries queued behind it
+//! wait no longer than behind a group commit of theirs (see [`crate::retention`]).
+//!
+//! Applied identities go oldest first by rowid: one writer inserts them in time order, so the
+//! front of the table is the oldest and a prune reads only the rows it deletes, without an index
+//! on `applied_at` that every delivery would pay for. SQLite reuses the pages freed for the rows
+//! written next, so a store under a steady load with a retention keeps a steady size.
+
+use std::path::Path;
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+use crate::retention::{PrunePlan, Pruned, Retained};
+
+use super::connection::WriterConnection;
+
+/// Aggregates whose timeline one batch compacts, out of the plan's batch: each is an indexed
+/// seek and a delete of what grew since the last round.
+const AGGREGATES_PER_BATCH_DIVISOR: usize = 8;
+
+/// Runs one batch of `plan` in the writer's transaction.
+pub(crate) fn prune(
+    connection: &WriterConnection<'_>,
+    plan: &PrunePlan,
+) -> rusqlite::Result<Pruned> {
+    let limit = i64::try_from(plan.batch).unwrap_or(i64::MAX);
+    let mut pruned = Pruned::default();
+    if let Some(before) = &plan.identities_before {
+        // The window is the oldest `limit` rows by rowid, so a prune that finds nothing old
+        // enough reads `limit` rows, never the table. A row from before timestamps were kept
+        // (no `applied_at`) is older than any other.
+        pruned.identities = connection
+            .prepared(
+                "DELETE FROM ordered_inbox
+                  WHERE rowid IN (SELECT rowid FROM ordered_inbox ORDER BY rowid LIMIT ?2)
+                    AND (applied_at IS NULL OR applied_at < ?1)",
+            )?
+            .execute(params![before, limit])? as u64;
+    }
+    if let Some(before) = &plan.dead_letters_before {
+        // A resolved dead letter stays while an audit row names it: the trail shows it.
+        pruned.dead_letters = connection
+            .prepared(
+                "DELETE FROM deadletters
+                  WHERE rowid IN (
+                        SELECT d.rowid FROM deadletters AS d
+                         WHERE d.status IN ('resolved', 'superseded')
+                           AND d.closed_at < ?1
+                           AND NOT EXISTS (SELECT 1 FROM resolutions AS r
+                                            WHERE r.producer = d.producer
+                                              AND r.message_id = d.message_id)
+                         LIMIT ?2)",
+            )?
+            .execute(params![before, limit])? as u64;
+    }
+    if let Some(keep) = plan.timeline_keep {
+        let aggregates = (plan.batch / AGGREGATES_PER_BATCH_DIVISOR).max(1);
+        let after = plan.timeline_after.clone().unwrap_or_default();
+        let names: Vec<String> = connection
+            .prepared(
+                "SELECT aggregate_id FROM aggregate_state WHERE aggregate_id > ?1
+                  ORDER BY aggregate_id LIMIT ?2",
+            )?
+            .query_map(params![after, aggregates as i64], |row| row.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        for name in &names {
+            pruned.timeline += connection
+                .prepared(
+                    // The newest `keep` stay whatever their kind; older ones go but for the
+                    // events of the audit trail and the quarantine of a resolved dead letter.
+                    "DELETE FROM aggregate_timeline
+                      WHERE id IN (
+                            SELECT t.id FROM aggregate_timeline AS t
+                             WHERE t.aggregate_id = ?1
+                               AND t.id < (SELECT id FROM aggregate_timeline
+                                            WHERE aggregate_id = ?1
+                                            ORDER BY id DESC LIMIT 1 OFFSET ?2)
+                               AND t.kind NOT IN ('resolved', 'skipped', 'owner transferred',
+                                                  'gap skipped')
+                               AND NOT (t.kind = 'quarantined'
+                                        AND EXISTS (SELECT 1 FROM resolutions AS r
+                                                     WHERE r.message_id = t.message_id))
+                             LIMIT ?3)",
+                )?
+                .execute(params![name, i64::from(keep.saturating_sub(1)), limit])?
+                as u64;
+        }
+        pruned.timeline_cursor = if names.len() < aggregates {
+            None
+        } else {
+            names.last().cloned()
+        };
+    }
+    pruned.more = pruned.filled(plan.batch) || pruned.timeline_cursor.is_some();
+    Ok(pruned)
+}
+
+/// The store's size and the oldest retained row of each kind.
+pub(crate) fn retained(connection: &Connection, path: &Path) -> rusqlite::Result<Retained> {
+    let pages: i64 = connection.query_row("PRAGMA page_count", [], |row| row.get(0))?;
+    let page_size: i64 = connection.query_row("PRAGMA page_size", [], |row| row.get(0))?;
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    let wal_bytes = std::fs::metadata(&wal).map(|meta| meta.len()).unwrap_or(0);
+    let oldest = |sql: &str| -> rusqlite::Result<Option<String>> {
+        Ok(connection
+            .query_row(sql, [], |row| row.get::<_, Option<String>>(0))
+            .optional()?
+            .flatten())
+    };
+    Ok(Retained {
+        bytes: u64::try_from(pages.saturating_mul(page_size)).unwrap_or(0) + wal_bytes,
+        oldest_identity: oldest("SELECT applied_at FROM ordered_inbox ORDER BY rowid LIMIT 1")?,
+        oldest_dead_letter: oldest(
+            "SELECT MIN(closed_at) FROM deadletters WHERE status IN ('resolved', 'superseded')",
+        )?,
+        oldest_timeline: oldest("SELECT at FROM aggregate_timeline ORDER BY id LIMIT 1")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::timeline::TimelineKind;
+
+    #[test]
+    fn the_kinds_compaction_keeps_are_spelled_as_stored() {
+        for kind in [
+            TimelineKind::Resolved,
+            TimelineKind::Skipped,
+            TimelineKind::OwnerTransferred,
+            TimelineKind::GapSkipped,
+            TimelineKind::Quarantined,
+        ] {
+            assert!(
+                include_str!("retention.rs").contains(&format!("'{}'", kind.as_str())),
+                "{kind}"
+            );
+        }
+    }
+}
