@@ -206,7 +206,14 @@ pub(crate) fn decide_resolution(
     context: Context<'_>,
 ) -> Result<ResolutionPlan, Refusal> {
     let now = context.now;
-    let dead_letter = facts.dead_letter.as_ref().ok_or(Refusal::NotFound)?;
+    let Some(dead_letter) = facts.dead_letter.as_ref() else {
+        // A resolved dead letter pruned by a retention leaves its resolution: the same request
+        // still repeats it, and any other is refused as on the dead letter itself.
+        return match facts.recorded {
+            Some(_) => repeat_of_recorded(request, facts),
+            None => Err(Refusal::NotFound),
+        };
+    };
     match dead_letter.status {
         DeadLetterStatus::Open => {}
         DeadLetterStatus::Resolved => return repeat_of_recorded(request, facts),
@@ -783,6 +790,37 @@ mod tests {
         assert_eq!(
             decide(&different, &resolved, Mode::Commit),
             Err(Refusal::Conflict(ConflictKind::AlreadyResolved))
+        );
+    }
+
+    #[test]
+    fn a_pruned_dead_letters_resolution_still_answers_its_repeat_and_refuses_any_other() {
+        let first = decide(&request(Action::Skip, 1), &blocked(), Mode::Commit).unwrap();
+        let Resolved::New(record) = first.resolved else {
+            panic!("expected a resolution");
+        };
+        let pruned = ResolutionFacts {
+            dead_letter: None,
+            recorded: Some(ResolutionRecord {
+                resolution_id: Some(7),
+                ..record
+            }),
+            ..blocked()
+        };
+        let repeat = decide(&request(Action::Skip, 1), &pruned, Mode::Commit).unwrap();
+        assert!(repeat.changes.is_empty());
+        assert!(matches!(repeat.resolved, Resolved::Repeated(_)));
+        assert_eq!(
+            decide(&request(Action::Skip, 0), &pruned, Mode::Commit),
+            Err(Refusal::Conflict(ConflictKind::AlreadyResolved))
+        );
+        let never = ResolutionFacts {
+            dead_letter: None,
+            ..blocked()
+        };
+        assert_eq!(
+            decide(&request(Action::Skip, 1), &never, Mode::Commit),
+            Err(Refusal::NotFound)
         );
     }
 

@@ -13,8 +13,9 @@
 //!   events an audit row refers to (resolutions, gap skips, transfers, and the quarantine of a
 //!   resolved dead letter) are kept.
 //! - Closed dead letters (resolved or superseded): pruned once closed longer ago than
-//!   [`Retention::dead_letters`], except those an operator's resolution names (the audit trail
-//!   shows them).
+//!   [`Retention::dead_letters`]. A resolution's row stays: it is the audit trail by itself
+//!   (message id, aggregate, sequence, operator, reason, states before and after), and the same
+//!   resolution request still repeats it.
 //! - The audit trail (resolutions, gap resolutions, transfers, operators and producers with
 //!   their revocations) and every aggregate's position are never pruned.
 //!

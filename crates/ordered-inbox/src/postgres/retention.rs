@@ -20,11 +20,8 @@ DELETE FROM ordered_inbox
 const PRUNE_DEAD_LETTERS: &str = "
 DELETE FROM deadletters
  WHERE (producer, message_id) IN (
-       SELECT d.producer, d.message_id FROM deadletters AS d
-        WHERE d.status IN ('resolved', 'superseded')
-          AND d.closed_at < $1
-          AND NOT EXISTS (SELECT 1 FROM resolutions AS r
-                           WHERE r.producer = d.producer AND r.message_id = d.message_id)
+       SELECT producer, message_id FROM deadletters
+        WHERE status IN ('resolved', 'superseded') AND closed_at < $1
         LIMIT $2)";
 
 const TIMELINE_AGGREGATES: &str = "

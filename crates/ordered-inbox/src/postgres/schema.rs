@@ -118,7 +118,28 @@ pub const MIGRATIONS: &[&str] = &[
     HELD_PRODUCERS,
     ACCEPTED_DEAD_LETTERS,
     PRUNED_IDENTITIES,
+    SELF_CONTAINED_RESOLUTIONS,
 ];
+
+/// Resolved dead letters can be pruned (version 10; the SQLite backend's version 14): a
+/// resolution row is the audit trail by itself, so the foreign key from `resolutions` to
+/// `deadletters` goes. It was added unnamed, so it is found by what it references.
+const SELF_CONTAINED_RESOLUTIONS: &str = r#"
+DO $$
+DECLARE
+    found name;
+BEGIN
+    FOR found IN
+        SELECT conname FROM pg_constraint
+         WHERE conrelid = 'resolutions'::regclass
+           AND confrelid = 'deadletters'::regclass
+           AND contype = 'f'
+    LOOP
+        EXECUTE format('ALTER TABLE resolutions DROP CONSTRAINT %I', found);
+    END LOOP;
+END
+$$;
+"#;
 
 /// Applied identities are pruned oldest first (version 9): an index on `applied_at` lets a
 /// bounded prune find the oldest rows without reading the table (see [`crate::retention`]).

@@ -38,17 +38,13 @@ pub(crate) fn prune(
             .execute(params![before, limit])? as u64;
     }
     if let Some(before) = &plan.dead_letters_before {
-        // A resolved dead letter stays while an audit row names it: the trail shows it.
+        // A resolution row stays: it is the audit trail by itself.
         pruned.dead_letters = connection
             .prepared(
                 "DELETE FROM deadletters
                   WHERE rowid IN (
-                        SELECT d.rowid FROM deadletters AS d
-                         WHERE d.status IN ('resolved', 'superseded')
-                           AND d.closed_at < ?1
-                           AND NOT EXISTS (SELECT 1 FROM resolutions AS r
-                                            WHERE r.producer = d.producer
-                                              AND r.message_id = d.message_id)
+                        SELECT rowid FROM deadletters
+                         WHERE status IN ('resolved', 'superseded') AND closed_at < ?1
                          LIMIT ?2)",
             )?
             .execute(params![before, limit])? as u64;

@@ -502,6 +502,42 @@ ALTER TABLE resolutions_v13 RENAME TO resolutions;
 CREATE INDEX ix_resolutions_aggregate ON resolutions(aggregate_id, id);
 ";
 
+/// Resolved dead letters can be pruned (version 14): a resolution row is the audit trail by
+/// itself (the message's id, aggregate, sequence, the operator, the reason and the states before
+/// and after), so it no longer needs the dead letter it resolved to stay. The foreign key from
+/// `resolutions` to `deadletters` goes; a rebuild is the way to drop one (see [`REBUILDS`]).
+const SELF_CONTAINED_RESOLUTIONS: &str = "
+CREATE TABLE resolutions_v14(
+    id INTEGER PRIMARY KEY,
+    message_id TEXT NOT NULL,
+    aggregate_id TEXT NOT NULL,
+    sequence INTEGER NOT NULL,
+    action TEXT NOT NULL CHECK(action IN ('replace', 'skip', 'accept')),
+    operator TEXT NOT NULL REFERENCES operators(name),
+    reason TEXT NOT NULL,
+    expected_last INTEGER NOT NULL,
+    replacement_message_id TEXT,
+    before_last INTEGER NOT NULL,
+    after_last INTEGER NOT NULL,
+    resolved_at TEXT NOT NULL,
+    producer TEXT NOT NULL DEFAULT '',
+    replacement_payload TEXT,
+    before_state TEXT,
+    after_state TEXT,
+    UNIQUE(producer, message_id)
+);
+INSERT INTO resolutions_v14(id, message_id, aggregate_id, sequence, action, operator, reason,
+                            expected_last, replacement_message_id, before_last, after_last,
+                            resolved_at, producer, replacement_payload, before_state, after_state)
+SELECT id, message_id, aggregate_id, sequence, action, operator, reason, expected_last,
+       replacement_message_id, before_last, after_last, resolved_at, producer,
+       replacement_payload, before_state, after_state
+  FROM resolutions;
+DROP TABLE resolutions;
+ALTER TABLE resolutions_v14 RENAME TO resolutions;
+CREATE INDEX ix_resolutions_aggregate ON resolutions(aggregate_id, id);
+";
+
 /// Every migration in order; migration `i` (0-based) brings the inbox to version `i + 1`.
 /// Append only: a released migration never changes.
 pub const MIGRATIONS: &[&str] = &[
@@ -518,12 +554,18 @@ pub const MIGRATIONS: &[&str] = &[
     GAPS,
     HELD_PRODUCERS,
     ACCEPTED_DEAD_LETTERS,
+    SELF_CONTAINED_RESOLUTIONS,
 ];
 
 /// The migrations that rebuild tables: they run with foreign keys off, and check them before
 /// they commit. Named by their script rather than by position, so that appending a migration
 /// never moves an entry here.
-const REBUILDS: &[&str] = &[PRODUCER_IDENTITY, SEED_KEYS_FIRST, ACCEPTED_DEAD_LETTERS];
+const REBUILDS: &[&str] = &[
+    PRODUCER_IDENTITY,
+    SEED_KEYS_FIRST,
+    ACCEPTED_DEAD_LETTERS,
+    SELF_CONTAINED_RESOLUTIONS,
+];
 
 /// The inbox schema version this build writes.
 pub fn current_version() -> i64 {
