@@ -112,8 +112,10 @@ pub struct Publisher {
     held_epoch: HeldEpoch,
     /// The rows marked published, for the lag's samples.
     published: PublishedRows,
-    /// Per aggregate, the stream sequence of its subject's last message, as this holder left it.
-    last_sequences: HashMap<String, u64>,
+    /// Per aggregate, its subject's last message as this holder left it: the stream sequence
+    /// and the row sequence, so that a later round marks (and never sends again) rows the
+    /// stream held before this holder's first read.
+    last_sequences: HashMap<String, SubjectTail>,
     /// The last round published all it read and read as much as a read answers (in all, or of
     /// one aggregate): rows may be waiting behind them, so the next round starts at once.
     more_pending: bool,
@@ -125,7 +127,7 @@ pub struct Publisher {
 struct AggregateRun {
     aggregate_id: String,
     acknowledged: Vec<(String, i64)>,
-    last_sequence: Option<u64>,
+    last_sequence: Option<SubjectTail>,
     stop: Option<Stop>,
 }
 
@@ -140,6 +142,7 @@ enum Stop {
 
 /// What the stream says of an aggregate's subject: the stream sequence of its last message
 /// (0: none) and that message's row sequence (0: none).
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct SubjectTail {
     stream_sequence: u64,
     row_sequence: i64,
@@ -285,7 +288,7 @@ impl Publisher {
         for run in runs {
             acknowledged.extend(run.acknowledged);
             match run.last_sequence {
-                Some(sequence) => self.last_sequences.insert(run.aggregate_id, sequence),
+                Some(tail) => self.last_sequences.insert(run.aggregate_id, tail),
                 None => self.last_sequences.remove(&run.aggregate_id),
             };
             match run.stop {
@@ -364,10 +367,7 @@ impl Publisher {
             stop: None,
         };
         let tail = match self.last_sequences.get(&run.aggregate_id) {
-            Some(&stream_sequence) => SubjectTail {
-                stream_sequence,
-                row_sequence: 0,
-            },
+            Some(&tail) => tail,
             None => match self.subject_tail(&run.aggregate_id).await {
                 Ok(tail) => tail,
                 Err(reason) => {
@@ -376,11 +376,16 @@ impl Publisher {
                 }
             },
         };
-        let mut expected = tail.stream_sequence;
+        let mut after = tail;
         for row in rows {
-            if row.sequence > tail.row_sequence {
-                match self.publish(row, expected).await {
-                    Ok(sequence) => expected = sequence,
+            if row.sequence > after.row_sequence {
+                match self.publish(row, after.stream_sequence).await {
+                    Ok(stream_sequence) => {
+                        after = SubjectTail {
+                            stream_sequence,
+                            row_sequence: row.sequence,
+                        }
+                    }
                     Err(stop) => {
                         run.stop = Some(stop);
                         break;
@@ -392,7 +397,7 @@ impl Publisher {
         }
         // After a failure the last publish may have been stored without its PubAck reaching
         // here: the subject is read again rather than trusted.
-        run.last_sequence = Some(expected).filter(|_| run.stop.is_none());
+        run.last_sequence = Some(after).filter(|_| run.stop.is_none());
         run
     }
 
