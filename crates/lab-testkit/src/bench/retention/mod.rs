@@ -46,6 +46,9 @@ use workload::{Share, aggregate_counts, arrives_early};
 pub const TOLERANCE: f64 = 0.10;
 /// The warm-up lasts at least this fraction of the run.
 pub const WARM_UP_FRACTION: f64 = 0.25;
+/// How often autovacuum visits each database of the bench's PostgreSQL: its default of a
+/// minute is nothing beside a retention of days, but most of a run beside one of seconds.
+const AUTOVACUUM_NAPTIME_SECONDS: u32 = 1;
 /// Rows one publishing round marks at most: the gate's publisher's round.
 const PUBLISH_BATCH: usize = 1000;
 
@@ -55,7 +58,7 @@ const PUBLISH_BATCH: usize = 1000;
 pub struct RetentionSettings {
     /// Applied identities, published output rows and closed dead letters are kept this long.
     pub kept_ms: u64,
-    /// Timeline events kept per aggregate.
+    /// Timeline events kept per aggregate (0: every event).
     pub timeline: u32,
     /// The pruner's rest after a round that found nothing more (`[retention] interval_ms`).
     pub interval_ms: u64,
@@ -143,9 +146,9 @@ pub async fn run(
     )?;
     let cluster = if options.postgres {
         let cluster = PrivateCluster::start(ClusterOptions {
-            fsync: true,
-            max_connections: 100,
+            autovacuum_naptime_seconds: Some(AUTOVACUUM_NAPTIME_SECONDS),
             statement_statistics: false,
+            ..ClusterOptions::durable()
         })
         .map_err(|error| BenchError::Startup(format!("a private PostgreSQL: {error}")))?;
         Some(cluster)
