@@ -68,8 +68,11 @@ impl Load {
         let mut senders = tokio::task::JoinSet::new();
         for (index, aggregate) in aggregates.iter().enumerate() {
             let (client, gate, producer) = (client.clone(), gate.to_owned(), producer.clone());
-            let (messages, acknowledged, stop) =
-                (messages_of(aggregate, LONGEST), acknowledged.clone(), stop.clone());
+            let (messages, acknowledged, stop) = (
+                messages_of(aggregate, LONGEST),
+                acknowledged.clone(),
+                stop.clone(),
+            );
             senders.spawn(async move {
                 for message in &messages {
                     if stop.is_cancelled() {
@@ -129,7 +132,12 @@ fn positions_and_published(database: &Path) -> (BTreeMap<String, i64>, i64) {
 }
 
 /// The gate's `last` for `aggregate`, as an operator reads it.
-async fn position(client: &HttpsClient, gate: &GateProcess, operator: &str, aggregate: &str) -> i64 {
+async fn position(
+    client: &HttpsClient,
+    gate: &GateProcess,
+    operator: &str,
+    aggregate: &str,
+) -> i64 {
     let response = client
         .get(gate.url(&format!("/v1/aggregates/{aggregate}")))
         .bearer_auth(operator)
@@ -225,7 +233,11 @@ async fn a_backup_taken_under_load_lets_a_restored_gate_continue_without_duplica
     let mut resend = tokio::task::JoinSet::new();
     for (index, aggregate) in aggregates.iter().enumerate() {
         let at = position(&client, &restored, &operator, aggregate).await;
-        assert_eq!(Some(&at), copied.get(aggregate), "the restored gate's position");
+        assert_eq!(
+            Some(&at),
+            copied.get(aggregate),
+            "the restored gate's position"
+        );
         // The producer sends again what the copy forgot, then carries on.
         let last = sent[index] + PAST_THE_BACKUP;
         expected.insert(aggregate.clone(), last);
@@ -251,7 +263,11 @@ async fn a_backup_taken_under_load_lets_a_restored_gate_continue_without_duplica
     .await;
     let output = read_output(&js).await;
     assert_in_order_once(&output, &expected);
-    assert_eq!(output_count(&js).await, total as u64, "no copy in the stream");
+    assert_eq!(
+        output_count(&js).await,
+        total as u64,
+        "no copy in the stream"
+    );
 }
 
 /// A gate without TLS or NATS whose store is `store` (a `[store]` line).

@@ -937,8 +937,16 @@ async fn a_publisher_behind_its_stream_marks_what_the_stream_holds_and_publishes
             .collect()
     };
     let every: Vec<i64> = (1..=total).collect();
-    assert_eq!(sequences_of("order-1"), every, "order-1 once each, in order");
-    assert_eq!(sequences_of("order-2"), every, "order-2 once each, in order");
+    assert_eq!(
+        sequences_of("order-1"),
+        every,
+        "order-1 once each, in order"
+    );
+    assert_eq!(
+        sequences_of("order-2"),
+        every,
+        "order-2 once each, in order"
+    );
     assert_eq!(read.len() as i64, 2 * total, "no copy in the stream");
     let sent_by_the_publisher: Vec<String> = ids_of(&read, "order-1")
         .into_iter()
@@ -947,7 +955,10 @@ async fn a_publisher_behind_its_stream_marks_what_the_stream_holds_and_publishes
     let following: Vec<String> = (held + 1..=total)
         .map(|sequence| format!("order-1:{sequence}"))
         .collect();
-    assert_eq!(sent_by_the_publisher, following, "only what follows is sent");
+    assert_eq!(
+        sent_by_the_publisher, following,
+        "only what follows is sent"
+    );
 }
 
 on_both_backends!(

@@ -447,7 +447,10 @@ mod tests {
         let target = dir.path().join("copy.db");
         std::fs::write(&target, "keep me").unwrap();
         let refused = back_up_sqlite(&dir.path().join("gate.db"), &target, BackupPace::default());
-        assert!(matches!(refused, Err(BackupError::TargetExists(_))), "{refused:?}");
+        assert!(
+            matches!(refused, Err(BackupError::TargetExists(_))),
+            "{refused:?}"
+        );
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
     }
 
@@ -459,8 +462,14 @@ mod tests {
         let partial = partial_path(&target).unwrap();
         std::fs::write(&partial, "another backup's").unwrap();
         let refused = back_up_sqlite(&dir.path().join("gate.db"), &target, BackupPace::default());
-        assert!(matches!(refused, Err(BackupError::PartialExists { .. })), "{refused:?}");
-        assert_eq!(std::fs::read_to_string(&partial).unwrap(), "another backup's");
+        assert!(
+            matches!(refused, Err(BackupError::PartialExists { .. })),
+            "{refused:?}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(&partial).unwrap(),
+            "another backup's"
+        );
         assert!(!target.exists());
     }
 
@@ -469,7 +478,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let target = dir.path().join("copy.db");
         let refused = back_up_sqlite(&dir.path().join("none.db"), &target, BackupPace::default());
-        assert!(matches!(refused, Err(BackupError::NoStore(_))), "{refused:?}");
+        assert!(
+            matches!(refused, Err(BackupError::NoStore(_))),
+            "{refused:?}"
+        );
         assert!(!target.exists());
         assert!(!partial_path(&target).unwrap().exists());
     }
