@@ -16,6 +16,7 @@ mod crash;
 mod gap_notices;
 mod gaps;
 mod gate;
+mod gate_backup;
 mod gate_config;
 mod gate_console;
 mod gate_core;

@@ -27,10 +27,13 @@
 //! - [`console`]: the operator's console, static pages calling the `/v1` routes with a token;
 //! - [`reload`]: the configuration read again on SIGHUP (types, readers' tokens, the TLS
 //!   pair), all or nothing, and its generation;
-//! - [`app`]: `GateApplication::build` and its run until SIGTERM.
+//! - [`app`]: `GateApplication::build` and its run until SIGTERM;
+//! - [`backup`]: an online copy of a SQLite store while the gate serves
+//!   (`production-lab gate backup`).
 
 pub mod app;
 pub mod auth;
+pub mod backup;
 pub mod config;
 pub mod console;
 pub mod edge;
