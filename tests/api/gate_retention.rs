@@ -422,7 +422,10 @@ async fn concurrent_duplicated_deliveries_while_pruning_apply_each_message_once_
         applied_or_replayed += answers.iter().filter(|(_, s)| *s == 200).count();
     }
     let total = AGGREGATES as i64 * SEQUENCES;
-    assert!(applied_or_replayed >= total as usize, "{applied_or_replayed}");
+    assert!(
+        applied_or_replayed >= total as usize,
+        "{applied_or_replayed}"
+    );
     let expected: std::collections::BTreeMap<String, i64> = (0..AGGREGATES)
         .map(|index| (format!("order-{index}"), SEQUENCES))
         .collect();
@@ -462,7 +465,7 @@ async fn on_sqlite_concurrent_duplicated_deliveries_while_pruning_apply_each_mes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_postgres_concurrent_duplicated_deliveries_while_pruning_apply_each_message_once_in_order()
-{
+ {
     let nats = crate::broker::start_nats(None);
     let certificate = Certificate::new();
     let files = with_short_retention(GateFiles::new(&certificate, &nats).on_postgres());
