@@ -61,6 +61,13 @@ pub struct ChaosArgs {
     /// Stop at the first run with a violation.
     #[arg(long)]
     stop_on_violation: bool,
+    /// After a run with a violation, replay its seed with fewer faults while a violation
+    /// persists, at most this many replays.
+    #[arg(long, default_value_t = 0)]
+    shrink: usize,
+    /// Print each seed's fault schedule and exit: nothing is built or run.
+    #[arg(long)]
+    schedule: bool,
 }
 
 pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
@@ -70,6 +77,21 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
             "--plant {} needs a gate built with the bug: cargo build --release --features planted-bugs",
             plant.map_or("", Plant::name)
         );
+    }
+    if args.schedule {
+        for seed in args.seed..args.seed + args.runs {
+            let faults = chaos::nemesis::schedule(
+                seed,
+                Duration::from_secs(args.duration),
+                args.producers.max(1),
+                plant == Some(Plant::LazyFsync),
+            );
+            println!("seed {seed}: {} faults", faults.len());
+            for fault in faults {
+                println!("  {fault}");
+            }
+        }
+        return Ok(());
     }
     let gate_binary = std::env::current_exe().context("cannot find this program")?;
     let mut reports: Vec<RunReport> = Vec::new();
@@ -92,6 +114,32 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
             print!("{}", chaos::render(&report));
         }
         let passed = report.passed();
+        if !passed && args.shrink > 0 {
+            let shortened = chaos::shorten(&options, &report, args.shrink)
+                .with_context(|| format!("replaying chaos seed {seed}"))?;
+            let ids: Vec<String> = shortened
+                .faults
+                .iter()
+                .map(|fault| fault.id.to_string())
+                .collect();
+            println!(
+                "  shortened by {} replays ({} failed): seed {seed} fails with {} fault(s):",
+                shortened.replays,
+                shortened.failed_replays,
+                shortened.faults.len()
+            );
+            for fault in &shortened.faults {
+                println!("    {fault}");
+            }
+            println!(
+                "  replay: production-lab chaos --seed {seed} --duration {}{} --faults {}",
+                args.duration,
+                plant
+                    .map(|plant| format!(" --plant {}", plant.name()))
+                    .unwrap_or_default(),
+                ids.join(",")
+            );
+        }
         reports.push(report);
         if !passed {
             failed.push(seed);

@@ -183,8 +183,10 @@ pub fn run(options: &RunOptions) -> Result<RunReport, ChaosError> {
         );
     }
     let recorder = Recorder::new();
-    let events = campaign(topology, hosts, &services, options, &faults, &recorder)?;
+    let events = campaign(topology, hosts, &services, options, &faults, &recorder);
+    keep_gate_logs(&services, options);
     drop(services);
+    let events = events?;
     let verdict = checker::check(&events);
     let history = match &options.dir {
         Some(dir) => {
@@ -213,6 +215,24 @@ pub fn run(options: &RunOptions) -> Result<RunReport, ChaosError> {
         shortened,
         history,
     })
+}
+
+/// Copies each gate's log into the run's directory (`gate-N-seed-S.log`), if it has one.
+fn keep_gate_logs(services: &Services, options: &RunOptions) {
+    let Some(dir) = &options.dir else {
+        return;
+    };
+    let _ = std::fs::create_dir_all(dir);
+    let gates = services
+        .gates
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    for (index, gate) in gates.iter().enumerate() {
+        let _ = std::fs::copy(
+            gate.files.log(),
+            dir.join(format!("gate-{index}-seed-{}.log", options.seed)),
+        );
+    }
 }
 
 /// Runs `future` on a runtime of a thread that entered `host`'s namespace.
@@ -563,6 +583,98 @@ async fn drain(js: &async_nats::jetstream::Context, recorder: &Recorder, view: &
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// A schedule shortened by replays that still showed a violation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Shortened {
+    /// The fewest faults a replay failed with (the whole schedule if no replay failed).
+    pub faults: Vec<Fault>,
+    /// The replays run, and how many of them found a violation.
+    pub replays: usize,
+    pub failed_replays: usize,
+}
+
+/// Replays `report`'s seed with fewer faults while a violation persists, `attempts` replays at
+/// most: the faults around the violating operations alone (unless that is the whole schedule,
+/// which already failed), then halves of what still fails, then without each fault in turn.
+/// A replay runs until five seconds after its last fault (20 s at least), so a short schedule
+/// costs little. The interleavings are not the seed's, so a replay that passes only says that
+/// this one did not fail.
+pub fn shorten(
+    options: &RunOptions,
+    report: &RunReport,
+    attempts: usize,
+) -> Result<Shortened, ChaosError> {
+    let mut result = Shortened {
+        faults: report.faults.clone(),
+        replays: 0,
+        failed_replays: 0,
+    };
+    let replay = |faults: &[Fault], result: &mut Shortened| -> Result<bool, ChaosError> {
+        if result.replays >= attempts || faults.is_empty() {
+            return Ok(false);
+        }
+        let end = faults
+            .iter()
+            .map(|fault| fault.start_ms + fault.length_ms)
+            .max()
+            .unwrap_or(0);
+        let replay = RunOptions {
+            duration: Duration::from_millis((end + 5_000).max(20_000)),
+            only_faults: Some(faults.iter().map(|fault| fault.id).collect()),
+            dir: None,
+            verbose: false,
+            ..options.clone()
+        };
+        let replayed = run(&replay)?;
+        result.replays += 1;
+        if options.verbose {
+            eprintln!(
+                "chaos seed {}: replay with faults {:?}: {} violation(s)",
+                options.seed,
+                faults.iter().map(|fault| fault.id).collect::<Vec<_>>(),
+                replayed.verdict.violations.len()
+            );
+        }
+        let failed = !replayed.passed();
+        if failed {
+            result.failed_replays += 1;
+            result.faults = faults.to_vec();
+        }
+        Ok(failed)
+    };
+    let mut kept = if report.shortened.is_empty() {
+        report.faults.clone()
+    } else {
+        report.shortened.clone()
+    };
+    if kept.len() < report.faults.len() && !replay(&kept, &mut result)? {
+        return Ok(result);
+    }
+    while kept.len() > 1 && result.replays < attempts {
+        let (first, second) = kept.split_at(kept.len() / 2);
+        let (first, second) = (first.to_vec(), second.to_vec());
+        if replay(&first, &mut result)? {
+            kept = first;
+        } else if replay(&second, &mut result)? {
+            kept = second;
+        } else {
+            break;
+        }
+    }
+    let mut index = 0;
+    while kept.len() > 1 && index < kept.len() && result.replays < attempts {
+        let mut fewer = kept.clone();
+        fewer.remove(index);
+        if replay(&fewer, &mut result)? {
+            kept = fewer;
+        } else {
+            index += 1;
+        }
+    }
+    Ok(result)
 }
 
 /// The faults whose windows overlapped (within two seconds) the operations of a violation.
