@@ -9,6 +9,7 @@ mod postgres;
 mod aggregates;
 mod broker;
 mod cache;
+mod chaos;
 mod connections;
 mod console;
 mod contracts;

@@ -27,6 +27,7 @@
 //! - [`console`]: the operator's console, static pages calling the `/v1` routes with a token;
 //! - [`reload`]: the configuration read again on SIGHUP (types, readers' tokens, the TLS
 //!   pair), all or nothing, and its generation;
+//! - [`planted`]: known bugs the chaos campaign plants (feature `planted-bugs` only);
 //! - [`app`]: `GateApplication::build` and its run until SIGTERM;
 //! - [`backup`]: an online copy of a SQLite store while the gate serves
 //!   (`production-lab gate backup`).
@@ -43,6 +44,7 @@ pub mod lag;
 pub mod lease;
 pub mod output;
 pub mod overdue;
+pub mod planted;
 pub mod publisher;
 pub mod reload;
 pub mod retention;
