@@ -248,10 +248,23 @@ pub fn check(events: &[Event]) -> Verdict {
         .collect();
     verdict.totals.aggregates = aggregates.len() as u64;
 
+    let mut live_times: HashMap<(&str, i64), (u64, u64)> = HashMap::new();
+    for read in &live_reads {
+        let span = live_times
+            .entry((read.aggregate.as_str(), read.sequence))
+            .or_insert((read.at_ms, read.at_ms));
+        span.0 = span.0.min(read.at_ms);
+        span.1 = span.1.max(read.at_ms);
+    }
     let mut present: BTreeSet<(&str, i64)> = BTreeSet::new();
     for (aggregate, reads) in &mut by_aggregate {
         reads.sort_by_key(|read| read.stream_sequence);
-        check_aggregate_output(aggregate, reads, &slots, &must_appear, &mut verdict);
+        let output = AggregateOutput {
+            aggregate,
+            reads,
+            live_times: &live_times,
+        };
+        check_aggregate_output(&output, &slots, &must_appear, &mut verdict);
         // A skip marker at an acknowledged sequence is reported above, as lost.
         for read in reads.iter() {
             present.insert((aggregate, read.sequence));
@@ -301,20 +314,40 @@ fn count_operations(operations: &[&Operation], totals: &mut Totals) {
     }
 }
 
+/// One aggregate's output as read at the end, and when each of its sequences was read live.
+struct AggregateOutput<'a> {
+    aggregate: &'a str,
+    reads: &'a [&'a OutputRead],
+    live_times: &'a HashMap<(&'a str, i64), (u64, u64)>,
+}
+
+/// The span of `a` and `b` together.
+fn union(a: Option<(u64, u64)>, b: Option<(u64, u64)>) -> Option<(u64, u64)> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some((a.0.min(b.0), a.1.max(b.1))),
+        (a, b) => a.or(b),
+    }
+}
+
 /// One aggregate's output in stream order: `1..=n` once each, in order; each message the one
-/// its producer sent there, and sent by an operation not refused.
+/// its producer sent there, and sent by an operation not refused. A violation's window spans
+/// the sends and the live reads of its sequence: a stale copy lands when a fault ends, not
+/// when its message was sent.
 fn check_aggregate_output(
-    aggregate: &str,
-    reads: &[&OutputRead],
+    output: &AggregateOutput,
     slots: &BTreeMap<(&str, i64), Slot>,
     must_appear: &BTreeSet<(&str, i64)>,
     verdict: &mut Verdict,
 ) {
+    let aggregate = output.aggregate;
     let mut seen: BTreeMap<i64, u64> = BTreeMap::new();
     let mut highest = 0;
-    for read in reads {
+    for read in output.reads {
         let slot = slots.get(&(aggregate, read.sequence));
-        let window = slot.and_then(Slot::window);
+        let window = union(
+            slot.and_then(Slot::window),
+            output.live_times.get(&(aggregate, read.sequence)).copied(),
+        );
         let mut violation = |kind, detail: String| {
             verdict.violations.push(Violation {
                 kind,
