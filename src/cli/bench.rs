@@ -1,6 +1,8 @@
 //! `production-lab bench …`: the measured figures (release build recommended): each bench prints
 //! its figures, writes them as JSON with `--json`, and fails on a wrong end state.
 
+mod gate_store;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -28,6 +30,72 @@ pub enum BenchCommand {
     /// The broker door under one aggregate's flood of early messages: how long another
     /// aggregate's message waits, and how fast the flooded one catches up once its gap fills.
     Flood(BenchFloodArgs),
+    /// A gate's store under a short retention: its size sampled as millions of messages go
+    /// through, bounded after warm-up, and the throughput against retention off.
+    Retention(BenchRetentionArgs),
+}
+
+#[derive(Args)]
+pub struct BenchRetentionArgs {
+    /// The gate's store: a SQLite file, or a private PostgreSQL (durable commits).
+    #[arg(long, value_enum, default_value = "sqlite")]
+    pub backend: Backend,
+    /// Messages with retention on [default: 2000000 on SQLite, 500000 on PostgreSQL].
+    #[arg(long)]
+    pub messages: Option<usize>,
+    /// Messages of the same workload with retention off [default: --messages].
+    #[arg(long)]
+    pub off_messages: Option<usize>,
+    #[arg(long, default_value_t = 10_000)]
+    pub aggregates: usize,
+    /// Sample the store's size every this many messages.
+    #[arg(long, default_value_t = 100_000)]
+    pub sample_every: usize,
+    /// Messages per delivery call: the gate's input batch ([nats.input] batch).
+    #[arg(long, default_value_t = ordering_gate::config::DEFAULT_BATCH as usize)]
+    pub batch: usize,
+    /// Concurrent consumers, each delivering its share of the aggregates.
+    #[arg(long, default_value_t = 4)]
+    pub consumers: usize,
+    /// How long applied identities, published output rows and closed dead letters are kept.
+    #[arg(long, default_value_t = 2_000)]
+    pub retention_ms: u64,
+    /// Timeline events kept per aggregate.
+    #[arg(long, default_value_t = 5)]
+    pub timeline: u32,
+    /// The pruner's rest after a round that found nothing more ([retention] interval_ms).
+    #[arg(long, default_value_t = 250)]
+    pub prune_interval_ms: u64,
+    /// The most rows of each kind one pruning batch deletes ([retention] batch).
+    #[arg(long, default_value_t = ordered_inbox::retention::DEFAULT_BATCH)]
+    pub prune_batch: usize,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+impl BenchRetentionArgs {
+    fn options(&self) -> bench::retention::RetentionBenchOptions {
+        let postgres = self.backend == Backend::Postgres;
+        let messages = self
+            .messages
+            .unwrap_or(if postgres { 500_000 } else { 2_000_000 });
+        bench::retention::RetentionBenchOptions {
+            postgres,
+            messages,
+            off_messages: self.off_messages.unwrap_or(messages),
+            aggregates: self.aggregates,
+            sample_every: self.sample_every,
+            batch: self.batch,
+            consumers: self.consumers,
+            retention: bench::retention::RetentionSettings {
+                kept_ms: self.retention_ms,
+                timeline: self.timeline,
+                interval_ms: self.prune_interval_ms,
+                batch: self.prune_batch,
+            },
+        }
+    }
 }
 
 #[derive(Args)]
@@ -71,7 +139,7 @@ pub struct BenchGateArgs {
     pub json: Option<PathBuf>,
 }
 
-/// Which store `bench ordered` and `bench gate` measure.
+/// Which store `bench ordered`, `bench gate` and `bench retention` measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
     /// The SQLite server (group commit) against one transaction per message.
@@ -218,6 +286,11 @@ pub fn run(command: BenchCommand) -> anyhow::Result<()> {
                     steady_at_half: args.steady_at_half,
                 };
                 (Rendered::of(&bench::gate::run(&options).await?)?, args.json)
+            }
+            BenchCommand::Retention(args) => {
+                let report =
+                    bench::retention::run(&args.options(), &gate_store::GateStoreOpener).await?;
+                (Rendered::of(&report)?, args.json)
             }
             BenchCommand::Stampede(args) => {
                 let report = bench::stampede::stampede(args.callers).await?;

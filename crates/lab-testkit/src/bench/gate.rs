@@ -37,10 +37,10 @@ const INPUT_STREAM: &str = "GATE_IN";
 const INPUT_PREFIX: &str = "gate.in";
 const OUTPUT_STREAM: &str = "GATE_OUT";
 const OUTPUT_PREFIX: &str = "gate.out";
-const MESSAGE_TYPE: &str = "bench.event";
+pub(super) const MESSAGE_TYPE: &str = "bench.event";
 
 /// The schema of the bench's one message type.
-const SCHEMA: &str = r#"{
+pub(super) const SCHEMA: &str = r#"{
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "type": "object",
   "required": ["amount"],

@@ -12,7 +12,9 @@
 //! - [`flood`]: the broker door's fairness and catch-up under one aggregate's flood of early
 //!   messages;
 //! - [`relay`]: an outbox through `relay` processes and JetStream to another server's inbox;
-//! - [`gate`]: the gate from its input stream to its in-order output stream, beside [`broker`].
+//! - [`gate`]: the gate from its input stream to its in-order output stream, beside [`broker`];
+//! - [`retention`]: a gate's store under a retention policy, its size sampled as millions of
+//!   messages go through, against the same load with retention off.
 
 pub mod broker;
 mod database;
@@ -22,6 +24,7 @@ pub mod ordered;
 pub mod peer;
 pub mod postgres;
 pub mod relay;
+pub mod retention;
 pub mod stampede;
 pub mod statements;
 
@@ -54,6 +57,8 @@ pub enum BenchError {
     Nats(#[from] NatsServerError),
     #[error("NATS: {0}")]
     Broker(String),
+    #[error("gate store: {0}")]
+    GateStore(String),
 }
 
 impl BenchError {

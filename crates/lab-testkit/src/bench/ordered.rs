@@ -248,14 +248,14 @@ impl OrderedReport {
 /// The writer's group commits so far and the deliveries they carried, as the server's
 /// `inbox_writer_batch_size` histogram counts them.
 #[derive(Debug, Clone, Copy, PartialEq)]
-struct WriterBatches {
+pub(super) struct WriterBatches {
     commits: f64,
     units: f64,
 }
 
 impl WriterBatches {
     /// Reads the histogram's `_count` and `_sum` from a Prometheus text page.
-    fn parse(page: &str) -> Option<WriterBatches> {
+    pub(super) fn parse(page: &str) -> Option<WriterBatches> {
         let value = |name: &str| {
             page.lines()
                 .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
@@ -274,7 +274,7 @@ impl WriterBatches {
         }
     }
 
-    fn units_per_commit(&self) -> Option<f64> {
+    pub(super) fn units_per_commit(&self) -> Option<f64> {
         (self.commits > 0.0).then(|| self.units / self.commits)
     }
 }
