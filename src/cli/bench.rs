@@ -60,14 +60,16 @@ pub struct BenchRetentionArgs {
     /// How long applied identities, published output rows and closed dead letters are kept.
     #[arg(long, default_value_t = 2_000)]
     pub retention_ms: u64,
-    /// Timeline events kept per aggregate.
+    /// Timeline events kept per aggregate (0: every event, as `timeline = "forever"`).
     #[arg(long, default_value_t = 5)]
     pub timeline: u32,
     /// The pruner's rest after a round that found nothing more ([retention] interval_ms).
     #[arg(long, default_value_t = 250)]
     pub prune_interval_ms: u64,
-    /// The most rows of each kind one pruning batch deletes ([retention] batch).
-    #[arg(long, default_value_t = ordered_inbox::retention::DEFAULT_BATCH)]
+    /// The most rows of each kind one pruning batch deletes ([retention] batch). Above the
+    /// gate's default of 500: the pruner sends a batch only after the one before committed, so
+    /// at 500 a batch it deletes about as fast as this load applies and its window widens.
+    #[arg(long, default_value_t = 2_000)]
     pub prune_batch: usize,
     /// Also write the figures as JSON to this file.
     #[arg(long)]

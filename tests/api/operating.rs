@@ -704,6 +704,89 @@ async fn bench_reports_progress_on_stderr_and_keeps_stdout_and_json_for_the_figu
     );
 }
 
+/// A sample's size in bytes, from `bench retention`'s JSON.
+fn sample_bytes(sample: &Value) -> u64 {
+    sample["bytes"].as_u64().expect("a sample's bytes")
+}
+
+/// The size of the first sample at or past `messages`, and the largest from there on.
+fn size_from(samples: &[Value], messages: u64) -> (u64, u64) {
+    let after: Vec<u64> = samples
+        .iter()
+        .filter(|sample| sample["messages"].as_u64().is_some_and(|m| m >= messages))
+        .map(sample_bytes)
+        .collect();
+    let first = *after.first().expect("samples after the warm-up");
+    (first, after.into_iter().max().unwrap_or(first))
+}
+
+/// A small `bench retention`: the gate's store with a one-second retention keeps its size after
+/// the warm-up while the same load without retention keeps growing over the same stretch, and
+/// the pruner deleted identities, output rows and timeline events.
+#[tokio::test]
+async fn bench_retention_keeps_the_gate_store_bounded_where_the_same_load_without_retention_grows()
+{
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json_path = dir.path().join("retention.json");
+    let output = tokio::task::spawn_blocking({
+        let json_path = json_path.clone();
+        move || {
+            command()
+                .args(["bench", "retention", "--messages", "30000"])
+                .args(["--aggregates", "100", "--sample-every", "2000"])
+                .args([
+                    "--retention-ms",
+                    "1000",
+                    "--prune-interval-ms",
+                    "100",
+                    "--json",
+                ])
+                .arg(&json_path)
+                .output()
+                .expect("run the bench")
+        }
+    })
+    .await
+    .expect("the bench process");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stdout.starts_with("bench retention: sqlite, 30000 messages over 100 aggregates"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("  verdict: "), "{stdout}");
+    let figures: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON file"))
+            .expect("JSON figures");
+    let on = figures["on"]["samples"].as_array().expect("on samples");
+    let off = figures["off"]["samples"].as_array().expect("off samples");
+    assert_eq!((on.len(), off.len()), (15, 15), "{figures}");
+    assert!(on.iter().chain(off).all(|sample| sample_bytes(sample) > 0));
+
+    let warm_up = figures["bound"]["warmUpMessages"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no bound after warm-up: nothing pruned?\n{stdout}"));
+    let (on_at_warm_up, on_largest) = size_from(on, warm_up);
+    let (off_at_warm_up, off_largest) = size_from(off, warm_up);
+    assert!(
+        (off_largest as f64) > 1.25 * off_at_warm_up as f64,
+        "without retention the store should grow past the warm-up:\n{stdout}"
+    );
+    assert!(
+        (on_largest as f64) <= 1.25 * on_at_warm_up as f64,
+        "with retention the store grew past the warm-up:\n{stdout}"
+    );
+    let pruned = &figures["on"]["pruned"];
+    for kind in ["identities", "output", "timeline"] {
+        assert!(
+            pruned[kind].as_u64().is_some_and(|n| n > 0),
+            "{kind}: {pruned}"
+        );
+    }
+    assert_eq!(figures["off"]["pruned"]["identities"], 0);
+}
+
 /// Failing units among concurrent deliveries: each failure replays its batch with a savepoint per
 /// unit, the metric counts those replays, and the deliveries that shared a batch with a failure
 /// are applied exactly once while the failures leave nothing behind.

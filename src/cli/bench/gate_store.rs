@@ -105,12 +105,12 @@ impl GateStores for GateStoreOpener {
 }
 
 /// `[retention]` as the bench sets it: identities, output rows and closed dead letters kept as
-/// long, the timeline's newest events per aggregate.
+/// long, the timeline's newest events per aggregate (0: every event, `timeline = "forever"`).
 fn gate_retention(settings: &RetentionSettings) -> GateRetention {
     GateRetention {
         inbox: Retention {
             identities: Some(settings.kept()),
-            timeline: Some(settings.timeline),
+            timeline: (settings.timeline > 0).then_some(settings.timeline),
             dead_letters: Some(settings.kept()),
         },
         output: Some(settings.kept()),

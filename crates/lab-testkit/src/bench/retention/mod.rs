@@ -55,7 +55,7 @@ const PUBLISH_BATCH: usize = 1000;
 pub struct RetentionSettings {
     /// Applied identities, published output rows and closed dead letters are kept this long.
     pub kept_ms: u64,
-    /// Timeline events kept per aggregate.
+    /// Timeline events kept per aggregate (0: every event).
     pub timeline: u32,
     /// The pruner's rest after a round that found nothing more (`[retention] interval_ms`).
     pub interval_ms: u64,
