@@ -5,7 +5,6 @@
 
 mod routes;
 
-use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -52,17 +51,29 @@ impl BrokerLab {
         self.status.clone()
     }
 
+    /// The consumer's settings, once it connected.
+    pub fn config(&self) -> Option<&BrokerConfig> {
+        self.status.config()
+    }
+
+    /// Whether its NATS connection is up now; `None` before it connected.
+    pub fn is_connected(&self) -> Option<bool> {
+        self.status.is_connected()
+    }
+
+    /// What the consumer did so far.
+    pub fn counters(&self) -> Counters {
+        self.status.counters()
+    }
+
+    /// The consumer's pending and un-acked counts, as the NATS server reports them now.
+    pub async fn consumer_info(&self) -> Option<Result<(u64, usize), String>> {
+        self.status.consumer_info().await
+    }
+
     /// Arms the fault switch: after the next COMMIT the consumer stops before acking.
     pub fn arm_pause_after_commit(&self) {
         self.pause.0.store(true, Ordering::SeqCst);
-    }
-}
-
-impl Deref for BrokerLab {
-    type Target = ConsumerStatus;
-
-    fn deref(&self) -> &ConsumerStatus {
-        &self.status
     }
 }
 

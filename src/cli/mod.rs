@@ -2,6 +2,7 @@
 //! binary's own floor, above the library: `main.rs` only parses and dispatches here.
 
 pub mod bench;
+pub mod chaos;
 pub mod gate;
 pub mod practice;
 pub mod publish;
@@ -62,6 +63,9 @@ pub enum Command {
     /// resolutions, sessions and crashes on a real store; prints the report, fails on a
     /// divergence.
     Simulate(simulate::SimulateArgs),
+    /// Jepsen-style campaigns against the gate across network namespaces: seeded partitions,
+    /// pauses and crashes, producers on both doors, an independent checker of the output.
+    Chaos(chaos::ChaosArgs),
 }
 
 /// Runs the parsed command.
@@ -77,6 +81,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Relay(args) => relay::run(args),
         Command::Publish(args) => publish::run(args),
         Command::Simulate(args) => simulate::run(args),
+        Command::Chaos(args) => chaos::run(args),
     }
 }
 

@@ -10,6 +10,7 @@ use async_nats::jetstream::consumer::DeliverPolicy;
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::{self};
 use futures_util::StreamExt;
+use lab_testkit::nats::subject_for;
 use ordered_inbox::gaps::{GapRequest, GapResolved};
 use ordered_inbox::postgres::{PostgresInbox, Target};
 use ordered_inbox::records::SequenceRange;
@@ -18,7 +19,7 @@ use ordered_inbox::sqlite::{SqliteInbox, Store, Synchronous, schema};
 use ordered_inbox::{BatchDelivery, Door, Inbox, InboxError, Limits, OrderedMessage, Outcome};
 use ordering_gate::handler::{GateHandler, envelope};
 use ordering_gate::output::{self, OutputEntry, OutputError, OutputStore};
-use ordering_gate::publisher::Publisher;
+use ordering_gate::publisher::{Publisher, body};
 use ordering_gate::schemas::MessageTypes;
 use production_lab::telemetry::metrics::Metrics;
 use serde_json::{Value, json};
@@ -889,6 +890,77 @@ async fn a_publisher_that_missed_anothers_publishes_is_refused_by_the_server_and
     );
 }
 
+/// A store behind its output stream, as a store restored from a copy is: the stream holds
+/// `order-1`'s first rows, which the store has as waiting. They were published long enough ago
+/// that the stream's duplicate window no longer knows their ids (here they carry none), so only
+/// the publisher's reading of the subject keeps them from going out twice; and the backlog is
+/// larger than an aggregate's share of a round, so the rows the stream holds span several rounds.
+async fn a_publisher_behind_its_stream_marks_what_the_stream_holds_and_publishes_only_what_follows(
+    backend: Backend,
+) {
+    let share = output::PENDING_PER_AGGREGATE as i64;
+    let (held, total) = (2 * share + 3, 3 * share + 5);
+    let gate = open_gate(backend).await;
+    let nats = start_nats(None);
+    let js = jetstream_of(&nats).await;
+    let mut publisher = publisher_of(&gate, &js, Arc::new(Notify::new()));
+    publisher.ensure_stream().await.expect("the output stream");
+    deliver_orders(&gate, "order-1", total).await;
+    deliver_orders(&gate, "order-2", total).await;
+    let earlier = gate
+        .output
+        .applied("order-1", 0, held as usize)
+        .await
+        .expect("applied");
+    for row in &earlier {
+        js.publish(
+            subject_for(OUTPUT_PREFIX, "order-1"),
+            body(row).to_string().into(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("PubAck");
+    }
+    let mut rounds = 0;
+    while gate.pending_count().await > 0 {
+        publisher.round().await.expect("a round");
+        rounds += 1;
+        assert!(rounds <= 20, "the backlog never drained");
+    }
+    assert!(rounds > 2, "order-1's backlog took {rounds} rounds");
+    let read = read_output(&js).await;
+    let sequences_of = |aggregate: &str| -> Vec<i64> {
+        read.iter()
+            .filter(|(_, body)| body["aggregateId"] == aggregate)
+            .filter_map(|(_, body)| body["sequence"].as_i64())
+            .collect()
+    };
+    let every: Vec<i64> = (1..=total).collect();
+    assert_eq!(
+        sequences_of("order-1"),
+        every,
+        "order-1 once each, in order"
+    );
+    assert_eq!(
+        sequences_of("order-2"),
+        every,
+        "order-2 once each, in order"
+    );
+    assert_eq!(read.len() as i64, 2 * total, "no copy in the stream");
+    let sent_by_the_publisher: Vec<String> = ids_of(&read, "order-1")
+        .into_iter()
+        .filter(|id| !id.is_empty())
+        .collect();
+    let following: Vec<String> = (held + 1..=total)
+        .map(|sequence| format!("order-1:{sequence}"))
+        .collect();
+    assert_eq!(
+        sent_by_the_publisher, following,
+        "only what follows is sent"
+    );
+}
+
 on_both_backends!(
     a_valid_message_applies_and_its_output_row_commits_with_it,
     an_output_row_already_there_fails_the_delivery_and_records_nothing,
@@ -905,6 +977,7 @@ on_both_backends!(
     a_dead_letters_skip_and_a_gap_skip_of_three_come_out_on_the_output_stream_as_markers_in_order,
     the_publishers_lease_goes_to_one_gate_until_it_lapses_and_a_takeover_bumps_the_epoch,
     a_publisher_that_missed_anothers_publishes_is_refused_by_the_server_and_reads_the_stream_again,
+    a_publisher_behind_its_stream_marks_what_the_stream_holds_and_publishes_only_what_follows,
 );
 
 /// `order-1` with 1 applied, 2 quarantined and skipped by the operator, 3..=5 skipped as a gap

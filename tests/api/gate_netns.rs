@@ -1,376 +1,46 @@
 //! Two gates, a PostgreSQL and a three-node NATS cluster on hosts of their own: network
-//! namespaces around a bridge (lab_testkit::netns), addresses from 10.213.0.0/16 that exist
-//! inside them only. PostgreSQL serves TLS with a CA the test makes and asks for SCRAM; the NATS
+//! namespaces around a bridge (lab_testkit::netns, the deployment built by
+//! lab_testkit::chaos::topology), addresses from 10.213.0.0/16 that exist inside them only. PostgreSQL serves TLS with a CA the test makes and asks for SCRAM; the NATS
 //! servers serve TLS, know the gates by nkeys and the producers by a password, and sync every
 //! write (`sync_interval: always`, a current nats-server). Each gate reaches PostgreSQL over a
 //! link of its own, so that one can be cut alone. The producers and the downstream reader run
 //! on a client host of their own, on a thread that entered its namespace.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::DeliverPolicy;
-use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use futures_util::StreamExt;
-use lab_testkit::nats::{NatsServer, current_nats_binary, subject_for};
-use lab_testkit::netns::{Host, Link, Topology, enter};
-use lab_testkit::pg::{ClusterOptions, PrivateCluster};
+use lab_testkit::chaos::topology::{
+    self as lab, Authority, GateFiles, Hosts, INPUT_PREFIX, NatsSync, OUTPUT_PREFIX, OUTPUT_STREAM,
+    gate_command,
+};
+use lab_testkit::nats::subject_for;
+use lab_testkit::netns::{Host, Topology, enter};
+use lab_testkit::pg::ClusterOptions;
 use rand::RngExt;
 use rand::seq::SliceRandom;
 use serde_json::{Value, json};
-use tempfile::TempDir;
 use tokio::sync::Semaphore;
 
 use crate::aggregates::add_operator_on;
-use crate::gate::{
-    GateProcess, INPUT_PREFIX, OUTPUT_PREFIX, OUTPUT_STREAM, PLACED_SCHEMA, Producer,
-    SHIPPED_SCHEMA, add_producer,
-};
+use crate::gate::{GateProcess, Producer, add_producer};
 use crate::helpers::{binary, poll_until_within};
 use crate::https::HttpsClient;
 
-const DATABASE_PASSWORD: &str = "gate-password-across-hosts";
-const PRODUCER_PASSWORD: &str = "shop-password-across-hosts";
-const INPUT_STREAM: &str = "GATE_IN";
+const AGGREGATES_PER_PRODUCER: usize = 3;
 /// The output stream's duplicate window: shorter than the publishing gate's pause, so that it
 /// cannot be what keeps a stale copy out.
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(5);
 const PAUSE: Duration = Duration::from_secs(7);
 const CUT: Duration = Duration::from_secs(15);
-const AGGREGATES_PER_PRODUCER: usize = 3;
 
-/// The test's CA, and one certificate it signed for every address a server is reached at.
-struct Authority {
-    ca_pem: String,
-    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
-}
-
-impl Authority {
-    fn new() -> Authority {
-        let ca_key = rcgen::KeyPair::generate().expect("a CA key");
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "production-lab netns CA");
-        let issuer = rcgen::CertifiedIssuer::self_signed(params, ca_key).expect("the CA");
-        Authority {
-            ca_pem: issuer.pem(),
-            issuer,
-        }
-    }
-
-    /// A certificate and its key (PEM) naming `addresses`.
-    fn server(&self, addresses: &[String]) -> (String, String) {
-        let key = rcgen::KeyPair::generate().expect("a server key");
-        let mut params = rcgen::CertificateParams::new(addresses.to_vec()).expect("params");
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, addresses[0].as_str());
-        let certificate = params.signed_by(&key, &self.issuer).expect("signed");
-        (certificate.pem(), key.serialize_pem())
-    }
-}
-
-/// The hosts: one bridge for all, and a link of its own from each gate to PostgreSQL.
-struct Hosts {
-    postgres: Host,
-    nats: [Host; 3],
-    gates: [Host; 2],
-    client: Host,
-    /// Each gate's link to PostgreSQL.
-    store_links: [Link; 2],
-}
-
-fn hosts(topology: &mut Topology) -> Hosts {
-    let mut host = |name: &str| topology.host(name).unwrap_or_else(|e| panic!("{e}"));
-    let postgres = host("pg");
-    let nats = [host("n1"), host("n2"), host("n3")];
-    let gates = [host("ga"), host("gb")];
-    let client = host("cl");
-    let mut link = |a: &Host| {
-        topology
-            .link(a, &postgres)
-            .unwrap_or_else(|e| panic!("{e}"))
-    };
-    let store_links = [link(&gates[0]), link(&gates[1])];
-    Hosts {
-        postgres,
-        nats,
-        gates,
-        client,
-        store_links,
-    }
-}
-
-/// PostgreSQL on its host, on both its link addresses, TLS with `authority`'s certificate and
-/// SCRAM for the role `gate` owning the database `gate`. Set up over its Unix socket, which
-/// the test reaches from any namespace.
-async fn postgres(hosts: &Hosts, authority: &Authority) -> PrivateCluster {
-    let addresses: Vec<String> = hosts
-        .store_links
-        .iter()
-        .filter_map(|link| link.address_in(&hosts.postgres))
-        .map(|address| address.to_string())
-        .collect();
-    let cluster = PrivateCluster::start_in_namespace(
-        ClusterOptions::for_tests(),
-        &hosts.postgres.namespace,
-        &addresses.join(","),
-        "10.213.0.0/16",
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let (admin, connection) =
-        tokio_postgres::connect(&cluster.socket_url("postgres"), tokio_postgres::NoTls)
-            .await
-            .expect("the superuser connects over the socket");
-    tokio::spawn(connection);
-    for statement in [
-        "SET password_encryption = 'scram-sha-256'".to_owned(),
-        format!("CREATE ROLE gate LOGIN PASSWORD '{DATABASE_PASSWORD}'"),
-        "CREATE DATABASE gate OWNER gate".to_owned(),
-    ] {
-        admin
-            .batch_execute(&statement)
-            .await
-            .expect("the gate's role and database");
-    }
-    drop(admin);
-    let (certificate, key) = authority.server(&addresses);
-    cluster
-        .require_tls_and_password(&certificate, &key, None)
-        .unwrap_or_else(|e| panic!("{e}"));
-    cluster
-}
-
-/// The three NATS servers: TLS for clients and routes, the gates' nkey users and the producers'
-/// password user, every write synced.
-fn nats_cluster(
-    topology: &Topology,
-    hosts: &Hosts,
-    authority: &Authority,
-    dir: &Path,
-    gate_key: &str,
-) -> Vec<NatsServer> {
-    let binary = current_nats_binary().unwrap_or_else(|e| panic!("{e}"));
-    let ca = dir.join("ca.pem");
-    std::fs::write(&ca, &authority.ca_pem).expect("the CA");
-    let routes: Vec<String> = hosts
-        .nats
-        .iter()
-        .map(|host| format!("\"nats-route://{}:6222\"", host.address))
-        .collect();
-    hosts
-        .nats
-        .iter()
-        .enumerate()
-        .map(|(index, host)| {
-            let (certificate, key) = authority.server(&[host.address.to_string()]);
-            let certificate_file = dir.join(format!("n{index}.crt"));
-            let key_file = dir.join(format!("n{index}.key"));
-            std::fs::write(&certificate_file, certificate).expect("a certificate");
-            std::fs::write(&key_file, key).expect("a key");
-            let tls = format!(
-                "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n  ca_file: \"{}\"\n  timeout: 5\n}}",
-                certificate_file.display(),
-                key_file.display(),
-                ca.display()
-            );
-            let config = format!(
-                r#"server_name: n{index}
-listen: "{address}:4222"
-{tls}
-authorization {{
-  users = [
-    {{ nkey: {gate_key} }}
-    {{ user: shop, password: "{PRODUCER_PASSWORD}" }}
-  ]
-}}
-jetstream {{
-  store_dir: "{{store}}"
-  sync_interval: always
-}}
-cluster {{
-  name: gate-nats
-  listen: "{address}:6222"
-  {tls}
-  routes: [{routes}]
-}}
-"#,
-                address = host.address,
-                routes = routes.join(", ")
-            );
-            NatsServer::start_node(topology.command(host, &binary), &config)
-                .unwrap_or_else(|e| panic!("{e}"))
-        })
-        .collect()
-}
-
-fn nats_urls(hosts: &Hosts) -> Vec<String> {
-    hosts
-        .nats
-        .iter()
-        .map(|host| format!("nats://{}:4222", host.address))
-        .collect()
-}
-
-/// The producers' JetStream context: TLS with the CA, the `shop` password.
-async fn producer_jetstream(hosts: &Hosts, ca: &Path) -> jetstream::Context {
-    let urls: Vec<async_nats::ServerAddr> = nats_urls(hosts)
-        .iter()
-        .map(|url| url.parse().expect("a server address"))
-        .collect();
-    let client = poll_until_within(
-        "the producers connect to the NATS cluster",
-        Duration::from_secs(30),
-        || {
-            let urls = urls.clone();
-            async move {
-                async_nats::ConnectOptions::new()
-                    .add_root_certificates(ca.to_path_buf())
-                    .require_tls(true)
-                    .user_and_password("shop".to_owned(), PRODUCER_PASSWORD.to_owned())
-                    .max_reconnects(None)
-                    .connect(urls)
-                    .await
-                    .map_err(|error| error.to_string())
-            }
-        },
-        Result::is_ok,
-    )
-    .await
-    .expect("connected");
-    let mut context = jetstream::new(client);
-    context.set_timeout(Duration::from_secs(10));
-    context
-}
-
-/// The input and output streams, three replicas on file, before either gate starts; the
-/// output's duplicate window is [`DUPLICATE_WINDOW`]. Retried until the cluster has its
-/// JetStream leader.
-async fn create_streams(js: &jetstream::Context) {
-    for (name, subjects, window) in [
-        (
-            INPUT_STREAM,
-            format!("{INPUT_PREFIX}.*"),
-            Duration::from_secs(120),
-        ),
-        (
-            OUTPUT_STREAM,
-            format!("{OUTPUT_PREFIX}.>"),
-            DUPLICATE_WINDOW,
-        ),
-    ] {
-        let config = StreamConfig {
-            name: name.to_owned(),
-            subjects: vec![subjects],
-            storage: StorageType::File,
-            num_replicas: 3,
-            duplicate_window: window,
-            allow_direct: true,
-            ..Default::default()
-        };
-        poll_until_within(
-            &format!("the cluster creates {name} with three replicas"),
-            Duration::from_secs(30),
-            || async {
-                js.get_or_create_stream(config.clone())
-                    .await
-                    .map(|_| ())
-                    .map_err(|error| error.to_string())
-            },
-            Result::is_ok,
-        )
-        .await
-        .expect("created");
-    }
-}
-
-/// A gate's directory on `host`: HTTPS on its bridge address, PostgreSQL over its own link
-/// with verify-full and SCRAM, the NATS cluster over TLS with its nkey.
-fn gate_files(
-    host: &Host,
-    postgres_address: &str,
-    hosts: &Hosts,
-    authority: &Authority,
-    https: &(String, String),
-    seed: &str,
-) -> (TempDir, PathBuf, String) {
-    let dir = tempfile::tempdir().expect("a temp dir");
-    let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).expect(name);
-    write("placed.json", PLACED_SCHEMA);
-    write("shipped.json", SHIPPED_SCHEMA);
-    write("ca.pem", &authority.ca_pem);
-    write("cert.pem", &https.0);
-    write("key.pem", &https.1);
-    write("gate.nk", seed);
-    let urls: Vec<String> = nats_urls(hosts)
-        .iter()
-        .map(|url| format!("\"{url}\""))
-        .collect();
-    write(
-        "gate.toml",
-        &format!(
-            r#"[listen]
-address = "{address}:8443"
-
-[tls]
-certificate = "cert.pem"
-key = "key.pem"
-
-[store]
-postgres_url_env = "GATE_DATABASE_URL"
-sslmode = "verify-full"
-sslrootcert = "ca.pem"
-password_env = "GATE_DATABASE_PASSWORD"
-
-[nats]
-urls = [{urls}]
-
-[nats.tls]
-ca = "ca.pem"
-
-[nats.auth]
-nkey_seed_file = "gate.nk"
-
-[nats.input]
-stream = "{INPUT_STREAM}"
-subject_prefix = "{INPUT_PREFIX}"
-durable = "gate"
-
-[nats.output]
-stream = "{OUTPUT_STREAM}"
-subject_prefix = "{OUTPUT_PREFIX}"
-
-[publisher]
-lease_ms = 1000
-
-[types."order.placed"]
-schema = "placed.json"
-
-[types."order.shipped"]
-schema = "shipped.json"
-"#,
-            address = host.address,
-            urls = urls.join(", ")
-        ),
-    );
-    let config = dir.path().join("gate.toml");
-    let url = format!("postgres://gate@{postgres_address}:5432/gate");
-    (dir, config, url)
-}
-
-fn start_gate(topology: &Topology, host: &Host, config: &Path, database_url: &str) -> GateProcess {
-    let mut program = topology.command(host, binary());
-    program
-        .env_remove("LAB_ENVIRONMENT")
-        .env_remove("LAB_LOG")
-        .env("GATE_DATABASE_URL", database_url)
-        .env("GATE_DATABASE_PASSWORD", DATABASE_PASSWORD);
-    GateProcess::start_command(program, config)
+fn start_gate(topology: &Topology, host: &Host, files: &GateFiles) -> GateProcess {
+    let program = gate_command(topology, host, Path::new(binary()), files);
+    GateProcess::start_command(program, &files.config)
 }
 
 /// One message of the workload.
@@ -632,7 +302,7 @@ async fn output_count(js: &jetstream::Context) -> u64 {
 fn across_network_namespaces_a_paused_publisher_and_a_gate_cut_from_postgresql_leave_every_acknowledged_message_once_and_in_order()
  {
     let mut topology = Topology::new().unwrap_or_else(|e| panic!("{e}"));
-    let hosts = hosts(&mut topology);
+    let hosts = lab::hosts(&mut topology, 0).unwrap_or_else(|e| panic!("{e}"));
     let topology = &topology;
     let hosts = &hosts;
     std::thread::scope(|scope| {
@@ -652,35 +322,44 @@ fn across_network_namespaces_a_paused_publisher_and_a_gate_cut_from_postgresql_l
 }
 
 async fn scenario(topology: &Topology, hosts: &Hosts) {
-    let authority = Authority::new();
+    let authority = Authority::new().unwrap_or_else(|e| panic!("{e}"));
     let nats_dir = tempfile::tempdir().expect("a temp dir");
     let gate_key = nkeys::KeyPair::new_user();
     let seed = gate_key.seed().expect("the gates' seed");
-    let cluster = postgres(hosts, &authority).await;
-    let _nats = nats_cluster(
+    let cluster = lab::postgres(hosts, &authority, ClusterOptions::for_tests())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let _nats = lab::nats_cluster(
         topology,
         hosts,
         &authority,
         nats_dir.path(),
         &gate_key.public_key(),
-    );
+        NatsSync::Always,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     let ca = nats_dir.path().join("ca.pem");
-    let js = producer_jetstream(hosts, &ca).await;
-    create_streams(&js).await;
+    let js = lab::producer_jetstream(hosts, &ca)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    lab::create_streams(&js, DUPLICATE_WINDOW)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
 
     let https_names: Vec<String> = hosts
         .gates
         .iter()
         .map(|host| host.address.to_string())
         .collect();
-    let https = authority.server(&https_names);
-    let files: Vec<(TempDir, PathBuf, String)> = (0..2)
+    let https = authority
+        .server(&https_names)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let files: Vec<GateFiles> = (0..2)
         .map(|index| {
-            let postgres_address = hosts.store_links[index]
-                .address_in(&hosts.postgres)
-                .expect("PostgreSQL's end of the link")
-                .to_string();
-            gate_files(
+            let postgres_address = hosts
+                .postgres_address_for(index)
+                .unwrap_or_else(|e| panic!("{e}"));
+            lab::gate_files(
                 &hosts.gates[index],
                 &postgres_address,
                 hosts,
@@ -688,11 +367,12 @@ async fn scenario(topology: &Topology, hosts: &Hosts) {
                 &https,
                 &seed,
             )
+            .unwrap_or_else(|e| panic!("{e}"))
         })
         .collect();
     let gates = [
-        start_gate(topology, &hosts.gates[0], &files[0].1, &files[0].2),
-        start_gate(topology, &hosts.gates[1], &files[1].1, &files[1].2),
+        start_gate(topology, &hosts.gates[0], &files[0]),
+        start_gate(topology, &hosts.gates[1], &files[1]),
     ];
     let https_client = HttpsClient::trusting(&authority.ca_pem);
     let operator = add_operator_on(

@@ -32,14 +32,7 @@ fn with_short_retention(files: GateFiles) -> GateFiles {
 
 /// `GET path` as `token`: the status and the JSON body.
 async fn get(client: &HttpsClient, gate: &GateProcess, token: &str, path: &str) -> (u16, Value) {
-    let response = client
-        .get(gate.url(path))
-        .bearer_auth(token)
-        .send()
-        .await
-        .expect("a gate answer");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
+    send(client, gate, token, (reqwest::Method::GET, path), None).await
 }
 
 async fn pruned_ids_answer_stale_and_the_feed_answers_410_for_the_pruned_range(
@@ -198,21 +191,19 @@ fn pruning_every_kind(files: GateFiles) -> GateFiles {
     files
 }
 
-/// `method path` as `token` with `body`: the status and the JSON answer.
+/// `method path` as `token`, with `body` if any: the status and the JSON answer.
 async fn send(
     client: &HttpsClient,
     gate: &GateProcess,
     token: &str,
     (method, path): (reqwest::Method, &str),
-    body: Value,
+    body: Option<Value>,
 ) -> (u16, Value) {
-    let response = client
-        .request(method, gate.url(path))
-        .bearer_auth(token)
-        .json(&body)
-        .send()
-        .await
-        .expect("a gate answer");
+    let mut request = client.request(method, gate.url(path)).bearer_auth(token);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("a gate answer");
     let status = response.status().as_u16();
     (status, response.json().await.unwrap_or(Value::Null))
 }
@@ -242,13 +233,20 @@ async fn leave_an_audit_trail(
     let skip = serde_json::json!({ "action": "skip", "expectedLast": 1, "reason": "a test order" });
     let post = reqwest::Method::POST;
     let dead_letter = "/v1/deadletters/resolution?messageId=order-1-m2&producer=shop";
-    let (status, body) = send(client, gate, operator, (post.clone(), dead_letter), skip).await;
+    let (status, body) = send(
+        client,
+        gate,
+        operator,
+        (post.clone(), dead_letter),
+        Some(skip),
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
     let gap = serde_json::json!({
         "action": "skip", "from": 3, "through": 3, "expectedLast": 2, "reason": "lost upstream"
     });
     let gaps = "/v1/aggregates/order-1/gaps/resolution";
-    let (status, body) = send(client, gate, operator, (post.clone(), gaps), gap).await;
+    let (status, body) = send(client, gate, operator, (post.clone(), gaps), Some(gap)).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(
         deliver_until_decided(client, &gate.address, shop, &messages[3]).await,
@@ -258,14 +256,14 @@ async fn leave_an_audit_trail(
         "producer": "depot", "expectedOwner": "shop", "expectedLast": 4, "reason": "moved"
     });
     let owner = "/v1/aggregates/order-1/owner";
-    let (status, body) = send(client, gate, operator, (post, owner), transfer).await;
+    let (status, body) = send(client, gate, operator, (post, owner), Some(transfer)).await;
     assert_eq!(status, 200, "{body}");
     let (status, body) = send(
         client,
         gate,
         operator,
         (reqwest::Method::DELETE, "/v1/producers/shop"),
-        Value::Null,
+        None,
     )
     .await;
     assert_eq!(status, 200, "{body}");
@@ -301,10 +299,10 @@ async fn the_audit_trail_is_intact_after_pruning(
     let skip = serde_json::json!({ "action": "skip", "expectedLast": 1, "reason": "a test order" });
     let dead_letter = "/v1/deadletters/resolution?messageId=order-1-m2&producer=shop";
     let post = (reqwest::Method::POST, dead_letter);
-    let (status, repeat) = send(&client, &gate, &operator, post.clone(), skip).await;
+    let (status, repeat) = send(&client, &gate, &operator, post.clone(), Some(skip)).await;
     assert_eq!(status, 200, "{repeat}");
     let other = serde_json::json!({ "action": "skip", "expectedLast": 1, "reason": "another" });
-    let (status, refused) = send(&client, &gate, &operator, post, other).await;
+    let (status, refused) = send(&client, &gate, &operator, post, Some(other)).await;
     assert_eq!(status, 409, "{refused}");
 
     // The timeline keeps the audit events and the resolved dead letter's quarantine.
@@ -422,7 +420,10 @@ async fn concurrent_duplicated_deliveries_while_pruning_apply_each_message_once_
         applied_or_replayed += answers.iter().filter(|(_, s)| *s == 200).count();
     }
     let total = AGGREGATES as i64 * SEQUENCES;
-    assert!(applied_or_replayed >= total as usize, "{applied_or_replayed}");
+    assert!(
+        applied_or_replayed >= total as usize,
+        "{applied_or_replayed}"
+    );
     let expected: std::collections::BTreeMap<String, i64> = (0..AGGREGATES)
         .map(|index| (format!("order-{index}"), SEQUENCES))
         .collect();
@@ -462,7 +463,7 @@ async fn on_sqlite_concurrent_duplicated_deliveries_while_pruning_apply_each_mes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_postgres_concurrent_duplicated_deliveries_while_pruning_apply_each_message_once_in_order()
-{
+ {
     let nats = crate::broker::start_nats(None);
     let certificate = Certificate::new();
     let files = with_short_retention(GateFiles::new(&certificate, &nats).on_postgres());

@@ -361,6 +361,7 @@ on_both_backends!(
     the_applied_feed_long_poll_answers_as_soon_as_a_message_applies_and_after_pages_on,
     sixteen_concurrent_producer_tasks_never_see_a_5xx_and_the_feed_is_exactly_one_to_n,
     a_dead_letters_skip_and_a_gap_skip_of_three_come_out_as_skip_markers_in_the_applied_feed,
+    a_gap_skip_of_more_than_ten_thousand_sequences_is_refused_and_writes_nothing,
     a_waiting_aggregate_past_its_held_successors_gap_alert_is_marked_overdue_and_counted,
 );
 
@@ -793,6 +794,39 @@ async fn a_dead_letters_skip_and_a_gap_skip_of_three_come_out_as_skip_markers_in
             json!({"resolutionId": gap_skip, "operator": "ops", "reason": "lost upstream"})
         );
     }
+    gate.stop().await;
+}
+
+async fn a_gap_skip_of_more_than_ten_thousand_sequences_is_refused_and_writes_nothing(
+    backend: Backend,
+) {
+    let gate = spawn_gate(backend, Options::default()).await;
+    let producer = gate.producer("orders").await;
+    let (status, _) = gate.deliver(&producer, "a-1", &placed("a-1", 1, 5)).await;
+    assert_eq!(status, 200);
+    let path = "/v1/aggregates/a-1/gaps/resolution";
+    let skip = |through: i64| {
+        json!({"action": "skip", "from": 2, "through": through, "expectedLast": 1,
+               "reason": "lost upstream"})
+    };
+    let (status, refused) = gate
+        .as_operator(reqwest::Method::POST, path, Some(skip(10_002)))
+        .await;
+    assert_eq!(status, 400, "{refused}");
+    assert!(
+        refused["detail"]
+            .as_str()
+            .is_some_and(|detail| detail.contains("at most 10000")),
+        "{refused}"
+    );
+    let (_, feed) = gate.read("/v1/aggregates/a-1/applied?limit=1000").await;
+    assert_eq!(sequences(&feed), vec![1], "nothing was skipped: {feed}");
+    let (_, trail) = gate.read("/v1/resolutions").await;
+    assert_eq!(trail["resolutions"], json!([]), "{trail}");
+    let (status, resolved) = gate
+        .as_operator(reqwest::Method::POST, path, Some(skip(10_001)))
+        .await;
+    assert_eq!(status, 200, "ten thousand exactly is taken: {resolved}");
     gate.stop().await;
 }
 

@@ -90,6 +90,7 @@ impl GateApplication {
     /// Compiles the schemas, loads TLS, opens the store, connects to NATS and binds the
     /// listener. Every refusal is a [`StartupError`] with one readable line.
     pub async fn build(config: GateConfig) -> Result<GateApplication, StartupError> {
+        crate::planted::announce();
         for line in config.insecure_settings() {
             tracing::warn!(target: "production_lab::gate", "{line}");
         }

@@ -27,10 +27,14 @@
 //! - [`console`]: the operator's console, static pages calling the `/v1` routes with a token;
 //! - [`reload`]: the configuration read again on SIGHUP (types, readers' tokens, the TLS
 //!   pair), all or nothing, and its generation;
-//! - [`app`]: `GateApplication::build` and its run until SIGTERM.
+//! - [`planted`]: known bugs the chaos campaign plants (feature `planted-bugs` only);
+//! - [`app`]: `GateApplication::build` and its run until SIGTERM;
+//! - [`backup`]: an online copy of a SQLite store while the gate serves
+//!   (`production-lab gate backup`).
 
 pub mod app;
 pub mod auth;
+pub mod backup;
 pub mod config;
 pub mod console;
 pub mod edge;
@@ -40,6 +44,7 @@ pub mod lag;
 pub mod lease;
 pub mod output;
 pub mod overdue;
+pub mod planted;
 pub mod publisher;
 pub mod reload;
 pub mod retention;

@@ -322,6 +322,16 @@ impl Publisher {
     /// Renews the lease this publisher holds, or takes it if it lapsed: whether it publishes
     /// this round. A renewal that fails means another gate took over: fenced.
     async fn hold_lease(&mut self) -> Result<bool, PublisherError> {
+        if crate::planted::active(crate::planted::PlantedBug::FenceOff) {
+            // The planted bug: the lease is still taken and renewed where it can be, but it
+            // no longer decides who publishes.
+            let _ = self.hold_lease_fenced().await;
+            return Ok(true);
+        }
+        self.hold_lease_fenced().await
+    }
+
+    async fn hold_lease_fenced(&mut self) -> Result<bool, PublisherError> {
         if let Some(lease) = &self.lease {
             if self.output.renew_lease(lease, self.lease_duration).await? {
                 return Ok(true);
@@ -434,10 +444,12 @@ impl Publisher {
     async fn publish(&self, row: &OutputEntry, expected: u64) -> Result<u64, Stop> {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(wire::MESSAGE_ID_HEADER, nats_message_id(row).as_str());
-        headers.insert(
-            async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
-            expected.to_string().as_str(),
-        );
+        if !crate::planted::active(crate::planted::PlantedBug::FenceOff) {
+            headers.insert(
+                async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+                expected.to_string().as_str(),
+            );
+        }
         let subject = wire::subject_for(&self.subject_prefix, &row.aggregate_id);
         let id = nats_message_id(row);
         let refused = |stage: &str, error: jetstream::context::PublishError| {

@@ -16,11 +16,14 @@
 //! - [`mod@bench`]: the workloads of `production-lab bench` (ordered, PostgreSQL, stampede, broker,
 //!   relay) and their reports;
 //! - [`simulate`]: the inbox run against a reference model under faults (`production-lab
-//!   simulate`), with crashes of a child process hosting it.
+//!   simulate`), with crashes of a child process hosting it;
+//! - [`chaos`]: the gate's deployment across network namespaces under a seeded nemesis, its
+//!   history and an independent checker (`production-lab chaos`).
 //!
 //! A missing PostgreSQL or nats-server fails with a message naming the Debian package.
 
 pub mod bench;
+pub mod chaos;
 pub mod nats;
 pub mod netns;
 pub mod pg;

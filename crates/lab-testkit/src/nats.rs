@@ -236,6 +236,25 @@ impl NatsServer {
         }
     }
 
+    /// Kills the server at once (SIGKILL), as a crash would, and waits for it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a killed or stopped server again on the same configuration, port and store.
+    pub fn start_again(&mut self) -> Result<(), NatsServerError> {
+        self.kill();
+        self.spawn(Some(self.port))
+    }
+
+    /// The directory of the server's configuration, log and store.
+    pub fn directory(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     /// Stops the server and starts it again on the same port and store.
     pub fn restart(&mut self) -> Result<(), NatsServerError> {
         self.stop();

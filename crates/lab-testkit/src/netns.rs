@@ -232,6 +232,52 @@ impl Topology {
         Ok(())
     }
 
+    /// Drops every packet `from` sends to `to`'s bridge address (a blackhole route in `from`'s
+    /// namespace, more specific than the bridge's network), or lets them pass again. Both
+    /// directions cut ([`Topology::set_reachable`]) make a partition between two hosts of the
+    /// bridge while each still reaches the others.
+    pub fn set_route(&self, from: &Host, to: &Host, reachable: bool) -> Result<(), NetnsError> {
+        let target = format!("{}/32", to.address);
+        if reachable {
+            match ip(&["-n", &from.namespace, "route", "del", "blackhole", &target]) {
+                // Not cut: nothing to heal.
+                Err(NetnsError::Step { detail, .. }) if detail.contains("No such process") => {
+                    Ok(())
+                }
+                other => other,
+            }
+        } else {
+            ip(&[
+                "-n",
+                &from.namespace,
+                "route",
+                "replace",
+                "blackhole",
+                &target,
+            ])
+        }
+    }
+
+    /// [`Topology::set_route`] both ways between `a` and `b`.
+    pub fn set_reachable(&self, a: &Host, b: &Host, reachable: bool) -> Result<(), NetnsError> {
+        self.set_route(a, b, reachable)?;
+        self.set_route(b, a, reachable)
+    }
+
+    /// The processes running in `host`'s namespace.
+    pub fn pids(&self, host: &Host) -> Vec<u32> {
+        Command::new("ip")
+            .args(["netns", "pids", &host.namespace])
+            .output()
+            .map(|output| {
+                String::from_utf8_lossy(&output.stdout)
+                    .split_whitespace()
+                    .filter_map(|pid| pid.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// `program` to be run on `host`.
     pub fn command(&self, host: &Host, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut command = Command::new("ip");

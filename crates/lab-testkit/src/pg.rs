@@ -503,6 +503,21 @@ impl PrivateCluster {
         self.start_server()
     }
 
+    /// Stops the server at once (`-m immediate`: no checkpoint, recovery from the WAL at the
+    /// next start), as a crash would.
+    pub fn stop_immediately(&self) -> Result<(), ClusterError> {
+        checked(
+            "pg_ctl stop -m immediate",
+            self.server_command("pg_ctl")
+                .arg("-D")
+                .arg(&self.data)
+                .args(["-m", "immediate", "-w", "stop"])
+                .stdin(Stdio::null())
+                .output(),
+        )?;
+        Ok(())
+    }
+
     /// Starts the stopped server again on the same port and data.
     pub fn start_again(&self) -> Result<(), ClusterError> {
         self.start_server()

@@ -28,6 +28,10 @@ pub enum Bug {
     /// A transfer from an owner is recorded and answered, but the aggregate's owner columns
     /// keep the old owner, who may still deliver.
     TransferKeepsOldOwner = 6,
+    /// The JetStream consumer acks every message of a batch before delivering it (before its
+    /// COMMIT): a batch whose COMMIT fails, or a consumer that dies in between, loses messages
+    /// the broker will not redeliver. Planted by the gate's chaos campaign.
+    AckBeforeCommit = 7,
 }
 
 #[cfg(feature = "planted-bugs")]

@@ -344,32 +344,26 @@ async fn recheck(
     );
     let (letters, next) = candidates(&inbox, &bulk).await?;
     let matched = letters.len();
-    let mut aggregates = Vec::new();
-    for (aggregate_id, letters) in by_aggregate(letters) {
-        let mut done = AggregateRecheck {
-            aggregate_id: aggregate_id.clone(),
-            ..AggregateRecheck::default()
-        };
-        for letter in letters {
-            if let Err(why) = passes(&types, &letter) {
-                done.failing.push(unresolved(letter, why));
-                continue;
-            }
-            let decided = resolve(&inbox, &operator, &audit, Action::Accept, letter, mode).await;
-            match decided {
-                Decided::Resolved(message, sequence) => {
-                    drained(&inbox, &aggregate_id, sequence, &mut done.drained).await?;
-                    done.applied.push(message);
-                }
-                Decided::Rehearsed(message) => done.applied.push(message),
-                Decided::StillPoison(message) => done.failing.push(message),
-                Decided::Conflict(message) => done.conflicts.push(message),
-                Decided::Refused(response) => return Ok(response),
-                Decided::Failed(error) => return Err(error),
-            }
-        }
-        aggregates.push(done);
-    }
+    let decision = Decision {
+        operator: &operator,
+        reason: &audit,
+        action: Action::Accept,
+        mode,
+    };
+    let walked = match walk(&inbox, &decision, letters, |letter| passes(&types, letter)).await {
+        Ok(walked) => walked,
+        Err(halted) => return halted.into_result(),
+    };
+    let aggregates = walked
+        .into_iter()
+        .map(|mut walked| AggregateRecheck {
+            applied: walked.take(&[Outcome::Resolved]),
+            failing: walked.take(&[Outcome::StillPoison]),
+            conflicts: walked.take(&[Outcome::Conflict]),
+            aggregate_id: walked.aggregate_id,
+            drained: walked.drained,
+        })
+        .collect();
     let body = RecheckAnswer {
         dry_run: mode == Mode::DryRun,
         generation,
@@ -407,31 +401,26 @@ async fn skip(
     let mode = mode(options.dry_run);
     let (letters, next) = candidates(&inbox, &bulk).await?;
     let matched = letters.len();
-    let mut aggregates = Vec::new();
-    for (aggregate_id, letters) in by_aggregate(letters) {
-        let mut done = AggregateSkip {
-            aggregate_id: aggregate_id.clone(),
-            ..AggregateSkip::default()
-        };
-        for letter in letters {
-            let decided =
-                resolve(&inbox, &operator, &bulk.reason, Action::Skip, letter, mode).await;
-            match decided {
-                Decided::Resolved(message, sequence) => {
-                    drained(&inbox, &aggregate_id, sequence, &mut done.drained).await?;
-                    done.skipped.push(message);
-                }
-                Decided::Rehearsed(message) => done.skipped.push(message),
-                // A skip applies nothing, so nothing of it can be poison.
-                Decided::StillPoison(message) | Decided::Conflict(message) => {
-                    done.conflicts.push(message);
-                }
-                Decided::Refused(response) => return Ok(response),
-                Decided::Failed(error) => return Err(error),
-            }
-        }
-        aggregates.push(done);
-    }
+    let decision = Decision {
+        operator: &operator,
+        reason: &bulk.reason,
+        action: Action::Skip,
+        mode,
+    };
+    let walked = match walk(&inbox, &decision, letters, |_| Ok(())).await {
+        Ok(walked) => walked,
+        Err(halted) => return halted.into_result(),
+    };
+    let aggregates = walked
+        .into_iter()
+        .map(|mut walked| AggregateSkip {
+            skipped: walked.take(&[Outcome::Resolved]),
+            // A skip applies nothing, so nothing of it can be poison.
+            conflicts: walked.take(&[Outcome::StillPoison, Outcome::Conflict]),
+            aggregate_id: walked.aggregate_id,
+            drained: walked.drained,
+        })
+        .collect();
     let body = SkipAnswer {
         dry_run: mode == Mode::DryRun,
         matched,
@@ -509,6 +498,104 @@ fn passes(types: &MessageTypes, letter: &DeadLetterView) -> Result<(), String> {
     types.validate(message_type, payload)
 }
 
+/// What a bulk call does to each dead letter it resolves.
+struct Decision<'a> {
+    operator: &'a str,
+    /// The audit trail's reason.
+    reason: &'a str,
+    action: Action,
+    mode: Mode,
+}
+
+/// Where one dead letter of a bulk call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Resolved (in a dry run: would be).
+    Resolved,
+    /// Its message is still poison.
+    StillPoison,
+    /// Not resolved now for another reason.
+    Conflict,
+}
+
+/// One aggregate's dead letters after a bulk call, in the order they were tried, and the
+/// messages the resolved ones released.
+struct Walked {
+    aggregate_id: String,
+    letters: Vec<(Outcome, BulkMessage)>,
+    drained: Vec<DrainedEntry>,
+}
+
+impl Walked {
+    /// Takes the dead letters that ended in one of `outcomes`, in the order they were tried.
+    fn take(&mut self, outcomes: &[Outcome]) -> Vec<BulkMessage> {
+        let (taken, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.letters)
+            .into_iter()
+            .partition(|(outcome, _)| outcomes.contains(outcome));
+        self.letters = rest;
+        taken.into_iter().map(|(_, message)| message).collect()
+    }
+}
+
+/// Why a bulk call ended before its last dead letter.
+enum Halted {
+    /// The operator was revoked: the call ends with this answer.
+    Refused(Response),
+    /// The store failed (what was resolved stays resolved).
+    Failed(AppError),
+}
+
+impl Halted {
+    fn into_result(self) -> Result<Response, AppError> {
+        match self {
+            Halted::Refused(response) => Ok(response),
+            Halted::Failed(error) => Err(error),
+        }
+    }
+}
+
+/// Resolves the dead letters with `decision`, per aggregate and lowest sequence first (only an
+/// aggregate's next sequence can be resolved). One that fails `precheck` is still poison, and
+/// no resolution is tried for it.
+async fn walk(
+    inbox: &SharedInbox,
+    decision: &Decision<'_>,
+    letters: Vec<DeadLetterView>,
+    precheck: impl Fn(&DeadLetterView) -> Result<(), String>,
+) -> Result<Vec<Walked>, Halted> {
+    let mut aggregates = Vec::new();
+    for (aggregate_id, letters) in by_aggregate(letters) {
+        let mut done = Walked {
+            aggregate_id,
+            letters: Vec::with_capacity(letters.len()),
+            drained: Vec::new(),
+        };
+        for letter in letters {
+            if let Err(why) = precheck(&letter) {
+                done.letters
+                    .push((Outcome::StillPoison, unresolved(letter, why)));
+                continue;
+            }
+            let ended = match resolve(inbox, decision, letter).await {
+                Decided::Resolved(message, sequence) => {
+                    drained(inbox, &done.aggregate_id, sequence, &mut done.drained)
+                        .await
+                        .map_err(Halted::Failed)?;
+                    (Outcome::Resolved, message)
+                }
+                Decided::Rehearsed(message) => (Outcome::Resolved, message),
+                Decided::StillPoison(message) => (Outcome::StillPoison, message),
+                Decided::Conflict(message) => (Outcome::Conflict, message),
+                Decided::Refused(response) => return Err(Halted::Refused(response)),
+                Decided::Failed(error) => return Err(Halted::Failed(error)),
+            };
+            done.letters.push(ended);
+        }
+        aggregates.push(done);
+    }
+    Ok(aggregates)
+}
+
 /// How one dead letter's resolution ended.
 enum Decided {
     /// Written, with the sequence it took.
@@ -525,16 +612,9 @@ enum Decided {
     Failed(AppError),
 }
 
-/// Resolves one dead letter with `action`, at its sequence: `expectedLast` is the sequence
+/// Resolves one dead letter with `decision`, at its sequence: `expectedLast` is the sequence
 /// before it, so that it resolves only as the aggregate's next.
-async fn resolve(
-    inbox: &SharedInbox,
-    operator: &str,
-    reason: &str,
-    action: Action,
-    letter: DeadLetterView,
-    mode: Mode,
-) -> Decided {
+async fn resolve(inbox: &SharedInbox, decision: &Decision<'_>, letter: DeadLetterView) -> Decided {
     let Some(sequence) = letter.sequence else {
         let why = "it was recorded without a sequence or payload";
         return Decided::Conflict(unresolved(letter, why.to_owned()));
@@ -542,12 +622,12 @@ async fn resolve(
     let request = ResolutionRequest {
         producer: letter.producer.clone(),
         dead_letter_id: letter.message_id.clone(),
-        operator: operator.to_owned(),
-        action,
+        operator: decision.operator.to_owned(),
+        action: decision.action.clone(),
         expected_last: sequence.saturating_sub(1),
-        reason: reason.to_owned(),
+        reason: decision.reason.to_owned(),
     };
-    match inbox.resolve(request, mode).await {
+    match inbox.resolve(request, decision.mode).await {
         Ok(Resolved::New(record)) => {
             let mut message = unresolved(letter, String::new());
             message.why = None;
@@ -709,6 +789,30 @@ mod tests {
         ] {
             assert!(input(body.clone()).is_err(), "{body}");
         }
+    }
+
+    #[test]
+    fn each_answer_list_keeps_the_order_its_dead_letters_were_tried_in() {
+        let message = |id: &str| unresolved(letter(id, "a", 2, "t"), String::new());
+        let mut walked = Walked {
+            aggregate_id: "a".into(),
+            letters: vec![
+                (Outcome::Conflict, message("c1")),
+                (Outcome::Resolved, message("r1")),
+                (Outcome::StillPoison, message("p1")),
+                (Outcome::Conflict, message("c2")),
+            ],
+            drained: Vec::new(),
+        };
+        let ids = |messages: Vec<BulkMessage>| -> Vec<String> {
+            messages.into_iter().map(|m| m.message_id).collect()
+        };
+        assert_eq!(ids(walked.take(&[Outcome::Resolved])), ["r1"]);
+        assert_eq!(
+            ids(walked.take(&[Outcome::StillPoison, Outcome::Conflict])),
+            ["c1", "p1", "c2"]
+        );
+        assert!(walked.letters.is_empty(), "every letter is taken once");
     }
 
     #[test]

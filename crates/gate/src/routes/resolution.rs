@@ -244,6 +244,10 @@ const CONFLICT_WORDS: DeadLetterConflictWords = DeadLetterConflictWords {
     new_id_hint: " (replacement.messageId)",
 };
 
+/// The most sequences one gap skip may name: each leaves a `gate.skipped` marker row in the
+/// output, all written in the resolution's one transaction.
+pub(crate) const MAX_SKIPPED_SEQUENCES: i64 = 10_000;
+
 /// How a gap's 409 names the gate's dead-letter resolution.
 const DEAD_LETTER_ROUTE: &str = "/v1/deadletters/resolution?messageId=";
 
@@ -305,6 +309,14 @@ async fn resolve_gap(
     validate_aggregate_id("aggregateId", &aggregate_id)?;
     let Json(input) = within_limit(body, limit)?;
     let request = input.into_request(aggregate_id.clone(), operator)?;
+    let skipped = request.range.through.saturating_sub(request.range.from) + 1;
+    if skipped > MAX_SKIPPED_SEQUENCES {
+        return Err(AppError::bad_request(format!(
+            "from through through names {skipped} sequences; one gap skip takes at most \
+             {MAX_SKIPPED_SEQUENCES}, because each leaves a gate.skipped marker in the output: \
+             skip a longer gap in parts"
+        )));
+    }
     Ok(
         match inbox.resolve_gap(request, mode(options.dry_run)).await {
             Ok(GapResolved::New(record) | GapResolved::Repeated(record)) => {

@@ -332,6 +332,11 @@ impl Consumer {
         stop: &CancellationToken,
     ) -> bool {
         let mut in_hand = self.read_batch(inbox, &batch, retried).await;
+        if crate::planted::active(crate::planted::Bug::AckBeforeCommit) {
+            for message in &batch {
+                let _ = message.ack().await;
+            }
+        }
         self.deliver(inbox, &batch, &mut in_hand).await;
         let started_waiting = std::mem::take(&mut in_hand.started_waiting);
         if !self.answer_batch(inbox, batch, in_hand, stop).await {

@@ -1,0 +1,160 @@
+//! `production-lab chaos`: Jepsen-style campaigns against the gate's deployment across network
+//! namespaces (see `lab_testkit::chaos`): seeded faults, producers on both doors, the output
+//! read live and in full, an independent checker. Prints each run's report; exits non-zero when
+//! a run found a violation. Needs root (network namespaces), PostgreSQL and a current
+//! nats-server.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use lab_testkit::chaos::{self, Plant, RunOptions, RunReport};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PlantArg {
+    /// The gates' publisher without its fence (needs a build with `--features planted-bugs`).
+    FenceOff,
+    /// The gates' NATS input acked before its COMMIT (needs `--features planted-bugs`).
+    AckBeforeCommit,
+    /// NATS with its default lazy fsync, and a nemesis that kills a majority of its nodes.
+    LazyFsync,
+}
+
+impl From<PlantArg> for Plant {
+    fn from(plant: PlantArg) -> Plant {
+        match plant {
+            PlantArg::FenceOff => Plant::FenceOff,
+            PlantArg::AckBeforeCommit => Plant::AckBeforeCommit,
+            PlantArg::LazyFsync => Plant::LazyFsync,
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct ChaosArgs {
+    /// The first seed: it fixes the fault schedule and the producers' choices.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Seconds of traffic and faults per run (setup, healing and the final reading come on top).
+    #[arg(long, default_value_t = 180)]
+    duration: u64,
+    /// Runs, on seeds SEED, SEED+1, …
+    #[arg(long, default_value_t = 1)]
+    runs: u64,
+    /// Where each run's history (`history-SEED.jsonl`) and the reports (`report.json`) go.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Print the reports as JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Plant a known bug, to see the checker catch it.
+    #[arg(long, value_enum)]
+    plant: Option<PlantArg>,
+    /// Play only these faults of the seed's schedule (ids as a report prints them), to replay
+    /// a shortened schedule.
+    #[arg(long, value_delimiter = ',')]
+    faults: Option<Vec<usize>>,
+    /// Producers, each on a host of its own.
+    #[arg(long, default_value_t = 3)]
+    producers: usize,
+    /// Stop at the first run with a violation.
+    #[arg(long)]
+    stop_on_violation: bool,
+    /// After a run with a violation, replay its seed with fewer faults while a violation
+    /// persists, at most this many replays.
+    #[arg(long, default_value_t = 0)]
+    shrink: usize,
+    /// Print each seed's fault schedule and exit: nothing is built or run.
+    #[arg(long)]
+    schedule: bool,
+}
+
+pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
+    let plant = args.plant.map(Plant::from);
+    if plant.is_some_and(Plant::in_the_gate) && !cfg!(feature = "planted-bugs") {
+        bail!(
+            "--plant {} needs a gate built with the bug: cargo build --release --features planted-bugs",
+            plant.map_or("", Plant::name)
+        );
+    }
+    if args.schedule {
+        for seed in args.seed..args.seed + args.runs {
+            let faults = chaos::nemesis::schedule(
+                seed,
+                Duration::from_secs(args.duration),
+                args.producers.max(1),
+                plant == Some(Plant::LazyFsync),
+            );
+            println!("seed {seed}: {} faults", faults.len());
+            for fault in faults {
+                println!("  {fault}");
+            }
+        }
+        return Ok(());
+    }
+    let gate_binary = std::env::current_exe().context("cannot find this program")?;
+    let mut reports: Vec<RunReport> = Vec::new();
+    let mut failed = Vec::new();
+    for seed in args.seed..args.seed + args.runs {
+        let options = RunOptions {
+            seed,
+            duration: Duration::from_secs(args.duration),
+            gate_binary: gate_binary.clone(),
+            producers: args.producers.max(1),
+            plant,
+            only_faults: args.faults.clone(),
+            dir: args.dir.clone(),
+            verbose: !args.json,
+        };
+        let report = chaos::run(&options).with_context(|| format!("chaos seed {seed}"))?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            print!("{}", chaos::render(&report));
+        }
+        let passed = report.passed();
+        if !passed && args.shrink > 0 {
+            let shortened = chaos::shorten(&options, &report, args.shrink)
+                .with_context(|| format!("replaying chaos seed {seed}"))?;
+            let ids: Vec<String> = shortened
+                .faults
+                .iter()
+                .map(|fault| fault.id.to_string())
+                .collect();
+            println!(
+                "  shortened by {} replays ({} failed): seed {seed} fails with {} fault(s):",
+                shortened.replays,
+                shortened.failed_replays,
+                shortened.faults.len()
+            );
+            for fault in &shortened.faults {
+                println!("    {fault}");
+            }
+            println!(
+                "  replay: production-lab chaos --seed {seed} --duration {}{} --faults {}",
+                args.duration,
+                plant
+                    .map(|plant| format!(" --plant {}", plant.name()))
+                    .unwrap_or_default(),
+                ids.join(",")
+            );
+        }
+        reports.push(report);
+        if !passed {
+            failed.push(seed);
+            if args.stop_on_violation {
+                break;
+            }
+        }
+    }
+    if let Some(dir) = &args.dir {
+        let path = dir.join("report.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&reports)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if !failed.is_empty() {
+        bail!("violations in seed(s) {failed:?}");
+    }
+    Ok(())
+}
