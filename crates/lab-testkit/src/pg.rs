@@ -49,9 +49,6 @@ pub struct ClusterOptions {
     /// Loads `pg_stat_statements` (every statement, nested and utility ones included), so that
     /// a bench can tell what each statement costs.
     pub statement_statistics: bool,
-    /// `autovacuum_naptime` in seconds (`None`: the server's default, a minute): how soon
-    /// autovacuum visits a database again, for a bench whose retention lasts seconds.
-    pub autovacuum_naptime_seconds: Option<u32>,
 }
 
 impl ClusterOptions {
@@ -61,7 +58,6 @@ impl ClusterOptions {
             fsync: false,
             max_connections: 300,
             statement_statistics: false,
-            autovacuum_naptime_seconds: None,
         }
     }
 
@@ -71,7 +67,6 @@ impl ClusterOptions {
             fsync: true,
             max_connections: 100,
             statement_statistics: true,
-            autovacuum_naptime_seconds: None,
         }
     }
 }
@@ -324,9 +319,6 @@ impl PrivateCluster {
             options.max_connections,
             if options.fsync { "on" } else { "off" },
         )?;
-        if let Some(seconds) = options.autovacuum_naptime_seconds {
-            writeln!(conf, "autovacuum_naptime = {seconds}")?;
-        }
         if options.statement_statistics {
             writeln!(
                 conf,

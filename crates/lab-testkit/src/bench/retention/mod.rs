@@ -146,11 +146,11 @@ pub async fn run(
     )?;
     let cluster = if options.postgres {
         let cluster = PrivateCluster::start(ClusterOptions {
-            autovacuum_naptime_seconds: Some(AUTOVACUUM_NAPTIME_SECONDS),
             statement_statistics: false,
             ..ClusterOptions::durable()
         })
         .map_err(|error| BenchError::Startup(format!("a private PostgreSQL: {error}")))?;
+        vacuum_often(&cluster).await?;
         Some(cluster)
     } else {
         None
@@ -184,6 +184,28 @@ pub async fn run(
         (Some(off), Some(on)) => Ok(RetentionReport::new(options, off, on)),
         _ => Err(BenchError::Verification("a run is missing".into())),
     }
+}
+
+/// Sets the cluster's `autovacuum_naptime` to [`AUTOVACUUM_NAPTIME_SECONDS`] and reloads its
+/// configuration.
+async fn vacuum_often(cluster: &PrivateCluster) -> Result<(), BenchError> {
+    let failed = |error: tokio_postgres::Error| BenchError::Startup(format!("postgres: {error}"));
+    let (client, connection) =
+        tokio_postgres::connect(&cluster.url("postgres"), tokio_postgres::NoTls)
+            .await
+            .map_err(failed)?;
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!(
+            "ALTER SYSTEM SET autovacuum_naptime = {AUTOVACUUM_NAPTIME_SECONDS}"
+        ))
+        .await
+        .map_err(failed)?;
+    client
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .map_err(failed)?;
+    Ok(())
 }
 
 /// One run on one fresh store.
