@@ -46,6 +46,9 @@ use workload::{Share, aggregate_counts, arrives_early};
 pub const TOLERANCE: f64 = 0.10;
 /// The warm-up lasts at least this fraction of the run.
 pub const WARM_UP_FRACTION: f64 = 0.25;
+/// How often autovacuum visits each database of the bench's PostgreSQL: its default of a
+/// minute is nothing beside a retention of days, but most of a run beside one of seconds.
+const AUTOVACUUM_NAPTIME_SECONDS: u32 = 1;
 /// Rows one publishing round marks at most: the gate's publisher's round.
 const PUBLISH_BATCH: usize = 1000;
 
@@ -143,11 +146,11 @@ pub async fn run(
     )?;
     let cluster = if options.postgres {
         let cluster = PrivateCluster::start(ClusterOptions {
-            fsync: true,
-            max_connections: 100,
             statement_statistics: false,
+            ..ClusterOptions::durable()
         })
         .map_err(|error| BenchError::Startup(format!("a private PostgreSQL: {error}")))?;
+        vacuum_often(&cluster).await?;
         Some(cluster)
     } else {
         None
@@ -181,6 +184,28 @@ pub async fn run(
         (Some(off), Some(on)) => Ok(RetentionReport::new(options, off, on)),
         _ => Err(BenchError::Verification("a run is missing".into())),
     }
+}
+
+/// Sets the cluster's `autovacuum_naptime` to [`AUTOVACUUM_NAPTIME_SECONDS`] and reloads its
+/// configuration.
+async fn vacuum_often(cluster: &PrivateCluster) -> Result<(), BenchError> {
+    let failed = |error: tokio_postgres::Error| BenchError::Startup(format!("postgres: {error}"));
+    let (client, connection) =
+        tokio_postgres::connect(&cluster.url("postgres"), tokio_postgres::NoTls)
+            .await
+            .map_err(failed)?;
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!(
+            "ALTER SYSTEM SET autovacuum_naptime = {AUTOVACUUM_NAPTIME_SECONDS}"
+        ))
+        .await
+        .map_err(failed)?;
+    client
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .map_err(failed)?;
+    Ok(())
 }
 
 /// One run on one fresh store.
