@@ -870,3 +870,62 @@ async fn two_servers_accepting_one_dead_letter_at_once_apply_it_once_and_drain_b
     first.close();
     second.close();
 }
+
+#[tokio::test]
+async fn compaction_keeps_each_aggregates_newest_events_and_its_audit_events_on_postgres() {
+    let cluster = Cluster::start();
+    let (client, inbox, _) = two_inboxes(&cluster, ORDER_TABLES, Arc::new(Orders)).await;
+    // Five aggregates, each applied once, then ten stale observations: timeline rows of their
+    // own. The fifth's oldest events include an audit event, which compaction keeps.
+    let audit = "INSERT INTO aggregate_timeline(aggregate_id, observation_no, kind, at)
+                 VALUES ('e', -1, 'gap skipped', '2026-01-01T00:00:00.000Z')";
+    for aggregate in ["a", "b", "c", "d", "e"] {
+        let first = format!("{aggregate}-1");
+        inbox
+            .deliver(order(&first, aggregate, 1, 1), Door::General)
+            .await
+            .unwrap();
+        if aggregate == "e" {
+            client.execute(audit, &[]).await.unwrap();
+        }
+        for n in 0..10 {
+            let stale = format!("{aggregate}-stale-{n}");
+            inbox
+                .deliver(order(&stale, aggregate, 1, 1), Door::General)
+                .await
+                .unwrap();
+        }
+    }
+    let retention = ordered_inbox::retention::Retention {
+        identities: None,
+        timeline: Some(3),
+        dead_letters: None,
+    };
+    // Sixteen rows a batch list two aggregates per compaction: the cursor walks them.
+    let now = ordered_inbox::clock::now();
+    let mut cursor = None;
+    loop {
+        let plan = ordered_inbox::retention::plan_batch(&retention, &now, cursor, 16);
+        let pruned = inbox.prune(plan).await.unwrap();
+        cursor = pruned.timeline_cursor;
+        if !pruned.more {
+            break;
+        }
+    }
+    for aggregate in ["a", "b", "c", "d"] {
+        let all =
+            format!("SELECT COUNT(*) FROM aggregate_timeline WHERE aggregate_id = '{aggregate}'");
+        let newest_three = format!(
+            "SELECT COUNT(*) FROM aggregate_timeline
+              WHERE aggregate_id = '{aggregate}'
+                AND id >= (SELECT MAX(id) FROM aggregate_timeline
+                            WHERE aggregate_id = '{aggregate}') - 2"
+        );
+        assert_eq!(count(&client, &all).await, 3, "{aggregate}");
+        assert_eq!(count(&client, &newest_three).await, 3, "{aggregate}");
+    }
+    let kept = "SELECT kind FROM aggregate_timeline WHERE aggregate_id = 'e' ORDER BY id";
+    let kinds = texts(&client, kept).await;
+    assert_eq!(kinds.len(), 4, "{kinds:?}");
+    assert_eq!(kinds[0], "gap skipped", "{kinds:?}");
+}
