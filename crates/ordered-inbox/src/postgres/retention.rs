@@ -97,9 +97,7 @@ pub(super) async fn prune(
         // Bounded like the statement per aggregate was in sum: a listed aggregate brings what
         // it grew since the pruner's last pass over it.
         let events = limit.saturating_mul(AGGREGATES_PER_BATCH_DIVISOR as i64);
-        pruned.timeline = client
-            .execute(&compact, &[&names, &kept, &events])
-            .await?;
+        pruned.timeline = client.execute(&compact, &[&names, &kept, &events]).await?;
         counters.trip();
         pruned.timeline_cursor = if names.len() < aggregates {
             None
