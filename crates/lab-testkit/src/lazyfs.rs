@@ -26,6 +26,7 @@
 //! Mounting needs `/dev/fuse` and root (the mount is made with mount(2) directly). It is
 //! unmounted when the [`LazyFs`] is dropped.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CString, OsStr};
 use std::fs::{File, OpenOptions};
@@ -88,6 +89,8 @@ pub struct LazyFs {
     state: Arc<Mutex<State>>,
     mountpoint: PathBuf,
     session: Option<BackgroundSession>,
+    /// The kernel's number for the FUSE connection (the mount's device), to abort it.
+    connection: u64,
 }
 
 impl LazyFs {
@@ -114,10 +117,12 @@ impl LazyFs {
                 error,
             }
         })?;
+        let connection = std::fs::metadata(&mountpoint)?.dev();
         Ok(LazyFs {
             state,
             mountpoint,
             session: Some(session),
+            connection,
         })
     }
 
@@ -153,19 +158,23 @@ impl LazyFs {
 }
 
 impl Drop for LazyFs {
+    /// Unmounts without waiting for the session's thread. A mount namespace made while the
+    /// file system was mounted (`ip netns exec` makes one per process, other programs' too)
+    /// holds a copy of the mount that the unmount here does not remove, and the connection,
+    /// with the thread serving it, lives until the last copy goes. Aborting the connection
+    /// (where `/sys/fs/fuse/connections` is mounted) ends it at once; the copies then answer
+    /// ENOTCONN to whoever still looks.
     fn drop(&mut self) {
-        if let Some(session) = self.session.take()
-            && session.umount_and_join().is_err()
-        {
-            // Still busy (a process keeps a file open): detach it; the kernel finishes the
-            // unmount when the last user goes.
-            if let Ok(path) = CString::new(self.mountpoint.as_os_str().as_bytes()) {
-                // SAFETY: a valid NUL-terminated path; umount2 reads it only.
-                unsafe {
-                    libc::umount2(path.as_ptr(), libc::MNT_DETACH);
-                }
+        if let Ok(path) = CString::new(self.mountpoint.as_os_str().as_bytes()) {
+            // SAFETY: a valid NUL-terminated path; umount2 reads it only.
+            unsafe {
+                libc::umount2(path.as_ptr(), libc::MNT_DETACH);
             }
         }
+        let abort = format!("/sys/fs/fuse/connections/{}/abort", self.connection);
+        let _ = std::fs::write(abort, "1");
+        // Detaches the thread; its own unmount finds nothing left to unmount.
+        drop(self.session.take());
     }
 }
 
@@ -337,19 +346,16 @@ impl State {
     }
 
     fn unsynced_for(&mut self, key: BackingKey, file: &File) -> std::io::Result<&mut Unsynced> {
-        if !self.unsynced.contains_key(&key) {
-            let synced_len = file.metadata()?.len();
-            self.unsynced.insert(
-                key,
-                Unsynced {
+        match self.unsynced.entry(key) {
+            Entry::Occupied(entry) => Ok(entry.into_mut()),
+            Entry::Vacant(entry) => {
+                let synced_len = file.metadata()?.len();
+                Ok(entry.insert(Unsynced {
                     synced_len,
                     saved: BTreeMap::new(),
-                },
-            );
+                }))
+            }
         }
-        self.unsynced
-            .get_mut(&key)
-            .ok_or_else(|| std::io::Error::other("unsynced state vanished"))
     }
 
     /// Truncates (or extends) `file` to `size`, saving what it cuts below the synced length.
