@@ -17,7 +17,8 @@ pub enum PlantArg {
     FenceOff,
     /// The gates' NATS input acked before its COMMIT (needs `--features planted-bugs`).
     AckBeforeCommit,
-    /// NATS with its default lazy fsync, and a nemesis that kills a majority of its nodes.
+    /// NATS with its default lazy fsync, its stores on lazy file systems, and a nemesis that
+    /// kills a majority of its nodes with a power loss (forgetting what they did not sync).
     LazyFsync,
 }
 
@@ -51,6 +52,10 @@ pub struct ChaosArgs {
     /// Plant a known bug, to see the checker catch it.
     #[arg(long, value_enum)]
     plant: Option<PlantArg>,
+    /// The NATS stores on lazy file systems and majority kills with a power loss, NATS syncing
+    /// every write (`sync_interval: always`): the control run of `--plant lazy-fsync`.
+    #[arg(long)]
+    power_loss: bool,
     /// Play only these faults of the seed's schedule (ids as a report prints them), to replay
     /// a shortened schedule.
     #[arg(long, value_delimiter = ',')]
@@ -84,7 +89,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
                 seed,
                 Duration::from_secs(args.duration),
                 args.producers.max(1),
-                plant == Some(Plant::LazyFsync),
+                args.power_loss || plant == Some(Plant::LazyFsync),
             );
             println!("seed {seed}: {} faults", faults.len());
             for fault in faults {
@@ -103,6 +108,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
             gate_binary: gate_binary.clone(),
             producers: args.producers.max(1),
             plant,
+            power_loss: args.power_loss,
             only_faults: args.faults.clone(),
             dir: args.dir.clone(),
             verbose: !args.json,
@@ -132,11 +138,12 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
                 println!("    {fault}");
             }
             println!(
-                "  replay: production-lab chaos --seed {seed} --duration {}{} --faults {}",
+                "  replay: production-lab chaos --seed {seed} --duration {}{}{} --faults {}",
                 args.duration,
                 plant
                     .map(|plant| format!(" --plant {}", plant.name()))
                     .unwrap_or_default(),
+                if args.power_loss { " --power-loss" } else { "" },
                 ids.join(",")
             );
         }

@@ -47,6 +47,7 @@ fn a_seeded_campaign_of_partitions_pauses_and_crashes_leaves_every_acknowledged_
         gate_binary: binary().into(),
         producers: PRODUCERS,
         plant: None,
+        power_loss: false,
         only_faults: None,
         dir: Some(dir.path().to_owned()),
         verbose: false,

@@ -336,6 +336,7 @@ async fn scenario(topology: &Topology, hosts: &Hosts) {
         nats_dir.path(),
         &gate_key.public_key(),
         NatsSync::Always,
+        &[],
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let ca = nats_dir.path().join("ca.pem");

@@ -12,6 +12,8 @@
 //! - [`nats`]: a private `nats-server` with JetStream, and the subject and header a publisher
 //!   writes;
 //! - [`netns`]: hosts as network namespaces around a bridge, and links between them to cut;
+//! - [`lazyfs`]: a FUSE passthrough file system that forgets unsynced writes on command (a
+//!   power failure for the store on it);
 //! - [`progress`]: progress of a long command on stderr;
 //! - [`mod@bench`]: the workloads of `production-lab bench` (ordered, PostgreSQL, stampede, broker,
 //!   relay) and their reports;
@@ -24,6 +26,7 @@
 
 pub mod bench;
 pub mod chaos;
+pub mod lazyfs;
 pub mod nats;
 pub mod netns;
 pub mod pg;

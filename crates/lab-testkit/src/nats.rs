@@ -136,9 +136,19 @@ impl NatsServer {
     /// everything else; `{store}` in it is replaced by a store directory of its own. The URL
     /// is the one the server reports.
     pub fn start_node(program: Command, config: &str) -> Result<NatsServer, NatsServerError> {
+        NatsServer::start_node_on(program, config, None)
+    }
+
+    /// [`NatsServer::start_node`], with `{store}` replaced by `store` if given (a directory on
+    /// a file system of the caller's, such as a [`crate::lazyfs::LazyFs`]).
+    pub fn start_node_on(
+        program: Command,
+        config: &str,
+        store: Option<&std::path::Path>,
+    ) -> Result<NatsServer, NatsServerError> {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("nats.conf");
-        let store = dir.path().join("store");
+        let store = store.map_or_else(|| dir.path().join("store"), std::path::Path::to_path_buf);
         std::fs::write(
             &path,
             config.replace("{store}", &store.display().to_string()),

@@ -52,6 +52,8 @@ pub enum ChaosError {
     Postgres(#[from] crate::pg::ClusterError),
     #[error(transparent)]
     Nats(#[from] crate::nats::NatsServerError),
+    #[error(transparent)]
+    LazyFs(#[from] crate::lazyfs::LazyFsError),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -70,7 +72,8 @@ pub enum Plant {
     FenceOff,
     /// The gates' NATS input acked before its COMMIT (`GATE_PLANTED_BUG=ack-before-commit`).
     AckBeforeCommit,
-    /// NATS with its default lazy fsync, and a nemesis that kills a majority of the nodes.
+    /// NATS with its default lazy fsync, its stores on lazy file systems, and a nemesis that
+    /// kills a majority of the nodes with a power loss.
     LazyFsync,
 }
 
@@ -99,6 +102,9 @@ pub struct RunOptions {
     pub gate_binary: PathBuf,
     pub producers: usize,
     pub plant: Option<Plant>,
+    /// The NATS stores on lazy file systems and majority kills with a power loss, NATS syncing
+    /// every write: the control run of the `lazy-fsync` plant (which implies the rest).
+    pub power_loss: bool,
     /// Play only these faults of the seed's schedule (a replay of a shortened schedule).
     pub only_faults: Option<Vec<usize>>,
     /// Where the history goes (`history-SEED.jsonl`), if anywhere.
@@ -113,6 +119,9 @@ pub struct RunOptions {
 pub struct RunReport {
     pub seed: u64,
     pub plant: Option<Plant>,
+    /// Lazy stores and power losses (see [`RunOptions::power_loss`]).
+    #[serde(default)]
+    pub power_loss: bool,
     pub duration_s: f64,
     /// The whole run, setup and final reading included.
     pub wall_s: f64,
@@ -122,6 +131,14 @@ pub struct RunReport {
     /// The faults whose windows overlapped the violating operations (empty without one).
     pub shortened: Vec<Fault>,
     pub history: Option<PathBuf>,
+}
+
+impl RunOptions {
+    /// Whether the NATS stores are on lazy file systems and majority kills lose what they did
+    /// not sync.
+    pub fn lazy_stores(&self) -> bool {
+        self.power_loss || self.plant == Some(Plant::LazyFsync)
+    }
 }
 
 impl RunReport {
@@ -143,6 +160,9 @@ struct Services {
     // Dropped first: the gates, then NATS, then PostgreSQL.
     gates: Mutex<Vec<GateNode>>,
     nats: Mutex<Vec<NatsServer>>,
+    /// The NATS nodes' lazy file systems (empty unless the run has them), unmounted once the
+    /// nodes are stopped and before their directory is removed.
+    stores: Vec<crate::lazyfs::LazyFs>,
     postgres: PrivateCluster,
     authority: Authority,
     nats_dir: tempfile::TempDir,
@@ -160,7 +180,7 @@ pub fn run(options: &RunOptions) -> Result<RunReport, ChaosError> {
         options.seed,
         options.duration,
         options.producers,
-        options.plant == Some(Plant::LazyFsync),
+        options.lazy_stores(),
     );
     if let Some(only) = &options.only_faults {
         faults.retain(|fault| only.contains(&fault.id));
@@ -207,6 +227,7 @@ pub fn run(options: &RunOptions) -> Result<RunReport, ChaosError> {
     Ok(RunReport {
         seed: options.seed,
         plant: options.plant,
+        power_loss: options.lazy_stores(),
         duration_s: options.duration.as_secs_f64(),
         wall_s: wall.elapsed().as_secs_f64(),
         faults,
@@ -275,6 +296,11 @@ async fn setup(
         Some(Plant::LazyFsync) => NatsSync::Lazy,
         _ => NatsSync::Always,
     };
+    let stores = if options.lazy_stores() {
+        topology::lazy_stores(nats_dir.path(), hosts.nats.len())?
+    } else {
+        Vec::new()
+    };
     let nats = topology::nats_cluster(
         topology,
         hosts,
@@ -282,6 +308,7 @@ async fn setup(
         nats_dir.path(),
         &gate_key.public_key(),
         sync,
+        &stores,
     )?;
     let js = topology::producer_jetstream(hosts, &nats_dir.path().join("ca.pem")).await?;
     topology::create_streams(&js, OUTPUT_DUPLICATE_WINDOW).await?;
@@ -329,6 +356,7 @@ async fn setup(
     Ok(Services {
         gates: Mutex::new(gates),
         nats: Mutex::new(nats),
+        stores,
         postgres,
         authority,
         nats_dir,
@@ -421,6 +449,7 @@ fn campaign(
         hosts,
         gates: &services.gates,
         nats: &services.nats,
+        stores: &services.stores,
         postgres: &services.postgres,
     };
     let targets = &targets;
@@ -706,12 +735,17 @@ fn overlapping(faults: &[Fault], events: &[Event], violations: &[Violation]) -> 
 pub fn render(report: &RunReport) -> String {
     let totals = &report.verdict.totals;
     let mut text = format!(
-        "chaos seed {}{}: {:.0} s of faults ({:.0} s in all): {} faults; {} operations ({} https, {} nats): {} ok, {} refused, {} indeterminate; {} sessions, {} gap notices; output: {} messages of {} aggregates ({} skip markers), {} read live; {} acknowledged inputs checked; {} violation(s)\n",
+        "chaos seed {}{}{}: {:.0} s of faults ({:.0} s in all): {} faults; {} operations ({} https, {} nats): {} ok, {} refused, {} indeterminate; {} sessions, {} gap notices; output: {} messages of {} aggregates ({} skip markers), {} read live; {} acknowledged inputs checked; {} violation(s)\n",
         report.seed,
         report
             .plant
             .map(|plant| format!(" (planted: {})", plant.name()))
             .unwrap_or_default(),
+        if report.power_loss && report.plant.is_none() {
+            " (power loss)"
+        } else {
+            ""
+        },
         report.duration_s,
         report.wall_s,
         report.faults.len(),
@@ -773,13 +807,18 @@ pub fn render(report: &RunReport) -> String {
             .map(|fault| fault.id.to_string())
             .collect();
         text.push_str(&format!(
-            "  replay: production-lab chaos --seed {} --duration {:.0}{}{}\n",
+            "  replay: production-lab chaos --seed {} --duration {:.0}{}{}{}\n",
             report.seed,
             report.duration_s,
             report
                 .plant
                 .map(|plant| format!(" --plant {}", plant.name()))
                 .unwrap_or_default(),
+            if report.power_loss && report.plant.is_none() {
+                " --power-loss"
+            } else {
+                ""
+            },
             if ids.is_empty() {
                 String::new()
             } else {

@@ -1,7 +1,8 @@
 //! The nemesis: a schedule of faults drawn from the seed alone, then played against the hosts.
 //! One fault at a time, each with its window and its recovery, so that at most one NATS node of
-//! three is ever down or cut off (a minority) — except the majority kill, which only the
-//! `lazy-fsync` plant draws.
+//! three is ever down or cut off (a minority) — except the majority kill, which only runs with
+//! the NATS stores on lazy file systems draw (the `lazy-fsync` plant, or `--power-loss`): the
+//! killed nodes' stores then forget what they did not sync, as in a power failure.
 //!
 //! Which faults break "PostgreSQL and a NATS majority up" (the condition under which the gates
 //! must stay live): a PostgreSQL pause or restart, and the majority kill. Every other fault
@@ -14,6 +15,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::lazyfs::LazyFs;
 use crate::nats::NatsServer;
 use crate::netns::Topology;
 use crate::pg::PrivateCluster;
@@ -60,7 +62,8 @@ pub enum FaultKind {
     },
     /// `pg_ctl stop -m immediate`, then started again.
     RestartPostgres,
-    /// Two NATS nodes of three killed at once (`lazy-fsync` only).
+    /// Two NATS nodes of three killed at once, each store losing what it did not sync (runs
+    /// with lazy stores only).
     KillNatsMajority {
         spared: usize,
     },
@@ -144,7 +147,7 @@ const WARM_UP_MS: u64 = 3_000;
 const COOL_DOWN_MS: u64 = 2_000;
 
 /// The schedule of a campaign of `duration` with `producers` producers, from `seed` alone.
-/// `majority_kills` adds the majority kill (the `lazy-fsync` plant) as one fault in three.
+/// `majority_kills` adds the majority kill (runs with lazy stores) as one fault in three.
 pub fn schedule(
     seed: u64,
     duration: Duration,
@@ -211,6 +214,9 @@ pub struct Targets<'a> {
     pub hosts: &'a Hosts,
     pub gates: &'a Mutex<Vec<GateNode>>,
     pub nats: &'a Mutex<Vec<NatsServer>>,
+    /// Each NATS node's lazy file system, when the run has them: a majority kill is a power
+    /// loss for the killed nodes.
+    pub stores: &'a [LazyFs],
     pub postgres: &'a PrivateCluster,
 }
 
@@ -341,8 +347,16 @@ impl Targets<'_> {
                 );
             }
             FaultKind::KillNatsMajority { spared } => {
-                for node in (0..3).filter(|node| *node != spared) {
+                let killed = (0..3).filter(|node| *node != spared);
+                for node in killed.clone() {
                     self.crash_nats(node, on);
+                }
+                if on {
+                    // Dead processes hold no file open: their stores forget what they did not
+                    // sync before they start again.
+                    for node in killed {
+                        self.lose_unsynced(node);
+                    }
                 }
             }
         }
@@ -360,6 +374,16 @@ impl Targets<'_> {
                 }
             }),
         );
+    }
+
+    /// A power loss of NATS node `node`'s store, if it is on a lazy file system.
+    fn lose_unsynced(&self, node: usize) {
+        if let Some(store) = self.stores.get(node) {
+            match store.lose_unsynced() {
+                Ok(loss) => eprintln!("chaos nemesis: power loss on nats {node}: {loss}"),
+                Err(error) => note("nats power loss", Err(error.to_string())),
+            }
+        }
     }
 
     /// Heals everything the nemesis can have done: links up, routes back, processes continued,

@@ -15,6 +15,7 @@ use async_nats::jetstream;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use tempfile::TempDir;
 
+use crate::lazyfs::LazyFs;
 use crate::nats::{NatsServer, current_nats_binary};
 use crate::netns::{Host, Link, Topology};
 use crate::pg::{ClusterOptions, PrivateCluster};
@@ -230,9 +231,25 @@ cluster {{
     )
 }
 
+/// A lazy file system for each of `nodes` NATS nodes' stores, mounted under `dir` (`nN-store`
+/// over `nN-backing`): a power loss of a node forgets what it did not sync. Made before the
+/// servers start, so that `ip netns exec` finds them in the mount namespace it copies.
+pub fn lazy_stores(dir: &Path, nodes: usize) -> Result<Vec<LazyFs>, ChaosError> {
+    (0..nodes)
+        .map(|index| {
+            let backing = dir.join(format!("n{index}-backing"));
+            let mountpoint = dir.join(format!("n{index}-store"));
+            std::fs::create_dir_all(&backing)?;
+            std::fs::create_dir_all(&mountpoint)?;
+            Ok(LazyFs::mount(&backing, &mountpoint)?)
+        })
+        .collect()
+}
+
 /// The three NATS servers: TLS for clients and routes, the gates' nkey user and the producers'
 /// password user, every write synced unless `sync` is [`NatsSync::Lazy`]. `dir` gets the CA
-/// (`ca.pem`) and the servers' certificates.
+/// (`ca.pem`) and the servers' certificates. Node N's store is on `stores[N]` if there is one
+/// (see [`lazy_stores`]), else in its own directory.
 pub fn nats_cluster(
     topology: &Topology,
     hosts: &Hosts,
@@ -240,6 +257,7 @@ pub fn nats_cluster(
     dir: &Path,
     gate_key: &str,
     sync: NatsSync,
+    stores: &[LazyFs],
 ) -> Result<Vec<NatsServer>, ChaosError> {
     let binary = current_nats_binary()?;
     let ca = dir.join("ca.pem");
@@ -263,9 +281,11 @@ pub fn nats_cluster(
             ca.display()
         );
         let config = nats_config(index, host, &tls, gate_key, &routes, sync);
-        servers.push(NatsServer::start_node(
+        let store = stores.get(index).map(|fs| fs.mountpoint().join("store"));
+        servers.push(NatsServer::start_node_on(
             topology.command(host, &binary),
             &config,
+            store.as_deref(),
         )?);
     }
     Ok(servers)
