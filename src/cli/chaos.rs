@@ -89,7 +89,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
                 seed,
                 Duration::from_secs(args.duration),
                 args.producers.max(1),
-                args.power_loss || plant == Some(Plant::LazyFsync),
+                chaos::lazy_stores(plant, args.power_loss),
             );
             println!("seed {seed}: {} faults", faults.len());
             for fault in faults {
@@ -123,11 +123,6 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
         if !passed && args.shrink > 0 {
             let shortened = chaos::shorten(&options, &report, args.shrink)
                 .with_context(|| format!("replaying chaos seed {seed}"))?;
-            let ids: Vec<String> = shortened
-                .faults
-                .iter()
-                .map(|fault| fault.id.to_string())
-                .collect();
             println!(
                 "  shortened by {} replays ({} failed): seed {seed} fails with {} fault(s):",
                 shortened.replays,
@@ -137,15 +132,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
             for fault in &shortened.faults {
                 println!("    {fault}");
             }
-            println!(
-                "  replay: production-lab chaos --seed {seed} --duration {}{}{} --faults {}",
-                args.duration,
-                plant
-                    .map(|plant| format!(" --plant {}", plant.name()))
-                    .unwrap_or_default(),
-                if args.power_loss { " --power-loss" } else { "" },
-                ids.join(",")
-            );
+            println!("  replay: {}", report.replay_command(&shortened.faults));
         }
         reports.push(report);
         if !passed {

@@ -133,17 +133,51 @@ pub struct RunReport {
     pub history: Option<PathBuf>,
 }
 
+/// Whether a run with `plant` and `power_loss` puts the NATS stores on lazy file systems, so
+/// that majority kills lose what the nodes did not sync.
+pub fn lazy_stores(plant: Option<Plant>, power_loss: bool) -> bool {
+    power_loss || plant == Some(Plant::LazyFsync)
+}
+
 impl RunOptions {
-    /// Whether the NATS stores are on lazy file systems and majority kills lose what they did
-    /// not sync.
+    /// See [`lazy_stores`].
     pub fn lazy_stores(&self) -> bool {
-        self.power_loss || self.plant == Some(Plant::LazyFsync)
+        lazy_stores(self.plant, self.power_loss)
     }
 }
 
 impl RunReport {
     pub fn passed(&self) -> bool {
         self.verdict.violations.is_empty()
+    }
+
+    /// The power-loss control: lazy stores with no bug planted (the plant implies them).
+    fn power_loss_control(&self) -> bool {
+        self.power_loss && self.plant.is_none()
+    }
+
+    /// The command that replays this run's seed with `faults` only (the whole schedule if
+    /// there are none).
+    pub fn replay_command(&self, faults: &[Fault]) -> String {
+        let ids: Vec<String> = faults.iter().map(|fault| fault.id.to_string()).collect();
+        format!(
+            "production-lab chaos --seed {} --duration {:.0}{}{}{}",
+            self.seed,
+            self.duration_s,
+            self.plant
+                .map(|plant| format!(" --plant {}", plant.name()))
+                .unwrap_or_default(),
+            if self.power_loss_control() {
+                " --power-loss"
+            } else {
+                ""
+            },
+            if ids.is_empty() {
+                String::new()
+            } else {
+                format!(" --faults {}", ids.join(","))
+            }
+        )
     }
 }
 
@@ -741,7 +775,7 @@ pub fn render(report: &RunReport) -> String {
             .plant
             .map(|plant| format!(" (planted: {})", plant.name()))
             .unwrap_or_default(),
-        if report.power_loss && report.plant.is_none() {
+        if report.power_loss_control() {
             " (power loss)"
         } else {
             ""
@@ -801,29 +835,9 @@ pub fn render(report: &RunReport) -> String {
         for fault in &report.shortened {
             text.push_str(&format!("    {fault}\n"));
         }
-        let ids: Vec<String> = report
-            .shortened
-            .iter()
-            .map(|fault| fault.id.to_string())
-            .collect();
         text.push_str(&format!(
-            "  replay: production-lab chaos --seed {} --duration {:.0}{}{}{}\n",
-            report.seed,
-            report.duration_s,
-            report
-                .plant
-                .map(|plant| format!(" --plant {}", plant.name()))
-                .unwrap_or_default(),
-            if report.power_loss && report.plant.is_none() {
-                " --power-loss"
-            } else {
-                ""
-            },
-            if ids.is_empty() {
-                String::new()
-            } else {
-                format!(" --faults {}", ids.join(","))
-            }
+            "  replay: {}\n",
+            report.replay_command(&report.shortened)
         ));
     }
     text
