@@ -400,6 +400,51 @@ async fn a_pending_read_costs_the_same_whatever_backlog_stands_behind_its_answer
     );
 }
 
+/// The planner's statistics can say that no row waits while thousands do: the table swings
+/// between all published and a backlog faster than `ANALYZE` follows it. A pending read must
+/// cost the same with such statistics as with fresh ones.
+async fn a_pending_read_costs_what_it_answers_when_the_statistics_say_nothing_waits(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    if let Database::Postgres { .. } = gate.database {
+        gate.execute("ALTER TABLE gate_output SET (autovacuum_enabled = false)");
+    }
+    grid(&gate, 1_000, 1, 20, true);
+    gate.execute("ANALYZE gate_output");
+    grid(&gate, 1_000, 21, 23, false);
+    let with_stale_statistics = pending_read_cost(&gate);
+    gate.execute("ANALYZE gate_output");
+    let with_fresh_statistics = pending_read_cost(&gate);
+    assert_eq!(gate.pending_count().await, 1000);
+    assert!(
+        with_stale_statistics <= 2 * with_fresh_statistics,
+        "a read cost {with_stale_statistics} when the statistics said nothing waits, \
+         {with_fresh_statistics} with fresh ones"
+    );
+}
+
+/// Rows written past the gate, without `ANALYZE`: sequences `from..=to` of each of `aggregates`
+/// aggregates, published or waiting.
+fn grid(gate: &Gate, aggregates: i64, from: i64, to: i64, published: bool) {
+    let published = if published { "'now'" } else { "NULL" };
+    let values =
+        format!("'order-' || a, s, 'm-' || a || '-' || s, '{PLACED}', '{{}}', 'now', {published}");
+    let rows = match gate.database {
+        Database::Sqlite { .. } => format!(
+            "WITH RECURSIVE
+               ag(a) AS (SELECT 1 UNION ALL SELECT a + 1 FROM ag WHERE a < {aggregates}),
+               sq(s) AS (SELECT {from} UNION ALL SELECT s + 1 FROM sq WHERE s < {to})
+             INSERT INTO gate_output SELECT {values} FROM ag, sq"
+        ),
+        Database::Postgres { .. } => format!(
+            "INSERT INTO gate_output SELECT {values}
+               FROM generate_series(1, {aggregates}) AS a, generate_series({from}, {to}) AS s"
+        ),
+    };
+    gate.execute(&rows);
+}
+
 /// How much of the table one run of `sql` (`$1` bound to `parameter`, if given) touches, as
 /// [`pending_read_cost`] counts it.
 fn read_cost(gate: &Gate, sql: &str, parameter: Option<i64>) -> u64 {
@@ -969,6 +1014,7 @@ on_both_backends!(
     messages_delivered_three_one_two_come_out_as_one_two_three,
     the_pending_rows_span_every_aggregate_rather_than_the_first_ones_backlog,
     a_pending_read_costs_the_same_whatever_backlog_stands_behind_its_answer,
+    a_pending_read_costs_what_it_answers_when_the_statistics_say_nothing_waits,
     the_backlog_read_stops_at_its_cap_and_finds_the_oldest_row_whatever_waits_behind,
     the_backlog_shows_rows_waiting_while_no_publisher_runs_and_none_once_published,
     a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages,
