@@ -25,6 +25,7 @@ use production_lab::telemetry::metrics::Metrics;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::sync::Notify;
+use tokio_postgres::types::{FromSql, Type};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{jetstream_of, start_nats};
@@ -422,6 +423,82 @@ async fn a_pending_read_costs_what_it_answers_when_the_statistics_say_nothing_wa
         "a read cost {with_stale_statistics} when the statistics said nothing waits, \
          {with_fresh_statistics} with fresh ones"
     );
+}
+
+/// The publisher's mark reads the rows it marks and no other, whatever waits beside them and
+/// whatever the statistics say: with a plan that read every waiting row, a round cost seconds
+/// behind a backlog of 20,000 rows.
+#[tokio::test]
+async fn marking_a_round_published_reads_only_its_rows_whatever_waits_and_whatever_the_statistics_say()
+ {
+    let gate = open_gate(Backend::Postgres).await;
+    let Database::Postgres { url } = &gate.database else {
+        unreachable!("opened on PostgreSQL");
+    };
+    gate.execute("ALTER TABLE gate_output SET (autovacuum_enabled = false)");
+    grid(&gate, 1_000, 1, 100, true);
+    gate.execute("ANALYZE gate_output");
+    grid(&gate, 1_000, 101, 103, false);
+    let with_stale_statistics = mark_cost(url, 1..=200).await;
+    gate.execute("ANALYZE gate_output");
+    let with_fresh_statistics = mark_cost(url, 501..=700).await;
+    let marked = query_text(
+        url,
+        "SELECT COUNT(*) FROM gate_output WHERE sequence = 101 AND published_at IS NOT NULL",
+    );
+    assert_eq!(marked[0][0].as_deref(), Some("400"));
+    for (statistics, cost) in [
+        ("stale", with_stale_statistics),
+        ("fresh", with_fresh_statistics),
+    ] {
+        assert!(
+            cost <= 2 * 200,
+            "marking 200 rows beside 2,800 more waiting read {cost} rows ({statistics} statistics)"
+        );
+    }
+}
+
+/// The rows of `gate_output` one [`output::MARK_POSTGRES`] reads (kept or filtered) to mark
+/// sequence 101 of the aggregates `aggregates` published, sent as the gate sends it: its arrays
+/// bound as parameters.
+async fn mark_cost(url: &str, aggregates: std::ops::RangeInclusive<i64>) -> u64 {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    let ids: Vec<String> = aggregates.map(|a| format!("order-{a}")).collect();
+    let sequences = vec![101_i64; ids.len()];
+    let explain = format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", output::MARK_POSTGRES);
+    let rows = client
+        .query_typed(
+            &explain,
+            &[
+                (&ids, Type::TEXT_ARRAY),
+                (&sequences, Type::INT8_ARRAY),
+                (&"now", Type::TEXT),
+            ],
+        )
+        .await
+        .expect("the mark's plan");
+    let JsonText(text) = rows[0].get(0);
+    let plan: Value = serde_json::from_str(&text).expect("the plan's JSON");
+    rows_read_of(&plan[0]["Plan"], "gate_output")
+}
+
+/// A `json` value as its text.
+struct JsonText(String);
+
+impl<'a> FromSql<'a> for JsonText {
+    fn from_sql(
+        _: &Type,
+        raw: &'a [u8],
+    ) -> Result<JsonText, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(JsonText(std::str::from_utf8(raw)?.to_owned()))
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        *ty == Type::JSON
+    }
 }
 
 /// Rows written past the gate, without `ANALYZE`: sequences `from..=to` of each of `aggregates`

@@ -72,6 +72,17 @@ SELECT o.aggregate_id, o.sequence, o.message_id, o.message_type, o.payload, o.ap
         ORDER BY sequence LIMIT 16) o
  ORDER BY o.aggregate_id, o.sequence LIMIT $1";
 
+/// Marks the rows `($1[i], $2[i])` published at `$3`; a row already marked keeps its first
+/// time. The statement does not say `published_at IS NULL`: that condition lets PostgreSQL
+/// answer the join from the partial index of the waiting rows, reading every waiting row for
+/// each round (a hash join), or for each marked row when its statistics said that no row
+/// waited (a nested loop: 6.7 s for a round of 1,000 behind 22,000 waiting rows). Without it
+/// the primary key answers, one seek per row.
+pub const MARK_POSTGRES: &str = "UPDATE gate_output
+    SET published_at = COALESCE(published_at, $3)
+   FROM unnest($1::text[], $2::bigint[]) AS m(a, s)
+  WHERE aggregate_id = m.a AND sequence = m.s";
+
 /// The most unpublished rows [`OutputStore::backlog`] counts: past it the count reads "this
 /// many or more", so that a scrape never reads a whole backlog.
 pub const BACKLOG_COUNT_CAP: i64 = 10_000;
@@ -391,9 +402,7 @@ impl OutputStore {
                 let client = inbox.pool().get().await.map_err(unavailable)?;
                 client
                     .query_typed(
-                        "UPDATE gate_output SET published_at = $3
-                           FROM unnest($1::text[], $2::bigint[]) AS m(a, s)
-                          WHERE aggregate_id = m.a AND sequence = m.s AND published_at IS NULL",
+                        MARK_POSTGRES,
                         &[
                             (&aggregates, Type::TEXT_ARRAY),
                             (&sequences, Type::INT8_ARRAY),
