@@ -458,6 +458,31 @@ async fn marking_a_round_published_reads_only_its_rows_whatever_waits_and_whatev
     }
 }
 
+/// A vacuum that cuts a pruned table's empty tail locks out every delivery for that moment;
+/// the gate's store keeps those pages for reuse instead.
+#[tokio::test]
+async fn the_tables_pruning_empties_keep_their_freed_pages_on_postgres() {
+    let gate = open_gate(Backend::Postgres).await;
+    let Database::Postgres { url } = &gate.database else {
+        unreachable!("opened on PostgreSQL");
+    };
+    let kept = query_text(
+        url,
+        "SELECT relname FROM pg_class
+          WHERE reloptions @> ARRAY['vacuum_truncate=false'] ORDER BY relname",
+    );
+    let kept: Vec<&str> = kept.iter().filter_map(|row| row[0].as_deref()).collect();
+    assert_eq!(
+        kept,
+        [
+            "aggregate_timeline",
+            "deadletters",
+            "gate_output",
+            "ordered_inbox"
+        ]
+    );
+}
+
 /// The rows of `gate_output` one [`output::MARK_POSTGRES`] reads (kept or filtered) to mark
 /// sequence 101 of the aggregates `aggregates` published, sent as the gate sends it: its arrays
 /// bound as parameters.

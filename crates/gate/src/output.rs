@@ -167,6 +167,16 @@ CREATE TABLE IF NOT EXISTS gate_output_pruned(
     aggregate_id TEXT PRIMARY KEY,
     through BIGINT NOT NULL
 );
+-- Freed pages are reused in place, as the inbox's pruned tables do (see its migrations); set
+-- once, since the lock it takes waits for a running vacuum.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_class WHERE oid = 'gate_output'::regclass
+                     AND reloptions @> ARRAY['vacuum_truncate=false']) THEN
+        ALTER TABLE gate_output SET (vacuum_truncate = false);
+    END IF;
+END
+$$;
 COMMIT;";
 
 const COLUMNS: &str = "aggregate_id, sequence, message_id, message_type, payload, applied_at";
