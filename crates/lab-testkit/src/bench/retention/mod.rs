@@ -177,6 +177,9 @@ pub async fn run(
             messages,
         };
         phases.push(run.measure().await?);
+        if let Some(cluster) = &cluster {
+            drop_database(cluster, name).await?;
+        }
     }
     let on = phases.pop();
     let off = phases.pop();
@@ -206,6 +209,25 @@ async fn vacuum_often(cluster: &PrivateCluster) -> Result<(), BenchError> {
         .await
         .map_err(failed)?;
     Ok(())
+}
+
+/// Drops a phase's database once it is measured and checkpoints, so that neither autovacuum's
+/// work on it nor the flush of its pages (half a million rows inserted without retention)
+/// falls into the next phase.
+async fn drop_database(cluster: &PrivateCluster, name: &str) -> Result<(), BenchError> {
+    let failed = |error: tokio_postgres::Error| BenchError::Startup(format!("postgres: {error}"));
+    let (client, connection) =
+        tokio_postgres::connect(&cluster.url("postgres"), tokio_postgres::NoTls)
+            .await
+            .map_err(failed)?;
+    tokio::spawn(connection);
+    // Two messages: DROP DATABASE refuses to run in a transaction block, which a
+    // multi-statement query is.
+    client
+        .batch_execute(&format!("DROP DATABASE \"{name}\" WITH (FORCE)"))
+        .await
+        .map_err(failed)?;
+    client.batch_execute("CHECKPOINT").await.map_err(failed)
 }
 
 /// One run on one fresh store.
