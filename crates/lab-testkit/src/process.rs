@@ -104,6 +104,78 @@ pub struct CostPerMessage {
     pub storage_bytes: Option<f64>,
 }
 
+/// Where the CPU of a load went, per message: the broker, the servers under test, and the bench
+/// process itself (the load generator and the downstream reader). A figure is `None` where
+/// `/proc` does not tell it.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CpuSplit {
+    pub nats_server_us: Option<f64>,
+    pub servers_us: Option<f64>,
+    pub bench_us: Option<f64>,
+}
+
+impl std::fmt::Display for CpuSplit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let show = |us: Option<f64>| us.map_or("unknown".to_owned(), |us| format!("{us:.1} µs"));
+        write!(
+            f,
+            "nats-server {}, server(s) {}, bench {}",
+            show(self.nats_server_us),
+            show(self.servers_us),
+            show(self.bench_us)
+        )
+    }
+}
+
+/// The CPU ticks of a load's processes when it started, to split what it spent
+/// ([`CpuSplit`]).
+pub struct CpuMeter {
+    nats_server: Option<u32>,
+    servers: Vec<u32>,
+    at_start: [Option<u64>; 3],
+}
+
+impl CpuMeter {
+    /// Reads the ticks so far of `nats_server`, of every process of `servers` and of this one.
+    pub fn start(nats_server: Option<u32>, servers: Vec<u32>) -> CpuMeter {
+        let mut meter = CpuMeter {
+            nats_server,
+            servers,
+            at_start: [None; 3],
+        };
+        meter.at_start = meter.ticks();
+        meter
+    }
+
+    fn ticks(&self) -> [Option<u64>; 3] {
+        let servers = self
+            .servers
+            .iter()
+            .map(|pid| process_cpu_ticks(*pid))
+            .sum::<Option<u64>>();
+        [
+            self.nats_server.and_then(process_cpu_ticks),
+            servers,
+            process_cpu_ticks(std::process::id()),
+        ]
+    }
+
+    /// What each part spent since [`CpuMeter::start`], per message of `messages`.
+    pub fn per_message(&self, messages: usize) -> CpuSplit {
+        let now = self.ticks();
+        let spent = |part: usize| {
+            let ticks = now[part]?.checked_sub(self.at_start[part]?)?;
+            cpu_us_per_message(Some(ticks), messages)
+        };
+        CpuSplit {
+            nats_server_us: spent(0),
+            servers_us: spent(1),
+            bench_us: spent(2),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
@@ -149,5 +221,26 @@ mod tests {
         assert_eq!(cost.storage_bytes, Some(4.0));
         assert_eq!(cpu_us_per_message(Some(5), 1000), Some(50.0));
         assert_eq!(cpu_us_per_message(None, 1000), None);
+    }
+
+    #[test]
+    fn a_meter_splits_what_each_process_spent_and_tells_what_it_cannot_read() {
+        let gone = u32::MAX;
+        let meter = CpuMeter::start(Some(gone), Vec::new());
+        let started = Instant::now();
+        let mut spin = 0u64;
+        while started.elapsed() < Duration::from_millis(60) {
+            spin = spin.wrapping_add(std::hint::black_box(1));
+        }
+        let split = meter.per_message(10);
+        assert!(spin > 0);
+        assert_eq!(split.nats_server_us, None, "no such process");
+        assert_eq!(split.servers_us, Some(0.0), "no servers spend nothing");
+        assert!(split.bench_us.is_some_and(|us| us > 0.0), "{split:?}");
+        assert!(
+            split
+                .to_string()
+                .starts_with("nats-server unknown, server(s) 0.0 µs")
+        );
     }
 }

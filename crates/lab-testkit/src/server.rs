@@ -201,6 +201,11 @@ impl ServerUnderTest {
         })
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// CPU time (user + system, clock ticks) the server used so far, where /proc tells it.
     pub fn cpu_ticks(&self) -> Option<u64> {
         process_cpu_ticks(self.child.id())

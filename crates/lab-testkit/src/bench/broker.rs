@@ -29,6 +29,7 @@ use super::{
     workload,
 };
 use crate::nats::{MESSAGE_ID_HEADER, NatsServer, subject_for};
+use crate::process::{CpuMeter, CpuSplit};
 use crate::progress::Progress;
 use crate::server::{ServerUnderTest, Synchronous, synchronous_flag};
 
@@ -63,6 +64,8 @@ pub struct BrokerReport {
     pub consumer_batches: u64,
     pub mean_batch: f64,
     pub server_peak_rss_mib: Option<f64>,
+    /// Where the CPU of the load through the server went, per message.
+    pub cpu_per_message: CpuSplit,
 }
 
 impl std::fmt::Display for BrokerReport {
@@ -101,6 +104,11 @@ impl std::fmt::Display for BrokerReport {
             f,
             "  consumer batches: {} (mean {:.1} messages per commit)",
             self.consumer_batches, self.mean_batch
+        )?;
+        writeln!(
+            f,
+            "  CPU per message, published -> applied: {}",
+            self.cpu_per_message
         )?;
         match self.server_peak_rss_mib {
             Some(mib) => write!(f, "  server peak RSS: {mib:.1} MiB"),
@@ -232,6 +240,7 @@ struct ConsumedRun {
     batches: u64,
     consumed: u64,
     peak_rss_kib: Option<u64>,
+    cpu: CpuSplit,
 }
 
 /// Starts a server consuming from `nats`, publishes the messages, waits until all are applied,
@@ -249,11 +258,13 @@ async fn consume_through_server(
         messages.len() as u64,
         "messages",
     );
+    let meter = CpuMeter::start(nats.pid(), vec![server.pid()]);
     let started = Instant::now();
     let sent = publish(context, "ordered", messages).await?;
     let published = started.elapsed();
     wait_until_applied(&reader, messages.len() as i64, &progress.counter(), "").await?;
     let applied = started.elapsed();
+    let cpu = meter.per_message(messages.len());
     progress.finish();
     let latencies = latencies_between(&sent, &applied_at_ms(&reader)?);
     drop(reader);
@@ -271,6 +282,7 @@ async fn consume_through_server(
         batches,
         consumed,
         peak_rss_kib,
+        cpu,
     })
 }
 
@@ -366,6 +378,7 @@ impl BrokerReport {
                 run.consumed as f64 / run.batches as f64
             },
             server_peak_rss_mib: mib(run.peak_rss_kib),
+            cpu_per_message: run.cpu,
         }
     }
 }

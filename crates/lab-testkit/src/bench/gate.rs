@@ -30,6 +30,7 @@ use super::broker::{BrokerBenchOptions, BrokerReport};
 use super::{BenchError, interleaved, max_ms, mib, percentile, require_positive, workload};
 use crate::nats::{MESSAGE_ID_HEADER, NatsServer, subject_for};
 use crate::pg::{ClusterOptions, PrivateCluster};
+use crate::process::{CpuMeter, CpuSplit};
 use crate::progress::Progress;
 use crate::server::ServerUnderTest;
 
@@ -89,6 +90,8 @@ pub struct GateReport {
     pub p99_ms: f64,
     pub max_ms: f64,
     pub gate_peak_rss_mib: Option<f64>,
+    /// Where the burst's CPU went, per message (on PostgreSQL its own CPU is not counted).
+    pub cpu_per_message: CpuSplit,
     /// The second run at half the rate, if asked for.
     pub steady: Option<SteadyReport>,
     /// `bench broker` in the same run.
@@ -117,6 +120,7 @@ impl std::fmt::Display for GateReport {
             "  input -> output ms: p50 {:.1}  p95 {:.1}  p99 {:.1}  max {:.1}",
             self.p50_ms, self.p95_ms, self.p99_ms, self.max_ms
         )?;
+        writeln!(f, "  CPU per message: {}", self.cpu_per_message)?;
         match self.gate_peak_rss_mib {
             Some(mib) => writeln!(f, "  gate peak RSS: {mib:.1} MiB")?,
             None => writeln!(f, "  gate peak RSS: unknown (no /proc)")?,
@@ -151,10 +155,10 @@ pub async fn run(options: &GateBenchOptions) -> Result<GateReport, BenchError> {
     }
     let streams = workload(options.aggregates, options.messages);
     let messages = interleaved(&streams);
-    let (run, gate_peak_rss_mib) = once(options, &messages, None).await?;
+    let (run, gate_peak_rss_mib, cpu_per_message) = once(options, &messages, None).await?;
     let steady = if options.steady_at_half {
         let offered = options.messages as f64 / run.output.as_secs_f64() / 2.0;
-        let (steady, _) = once(options, &messages, Some(offered)).await?;
+        let (steady, _, _) = once(options, &messages, Some(offered)).await?;
         Some(SteadyReport {
             offered_per_second: offered,
             input_to_output_per_second: options.messages as f64 / steady.output.as_secs_f64(),
@@ -187,19 +191,20 @@ pub async fn run(options: &GateBenchOptions) -> Result<GateReport, BenchError> {
         p99_ms: percentile(latencies, 0.99),
         max_ms: max_ms(latencies),
         gate_peak_rss_mib,
+        cpu_per_message,
         steady,
         broker,
     })
 }
 
 /// One run on a fresh nats-server, store and gates: `messages` published (at `rate` per
-/// second, or as fast as the PubAcks come), the output read and verified. Answers the run and
-/// the first gate's peak RSS.
+/// second, or as fast as the PubAcks come), the output read and verified. Answers the run, the
+/// first gate's peak RSS and where the CPU went.
 async fn once(
     options: &GateBenchOptions,
     messages: &[&OrderedMessage],
     rate: Option<f64>,
-) -> Result<(GateRun, Option<f64>), BenchError> {
+) -> Result<(GateRun, Option<f64>, CpuSplit), BenchError> {
     let nats = NatsServer::start(None)?;
     let context = jetstream::new(nats.connect().await?);
     let cluster = if options.postgres {
@@ -222,13 +227,15 @@ async fn once(
     for _ in 0..options.gates {
         gates.push(start_gate(&nats, options.batch, url.as_deref())?);
     }
+    let meter = CpuMeter::start(nats.pid(), gates.iter().map(ServerUnderTest::pid).collect());
     let run = through_the_gate(&context, messages, rate).await;
+    let cpu = meter.per_message(messages.len());
     let gate_peak_rss_mib = gates.first().and_then(|gate| mib(gate.peak_rss_kib()));
     for gate in gates {
         gate.stop()?;
     }
     drop(cluster);
-    Ok((run?, gate_peak_rss_mib))
+    Ok((run?, gate_peak_rss_mib, cpu))
 }
 
 /// The gate of this binary on a fresh directory: its config, its schema, its SQLite file, or
