@@ -192,42 +192,31 @@ pub async fn run(
 /// Sets the cluster's `autovacuum_naptime` to [`AUTOVACUUM_NAPTIME_SECONDS`] and reloads its
 /// configuration.
 async fn vacuum_often(cluster: &PrivateCluster) -> Result<(), BenchError> {
-    let failed = |error: tokio_postgres::Error| BenchError::Startup(format!("postgres: {error}"));
-    let (client, connection) =
-        tokio_postgres::connect(&cluster.url("postgres"), tokio_postgres::NoTls)
-            .await
-            .map_err(failed)?;
-    tokio::spawn(connection);
-    client
-        .batch_execute(&format!(
-            "ALTER SYSTEM SET autovacuum_naptime = {AUTOVACUUM_NAPTIME_SECONDS}"
-        ))
-        .await
-        .map_err(failed)?;
-    client
-        .batch_execute("SELECT pg_reload_conf()")
-        .await
-        .map_err(failed)?;
-    Ok(())
+    let naptime = format!("ALTER SYSTEM SET autovacuum_naptime = {AUTOVACUUM_NAPTIME_SECONDS}");
+    execute_each(cluster, &[&naptime, "SELECT pg_reload_conf()"]).await
 }
 
 /// Drops a phase's database once it is measured and checkpoints, so that neither autovacuum's
 /// work on it nor the flush of its pages (half a million rows inserted without retention)
 /// falls into the next phase.
 async fn drop_database(cluster: &PrivateCluster, name: &str) -> Result<(), BenchError> {
+    let drop = format!("DROP DATABASE \"{name}\" WITH (FORCE)");
+    execute_each(cluster, &[&drop, "CHECKPOINT"]).await
+}
+
+/// Runs each statement on the cluster's `postgres` database as a message of its own: some
+/// (`DROP DATABASE`) refuse the transaction block a multi-statement message is.
+async fn execute_each(cluster: &PrivateCluster, statements: &[&str]) -> Result<(), BenchError> {
     let failed = |error: tokio_postgres::Error| BenchError::Startup(format!("postgres: {error}"));
     let (client, connection) =
         tokio_postgres::connect(&cluster.url("postgres"), tokio_postgres::NoTls)
             .await
             .map_err(failed)?;
     tokio::spawn(connection);
-    // Two messages: DROP DATABASE refuses to run in a transaction block, which a
-    // multi-statement query is.
-    client
-        .batch_execute(&format!("DROP DATABASE \"{name}\" WITH (FORCE)"))
-        .await
-        .map_err(failed)?;
-    client.batch_execute("CHECKPOINT").await.map_err(failed)
+    for statement in statements {
+        client.batch_execute(statement).await.map_err(failed)?;
+    }
+    Ok(())
 }
 
 /// One run on one fresh store.
