@@ -47,6 +47,13 @@ pub fn peak_rss_kib(pid: u32) -> Option<u64> {
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
+/// The clock ticks spent between two readings, where both are known.
+pub fn ticks_since(after: Option<u64>, before: Option<u64>) -> Option<u64> {
+    after
+        .zip(before)
+        .map(|(after, before)| after.saturating_sub(before))
+}
+
 /// Microseconds of CPU per message from clock ticks spent during a load.
 pub fn cpu_us_per_message(ticks: Option<u64>, messages: usize) -> Option<f64> {
     let seconds = ticks? as f64 / TICKS_PER_SECOND;
@@ -164,10 +171,8 @@ impl CpuMeter {
     /// What each part spent since [`CpuMeter::start`], per message of `messages`.
     pub fn per_message(&self, messages: usize) -> CpuSplit {
         let now = self.ticks();
-        let spent = |part: usize| {
-            let ticks = now[part]?.checked_sub(self.at_start[part]?)?;
-            cpu_us_per_message(Some(ticks), messages)
-        };
+        let spent =
+            |part: usize| cpu_us_per_message(ticks_since(now[part], self.at_start[part]), messages);
         CpuSplit {
             nats_server_us: spent(0),
             servers_us: spent(1),

@@ -19,7 +19,7 @@ use serde::Serialize;
 use super::BenchError;
 use super::statements::{ClusterProbe, PostgresCost};
 use crate::pg::{PrivateCluster, SUPERUSER};
-use crate::process::cpu_us_per_message;
+use crate::process::{cpu_us_per_message, ticks_since};
 
 /// How long pgbench runs.
 pub const PEER_SECONDS: u32 = 10;
@@ -122,10 +122,7 @@ pub async fn run_peer(
     let mark = probe.mark().await?;
     let before = cluster.cpu_ticks();
     let output = pgbench(cluster, clients, script.path())?;
-    let postgres_ticks = cluster
-        .cpu_ticks()
-        .zip(before)
-        .map(|(after, before)| after.saturating_sub(before));
+    let postgres_ticks = ticks_since(cluster.cpu_ticks(), before);
     let (transactions, transactions_per_second) = pgbench_figures(&output)?;
     let postgres_cost = probe.since(mark, "bench_peer", transactions).await?;
     verify_peer(&inbox, transactions).await?;

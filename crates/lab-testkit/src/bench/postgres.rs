@@ -15,7 +15,7 @@ use super::peer::{PeerFigures, run_peer};
 use super::statements::{ClusterProbe, PostgresCost};
 use super::{AggregateStream, BenchError, max_ms, percentile, require_positive, workload};
 use crate::pg::{ClusterOptions, PrivateCluster, find_bindir};
-use crate::process::cpu_us_per_message;
+use crate::process::{cpu_us_per_message, ticks_since};
 use crate::server::{PostgresFigures, ServerUnderTest, synchronous_flag};
 
 /// The figures of one HTTP load.
@@ -274,12 +274,6 @@ fn stop_and_count(servers: Vec<ServerUnderTest>) -> Result<PostgresFigures, Benc
 /// The sum of the servers' CPU ticks, or `None` when any is unknown.
 fn servers_cpu_ticks(servers: &[ServerUnderTest]) -> Option<u64> {
     servers.iter().map(ServerUnderTest::cpu_ticks).sum()
-}
-
-fn ticks_since(after: Option<u64>, before: Option<u64>) -> Option<u64> {
-    after
-        .zip(before)
-        .map(|(after, before)| after.saturating_sub(before))
 }
 
 fn figures(
