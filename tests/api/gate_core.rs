@@ -408,12 +408,7 @@ async fn a_pending_read_costs_what_it_answers_when_the_statistics_say_nothing_wa
     backend: Backend,
 ) {
     let gate = open_gate(backend).await;
-    if let Database::Postgres { .. } = gate.database {
-        gate.execute("ALTER TABLE gate_output SET (autovacuum_enabled = false)");
-    }
-    grid(&gate, 1_000, 1, 20, true);
-    gate.execute("ANALYZE gate_output");
-    grid(&gate, 1_000, 21, 23, false);
+    backlog_behind_stale_statistics(&gate, 20, 3);
     let with_stale_statistics = pending_read_cost(&gate);
     gate.execute("ANALYZE gate_output");
     let with_fresh_statistics = pending_read_cost(&gate);
@@ -435,10 +430,7 @@ async fn marking_a_round_published_reads_only_its_rows_whatever_waits_and_whatev
     let Database::Postgres { url } = &gate.database else {
         unreachable!("opened on PostgreSQL");
     };
-    gate.execute("ALTER TABLE gate_output SET (autovacuum_enabled = false)");
-    grid(&gate, 1_000, 1, 100, true);
-    gate.execute("ANALYZE gate_output");
-    grid(&gate, 1_000, 101, 103, false);
+    backlog_behind_stale_statistics(&gate, 100, 3);
     let with_stale_statistics = mark_cost(url, 1..=200).await;
     gate.execute("ANALYZE gate_output");
     let with_fresh_statistics = mark_cost(url, 501..=700).await;
@@ -524,6 +516,18 @@ impl<'a> FromSql<'a> for JsonText {
     fn accepts(ty: &Type) -> bool {
         *ty == Type::JSON
     }
+}
+
+/// 1,000 aggregates with `published` rows each, analyzed, then `waiting` more rows each that
+/// the statistics do not know of: they say that nothing waits. Autovacuum is off for the table
+/// on PostgreSQL, so that no automatic `ANALYZE` corrects them.
+fn backlog_behind_stale_statistics(gate: &Gate, published: i64, waiting: i64) {
+    if let Database::Postgres { .. } = gate.database {
+        gate.execute("ALTER TABLE gate_output SET (autovacuum_enabled = false)");
+    }
+    grid(gate, 1_000, 1, published, true);
+    gate.execute("ANALYZE gate_output");
+    grid(gate, 1_000, published + 1, published + waiting, false);
 }
 
 /// Rows written past the gate, without `ANALYZE`: sequences `from..=to` of each of `aggregates`
