@@ -128,6 +128,21 @@ impl Gate {
         )
     }
 
+    /// The rows in `gate_output`, read past the gate.
+    fn output_rows(&self) -> u64 {
+        const COUNT: &str = "SELECT COUNT(*) FROM gate_output";
+        match &self.database {
+            Database::Sqlite { path, .. } => rusqlite::Connection::open(path)
+                .and_then(|connection| connection.query_row(COUNT, [], |row| row.get::<_, i64>(0)))
+                .map(|count| count.unsigned_abs())
+                .expect("the output's rows"),
+            Database::Postgres { url } => query_text(url, COUNT)[0][0]
+                .as_deref()
+                .and_then(|count| count.parse().ok())
+                .expect("the output's rows"),
+        }
+    }
+
     async fn pending_count(&self) -> usize {
         self.output.pending(1000).await.expect("pending").len()
     }
@@ -479,27 +494,101 @@ async fn the_tables_pruning_empties_keep_their_freed_pages_on_postgres() {
 /// sequence 101 of the aggregates `aggregates` published, sent as the gate sends it: its arrays
 /// bound as parameters.
 async fn mark_cost(url: &str, aggregates: std::ops::RangeInclusive<i64>) -> u64 {
+    let ids: Vec<String> = aggregates.map(|a| format!("order-{a}")).collect();
+    let sequences = vec![101_i64; ids.len()];
+    rows_read_with_parameters(
+        url,
+        output::MARK_POSTGRES,
+        &[
+            (&ids, Type::TEXT_ARRAY),
+            (&sequences, Type::INT8_ARRAY),
+            (&"now", Type::TEXT),
+        ],
+    )
+    .await
+}
+
+/// The rows of `gate_output` one run of `sql` reads (kept or filtered), its parameters bound as
+/// the gate binds them, so that the planner sees what it sees in the gate.
+async fn rows_read_with_parameters(
+    url: &str,
+    sql: &str,
+    parameters: &[(&(dyn tokio_postgres::types::ToSql + Sync), Type)],
+) -> u64 {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .expect("connect");
     tokio::spawn(connection);
-    let ids: Vec<String> = aggregates.map(|a| format!("order-{a}")).collect();
-    let sequences = vec![101_i64; ids.len()];
-    let explain = format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", output::MARK_POSTGRES);
+    let explain = format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}");
     let rows = client
-        .query_typed(
-            &explain,
-            &[
-                (&ids, Type::TEXT_ARRAY),
-                (&sequences, Type::INT8_ARRAY),
-                (&"now", Type::TEXT),
-            ],
-        )
+        .query_typed(&explain, parameters)
         .await
-        .expect("the mark's plan");
+        .expect("the statement's plan");
     let JsonText(text) = rows[0].get(0);
     let plan: Value = serde_json::from_str(&text).expect("the plan's JSON");
     rows_read_of(&plan[0]["Plan"], "gate_output")
+}
+
+/// What one prune of at most `batch` rows touches, as [`pending_read_cost`] counts it; every
+/// row is older than its cut-off. Answers the cost and the rows deleted.
+async fn prune_cost(gate: &Gate, batch: i64) -> (u64, u64) {
+    let before = "~";
+    let deleted_before = gate.output_rows();
+    let cost = match &gate.database {
+        Database::Sqlite { path, .. } => {
+            let connection = rusqlite::Connection::open(path).expect("the gate's file");
+            let mut statement = connection.prepare(output::PRUNE_SQLITE).expect("prepare");
+            let deleted = statement
+                .query_map((before, batch), |_| Ok(()))
+                .expect("prune")
+                .count();
+            assert!(deleted > 0);
+            statement.get_status(rusqlite::StatementStatus::VmStep) as u64
+        }
+        Database::Postgres { url } => {
+            rows_read_with_parameters(
+                url,
+                output::PRUNE_POSTGRES,
+                &[(&before, Type::TEXT), (&batch, Type::INT8)],
+            )
+            .await
+        }
+    };
+    (cost, deleted_before - gate.output_rows())
+}
+
+/// A prune batch reads what it deletes and never the table, whether the statistics say that
+/// nothing was published (every row published since they were taken) or that everything was (a
+/// backlog since).
+async fn a_prune_batch_costs_what_it_deletes_whatever_the_statistics_say(backend: Backend) {
+    let gate = open_gate(backend).await;
+    grid(&gate, 1_000, 1, 20, false);
+    gate.execute("ANALYZE gate_output");
+    gate.execute("UPDATE gate_output SET published_at = 'now'");
+    let (nothing_published_said, deleted) = prune_cost(&gate, 100).await;
+    assert_eq!(deleted, 100);
+    gate.execute("ANALYZE gate_output");
+    grid(&gate, 1_000, 21, 23, false);
+    let (everything_published_said, deleted) = prune_cost(&gate, 100).await;
+    assert_eq!(deleted, 100);
+    gate.execute("ANALYZE gate_output");
+    let table = gate.output_rows();
+    let (fresh, deleted) = prune_cost(&gate, 100).await;
+    assert_eq!(deleted, 100);
+    assert!(
+        fresh < table,
+        "a prune of 100 rows cost {fresh}, as much as a read of the table's {table} rows"
+    );
+    for (statistics, cost) in [
+        ("that nothing was published", nothing_published_said),
+        ("that everything was published", everything_published_said),
+    ] {
+        assert!(
+            cost <= 2 * fresh,
+            "a prune of 100 rows cost {cost} with statistics saying {statistics}, \
+             {fresh} with fresh ones"
+        );
+    }
 }
 
 /// A `json` value as its text.
@@ -1121,6 +1210,7 @@ on_both_backends!(
     the_pending_rows_span_every_aggregate_rather_than_the_first_ones_backlog,
     a_pending_read_costs_the_same_whatever_backlog_stands_behind_its_answer,
     a_pending_read_costs_what_it_answers_when_the_statistics_say_nothing_waits,
+    a_prune_batch_costs_what_it_deletes_whatever_the_statistics_say,
     the_backlog_read_stops_at_its_cap_and_finds_the_oldest_row_whatever_waits_behind,
     the_backlog_shows_rows_waiting_while_no_publisher_runs_and_none_once_published,
     a_batch_with_a_poison_in_it_writes_the_output_of_exactly_the_applied_messages,

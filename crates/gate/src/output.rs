@@ -104,6 +104,32 @@ pub const BACKLOG_COUNT: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM gate_output
 pub const OLDEST_UNPUBLISHED: &str = "SELECT applied_at FROM gate_output
   WHERE published_at IS NULL AND applied_at > '' ORDER BY applied_at LIMIT 1";
 
+/// What [`OutputStore::prune`] runs on SQLite (`?1`: the cut-off time, `?2`: the batch): at
+/// most a batch of published rows applied before the cut-off, the oldest first, read from the
+/// partial index `gate_output_published_age`; answers each row deleted.
+pub const PRUNE_SQLITE: &str = "DELETE FROM gate_output
+  WHERE (aggregate_id, sequence) IN (
+        SELECT aggregate_id, sequence FROM gate_output
+         WHERE published_at IS NOT NULL AND applied_at < ?1
+         ORDER BY applied_at LIMIT ?2)
+ RETURNING aggregate_id, sequence";
+
+/// [`PRUNE_SQLITE`] on PostgreSQL (`$1`, `$2`), which also records per aggregate the highest
+/// sequence it deleted in `gate_output_pruned` and answers the rows deleted.
+pub const PRUNE_POSTGRES: &str = "WITH gone AS (
+     DELETE FROM gate_output
+      WHERE (aggregate_id, sequence) IN (
+            SELECT aggregate_id, sequence FROM gate_output
+             WHERE published_at IS NOT NULL AND applied_at < $1
+             ORDER BY applied_at LIMIT $2)
+     RETURNING aggregate_id, sequence),
+ highest AS (
+     INSERT INTO gate_output_pruned(aggregate_id, through)
+     SELECT aggregate_id, MAX(sequence) FROM gone GROUP BY aggregate_id
+     ON CONFLICT (aggregate_id) DO UPDATE
+        SET through = GREATEST(gate_output_pruned.through, EXCLUDED.through))
+ SELECT COUNT(*) FROM gone";
+
 /// The tables on SQLite, beside the inbox's: the output, and the one row of the publisher's
 /// lease ([`crate::lease`]). Idempotent.
 const SQLITE_SCHEMA: &str = "
@@ -445,19 +471,7 @@ impl OutputStore {
                 let transaction = client.transaction().await?;
                 let deleted = transaction
                     .query_typed(
-                        "WITH gone AS (
-                             DELETE FROM gate_output
-                              WHERE (aggregate_id, sequence) IN (
-                                    SELECT aggregate_id, sequence FROM gate_output
-                                     WHERE published_at IS NOT NULL AND applied_at < $1
-                                     ORDER BY applied_at LIMIT $2)
-                             RETURNING aggregate_id, sequence),
-                         highest AS (
-                             INSERT INTO gate_output_pruned(aggregate_id, through)
-                             SELECT aggregate_id, MAX(sequence) FROM gone GROUP BY aggregate_id
-                             ON CONFLICT (aggregate_id) DO UPDATE
-                                SET through = GREATEST(gate_output_pruned.through, EXCLUDED.through))
-                         SELECT COUNT(*) FROM gone",
+                        PRUNE_POSTGRES,
                         &[(&before, Type::TEXT), (&batch, Type::INT8)],
                     )
                     .await?;
@@ -536,14 +550,7 @@ fn sqlite_prune(connection: &Connection, before: &str, batch: i64) -> Result<u64
     let mut highest: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
     let mut deleted = 0u64;
     {
-        let mut statement = connection.prepare_cached(
-            "DELETE FROM gate_output
-              WHERE (aggregate_id, sequence) IN (
-                    SELECT aggregate_id, sequence FROM gate_output
-                     WHERE published_at IS NOT NULL AND applied_at < ?1
-                     ORDER BY applied_at LIMIT ?2)
-             RETURNING aggregate_id, sequence",
-        )?;
+        let mut statement = connection.prepare_cached(PRUNE_SQLITE)?;
         let mut rows = statement.query((before, batch))?;
         while let Some(row) = rows.next()? {
             let aggregate: String = row.get(0)?;
