@@ -1,8 +1,9 @@
-//! `production-lab gate backup`: a copy of a gate's SQLite store taken by the real command while
-//! producers deliver, a new gate started on the copy that carries on with the same output stream
-//! (no message twice, none missing), and the refusals (an existing path, a PostgreSQL store).
+//! Backups under load: a copy of a gate's SQLite store taken by `production-lab gate backup`, and
+//! of a PostgreSQL store by `pg_dump` as docs/gate.md shows, while producers deliver; a new gate
+//! started on the restored copy carries on with the same output stream (no message twice, none
+//! missing); and the command's refusals (an existing path, a PostgreSQL store).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -11,12 +12,15 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+use crate::aggregates::add_operator_on;
 use crate::gate::{
     Certificate, GateFiles, GateProcess, PLACED_SCHEMA, Producer, add_operator, add_producer,
     assert_in_order_once, deliver_until_decided, messages_of, output_count, read_output,
 };
 use crate::helpers::{command, poll_until_within};
 use crate::https::HttpsClient;
+use crate::postgres::query_text;
+use lab_testkit::nats::NatsServer;
 
 /// More messages than a producer of the test sends before it is stopped.
 const LONGEST: i64 = 5_000;
@@ -109,26 +113,198 @@ impl Load {
     }
 }
 
-/// Each aggregate's position (`last_sequence`) in the SQLite file at `database`, and the output
-/// rows marked published there.
-fn positions_and_published(database: &Path) -> (BTreeMap<String, i64>, i64) {
-    let connection = rusqlite::Connection::open(database).expect("open the copy");
-    let positions = connection
-        .prepare("SELECT aggregate_id, last_sequence FROM aggregate_state")
-        .and_then(|mut statement| {
-            statement
-                .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?
-                .collect::<rusqlite::Result<BTreeMap<String, i64>>>()
-        })
-        .expect("the copy's positions");
-    let published = connection
-        .query_row(
-            "SELECT count(*) FROM gate_output WHERE published_at IS NOT NULL",
-            [],
-            |row| row.get(0),
-        )
-        .expect("the copy's output cursor");
-    (positions, published)
+/// Where the test's gates keep their store, and how it is copied and restored.
+enum Backed {
+    /// A SQLite file, copied by `gate backup` one page per step.
+    Sqlite,
+    /// A database of the test run's PostgreSQL, copied by `pg_dump` of the tables docs/gate.md
+    /// names and restored by `pg_restore` into an empty database, as that page shows.
+    Postgres { database: String },
+}
+
+/// A copy taken under load, restored where a new gate can start on it.
+enum Restored {
+    Sqlite { copy: tempfile::TempDir },
+    Postgres { database: String },
+}
+
+impl Backed {
+    /// The gate's files and environment for this store.
+    fn files(
+        &self,
+        certificate: &Certificate,
+        nats: &NatsServer,
+    ) -> (GateFiles, Vec<(String, String)>) {
+        let files = GateFiles::new(certificate, nats);
+        match self {
+            Backed::Sqlite => (files, Vec::new()),
+            Backed::Postgres { database } => (files.on_postgres(), database_env(database)),
+        }
+    }
+
+    fn add_operator(&self, files: &GateFiles) -> String {
+        match self {
+            Backed::Sqlite => add_operator(&files.database(), "alice"),
+            Backed::Postgres { database } => {
+                add_operator_on(&["--inbox".into(), database.into()], "alice")
+            }
+        }
+    }
+
+    /// Takes the copy while the load runs: the SQLite file by the real command, one page per
+    /// step so that deliveries commit between its steps; the PostgreSQL tables by `pg_dump`,
+    /// one snapshot, restored at once into a new database.
+    async fn copy(&self, files: &GateFiles, load: &Load) -> Restored {
+        match self {
+            Backed::Sqlite => {
+                let backups = tempfile::tempdir().expect("a temp dir");
+                let copy = backups.path().join("gate-copy.db");
+                let before = load.acknowledged();
+                let (status, stdout, stderr) = run_backup(
+                    &files.config(),
+                    &copy,
+                    &["--pages-per-step", "1", "--pause-ms", "5"],
+                    &[],
+                )
+                .await;
+                let after = load.acknowledged();
+                assert!(status.success(), "the backup failed: {stderr}");
+                assert!(
+                    stdout.trim().lines().count() == 1
+                        && stdout.contains(" pages, ")
+                        && stdout.contains(" bytes, ")
+                        && stdout.trim_end().ends_with(" ms"),
+                    "one summary line: {stdout}"
+                );
+                assert!(
+                    after.iter().sum::<i64>() > before.iter().sum::<i64>(),
+                    "deliveries were acknowledged while the backup ran: {before:?} {after:?}"
+                );
+                Restored::Sqlite { copy: backups }
+            }
+            Backed::Postgres { database } => {
+                let dumps = tempfile::tempdir().expect("a temp dir");
+                let dump = dumps.path().join("gate.dump");
+                let mut arguments = vec![
+                    "--format=custom".to_owned(),
+                    format!("--file={}", dump.display()),
+                ];
+                arguments.extend(
+                    documented_tables()
+                        .iter()
+                        .map(|table| format!("--table={table}")),
+                );
+                arguments.push(database.clone());
+                run_postgres_tool("pg_dump", &arguments).await;
+                let restored = crate::postgres::fresh_database();
+                run_postgres_tool(
+                    "pg_restore",
+                    &[
+                        format!("--dbname={restored}"),
+                        "--single-transaction".into(),
+                        "--exit-on-error".into(),
+                        dump.display().to_string(),
+                    ],
+                )
+                .await;
+                Restored::Postgres { database: restored }
+            }
+        }
+    }
+}
+
+impl Restored {
+    /// Each aggregate's position (`last_sequence`) in the copy, and the output rows marked
+    /// published there.
+    fn positions_and_published(&self) -> (BTreeMap<String, i64>, i64) {
+        const POSITIONS: &str = "SELECT aggregate_id, last_sequence FROM aggregate_state";
+        const PUBLISHED: &str = "SELECT count(*) FROM gate_output WHERE published_at IS NOT NULL";
+        match self {
+            Restored::Sqlite { copy } => {
+                let connection = rusqlite::Connection::open(copy.path().join("gate-copy.db"))
+                    .expect("open the copy");
+                let positions = connection
+                    .prepare(POSITIONS)
+                    .and_then(|mut statement| {
+                        statement
+                            .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?
+                            .collect::<rusqlite::Result<BTreeMap<String, i64>>>()
+                    })
+                    .expect("the copy's positions");
+                let published = connection
+                    .query_row(PUBLISHED, [], |row| row.get(0))
+                    .expect("the copy's output cursor");
+                (positions, published)
+            }
+            Restored::Postgres { database } => {
+                let number = |text: &Option<String>| {
+                    text.as_deref()
+                        .and_then(|text| text.parse().ok())
+                        .expect("a number")
+                };
+                let positions = query_text(database, POSITIONS)
+                    .iter()
+                    .map(|row| (row[0].clone().expect("an aggregate"), number(&row[1])))
+                    .collect();
+                (positions, number(&query_text(database, PUBLISHED)[0][0]))
+            }
+        }
+    }
+
+    /// A new gate on the copy, with the same streams.
+    fn start_gate(&self, certificate: &Certificate, nats: &NatsServer) -> (GateFiles, GateProcess) {
+        let files = GateFiles::new(certificate, nats);
+        match self {
+            Restored::Sqlite { copy } => {
+                std::fs::copy(copy.path().join("gate-copy.db"), files.database())
+                    .expect("restore the copy");
+                let gate = GateProcess::start(&files.config());
+                (files, gate)
+            }
+            Restored::Postgres { database } => {
+                let files = files.on_postgres();
+                let env = database_env(database);
+                let gate = GateProcess::start_with_env(&files.config(), &borrowed(&env));
+                (files, gate)
+            }
+        }
+    }
+}
+
+fn database_env(database: &str) -> Vec<(String, String)> {
+    vec![("GATE_DATABASE_URL".to_owned(), database.to_owned())]
+}
+
+fn borrowed(env: &[(String, String)]) -> Vec<(&str, &str)> {
+    env.iter()
+        .map(|(key, value)| (key.as_str(), value.as_str()))
+        .collect()
+}
+
+/// The tables docs/gate.md's `pg_dump` command names, in its order.
+fn documented_tables() -> Vec<String> {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/gate.md"))
+        .expect("docs/gate.md");
+    page.split_whitespace()
+        .filter_map(|word| word.strip_prefix("--table="))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Runs one of the cluster's own client programs to its end; fails the test if it fails.
+async fn run_postgres_tool(program: &str, arguments: &[String]) {
+    let path = crate::postgres::shared_cluster().bindir().join(program);
+    let output = tokio::process::Command::new(&path)
+        .args(arguments)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap_or_else(|error| panic!("run {}: {error}", path.display()));
+    assert!(
+        output.status.success(),
+        "{program} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// The gate's `last` for `aggregate`, as an operator reads it.
@@ -150,13 +326,41 @@ async fn position(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_backup_taken_under_load_lets_a_restored_gate_continue_without_duplicate_or_gap() {
+    a_copy_taken_under_load_lets_a_restored_gate_continue(Backed::Sqlite).await;
+}
+
+/// The PostgreSQL steps of docs/gate.md, run as written: its table list is every table of the
+/// gate's database, and a gate on the restored dump carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pg_dump_of_the_documented_tables_under_load_lets_a_gate_on_the_restored_database_continue()
+ {
+    let database = crate::postgres::fresh_database();
+    a_copy_taken_under_load_lets_a_restored_gate_continue(Backed::Postgres {
+        database: database.clone(),
+    })
+    .await;
+    let tables: BTreeSet<String> = query_text(
+        &database,
+        "SELECT tablename FROM pg_tables WHERE schemaname = 'public'",
+    )
+    .into_iter()
+    .filter_map(|row| row[0].clone())
+    .collect();
+    let documented: BTreeSet<String> = documented_tables().into_iter().collect();
+    assert_eq!(
+        documented, tables,
+        "docs/gate.md's pg_dump names every table"
+    );
+}
+
+async fn a_copy_taken_under_load_lets_a_restored_gate_continue(backed: Backed) {
     let nats = crate::broker::start_nats(None);
     let js = crate::broker::jetstream_of(&nats).await;
     let certificate = Certificate::new();
     let client = certificate.client();
-    let files = GateFiles::new(&certificate, &nats);
-    let gate = GateProcess::start(&files.config());
-    let operator = add_operator(&files.database(), "alice");
+    let (files, env) = backed.files(&certificate, &nats);
+    let gate = GateProcess::start_with_env(&files.config(), &borrowed(&env));
+    let operator = backed.add_operator(&files);
     let producer = add_producer(&client, &gate, &operator, "shop").await;
     let aggregates: Vec<String> = (0..4).map(|index| format!("order-{index}")).collect();
 
@@ -168,30 +372,9 @@ async fn a_backup_taken_under_load_lets_a_restored_gate_continue_without_duplica
         |acknowledged| acknowledged.iter().all(|last| *last >= 20),
     )
     .await;
-    // One page per step: the copy takes many steps, each while the producers' writes commit.
-    let backups = tempfile::tempdir().expect("a temp dir");
-    let copy = backups.path().join("gate-copy.db");
     let before = load.acknowledged();
-    let (status, stdout, stderr) = run_backup(
-        &files.config(),
-        &copy,
-        &["--pages-per-step", "1", "--pause-ms", "5"],
-        &[],
-    )
-    .await;
+    let copy = backed.copy(&files, &load).await;
     let after = load.acknowledged();
-    assert!(status.success(), "the backup failed: {stderr}");
-    assert!(
-        stdout.trim().lines().count() == 1
-            && stdout.contains(" pages, ")
-            && stdout.contains(" bytes, ")
-            && stdout.trim_end().ends_with(" ms"),
-        "one summary line: {stdout}"
-    );
-    assert!(
-        after.iter().sum::<i64>() > before.iter().sum::<i64>(),
-        "deliveries were acknowledged while the backup ran: {before:?} {after:?}"
-    );
     // More past the backup point, all published by this gate, then it dies.
     poll_until_within(
         "every aggregate past the backup point",
@@ -213,7 +396,7 @@ async fn a_backup_taken_under_load_lets_a_restored_gate_continue_without_duplica
 
     // The copy: a consistent snapshot between the two reads of the producers' progress (one
     // message each may have committed before its answer came back), an output cursor with it.
-    let (copied, marked) = positions_and_published(&copy);
+    let (copied, marked) = copy.positions_and_published();
     for (index, aggregate) in aggregates.iter().enumerate() {
         let at = copied.get(aggregate).copied().unwrap_or(0);
         assert!(
@@ -226,9 +409,7 @@ async fn a_backup_taken_under_load_lets_a_restored_gate_continue_without_duplica
     assert!(marked > 0, "the copy holds the output cursor");
 
     // A new gate on the restored copy, with the same streams.
-    let restored_files = GateFiles::new(&certificate, &nats);
-    std::fs::copy(&copy, restored_files.database()).expect("restore the copy");
-    let restored = GateProcess::start(&restored_files.config());
+    let (_restored_files, restored) = copy.start_gate(&certificate, &nats);
     let mut expected = BTreeMap::new();
     let mut resend = tokio::task::JoinSet::new();
     for (index, aggregate) in aggregates.iter().enumerate() {
