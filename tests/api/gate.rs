@@ -984,6 +984,8 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
     let output = read_output(&js).await;
     assert_in_order_once(&output, &expected);
     assert_eq!(output.ids.len(), 120, "nothing more than the 120 rows");
+    // The second gate found the store installed: its start logged no notice of it.
+    assert!(!files.log().contains("NOTICE"), "{}", files.log());
     // One gate of the store published; the other stood by.
     let counts = [
         published_rows(&client, &first)

@@ -165,6 +165,8 @@ CREATE TABLE IF NOT EXISTS gate_output_pruned(
 /// starting together on one database do not race on the catalog.
 const POSTGRES_SCHEMA: &str = "
 BEGIN;
+-- A start on an installed store would log each `IF [NOT] EXISTS` that found nothing to do.
+SET LOCAL client_min_messages = warning;
 SELECT pg_advisory_xact_lock(hashtext('production-lab gate output'));
 CREATE TABLE IF NOT EXISTS gate_output(
     aggregate_id TEXT NOT NULL,

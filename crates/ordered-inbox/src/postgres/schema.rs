@@ -361,6 +361,12 @@ pub(super) async fn migrate_with(
         reason: format!("migrating the ordered inbox: {}", error_text(&error)),
     };
     let (first, second) = MIGRATION_LOCK;
+    // Every start runs the `IF NOT EXISTS` statements again: their notices of nothing to do
+    // would be logged at each start.
+    client
+        .batch_execute("SET client_min_messages = warning")
+        .await
+        .map_err(failed)?;
     client
         .execute("SELECT pg_advisory_lock($1, $2)", &[&first, &second])
         .await
