@@ -40,7 +40,8 @@ pub struct BenchRetentionArgs {
     /// The gate's store: a SQLite file, or a private PostgreSQL (durable commits).
     #[arg(long, value_enum, default_value = "sqlite")]
     pub backend: Backend,
-    /// Messages with retention on [default: 2000000 on SQLite, 500000 on PostgreSQL].
+    /// Messages with retention on [default: 2000000 on SQLite, 1000000 on PostgreSQL, whose
+    /// store reaches its window's high-water mark later than its warm-up of 500000 would end].
     #[arg(long)]
     pub messages: Option<usize>,
     /// Messages of the same workload with retention off [default: --messages].
@@ -81,7 +82,7 @@ impl BenchRetentionArgs {
         let postgres = self.backend == Backend::Postgres;
         let messages = self
             .messages
-            .unwrap_or(if postgres { 500_000 } else { 2_000_000 });
+            .unwrap_or(if postgres { 1_000_000 } else { 2_000_000 });
         bench::retention::RetentionBenchOptions {
             postgres,
             messages,

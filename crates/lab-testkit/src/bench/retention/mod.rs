@@ -189,11 +189,25 @@ pub async fn run(
     }
 }
 
-/// Sets the cluster's `autovacuum_naptime` to [`AUTOVACUUM_NAPTIME_SECONDS`] and reloads its
-/// configuration.
+/// Sets the cluster's `autovacuum_naptime` to [`AUTOVACUUM_NAPTIME_SECONDS`], keeps its
+/// checkpoints out of the phases (a phase writes about 2 GB of WAL, under `max_wal_size`, in
+/// well under the timeout), logs them, and reloads its configuration. With the defaults a
+/// checkpoint fell inside a phase, at a different point of each, and the full-page images
+/// written after it changed the rate from one sample to the next, and with it the time window's
+/// rows; the bench's own `CHECKPOINT` between the phases is then the only one.
 async fn vacuum_often(cluster: &PrivateCluster) -> Result<(), BenchError> {
     let naptime = format!("ALTER SYSTEM SET autovacuum_naptime = {AUTOVACUUM_NAPTIME_SECONDS}");
-    execute_each(cluster, &[&naptime, "SELECT pg_reload_conf()"]).await
+    execute_each(
+        cluster,
+        &[
+            &naptime,
+            "ALTER SYSTEM SET max_wal_size = '8GB'",
+            "ALTER SYSTEM SET checkpoint_timeout = '1h'",
+            "ALTER SYSTEM SET log_checkpoints = on",
+            "SELECT pg_reload_conf()",
+        ],
+    )
+    .await
 }
 
 /// Drops a phase's database once it is measured and checkpoints, so that neither autovacuum's
