@@ -32,7 +32,9 @@ pub const PENDING_PER_AGGREGATE: usize = 16;
 /// them is never read (numbering every unpublished row, as a window function does, read the
 /// whole backlog at every round). `CROSS JOIN` keeps the walk the outer loop and `INDEXED BY`
 /// keeps both reads of rows on the partial index: without them SQLite may scan every
-/// unpublished row for the join, or an aggregate's published history for its 16th row.
+/// unpublished row for the join, or an aggregate's published history for its 16th row. The
+/// final limit is written `+?1`, an expression: SQLite plans with a bare `?1`'s value there, and
+/// prepares such a statement again whenever `?1` is bound again, which is at every round.
 pub const PENDING_SQLITE: &str = "
 WITH RECURSIVE pending_aggregate(id, n) AS (
     SELECT (SELECT aggregate_id FROM gate_output WHERE published_at IS NULL
@@ -51,7 +53,7 @@ SELECT o.aggregate_id, o.sequence, o.message_id, o.message_type, o.payload, o.ap
              WHERE g.aggregate_id = a.id AND g.published_at IS NULL
              ORDER BY g.sequence LIMIT 1 OFFSET 15),
            9223372036854775807)
- ORDER BY o.aggregate_id, o.sequence LIMIT ?1";
+ ORDER BY o.aggregate_id, o.sequence LIMIT +?1";
 
 /// [`PENDING_SQLITE`] on PostgreSQL (`$1`: the limit), each aggregate's rows in a `LATERAL`
 /// read of its first 16.
@@ -87,7 +89,8 @@ pub const MARK_POSTGRES: &str = "UPDATE gate_output
 /// many or more", so that a scrape never reads a whole backlog.
 pub const BACKLOG_COUNT_CAP: i64 = 10_000;
 
-/// [`OutputStore::backlog`]'s count (`$1`: the cap), never past the cap. The order makes the
+/// [`OutputStore::backlog`]'s count (`$1`: the cap, `+$1` for the reason [`PENDING_SQLITE`]
+/// gives), never past the cap. The order makes the
 /// partial index `gate_output_waiting_age` the plan on both backends: a scan of the table
 /// stopping at the cap would still read every published row it met on the way.
 ///
@@ -97,7 +100,7 @@ pub const BACKLOG_COUNT_CAP: i64 = 10_000;
 /// waited (the table swings between all published and a backlog faster than `ANALYZE` follows),
 /// and sorted every waiting row at each step of the walk: seconds a read behind 25,000 rows.
 pub const BACKLOG_COUNT: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM gate_output
-  WHERE published_at IS NULL AND applied_at > '' ORDER BY applied_at LIMIT $1) AS bounded";
+  WHERE published_at IS NULL AND applied_at > '' ORDER BY applied_at LIMIT +$1) AS bounded";
 
 /// The oldest unpublished row's `applied_at`: the first entry of the partial index
 /// `gate_output_waiting_age`, one seek on both backends.
@@ -106,12 +109,13 @@ pub const OLDEST_UNPUBLISHED: &str = "SELECT applied_at FROM gate_output
 
 /// What [`OutputStore::prune`] runs on SQLite (`?1`: the cut-off time, `?2`: the batch): at
 /// most a batch of published rows applied before the cut-off, the oldest first, read from the
-/// partial index `gate_output_published_age`; answers each row deleted.
+/// partial index `gate_output_published_age`; answers each row deleted. `+?2`, as in
+/// [`PENDING_SQLITE`], keeps it prepared once.
 pub const PRUNE_SQLITE: &str = "DELETE FROM gate_output
   WHERE (aggregate_id, sequence) IN (
         SELECT aggregate_id, sequence FROM gate_output
          WHERE published_at IS NOT NULL AND applied_at < ?1
-         ORDER BY applied_at LIMIT ?2)
+         ORDER BY applied_at LIMIT +?2)
  RETURNING aggregate_id, sequence";
 
 /// [`PRUNE_SQLITE`] on PostgreSQL (`$1`, `$2`), which also records per aggregate the highest
@@ -319,7 +323,7 @@ impl OutputStore {
         let limit = bounded(limit)?;
         let sql_sqlite = format!(
             "SELECT {COLUMNS} FROM gate_output WHERE aggregate_id = ?1 AND sequence > ?2
-              ORDER BY sequence LIMIT ?3"
+              ORDER BY sequence LIMIT +?3"
         );
         let sql_postgres = format!(
             "SELECT {COLUMNS} FROM gate_output WHERE aggregate_id = $1 AND sequence > $2
@@ -694,6 +698,49 @@ mod tests {
             !PENDING_POSTGRES.contains("applied_at >"),
             "{PENDING_POSTGRES}"
         );
+    }
+
+    /// The publisher's read, the backlog's count and the pruner's batch, run again and again
+    /// with their limits bound anew, are prepared once: SQLite prepares a statement again at
+    /// every execution when it planned with a bound limit's value.
+    #[test]
+    fn the_sqlite_statements_run_at_every_round_are_prepared_once() {
+        use rusqlite::StatementStatus;
+        use rusqlite::types::Value;
+        /// A statement's parameters for a given limit.
+        type Parameters<'a> = &'a dyn Fn(i64) -> Vec<Value>;
+
+        let connection = Connection::open_in_memory().expect("a database");
+        connection.execute_batch(SQLITE_SCHEMA).expect("the tables");
+        connection
+            .execute_batch(
+                "INSERT INTO gate_output VALUES
+                   ('a', 1, 'm-1', 't', '{}', '2026-01-01', NULL),
+                   ('a', 2, 'm-2', 't', '{}', '2026-01-01', '2026-01-02')",
+            )
+            .expect("rows");
+        let backlog_count = BACKLOG_COUNT.replace('$', "?");
+        let runs: [(&str, Parameters); 3] = [
+            (PENDING_SQLITE, &|limit| vec![limit.into()]),
+            (&backlog_count, &|limit| vec![limit.into()]),
+            (PRUNE_SQLITE, &|limit| {
+                vec![Value::Text("2000".to_owned()), limit.into()]
+            }),
+        ];
+        for (sql, parameters) in runs {
+            let mut statement = connection.prepare(sql).expect("prepare");
+            for limit in [1000, 1000, 500] {
+                let mut rows = statement
+                    .query(rusqlite::params_from_iter(parameters(limit)))
+                    .expect("run");
+                while rows.next().expect("a row").is_some() {}
+            }
+            assert_eq!(
+                statement.get_status(StatementStatus::RePrepare),
+                0,
+                "prepared again: {sql}"
+            );
+        }
     }
 
     #[test]

@@ -18,6 +18,46 @@ use super::connection::WriterConnection;
 /// seek and a delete of what grew since the last round.
 const AGGREGATES_PER_BATCH_DIVISOR: usize = 8;
 
+// Every limit and offset below is written `+?N`, an expression, not a bare parameter: SQLite
+// plans with a bare parameter's value there and then marks the statement to be prepared again
+// whenever that parameter is bound again, which is at every execution. These statements are
+// prepared once per connection and run at every pruning batch.
+
+/// The oldest `?2` identities by rowid, those applied before `?1`. The window is the oldest
+/// rows by rowid, so a prune that finds nothing old enough reads `?2` rows, never the table. A
+/// row from before timestamps were kept (no `applied_at`) is older than any other.
+const PRUNE_IDENTITIES: &str = "DELETE FROM ordered_inbox
+  WHERE rowid IN (SELECT rowid FROM ordered_inbox ORDER BY rowid LIMIT +?2)
+    AND (applied_at IS NULL OR applied_at < ?1)";
+
+/// At most `?2` dead letters closed before `?1`. A resolution row stays: it is the audit trail
+/// by itself.
+const PRUNE_DEAD_LETTERS: &str = "DELETE FROM deadletters
+  WHERE rowid IN (
+        SELECT rowid FROM deadletters
+         WHERE status IN ('resolved', 'superseded') AND closed_at < ?1
+         LIMIT +?2)";
+
+/// The next `?2` aggregates after `?1`, whose timelines a batch compacts.
+const TIMELINE_AGGREGATES: &str = "SELECT aggregate_id FROM aggregate_state
+  WHERE aggregate_id > ?1 ORDER BY aggregate_id LIMIT +?2";
+
+/// At most `?3` events of aggregate `?1` beyond its newest `?2 + 1`. The newest stay whatever
+/// their kind; older ones go but for the events of the audit trail and the quarantine of a
+/// resolved dead letter.
+const COMPACT_TIMELINE: &str = "DELETE FROM aggregate_timeline
+  WHERE id IN (
+        SELECT t.id FROM aggregate_timeline AS t
+         WHERE t.aggregate_id = ?1
+           AND t.id < (SELECT id FROM aggregate_timeline
+                        WHERE aggregate_id = ?1
+                        ORDER BY id DESC LIMIT 1 OFFSET +?2)
+           AND t.kind NOT IN ('resolved', 'skipped', 'owner transferred', 'gap skipped')
+           AND NOT (t.kind = 'quarantined'
+                    AND EXISTS (SELECT 1 FROM resolutions AS r
+                                 WHERE r.message_id = t.message_id))
+         LIMIT +?3)";
+
 /// Runs one batch of `plan` in the writer's transaction.
 pub(crate) fn prune(
     connection: &WriterConnection<'_>,
@@ -26,60 +66,28 @@ pub(crate) fn prune(
     let limit = i64::try_from(plan.batch).unwrap_or(i64::MAX);
     let mut pruned = Pruned::default();
     if let Some(before) = &plan.identities_before {
-        // The window is the oldest `limit` rows by rowid, so a prune that finds nothing old
-        // enough reads `limit` rows, never the table. A row from before timestamps were kept
-        // (no `applied_at`) is older than any other.
         pruned.identities = connection
-            .prepared(
-                "DELETE FROM ordered_inbox
-                  WHERE rowid IN (SELECT rowid FROM ordered_inbox ORDER BY rowid LIMIT ?2)
-                    AND (applied_at IS NULL OR applied_at < ?1)",
-            )?
+            .prepared(PRUNE_IDENTITIES)?
             .execute(params![before, limit])? as u64;
     }
     if let Some(before) = &plan.dead_letters_before {
-        // A resolution row stays: it is the audit trail by itself.
         pruned.dead_letters = connection
-            .prepared(
-                "DELETE FROM deadletters
-                  WHERE rowid IN (
-                        SELECT rowid FROM deadletters
-                         WHERE status IN ('resolved', 'superseded') AND closed_at < ?1
-                         LIMIT ?2)",
-            )?
+            .prepared(PRUNE_DEAD_LETTERS)?
             .execute(params![before, limit])? as u64;
     }
     if let Some(keep) = plan.timeline_keep {
         let aggregates = (plan.batch / AGGREGATES_PER_BATCH_DIVISOR).max(1);
         let after = plan.timeline_after.clone().unwrap_or_default();
         let names: Vec<String> = connection
-            .prepared(
-                "SELECT aggregate_id FROM aggregate_state WHERE aggregate_id > ?1
-                  ORDER BY aggregate_id LIMIT ?2",
-            )?
+            .prepared(TIMELINE_AGGREGATES)?
             .query_map(params![after, aggregates as i64], |row| row.get(0))?
             .collect::<rusqlite::Result<_>>()?;
         for name in &names {
-            pruned.timeline += connection
-                .prepared(
-                    // The newest `keep` stay whatever their kind; older ones go but for the
-                    // events of the audit trail and the quarantine of a resolved dead letter.
-                    "DELETE FROM aggregate_timeline
-                      WHERE id IN (
-                            SELECT t.id FROM aggregate_timeline AS t
-                             WHERE t.aggregate_id = ?1
-                               AND t.id < (SELECT id FROM aggregate_timeline
-                                            WHERE aggregate_id = ?1
-                                            ORDER BY id DESC LIMIT 1 OFFSET ?2)
-                               AND t.kind NOT IN ('resolved', 'skipped', 'owner transferred',
-                                                  'gap skipped')
-                               AND NOT (t.kind = 'quarantined'
-                                        AND EXISTS (SELECT 1 FROM resolutions AS r
-                                                     WHERE r.message_id = t.message_id))
-                             LIMIT ?3)",
-                )?
-                .execute(params![name, i64::from(keep.saturating_sub(1)), limit])?
-                as u64;
+            pruned.timeline += connection.prepared(COMPACT_TIMELINE)?.execute(params![
+                name,
+                i64::from(keep.saturating_sub(1)),
+                limit
+            ])? as u64;
         }
         pruned.timeline_cursor = if names.len() < aggregates {
             None
@@ -116,7 +124,45 @@ pub(crate) fn retained(connection: &Connection, path: &Path) -> rusqlite::Result
 
 #[cfg(test)]
 mod tests {
+    use rusqlite::StatementStatus;
+    use rusqlite::types::Value;
+
+    /// A statement's parameters for a given limit.
+    type Parameters<'a> = &'a dyn Fn(i64) -> Vec<Value>;
+
+    use super::*;
     use crate::timeline::TimelineKind;
+
+    /// Each statement of a pruning batch, run again and again with its limits bound anew as the
+    /// pruner binds them, is prepared once: a statement SQLite prepared again at every batch
+    /// spent more on its planning than on its rows.
+    #[test]
+    fn a_pruning_statement_is_prepared_once_however_often_its_limits_are_bound() {
+        let connection = crate::sqlite::schema::migrated_in_memory();
+        let text = |text: &str| Value::Text(text.to_owned());
+        let runs: [(&str, Parameters); 4] = [
+            (PRUNE_IDENTITIES, &|limit| vec![text("9"), limit.into()]),
+            (PRUNE_DEAD_LETTERS, &|limit| vec![text("9"), limit.into()]),
+            (TIMELINE_AGGREGATES, &|limit| vec![text(""), limit.into()]),
+            (COMPACT_TIMELINE, &|limit| {
+                vec![text("a"), 4.into(), limit.into()]
+            }),
+        ];
+        for (sql, parameters) in runs {
+            let mut statement = connection.prepare(sql).expect("prepare");
+            for limit in [500, 500, 2000] {
+                let mut rows = statement
+                    .query(rusqlite::params_from_iter(parameters(limit)))
+                    .expect("run");
+                while rows.next().expect("a row").is_some() {}
+            }
+            assert_eq!(
+                statement.get_status(StatementStatus::RePrepare),
+                0,
+                "prepared again: {sql}"
+            );
+        }
+    }
 
     #[test]
     fn the_kinds_compaction_keeps_are_spelled_as_stored() {
