@@ -1,27 +1,21 @@
-//! A small HTTPS client for the gate's TLS tests: hyper's HTTP/1.1 client over a tokio-rustls
-//! connection (ring), trusting only the certificate the test made. One connection per request.
-//! reqwest is not used here on purpose: its rustls features, switched on for a test build, would
-//! apply to every reqwest client the workspace builds (features unify), each of which would then
-//! need a crypto provider installed first.
+//! The gate's TLS tests' HTTPS client: reqwest's builder shape over lab-testkit's client (hyper's
+//! HTTP/1.1 over tokio-rustls, ring), trusting only the certificate the test made, one connection
+//! per request. reqwest is not used here on purpose: its rustls features, switched on for a test
+//! build, would apply to every reqwest client the workspace builds (features unify), each of which
+//! would then need a crypto provider installed first.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::{HeaderName, HeaderValue, Method, Request, StatusCode, header};
-use http_body_util::{BodyExt, Full};
+use axum::http::{HeaderName, Method, StatusCode, header};
 use hyper::body::Bytes;
-use hyper_util::rt::TokioIo;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, ServerName};
+use lab_testkit::chaos::https::HttpsClient as Connections;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::net::TcpStream;
-use tokio_rustls::TlsConnector;
 
 /// Clones share one TLS configuration.
 #[derive(Clone)]
 pub struct HttpsClient {
-    tls: TlsConnector,
+    connections: Connections,
 }
 
 /// A request being built, as reqwest's builder reads.
@@ -41,23 +35,13 @@ pub struct Response {
 }
 
 /// Why a request got no response.
-pub type Error = Box<dyn std::error::Error + Send + Sync>;
+pub type Error = lab_testkit::chaos::https::Error;
 
 impl HttpsClient {
     /// A client that trusts only `certificate_pem`.
     pub fn trusting(certificate_pem: &str) -> HttpsClient {
-        let mut roots = rustls::RootCertStore::empty();
-        let der = CertificateDer::from_pem_slice(certificate_pem.as_bytes())
-            .expect("the certificate's PEM");
-        roots.add(der).expect("trust the certificate");
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .expect("TLS versions")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
         HttpsClient {
-            tls: TlsConnector::from(Arc::new(config)),
+            connections: Connections::trusting(certificate_pem).expect("trust the certificate"),
         }
     }
 
@@ -104,32 +88,26 @@ impl RequestBuilder {
 
     /// Sends the request on a new TLS connection and reads the whole answer (30 s at most).
     pub async fn send(self) -> Result<Response, Error> {
-        tokio::time::timeout(Duration::from_secs(30), self.exchange()).await?
-    }
-
-    async fn exchange(self) -> Result<Response, Error> {
-        let uri: axum::http::Uri = self.url.parse()?;
-        let host = uri.host().ok_or("no host in the URL")?.to_owned();
-        let port = uri.port_u16().unwrap_or(443);
-        let tcp = TcpStream::connect((host.as_str(), port)).await?;
-        let name = ServerName::try_from(host.clone())?;
-        let tls = self.client.tls.connect(name, tcp).await?;
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
-        tokio::spawn(connection);
-        let path = uri.path_and_query().map_or("/", |path| path.as_str());
-        let mut request = Request::builder()
-            .method(self.method)
-            .uri(path)
-            .header(header::HOST, format!("{host}:{port}"));
-        for (name, value) in self.headers {
-            request = request.header(name, HeaderValue::from_str(&value)?);
-        }
-        let request = request.body(Full::new(Bytes::from(self.body.unwrap_or_default())))?;
-        let response = sender.send_request(request).await?;
-        let status = response.status();
-        let body = response.into_body().collect().await?.to_bytes();
-        Ok(Response { status, body })
+        let headers: Vec<(&str, String)> = self
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.clone()))
+            .collect();
+        let answer = self
+            .client
+            .connections
+            .send_bytes(
+                self.method,
+                &self.url,
+                &headers,
+                self.body.unwrap_or_default(),
+                Duration::from_secs(30),
+            )
+            .await?;
+        Ok(Response {
+            status: StatusCode::from_u16(answer.status)?,
+            body: answer.body,
+        })
     }
 }
 

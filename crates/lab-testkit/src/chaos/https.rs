@@ -1,6 +1,6 @@
-//! A small HTTPS client for the campaign's producers: hyper's HTTP/1.1 client over a
-//! tokio-rustls connection (ring), trusting only the run's CA, one connection per request, every
-//! exchange bounded in time. reqwest is not used on purpose: its rustls features would apply to
+//! A small HTTPS client for the campaign's producers and the gate's TLS tests: hyper's HTTP/1.1
+//! client over a tokio-rustls connection (ring), trusting only one CA or certificate, one
+//! connection per request, every exchange bounded in time. reqwest is not used on purpose: its rustls features would apply to
 //! every reqwest client the workspace builds (features unify), each of which would then need a
 //! crypto provider installed first.
 
@@ -65,6 +65,27 @@ impl HttpsClient {
         body: Option<&Value>,
         within: Duration,
     ) -> Result<Answer, Error> {
+        let mut headers = headers.to_vec();
+        let bytes = match body {
+            Some(body) => {
+                headers.push((header::CONTENT_TYPE.as_str(), "application/json".to_owned()));
+                serde_json::to_vec(body)?
+            }
+            None => Vec::new(),
+        };
+        self.send_bytes(method, url, &headers, bytes, within).await
+    }
+
+    /// [`HttpsClient::send`] with the body's bytes as given, byte for byte (`headers` name its
+    /// content type, if any).
+    pub async fn send_bytes(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, String)],
+        body: Vec<u8>,
+        within: Duration,
+    ) -> Result<Answer, Error> {
         tokio::time::timeout(within, self.exchange(method, url, headers, body)).await?
     }
 
@@ -73,7 +94,7 @@ impl HttpsClient {
         method: Method,
         url: &str,
         headers: &[(&str, String)],
-        body: Option<&Value>,
+        body: Vec<u8>,
     ) -> Result<Answer, Error> {
         let uri: hyper::Uri = url.parse()?;
         let host = uri.host().ok_or("no host in the URL")?.to_owned();
@@ -92,15 +113,8 @@ impl HttpsClient {
         for (name, value) in headers {
             request = request.header(*name, value.as_str());
         }
-        let bytes = match body {
-            Some(body) => {
-                request = request.header(header::CONTENT_TYPE, "application/json");
-                serde_json::to_vec(body)?
-            }
-            None => Vec::new(),
-        };
         let response = sender
-            .send_request(request.body(Full::new(Bytes::from(bytes)))?)
+            .send_request(request.body(Full::new(Bytes::from(body)))?)
             .await?;
         let status = response.status().as_u16();
         let body = response.into_body().collect().await?.to_bytes();
