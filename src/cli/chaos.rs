@@ -43,7 +43,8 @@ pub struct ChaosArgs {
     /// Runs, on seeds SEED, SEED+1, …
     #[arg(long, default_value_t = 1)]
     runs: u64,
-    /// Where each run's history (`history-SEED.jsonl`) and the reports (`report.json`) go.
+    /// Where each run's history (`history-SEED.jsonl`) and the reports (`report.json`, written
+    /// again after each run) go.
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Print the reports as JSON instead of text.
@@ -135,6 +136,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
             println!("  replay: {}", report.replay_command(&shortened.faults));
         }
         reports.push(report);
+        write_reports(args.dir.as_deref(), &reports)?;
         if !passed {
             failed.push(seed);
             if args.stop_on_violation {
@@ -142,13 +144,38 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
             }
         }
     }
-    if let Some(dir) = &args.dir {
-        let path = dir.join("report.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&reports)?)
-            .with_context(|| format!("cannot write {}", path.display()))?;
-    }
     if !failed.is_empty() {
         bail!("violations in seed(s) {failed:?}");
     }
     Ok(())
+}
+
+/// Writes the reports of the runs so far to `dir/report.json`, after each run, so that a
+/// campaign stopped or failed half-way keeps what its finished runs found; the file is replaced
+/// whole (written beside it, then renamed), never left half-written.
+fn write_reports(dir: Option<&std::path::Path>, reports: &[RunReport]) -> anyhow::Result<()> {
+    let Some(dir) = dir else {
+        return Ok(());
+    };
+    let path = dir.join("report.json");
+    let partial = dir.join(".report.json.partial");
+    std::fs::write(&partial, serde_json::to_string_pretty(reports)?)
+        .with_context(|| format!("cannot write {}", partial.display()))?;
+    std::fs::rename(&partial, &path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reports_file_is_replaced_whole_after_each_run() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        std::fs::write(dir.path().join("report.json"), "the last campaign's").expect("a file");
+        write_reports(Some(dir.path()), &[]).expect("written");
+        let written = std::fs::read_to_string(dir.path().join("report.json")).expect("read");
+        assert_eq!(written, "[]");
+        assert!(!dir.path().join(".report.json.partial").exists());
+        write_reports(None, &[]).expect("nothing to write without --dir");
+    }
 }
