@@ -362,26 +362,32 @@ fn rows(gate: &Gate, aggregate: &str, from: i64, to: i64, published: bool) {
 /// machine's steps, on PostgreSQL the rows its scans of `gate_output` read (kept or filtered).
 fn pending_read_cost(gate: &Gate) -> u64 {
     match &gate.database {
-        Database::Sqlite { path, .. } => {
-            let connection = rusqlite::Connection::open(path).expect("the gate's file");
-            let mut statement = connection.prepare(output::PENDING_SQLITE).expect("prepare");
-            let rows = statement
-                .query_map([1000], |_| Ok(()))
-                .expect("query")
-                .count();
-            assert!(rows > 0);
-            statement.get_status(rusqlite::StatementStatus::VmStep) as u64
-        }
+        Database::Sqlite { path, .. } => sqlite_steps(path, output::PENDING_SQLITE, [1000]),
         Database::Postgres { url } => {
-            let explain = format!(
-                "EXPLAIN (ANALYZE, FORMAT JSON) {}",
-                output::PENDING_POSTGRES.replace("$1", "1000")
-            );
-            let text = query_text(url, &explain)[0][0].clone().expect("a plan");
-            let plan: Value = serde_json::from_str(&text).expect("the plan's JSON");
-            rows_read_of(&plan[0]["Plan"], "gate_output")
+            postgres_rows_read(url, &output::PENDING_POSTGRES.replace("$1", "1000"))
         }
     }
+}
+
+/// The SQLite virtual machine's steps in one run of `sql` on the file at `path`, which answers
+/// (or deletes) at least one row.
+fn sqlite_steps(path: &std::path::Path, sql: &str, parameters: impl rusqlite::Params) -> u64 {
+    let connection = rusqlite::Connection::open(path).expect("the gate's file");
+    let mut statement = connection.prepare(sql).expect("prepare");
+    let rows = statement
+        .query_map(parameters, |_| Ok(()))
+        .expect("query")
+        .count();
+    assert!(rows > 0, "no row from {sql}");
+    statement.get_status(rusqlite::StatementStatus::VmStep) as u64
+}
+
+/// The rows of `gate_output` one run of `sql`, sent as text, reads on PostgreSQL.
+fn postgres_rows_read(url: &str, sql: &str) -> u64 {
+    let explain = format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}");
+    let text = query_text(url, &explain)[0][0].clone().expect("a plan");
+    let plan: Value = serde_json::from_str(&text).expect("the plan's JSON");
+    rows_read_of(&plan[0]["Plan"], "gate_output")
 }
 
 /// The rows the plan's scans of `table` read: returned plus filtered out, in every loop.
@@ -535,16 +541,7 @@ async fn prune_cost(gate: &Gate, batch: i64) -> (u64, u64) {
     let before = "~";
     let deleted_before = gate.output_rows();
     let cost = match &gate.database {
-        Database::Sqlite { path, .. } => {
-            let connection = rusqlite::Connection::open(path).expect("the gate's file");
-            let mut statement = connection.prepare(output::PRUNE_SQLITE).expect("prepare");
-            let deleted = statement
-                .query_map((before, batch), |_| Ok(()))
-                .expect("prune")
-                .count();
-            assert!(deleted > 0);
-            statement.get_status(rusqlite::StatementStatus::VmStep) as u64
-        }
+        Database::Sqlite { path, .. } => sqlite_steps(path, output::PRUNE_SQLITE, (before, batch)),
         Database::Postgres { url } => {
             rows_read_with_parameters(
                 url,
@@ -562,6 +559,7 @@ async fn prune_cost(gate: &Gate, batch: i64) -> (u64, u64) {
 /// backlog since).
 async fn a_prune_batch_costs_what_it_deletes_whatever_the_statistics_say(backend: Backend) {
     let gate = open_gate(backend).await;
+    statistics_only_by_hand(&gate);
     grid(&gate, 1_000, 1, 20, false);
     gate.execute("ANALYZE gate_output");
     gate.execute("UPDATE gate_output SET published_at = 'now'");
@@ -608,15 +606,20 @@ impl<'a> FromSql<'a> for JsonText {
 }
 
 /// 1,000 aggregates with `published` rows each, analyzed, then `waiting` more rows each that
-/// the statistics do not know of: they say that nothing waits. Autovacuum is off for the table
-/// on PostgreSQL, so that no automatic `ANALYZE` corrects them.
+/// the statistics do not know of: they say that nothing waits.
 fn backlog_behind_stale_statistics(gate: &Gate, published: i64, waiting: i64) {
-    if let Database::Postgres { .. } = gate.database {
-        gate.execute("ALTER TABLE gate_output SET (autovacuum_enabled = false)");
-    }
+    statistics_only_by_hand(gate);
     grid(gate, 1_000, 1, published, true);
     gate.execute("ANALYZE gate_output");
     grid(gate, 1_000, published + 1, published + waiting, false);
+}
+
+/// Autovacuum off for `gate_output` on PostgreSQL, so that no automatic `ANALYZE` corrects the
+/// statistics a test left stale on purpose.
+fn statistics_only_by_hand(gate: &Gate) {
+    if let Database::Postgres { .. } = gate.database {
+        gate.execute("ALTER TABLE gate_output SET (autovacuum_enabled = false)");
+    }
 }
 
 /// Rows written past the gate, without `ANALYZE`: sequences `from..=to` of each of `aggregates`
@@ -644,25 +647,17 @@ fn grid(gate: &Gate, aggregates: i64, from: i64, to: i64, published: bool) {
 /// [`pending_read_cost`] counts it.
 fn read_cost(gate: &Gate, sql: &str, parameter: Option<i64>) -> u64 {
     match &gate.database {
-        Database::Sqlite { path, .. } => {
-            let connection = rusqlite::Connection::open(path).expect("the gate's file");
-            let mut statement = connection.prepare(&sql.replace('$', "?")).expect("prepare");
-            let rows = statement
-                .query_map(rusqlite::params_from_iter(parameter), |_| Ok(()))
-                .expect("query")
-                .count();
-            assert!(rows > 0);
-            statement.get_status(rusqlite::StatementStatus::VmStep) as u64
-        }
+        Database::Sqlite { path, .. } => sqlite_steps(
+            path,
+            &sql.replace('$', "?"),
+            rusqlite::params_from_iter(parameter),
+        ),
         Database::Postgres { url } => {
             let sql = match parameter {
                 Some(parameter) => sql.replace("$1", &parameter.to_string()),
                 None => sql.to_owned(),
             };
-            let explain = format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}");
-            let text = query_text(url, &explain)[0][0].clone().expect("a plan");
-            let plan: Value = serde_json::from_str(&text).expect("the plan's JSON");
-            rows_read_of(&plan[0]["Plan"], "gate_output")
+            postgres_rows_read(url, &sql)
         }
     }
 }
