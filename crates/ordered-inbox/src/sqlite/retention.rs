@@ -127,11 +127,11 @@ mod tests {
     use rusqlite::StatementStatus;
     use rusqlite::types::Value;
 
-    /// A statement's parameters for a given limit.
-    type Parameters<'a> = &'a dyn Fn(i64) -> Vec<Value>;
-
     use super::*;
     use crate::timeline::TimelineKind;
+
+    /// A statement's parameters for a given limit.
+    type Parameters<'a> = &'a dyn Fn(i64) -> Vec<Value>;
 
     /// Each statement of a pruning batch, run again and again with its limits bound anew as the
     /// pruner binds them, is prepared once: a statement SQLite prepared again at every batch

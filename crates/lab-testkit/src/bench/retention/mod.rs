@@ -150,7 +150,7 @@ pub async fn run(
             ..ClusterOptions::durable()
         })
         .map_err(|error| BenchError::Startup(format!("a private PostgreSQL: {error}")))?;
-        vacuum_often(&cluster).await?;
+        prepare_cluster(&cluster).await?;
         Some(cluster)
     } else {
         None
@@ -195,7 +195,7 @@ pub async fn run(
 /// checkpoint fell inside a phase, at a different point of each, and the full-page images
 /// written after it changed the rate from one sample to the next, and with it the time window's
 /// rows; the bench's own `CHECKPOINT` between the phases is then the only one.
-async fn vacuum_often(cluster: &PrivateCluster) -> Result<(), BenchError> {
+async fn prepare_cluster(cluster: &PrivateCluster) -> Result<(), BenchError> {
     let naptime = format!("ALTER SYSTEM SET autovacuum_naptime = {AUTOVACUUM_NAPTIME_SECONDS}");
     execute_each(
         cluster,
