@@ -120,6 +120,9 @@ pub struct CpuSplit {
     pub nats_server_us: Option<f64>,
     pub servers_us: Option<f64>,
     pub bench_us: Option<f64>,
+    /// Bytes the servers under test wrote to storage (`write_bytes` of `/proc/PID/io`: their
+    /// WAL, checkpoints and database files), per message.
+    pub servers_storage_bytes: Option<f64>,
 }
 
 impl std::fmt::Display for CpuSplit {
@@ -131,7 +134,11 @@ impl std::fmt::Display for CpuSplit {
             show(self.nats_server_us),
             show(self.servers_us),
             show(self.bench_us)
-        )
+        )?;
+        match self.servers_storage_bytes {
+            Some(bytes) => write!(f, "; server(s) wrote {:.1} KB", bytes / 1000.0),
+            None => Ok(()),
+        }
     }
 }
 
@@ -141,6 +148,7 @@ pub struct CpuMeter {
     nats_server: Option<u32>,
     servers: Vec<u32>,
     at_start: [Option<u64>; 3],
+    servers_written_at_start: Option<u64>,
 }
 
 impl CpuMeter {
@@ -150,9 +158,19 @@ impl CpuMeter {
             nats_server,
             servers,
             at_start: [None; 3],
+            servers_written_at_start: None,
         };
         meter.at_start = meter.ticks();
+        meter.servers_written_at_start = meter.servers_written();
         meter
+    }
+
+    /// The bytes every server process wrote to storage so far, where `/proc` tells all of them.
+    fn servers_written(&self) -> Option<u64> {
+        self.servers
+            .iter()
+            .map(|pid| ProcessUsage::read(*pid).and_then(|usage| usage.write_bytes))
+            .sum()
     }
 
     fn ticks(&self) -> [Option<u64>; 3] {
@@ -173,10 +191,15 @@ impl CpuMeter {
         let now = self.ticks();
         let spent =
             |part: usize| cpu_us_per_message(ticks_since(now[part], self.at_start[part]), messages);
+        let written = self
+            .servers_written()
+            .zip(self.servers_written_at_start)
+            .map(|(now, then)| now.saturating_sub(then) as f64 / messages.max(1) as f64);
         CpuSplit {
             nats_server_us: spent(0),
             servers_us: spent(1),
             bench_us: spent(2),
+            servers_storage_bytes: written.filter(|_| !self.servers.is_empty()),
         }
     }
 }
@@ -247,5 +270,29 @@ mod tests {
                 .to_string()
                 .starts_with("nats-server unknown, server(s) 0.0 µs")
         );
+    }
+
+    #[test]
+    fn a_meter_counts_what_the_servers_wrote_to_storage() {
+        // In the workspace's target directory: a tmpfs /tmp would write nothing to storage.
+        let scratch = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/tmp");
+        std::fs::create_dir_all(&scratch).expect("target/tmp");
+        let dir = tempfile::tempdir_in(&scratch).expect("a scratch directory");
+        let meter = CpuMeter::start(None, vec![std::process::id()]);
+        let file = dir.path().join("written");
+        std::fs::write(&file, vec![7u8; 1_000_000]).expect("a file of 1 MB");
+        std::fs::File::open(&file)
+            .and_then(|file| file.sync_all())
+            .expect("its sync");
+        let split = meter.per_message(1000);
+        assert!(
+            split
+                .servers_storage_bytes
+                .is_some_and(|bytes| bytes >= 1000.0),
+            "{split:?}"
+        );
+        assert!(split.to_string().contains("server(s) wrote"), "{split}");
+        let nobody = CpuMeter::start(None, Vec::new()).per_message(1000);
+        assert_eq!(nobody.servers_storage_bytes, None, "no servers, no figure");
     }
 }

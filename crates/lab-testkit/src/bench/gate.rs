@@ -92,6 +92,8 @@ pub struct GateReport {
     pub gate_peak_rss_mib: Option<f64>,
     /// Where the burst's CPU went, per message (on PostgreSQL its own CPU is not counted).
     pub cpu_per_message: CpuSplit,
+    /// The first gate's SQLite writer during the burst (`None` on PostgreSQL).
+    pub writer: Option<WriterFigures>,
     /// The second run at half the rate, if asked for.
     pub steady: Option<SteadyReport>,
     /// `bench broker` in the same run.
@@ -121,6 +123,9 @@ impl std::fmt::Display for GateReport {
             self.p50_ms, self.p95_ms, self.p99_ms, self.max_ms
         )?;
         writeln!(f, "  CPU per message: {}", self.cpu_per_message)?;
+        if let Some(writer) = &self.writer {
+            writeln!(f, "  store writer: {writer}")?;
+        }
         match self.gate_peak_rss_mib {
             Some(mib) => writeln!(f, "  gate peak RSS: {mib:.1} MiB")?,
             None => writeln!(f, "  gate peak RSS: unknown (no /proc)")?,
@@ -155,10 +160,15 @@ pub async fn run(options: &GateBenchOptions) -> Result<GateReport, BenchError> {
     }
     let streams = workload(options.aggregates, options.messages);
     let messages = interleaved(&streams);
-    let (run, gate_peak_rss_mib, cpu_per_message) = once(options, &messages, None).await?;
+    let Measured {
+        run,
+        gate_peak_rss_mib,
+        cpu_per_message,
+        writer,
+    } = once(options, &messages, None).await?;
     let steady = if options.steady_at_half {
         let offered = options.messages as f64 / run.output.as_secs_f64() / 2.0;
-        let (steady, _, _) = once(options, &messages, Some(offered)).await?;
+        let steady = once(options, &messages, Some(offered)).await?.run;
         Some(SteadyReport {
             offered_per_second: offered,
             input_to_output_per_second: options.messages as f64 / steady.output.as_secs_f64(),
@@ -192,19 +202,28 @@ pub async fn run(options: &GateBenchOptions) -> Result<GateReport, BenchError> {
         max_ms: max_ms(latencies),
         gate_peak_rss_mib,
         cpu_per_message,
+        writer,
         steady,
         broker,
     })
 }
 
+/// What one run measured beside its timings.
+struct Measured {
+    run: GateRun,
+    gate_peak_rss_mib: Option<f64>,
+    cpu_per_message: CpuSplit,
+    writer: Option<WriterFigures>,
+}
+
 /// One run on a fresh nats-server, store and gates: `messages` published (at `rate` per
 /// second, or as fast as the PubAcks come), the output read and verified. Answers the run, the
-/// first gate's peak RSS and where the CPU went.
+/// first gate's peak RSS and writer, and where the CPU went.
 async fn once(
     options: &GateBenchOptions,
     messages: &[&OrderedMessage],
     rate: Option<f64>,
-) -> Result<(GateRun, Option<f64>, CpuSplit), BenchError> {
+) -> Result<Measured, BenchError> {
     let nats = NatsServer::start(None)?;
     let context = jetstream::new(nats.connect().await?);
     let cluster = if options.postgres {
@@ -230,12 +249,21 @@ async fn once(
     let meter = CpuMeter::start(nats.pid(), gates.iter().map(ServerUnderTest::pid).collect());
     let run = through_the_gate(&context, messages, rate).await;
     let cpu = meter.per_message(messages.len());
+    let writer = match gates.first() {
+        Some(gate) if !options.postgres => WriterFigures::scrape(&gate.address).await?,
+        _ => None,
+    };
     let gate_peak_rss_mib = gates.first().and_then(|gate| mib(gate.peak_rss_kib()));
     for gate in gates {
         gate.stop()?;
     }
     drop(cluster);
-    Ok((run?, gate_peak_rss_mib, cpu))
+    Ok(Measured {
+        run: run?,
+        gate_peak_rss_mib,
+        cpu_per_message: cpu,
+        writer,
+    })
 }
 
 /// The gate of this binary on a fresh directory: its config, its schema, its SQLite file, or
@@ -509,4 +537,59 @@ fn verify_output(arrivals: &[Arrival], expected: &HashMap<String, i64>) -> Resul
         }
     }
     Ok(())
+}
+
+/// The first gate's SQLite writer over a run, from its `/metrics` (the histograms of its
+/// group commits): how many transactions carried the input's batches and the publisher's
+/// marks, and how long they took.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WriterFigures {
+    pub commits: u64,
+    pub units: u64,
+    pub transaction_ms: f64,
+    pub commit_ms: f64,
+}
+
+impl WriterFigures {
+    /// `None` when the gate's metrics hold no writer histogram.
+    async fn scrape(address: &str) -> Result<Option<WriterFigures>, BenchError> {
+        let text = super::http_client(1, Duration::from_secs(30))?
+            .get(format!("{address}/metrics"))
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?;
+        Ok(WriterFigures::parse(&text))
+    }
+
+    fn parse(metrics: &str) -> Option<WriterFigures> {
+        let value = |name: &str| {
+            metrics.lines().find_map(|line| {
+                let rest = line.strip_prefix(name)?.strip_prefix(' ')?;
+                rest.trim().parse::<f64>().ok()
+            })
+        };
+        Some(WriterFigures {
+            commits: value("inbox_writer_batch_size_count")? as u64,
+            units: value("inbox_writer_batch_size_sum")? as u64,
+            transaction_ms: value("inbox_writer_transaction_seconds_sum")? * 1e3,
+            commit_ms: value("inbox_writer_commit_seconds_sum")? * 1e3,
+        })
+    }
+}
+
+impl std::fmt::Display for WriterFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let per_commit = |ms: f64| ms / self.commits.max(1) as f64;
+        write!(
+            f,
+            "{} commits of {} units, {:.2} ms per transaction, of which COMMIT {:.2} ms",
+            self.commits,
+            self.units,
+            per_commit(self.transaction_ms),
+            per_commit(self.commit_ms)
+        )
+    }
 }
