@@ -128,6 +128,20 @@ impl Gate {
         )
     }
 
+    /// The lease's expiry on the store's clock, read past the gate.
+    fn lease_expiry(&self) -> i64 {
+        const EXPIRY: &str = "SELECT expires_at_ms FROM gate_publisher_lease";
+        match &self.database {
+            Database::Sqlite { path, .. } => rusqlite::Connection::open(path)
+                .and_then(|connection| connection.query_row(EXPIRY, [], |row| row.get(0)))
+                .expect("the lease's expiry"),
+            Database::Postgres { url } => query_text(url, EXPIRY)[0][0]
+                .as_deref()
+                .and_then(|text| text.parse().ok())
+                .expect("the lease's expiry"),
+        }
+    }
+
     /// The rows in `gate_output`, read past the gate.
     fn output_rows(&self) -> u64 {
         const COUNT: &str = "SELECT COUNT(*) FROM gate_output";
@@ -1066,6 +1080,53 @@ async fn the_publishers_lease_goes_to_one_gate_until_it_lapses_and_a_takeover_bu
     );
 }
 
+/// A holder renews its lease at the first round after a third of its term, not at every round:
+/// each renewal is a commit of the store. Rounds in quick succession leave the expiry as it
+/// was; a holder that keeps running rounds under a short lease keeps it, at one epoch.
+async fn a_holder_renews_its_lease_once_a_third_of_its_term_passed_rather_than_at_every_round(
+    backend: Backend,
+) {
+    let gate = open_gate(backend).await;
+    let nats = start_nats(None);
+    let js = jetstream_of(&nats).await;
+    let mut patient =
+        publisher_of(&gate, &js, Arc::new(Notify::new())).with_lease(Duration::from_secs(60));
+    patient.ensure_stream().await.expect("the output stream");
+    assert_eq!(patient.round().await.expect("a round"), 0);
+    let taken = gate.lease_expiry();
+    deliver_orders(&gate, "order-1", 2).await;
+    assert_eq!(patient.round().await.expect("a round"), 2);
+    for _ in 0..5 {
+        assert_eq!(patient.round().await.expect("a round"), 0);
+    }
+    assert_eq!(
+        gate.lease_expiry(),
+        taken,
+        "rounds within a third of the term renew nothing"
+    );
+
+    gate.execute("UPDATE gate_publisher_lease SET expires_at_ms = 0");
+    let short = Duration::from_millis(600);
+    let hurried = publisher_of(&gate, &js, Arc::new(Notify::new())).with_lease(short);
+    let held = hurried.held_epoch();
+    let hurried = tokio::sync::Mutex::new(hurried);
+    assert_eq!(hurried.lock().await.round().await.expect("a round"), 0);
+    assert_eq!(held.get(), Some(2), "the lapsed lease is taken over");
+    let first = gate.lease_expiry();
+    // Three terms of rounds: a holder that renewed only at its takeover would lose the lease.
+    poll_until_within(
+        "the holder renewed its lease past three terms after taking it",
+        Duration::from_secs(20),
+        || async {
+            hurried.lock().await.round().await.expect("a round");
+            assert_eq!(held.get(), Some(2), "the holder never lost its lease");
+            gate.lease_expiry()
+        },
+        |expiry| *expiry > first + 3 * 600,
+    )
+    .await;
+}
+
 /// The publish a stale publisher makes is refused by JetStream, whatever the lease row says:
 /// the store is made to hand the lease back to a publisher that missed another's publishes.
 async fn a_publisher_that_missed_anothers_publishes_is_refused_by_the_server_and_reads_the_stream_again(
@@ -1214,6 +1275,7 @@ on_both_backends!(
     a_dead_letters_skip_and_a_gap_skip_of_three_come_out_on_the_output_stream_as_markers_in_order,
     the_publishers_lease_goes_to_one_gate_until_it_lapses_and_a_takeover_bumps_the_epoch,
     a_publisher_that_missed_anothers_publishes_is_refused_by_the_server_and_reads_the_stream_again,
+    a_holder_renews_its_lease_once_a_third_of_its_term_passed_rather_than_at_every_round,
     a_publisher_behind_its_stream_marks_what_the_stream_holds_and_publishes_only_what_follows,
 );
 

@@ -4,7 +4,8 @@
 //! PubAck came back.
 //!
 //! One gate of a store publishes at a time: the holder of the store's lease
-//! ([`crate::lease`]), renewed at every round; the other gates stand by and take over
+//! ([`crate::lease`]), renewed at the first round after a third of its term (and after a
+//! fence); the other gates stand by and take over
 //! once it lapses. Order: within one aggregate strictly in sequence order, sequence n+1
 //! published only after n's PubAck; different aggregates are published concurrently. A NATS
 //! failure stops that aggregate's run at the failed row (never skipped), the rows acknowledged
@@ -23,7 +24,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use async_nats::jetstream::context::PublishErrorKind;
@@ -108,6 +109,9 @@ pub struct Publisher {
     lease_duration: Duration,
     /// The lease while this publisher holds it.
     lease: Option<Lease>,
+    /// When the request that last took or renewed [`Publisher::lease`] was sent: the store's
+    /// expiry is at least a term after it.
+    renewed_at: Option<Instant>,
     /// [`Publisher::lease`]'s epoch, for the health routes.
     held_epoch: HeldEpoch,
     /// The rows marked published, for the lag's samples.
@@ -168,6 +172,7 @@ impl Publisher {
             holder: holder_name(),
             lease_duration: DEFAULT_LEASE,
             lease: None,
+            renewed_at: None,
             held_epoch: HeldEpoch::default(),
             published: PublishedRows::default(),
             last_sequences: HashMap::new(),
@@ -306,6 +311,7 @@ impl Publisher {
             // The lease may still be this gate's (a stale publisher elsewhere moved the subject
             // on): the next round's renewal says, and a holder reads the stream again.
             self.last_sequences.clear();
+            self.renewed_at = None;
             self.fenced(&reason);
             return Ok(0);
         }
@@ -333,18 +339,31 @@ impl Publisher {
 
     async fn hold_lease_fenced(&mut self) -> Result<bool, PublisherError> {
         if let Some(lease) = &self.lease {
+            // Renewing at every round cost a commit of the store each round; a third of the
+            // term leaves two thirds of it for the renewal to get through.
+            if self
+                .renewed_at
+                .is_some_and(|at| at.elapsed() < self.lease_duration / 3)
+            {
+                return Ok(true);
+            }
+            let asked = Instant::now();
             if self.output.renew_lease(lease, self.lease_duration).await? {
+                self.renewed_at = Some(asked);
                 return Ok(true);
             }
             self.lease = None;
+            self.renewed_at = None;
             self.held_epoch.set(None);
             self.last_sequences.clear();
             self.fenced("another gate took the publisher's lease over");
         }
+        let asked = Instant::now();
         self.lease = self
             .output
             .take_lease(&self.holder, self.lease_duration)
             .await?;
+        self.renewed_at = self.lease.as_ref().map(|_| asked);
         self.held_epoch.set(self.lease.as_ref());
         if let Some(lease) = &self.lease {
             tracing::info!(holder = %lease.holder, epoch = lease.epoch, "gate publisher: holds the lease and publishes");
