@@ -1211,7 +1211,7 @@ async fn a_publisher_behind_its_stream_marks_what_the_stream_holds_and_publishes
     for row in &earlier {
         js.publish(
             subject_for(OUTPUT_PREFIX, "order-1"),
-            body(row).to_string().into(),
+            body(row).expect("a body").into(),
         )
         .await
         .expect("publish")

@@ -30,7 +30,8 @@ use async_nats::jetstream;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::stream::{Config as StreamConfig, LastRawMessageErrorKind, StorageType};
 use futures_util::future::join_all;
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -479,9 +480,10 @@ impl Publisher {
                 Stop::Failed(reason)
             }
         };
+        let body = body(row).map_err(|error| Stop::Failed(format!("the body of {id}: {error}")))?;
         let ack = self
             .jetstream
-            .publish_with_headers(subject, headers, body(row).to_string().into())
+            .publish_with_headers(subject, headers, body.into())
             .await
             .map_err(|error| refused("cannot publish", error))?
             .await
@@ -501,15 +503,29 @@ pub fn nats_message_id(row: &OutputEntry) -> String {
     format!("{}:{}", row.aggregate_id, row.sequence)
 }
 
-/// The published body: the row without its `appliedAt`.
-pub fn body(row: &OutputEntry) -> Value {
-    json!({
-        "aggregateId": row.aggregate_id,
-        "sequence": row.sequence,
-        "messageId": row.message_id,
-        "type": row.message_type,
-        "payload": row.payload,
+/// The published body: the row without its `appliedAt`, in the order of
+/// [`PublishedBody`]'s fields.
+pub fn body(row: &OutputEntry) -> Result<Vec<u8>, serde_json::Error> {
+    // Serialized from borrowed fields: building a `Value` first cloned every payload.
+    serde_json::to_vec(&PublishedBody {
+        aggregate_id: &row.aggregate_id,
+        sequence: row.sequence,
+        message_id: &row.message_id,
+        message_type: &row.message_type,
+        payload: &row.payload,
     })
+}
+
+/// What [`body`] writes.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct PublishedBody<'a> {
+    aggregate_id: &'a str,
+    sequence: i64,
+    message_id: &'a str,
+    #[serde(rename = "type")]
+    message_type: &'a str,
+    payload: &'a Value,
 }
 
 /// `rows` (in aggregate, sequence order) cut into each aggregate's run.
@@ -533,6 +549,8 @@ fn durability_weaknesses(config: &StreamConfig) -> Vec<&'static str> {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     #[test]
@@ -595,8 +613,26 @@ mod tests {
         let published = row("order.1", 3);
         assert_eq!(nats_message_id(&published), "order.1:3");
         assert_eq!(
-            body(&published).to_string(),
+            String::from_utf8(body(&published).expect("a body")).expect("UTF-8"),
             r#"{"aggregateId":"order.1","sequence":3,"messageId":"order.1-3","type":"order.placed","payload":{"n":3}}"#
+        );
+    }
+
+    #[test]
+    fn the_body_is_the_rows_json_with_its_payload_as_stored_whatever_it_holds() {
+        let mut tricky = row("order \"1\"\u{e9}", 7);
+        tricky.payload = json!({"z": 1, "a": [123456789012345678901234567890_u128, 1.50, null],
+                                "text": "line\nbreak \u{1F600}"});
+        let expected = json!({
+            "aggregateId": tricky.aggregate_id,
+            "sequence": tricky.sequence,
+            "messageId": tricky.message_id,
+            "type": tricky.message_type,
+            "payload": tricky.payload,
+        });
+        assert_eq!(
+            String::from_utf8(body(&tricky).expect("a body")).expect("UTF-8"),
+            expected.to_string()
         );
     }
 }
