@@ -85,6 +85,13 @@ pub const MARK_POSTGRES: &str = "UPDATE gate_output
    FROM unnest($1::text[], $2::bigint[]) AS m(a, s)
   WHERE aggregate_id = m.a AND sequence = m.s";
 
+/// How long a round's marks wait on SQLite for the inbox's next batch to share its commit:
+/// they touch the pages the batch writes (each aggregate's newest rows), so that together
+/// they write them once. A mark on its own was a commit and a sync of its own at every round;
+/// the publisher waits for it before its next read, so an idle gate's next round starts up to
+/// this much later.
+pub const MARK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// The most unpublished rows [`OutputStore::backlog`] counts: past it the count reads "this
 /// many or more", so that a scrape never reads a whole backlog.
 pub const BACKLOG_COUNT_CAP: i64 = 10_000;
@@ -433,7 +440,9 @@ impl OutputStore {
             OutputStore::Sqlite(store) => {
                 let rows = rows.to_vec();
                 store
-                    .write(move |connection| sqlite_mark(connection, &rows, &now))
+                    .write_with_company(MARK_PATIENCE, move |connection| {
+                        sqlite_mark(connection, &rows, &now)
+                    })
                     .await
             }
             OutputStore::Postgres(inbox) => {

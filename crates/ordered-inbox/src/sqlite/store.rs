@@ -174,6 +174,8 @@ pub struct StoreStats {
 
 enum WriterMessage {
     Work(Box<dyn WriteJob>),
+    /// Work that may wait up to this long for another unit to share its commit.
+    Patient(Box<dyn WriteJob>, Duration),
     Stop,
 }
 
@@ -318,15 +320,42 @@ impl Store {
         T: Send + 'static,
         E: From<StoreError> + Send + 'static,
     {
+        self.send(work, None).await
+    }
+
+    /// [`Store::write`] for work whose caller can wait: when nothing else is waiting for the
+    /// writer, the work waits up to `within` for another unit, and shares its commit. Two
+    /// commits in a row write every page both touched twice to the WAL, and each pays its own
+    /// sync; work that touches the pages the next unit will (the gate's marks of the rows its
+    /// inbox just wrote) costs little beside it.
+    pub async fn write_with_company<F, T, E>(&self, within: Duration, work: F) -> Result<T, E>
+    where
+        F: FnMut(&WriterConnection<'_>) -> Result<T, E> + Send + 'static,
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+    {
+        self.send(work, Some(within)).await
+    }
+
+    async fn send<F, T, E>(&self, work: F, patience: Option<Duration>) -> Result<T, E>
+    where
+        F: FnMut(&WriterConnection<'_>) -> Result<T, E> + Send + 'static,
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+    {
         let (reply, answer) = oneshot::channel();
         let job = Box::new(TypedJob {
             work,
             outcome: None,
             reply,
         });
+        let message = match patience {
+            Some(within) => WriterMessage::Patient(job, within),
+            None => WriterMessage::Work(job),
+        };
         let queued = &self.inner.stats.queued;
         queued.fetch_add(1, Ordering::Relaxed);
-        if self.inner.writer.send(WriterMessage::Work(job)).is_err() {
+        if self.inner.writer.send(message).is_err() {
             queued.fetch_sub(1, Ordering::Relaxed);
             return Err(E::from(StoreError::Unavailable(
                 "the writer has stopped".to_owned(),
@@ -431,28 +460,79 @@ fn writer_loop(
     let mut stopping = false;
     while !stopping {
         let Ok(first) = receiver.recv() else { break };
-        let mut batch = Vec::new();
-        match first {
-            WriterMessage::Work(job) => batch.push(job),
-            WriterMessage::Stop => break,
+        let mut group = Group::new(&stats.queued);
+        if !group.take(first) {
+            break;
         }
         // Take everything already waiting: these share the commit below.
-        while batch.len() < MAX_BATCH {
+        stopping = !group.take_waiting(&receiver);
+        let room = group.batch.len() < MAX_BATCH;
+        if let Some(within) = group.patience.filter(|_| !stopping && room) {
+            // Only patient work so far: it waits a little for company.
+            if let Ok(message) = receiver.recv_timeout(within) {
+                stopping = !group.take(message) || !group.take_waiting(&receiver);
+            }
+        }
+        run_batch(&writer, &mut control, group.batch, stats);
+    }
+    // Dropping the connection here closes it (and checkpoints the WAL when it is the last one).
+}
+
+/// The units one commit will carry, as the writer gathers them.
+struct Group<'s> {
+    batch: Vec<Box<dyn WriteJob>>,
+    /// While every unit so far is patient: the shortest wait any of them allows.
+    patience: Option<Duration>,
+    /// The units sent and not yet taken, which each take counts down.
+    queued: &'s AtomicU64,
+}
+
+impl<'s> Group<'s> {
+    fn new(queued: &'s AtomicU64) -> Group<'s> {
+        Group {
+            batch: Vec::new(),
+            patience: None,
+            queued,
+        }
+    }
+
+    /// Adds the unit a message brings; false when the message asks the writer to stop.
+    fn take(&mut self, message: WriterMessage) -> bool {
+        if !matches!(message, WriterMessage::Stop) {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        match message {
+            WriterMessage::Work(job) => {
+                self.batch.push(job);
+                self.patience = None;
+            }
+            WriterMessage::Patient(job, within) => {
+                self.patience = match self.patience {
+                    Some(shortest) => Some(shortest.min(within)),
+                    None if self.batch.is_empty() => Some(within),
+                    None => None,
+                };
+                self.batch.push(job);
+            }
+            WriterMessage::Stop => return false,
+        }
+        true
+    }
+
+    /// Adds what is already waiting, up to [`MAX_BATCH`] units; false when a stop came.
+    fn take_waiting(&mut self, receiver: &mpsc::Receiver<WriterMessage>) -> bool {
+        while self.batch.len() < MAX_BATCH {
             match receiver.try_recv() {
-                Ok(WriterMessage::Work(job)) => batch.push(job),
-                Ok(WriterMessage::Stop) => {
-                    stopping = true;
-                    break;
+                Ok(message) => {
+                    if !self.take(message) {
+                        return false;
+                    }
                 }
                 Err(_) => break,
             }
         }
-        stats
-            .queued
-            .fetch_sub(batch.len() as u64, Ordering::Relaxed);
-        run_batch(&writer, &mut control, batch, stats);
+        true
     }
-    // Dropping the connection here closes it (and checkpoints the WAL when it is the last one).
 }
 
 /// Answers every unit until the store stops: the writer could not prepare its statements.
@@ -461,7 +541,7 @@ fn refuse_all(
     stats: &WriterStats,
     error: &rusqlite::Error,
 ) {
-    while let Ok(WriterMessage::Work(job)) = receiver.recv() {
+    while let Ok(WriterMessage::Work(job) | WriterMessage::Patient(job, _)) = receiver.recv() {
         stats.queued.fetch_sub(1, Ordering::Relaxed);
         job.answer(Err(StoreError::Unavailable(format!(
             "the writer could not prepare its statements: {error}"
@@ -733,6 +813,83 @@ mod tests {
         );
         let (value, tally) = counter_and_effects(&store).await;
         assert_eq!((value, tally), (11, 5));
+    }
+
+    #[tokio::test]
+    async fn patient_work_shares_the_commit_of_work_sent_while_it_waits() {
+        let (_dir, store) = temp_store();
+        let before = store.stats();
+        let (release, holder) = hold_writer(&store).await;
+        let patient = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .write_with_company(Duration::from_secs(30), |c| {
+                        c.execute("UPDATE effects SET tally = tally + 1 WHERE id = 1", [])?;
+                        Ok::<(), StoreError>(())
+                    })
+                    .await
+            })
+        };
+        wait_for_queue(&store, 1).await;
+        release.send(()).unwrap();
+        holder.await.unwrap().unwrap();
+        // Taken by the writer, which nothing else keeps busy: alone, it would commit now.
+        wait_until_taken(&store).await;
+        store
+            .write(|c| {
+                c.execute("UPDATE counters SET value = value + 1 WHERE id = 1", [])?;
+                Ok::<(), StoreError>(())
+            })
+            .await
+            .unwrap();
+        patient.await.unwrap().unwrap();
+        let after = store.stats();
+        assert_eq!(after.units - before.units, 3);
+        assert_eq!(
+            after.commits - before.commits,
+            2,
+            "the holder's, then one for both"
+        );
+        assert_eq!(counter_and_effects(&store).await, (11, 1));
+    }
+
+    #[tokio::test]
+    async fn patient_work_alone_commits_once_its_wait_is_over_and_ordinary_work_never_waits() {
+        let (_dir, store) = temp_store();
+        let before = store.stats();
+        store
+            .write_with_company(Duration::from_millis(20), |c| {
+                c.execute("UPDATE effects SET tally = tally + 1 WHERE id = 1", [])?;
+                Ok::<(), StoreError>(())
+            })
+            .await
+            .unwrap();
+        assert_eq!(store.stats().commits - before.commits, 1);
+        // Ordinary work behind the writer's turn is not held for company: each commits alone.
+        for _ in 0..3 {
+            store
+                .write(|c| {
+                    c.execute("UPDATE counters SET value = value + 1 WHERE id = 1", [])?;
+                    Ok::<(), StoreError>(())
+                })
+                .await
+                .unwrap();
+        }
+        assert_eq!(store.stats().commits - before.commits, 4);
+        assert_eq!(counter_and_effects(&store).await, (13, 1));
+    }
+
+    /// Waits until the writer took every unit queued (the queue is empty).
+    async fn wait_until_taken(store: &Store) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while store.queue_depth() > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the writer never took the queued units"
+            );
+            tokio::task::yield_now().await;
+        }
     }
 
     /// Holds the writer until the returned sender is used, so the units sent meanwhile queue up
