@@ -459,7 +459,7 @@ async fn list_outbox_events(
             let mut statement = connection.prepare(&format!(
                 "SELECT {EVENT_COLUMNS} FROM general_outbox
                   WHERE id > ?1 AND (?2 IS NULL OR status = ?2)
-                  ORDER BY id LIMIT ?3"
+                  ORDER BY id LIMIT +?3"
             ))?;
             // One more than asked says whether a next page exists.
             let events = statement

@@ -131,7 +131,7 @@ fn aggregate_rows(
             "SELECT id, sequence, CASE WHEN status = 'pending' THEN lease_until END
                FROM general_outbox
               WHERE aggregate_id = ?1 AND sequence >= ?2
-              ORDER BY sequence LIMIT ?3",
+              ORDER BY sequence LIMIT +?3",
         )?
         .query_map(params![aggregate_id, from, limit], |row| {
             Ok(ResendRow {

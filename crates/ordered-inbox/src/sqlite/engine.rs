@@ -754,7 +754,7 @@ mod tests {
             OBSERVATION_PRUNE,
             "SELECT observation_no FROM aggregate_timeline
               WHERE aggregate_id = ?1 AND observation_no IS NOT NULL
-              ORDER BY observation_no DESC LIMIT ?2",
+              ORDER BY observation_no DESC LIMIT +?2",
         ] {
             let details = query_plan(&connection, sql, params!["a", 1]);
             assert!(

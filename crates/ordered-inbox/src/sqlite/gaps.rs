@@ -153,7 +153,7 @@ pub fn gap_resolutions(
         "WHERE ?1 IS NULL AND id > ?2"
     };
     let rows = connection
-        .prepare_cached(&format!("{GAP_COLUMNS} {condition} ORDER BY id LIMIT ?3"))?
+        .prepare_cached(&format!("{GAP_COLUMNS} {condition} ORDER BY id LIMIT +?3"))?
         .query_map(
             params![aggregate_id, page.after, page.limit.saturating_add(1)],
             |row| {

@@ -1052,4 +1052,67 @@ mod tests {
         assert_eq!(scalar(&inbox, "SELECT COUNT(*) FROM orders").await, 1);
         inbox.shutdown().await;
     }
+
+    /// SQLite prepares a statement again at every bind of a bare `LIMIT ?N` or `OFFSET ?N` (it
+    /// plans with the value), so every statement of this backend writes its bound as `+?N`.
+    #[test]
+    fn no_statement_of_the_sqlite_backend_binds_a_bare_limit_or_offset() {
+        let sources = [
+            ("builder.rs", include_str!("builder.rs")),
+            ("connection.rs", include_str!("connection.rs")),
+            ("engine.rs", include_str!("engine.rs")),
+            ("facts.rs", include_str!("facts.rs")),
+            ("gap_engine.rs", include_str!("gap_engine.rs")),
+            ("gaps.rs", include_str!("gaps.rs")),
+            ("handler.rs", include_str!("handler.rs")),
+            ("mod.rs", include_str!("mod.rs")),
+            ("operators.rs", include_str!("operators.rs")),
+            ("rejected.rs", include_str!("rejected.rs")),
+            ("retention.rs", include_str!("retention.rs")),
+            ("rows.rs", include_str!("rows.rs")),
+            ("schema.rs", include_str!("schema.rs")),
+            ("store.rs", include_str!("store.rs")),
+            ("views.rs", include_str!("views.rs")),
+            ("writes.rs", include_str!("writes.rs")),
+        ];
+        for (file, source) in sources {
+            // The statements the backend runs, not its tests' own.
+            let code = source.split("\nmod tests {").next().unwrap_or(source);
+            for (number, line) in code.lines().enumerate() {
+                assert!(
+                    !["LIMIT ?", "OFFSET ?"]
+                        .iter()
+                        .any(|bare| line.contains(bare)),
+                    "{file}:{}: {line}",
+                    number + 1
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_limit_written_as_an_expression_is_prepared_once_whatever_it_is_bound_to() {
+        let connection = rusqlite::Connection::open_in_memory().unwrap();
+        connection
+            .execute_batch(
+                "CREATE TABLE t(id INTEGER PRIMARY KEY); INSERT INTO t VALUES (1), (2), (3);",
+            )
+            .unwrap();
+        for (sql, reprepared) in [
+            ("SELECT id FROM t ORDER BY id LIMIT +?1", 0),
+            ("SELECT id FROM t ORDER BY id LIMIT ?1", 1),
+        ] {
+            let mut statement = connection.prepare(sql).unwrap();
+            for limit in 1..=3 {
+                let rows: Vec<i64> = statement
+                    .query_map([limit], |row| row.get(0))
+                    .unwrap()
+                    .collect::<Result<_, _>>()
+                    .unwrap();
+                assert_eq!(rows.len(), limit as usize);
+            }
+            let count = statement.get_status(rusqlite::StatementStatus::RePrepare);
+            assert_eq!(count >= 1, reprepared == 1, "{sql}: {count} re-prepares");
+        }
+    }
 }

@@ -52,7 +52,7 @@ pub(super) fn page(
         .prepare_cached(
             "SELECT id, at, subject, stream_sequence, delivered, message_id, aggregate_id,
                     producer, outcome, reason
-               FROM rejected_deliveries WHERE id > ?1 ORDER BY id LIMIT ?2",
+               FROM rejected_deliveries WHERE id > ?1 ORDER BY id LIMIT +?2",
         )?
         .query_map(params![page.after, page.limit.saturating_add(1)], |row| {
             Ok((row.get(0)?, entry_from(row)?))

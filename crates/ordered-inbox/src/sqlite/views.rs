@@ -75,7 +75,7 @@ pub fn aggregate_view(
     let open_dead_letter_count = open_count(connection, aggregate_id)?;
     let held_sequences = connection
         .prepare_cached(
-            "SELECT sequence FROM held_messages WHERE aggregate_id = ?1 ORDER BY sequence LIMIT ?2",
+            "SELECT sequence FROM held_messages WHERE aggregate_id = ?1 ORDER BY sequence LIMIT +?2",
         )?
         .query_map(params![aggregate_id, HELD_SHOWN], |row| row.get(0))?
         .collect::<rusqlite::Result<Vec<i64>>>()?;
@@ -140,7 +140,7 @@ pub fn inventory(
                FROM aggregate_state a
               WHERE a.status = ?1
               ORDER BY a.status_since, a.aggregate_id
-              LIMIT ?3",
+              LIMIT +?3",
         )?
         .query_map(params![status.as_str(), now, limit], |row| {
             let summary = summary_from_row(row)?;
@@ -268,7 +268,7 @@ pub fn dead_letters(
     };
     let rows = connection
         .prepare_cached(&format!(
-            "{DEAD_LETTER_COLUMNS} {condition} AND d.id > ?3 ORDER BY d.id LIMIT ?4"
+            "{DEAD_LETTER_COLUMNS} {condition} AND d.id > ?3 ORDER BY d.id LIMIT +?4"
         ))?
         .query_map(
             params![
@@ -314,7 +314,7 @@ fn recorded_events(
             "SELECT id, at, kind, sequence, message_id, observation_no IS NOT NULL, detail
                FROM aggregate_timeline
               WHERE aggregate_id = ?1 AND id > ?2
-              ORDER BY id LIMIT ?3",
+              ORDER BY id LIMIT +?3",
         )?
         .query_map(params![aggregate_id, after, wanted], |row| {
             let detail: Option<String> = row.get(6)?;
@@ -345,7 +345,7 @@ fn applied_events(
             "SELECT event_id, applied_at, sequence, message_id, applied_detail
                FROM ordered_inbox
               WHERE aggregate_id = ?1 AND sequence >= ?2 AND event_id > ?3
-              ORDER BY sequence LIMIT ?4",
+              ORDER BY sequence LIMIT +?4",
         )?
         .query_map(params![aggregate_id, from, after, wanted], |row| {
             let detail: Option<String> = row.get(4)?;
@@ -473,7 +473,7 @@ pub fn resolutions(
     };
     let rows = connection
         .prepare_cached(&format!(
-            "{RESOLUTION_COLUMNS} {condition} ORDER BY id LIMIT ?3"
+            "{RESOLUTION_COLUMNS} {condition} ORDER BY id LIMIT +?3"
         ))?
         .query_map(
             params![aggregate_id, page.after, page.limit.saturating_add(1)],
@@ -499,7 +499,7 @@ pub fn applied_messages(
                     NULLIF(producer, '')
                FROM ordered_inbox
               WHERE aggregate_id = ?1 AND sequence > ?2
-              ORDER BY sequence LIMIT ?3",
+              ORDER BY sequence LIMIT +?3",
         )?
         .query_map(
             params![aggregate_id, page.after, page.limit.saturating_add(1)],
