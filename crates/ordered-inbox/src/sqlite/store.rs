@@ -836,13 +836,7 @@ mod tests {
         holder.await.unwrap().unwrap();
         // Taken by the writer, which nothing else keeps busy: alone, it would commit now.
         wait_until_taken(&store).await;
-        store
-            .write(|c| {
-                c.execute("UPDATE counters SET value = value + 1 WHERE id = 1", [])?;
-                Ok::<(), StoreError>(())
-            })
-            .await
-            .unwrap();
+        count_up(&store).await;
         patient.await.unwrap().unwrap();
         let after = store.stats();
         assert_eq!(after.units - before.units, 3);
@@ -868,16 +862,21 @@ mod tests {
         assert_eq!(store.stats().commits - before.commits, 1);
         // Ordinary work behind the writer's turn is not held for company: each commits alone.
         for _ in 0..3 {
-            store
-                .write(|c| {
-                    c.execute("UPDATE counters SET value = value + 1 WHERE id = 1", [])?;
-                    Ok::<(), StoreError>(())
-                })
-                .await
-                .unwrap();
+            count_up(&store).await;
         }
         assert_eq!(store.stats().commits - before.commits, 4);
         assert_eq!(counter_and_effects(&store).await, (13, 1));
+    }
+
+    /// An ordinary unit that adds one to the seeded counter.
+    async fn count_up(store: &Store) {
+        store
+            .write(|c| {
+                c.execute("UPDATE counters SET value = value + 1 WHERE id = 1", [])?;
+                Ok::<(), StoreError>(())
+            })
+            .await
+            .unwrap();
     }
 
     /// Waits until the writer took every unit queued (the queue is empty).
