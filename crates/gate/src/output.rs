@@ -87,8 +87,8 @@ pub const MARK_POSTGRES: &str = "UPDATE gate_output
 
 /// How long a round's marks wait on SQLite for the inbox's next batch to share its commit:
 /// they touch the pages the batch writes (each aggregate's newest rows), so that together
-/// they write them once. A mark on its own was a commit and a sync of its own at every round;
-/// the publisher waits for it before its next read, so an idle gate's next round starts up to
+/// they write them once, and a round's marks need no commit and sync of their own. The
+/// publisher waits for them before its next read, so an idle gate's next round starts up to
 /// this much later.
 pub const MARK_PATIENCE: std::time::Duration = std::time::Duration::from_millis(5);
 
@@ -714,10 +714,8 @@ mod tests {
     /// every execution when it planned with a bound limit's value.
     #[test]
     fn the_sqlite_statements_run_at_every_round_are_prepared_once() {
-        use rusqlite::StatementStatus;
+        use ordered_inbox::sqlite::connection::{ParametersFor, times_prepared_again};
         use rusqlite::types::Value;
-        /// A statement's parameters for a given limit.
-        type Parameters<'a> = &'a dyn Fn(i64) -> Vec<Value>;
 
         let connection = Connection::open_in_memory().expect("a database");
         connection.execute_batch(SQLITE_SCHEMA).expect("the tables");
@@ -729,7 +727,7 @@ mod tests {
             )
             .expect("rows");
         let backlog_count = BACKLOG_COUNT.replace('$', "?");
-        let runs: [(&str, Parameters); 3] = [
+        let runs: [(&str, &ParametersFor<'_>); 3] = [
             (PENDING_SQLITE, &|limit| vec![limit.into()]),
             (&backlog_count, &|limit| vec![limit.into()]),
             (PRUNE_SQLITE, &|limit| {
@@ -737,16 +735,9 @@ mod tests {
             }),
         ];
         for (sql, parameters) in runs {
-            let mut statement = connection.prepare(sql).expect("prepare");
-            for limit in [1000, 1000, 500] {
-                let mut rows = statement
-                    .query(rusqlite::params_from_iter(parameters(limit)))
-                    .expect("run");
-                while rows.next().expect("a row").is_some() {}
-            }
             assert_eq!(
-                statement.get_status(StatementStatus::RePrepare),
-                0,
+                times_prepared_again(&connection, sql, parameters, &[1000, 1000, 500]),
+                Ok(0),
                 "prepared again: {sql}"
             );
         }

@@ -12,6 +12,29 @@ use std::ops::{Deref, DerefMut};
 
 use rusqlite::{Connection, PrepFlags, Statement};
 
+/// A statement's parameters for a given limit, as [`times_prepared_again`] binds them.
+#[cfg(any(test, feature = "testing"))]
+pub type ParametersFor<'a> = dyn Fn(i64) -> Vec<rusqlite::types::Value> + 'a;
+
+/// Runs `sql` once for each of `limits`, with the parameters `parameters` gives for it, reads
+/// every row, and answers how many times SQLite prepared the statement again. SQLite plans with
+/// a bare bound `LIMIT ?N` or `OFFSET ?N`'s value and prepares such a statement again at every
+/// new bind; a statement run at every batch or round must count 0 here. For tests.
+#[cfg(any(test, feature = "testing"))]
+pub fn times_prepared_again(
+    connection: &Connection,
+    sql: &str,
+    parameters: &ParametersFor<'_>,
+    limits: &[i64],
+) -> rusqlite::Result<i32> {
+    let mut statement = connection.prepare(sql)?;
+    for &limit in limits {
+        let mut rows = statement.query(rusqlite::params_from_iter(parameters(limit)))?;
+        while rows.next()?.is_some() {}
+    }
+    Ok(statement.get_status(rusqlite::StatementStatus::RePrepare))
+}
+
 /// The writer thread's connection, as every unit of work and the application's handler get it.
 pub struct WriterConnection<'c> {
     connection: &'c Connection,

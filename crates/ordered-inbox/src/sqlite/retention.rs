@@ -124,14 +124,11 @@ pub(crate) fn retained(connection: &Connection, path: &Path) -> rusqlite::Result
 
 #[cfg(test)]
 mod tests {
-    use rusqlite::StatementStatus;
     use rusqlite::types::Value;
 
     use super::*;
+    use crate::sqlite::connection::{ParametersFor, times_prepared_again};
     use crate::timeline::TimelineKind;
-
-    /// A statement's parameters for a given limit.
-    type Parameters<'a> = &'a dyn Fn(i64) -> Vec<Value>;
 
     /// Each statement of a pruning batch, run again and again with its limits bound anew as the
     /// pruner binds them, is prepared once: a statement SQLite prepared again at every batch
@@ -140,7 +137,7 @@ mod tests {
     fn a_pruning_statement_is_prepared_once_however_often_its_limits_are_bound() {
         let connection = crate::sqlite::schema::migrated_in_memory();
         let text = |text: &str| Value::Text(text.to_owned());
-        let runs: [(&str, Parameters); 4] = [
+        let runs: [(&str, &ParametersFor<'_>); 4] = [
             (PRUNE_IDENTITIES, &|limit| vec![text("9"), limit.into()]),
             (PRUNE_DEAD_LETTERS, &|limit| vec![text("9"), limit.into()]),
             (TIMELINE_AGGREGATES, &|limit| vec![text(""), limit.into()]),
@@ -149,16 +146,9 @@ mod tests {
             }),
         ];
         for (sql, parameters) in runs {
-            let mut statement = connection.prepare(sql).expect("prepare");
-            for limit in [500, 500, 2000] {
-                let mut rows = statement
-                    .query(rusqlite::params_from_iter(parameters(limit)))
-                    .expect("run");
-                while rows.next().expect("a row").is_some() {}
-            }
             assert_eq!(
-                statement.get_status(StatementStatus::RePrepare),
-                0,
+                times_prepared_again(&connection, sql, parameters, &[500, 500, 2000]),
+                Ok(0),
                 "prepared again: {sql}"
             );
         }
