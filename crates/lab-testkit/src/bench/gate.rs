@@ -246,13 +246,20 @@ async fn once(
     for _ in 0..options.gates {
         gates.push(start_gate(&nats, options.batch, url.as_deref())?);
     }
+    let writer_of_first = || async {
+        match gates.first() {
+            Some(gate) if !options.postgres => WriterFigures::scrape(&gate.address).await,
+            _ => Ok(None),
+        }
+    };
+    let writer_before = writer_of_first().await?;
     let meter = CpuMeter::start(nats.pid(), gates.iter().map(ServerUnderTest::pid).collect());
     let run = through_the_gate(&context, messages, rate).await;
     let cpu = meter.per_message(messages.len());
-    let writer = match gates.first() {
-        Some(gate) if !options.postgres => WriterFigures::scrape(&gate.address).await?,
-        _ => None,
-    };
+    let writer = writer_of_first()
+        .await?
+        .zip(writer_before)
+        .map(|(after, before)| after.since(&before));
     let gate_peak_rss_mib = gates.first().and_then(|gate| mib(gate.peak_rss_kib()));
     for gate in gates {
         gate.stop()?;
@@ -539,7 +546,7 @@ fn verify_output(arrivals: &[Arrival], expected: &HashMap<String, i64>) -> Resul
     Ok(())
 }
 
-/// The first gate's SQLite writer over a run, from its `/metrics` (the histograms of its
+/// The first gate's SQLite writer during a run, from its `/metrics` (the histograms of its
 /// group commits): how many transactions carried the input's batches and the publisher's
 /// marks, and how long they took.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -564,19 +571,24 @@ impl WriterFigures {
         Ok(WriterFigures::parse(&text))
     }
 
-    fn parse(metrics: &str) -> Option<WriterFigures> {
-        let value = |name: &str| {
-            metrics.lines().find_map(|line| {
-                let rest = line.strip_prefix(name)?.strip_prefix(' ')?;
-                rest.trim().parse::<f64>().ok()
-            })
-        };
+    fn parse(page: &str) -> Option<WriterFigures> {
+        let value = |name: &str| super::metric_value(page, name);
         Some(WriterFigures {
             commits: value("inbox_writer_batch_size_count")? as u64,
             units: value("inbox_writer_batch_size_sum")? as u64,
             transaction_ms: value("inbox_writer_transaction_seconds_sum")? * 1e3,
             commit_ms: value("inbox_writer_commit_seconds_sum")? * 1e3,
         })
+    }
+
+    /// What the writer did since `earlier`.
+    fn since(&self, earlier: &WriterFigures) -> WriterFigures {
+        WriterFigures {
+            commits: self.commits.saturating_sub(earlier.commits),
+            units: self.units.saturating_sub(earlier.units),
+            transaction_ms: self.transaction_ms - earlier.transaction_ms,
+            commit_ms: self.commit_ms - earlier.commit_ms,
+        }
     }
 }
 
@@ -591,5 +603,34 @@ impl std::fmt::Display for WriterFigures {
             per_commit(self.transaction_ms),
             per_commit(self.commit_ms)
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gates_writer_is_read_from_its_metrics_page_and_counted_since_a_reading() {
+        let page = |commits: u64, seconds: f64| {
+            format!(
+                "inbox_writer_batch_size_sum {}\ninbox_writer_batch_size_count {commits}\n\
+                 inbox_writer_transaction_seconds_sum {seconds}\n\
+                 inbox_writer_commit_seconds_sum {}\n",
+                commits * 2,
+                seconds / 2.0
+            )
+        };
+        let before = WriterFigures::parse(&page(1, 0.01)).expect("a writer");
+        let after = WriterFigures::parse(&page(11, 0.11)).expect("a writer");
+        let during = after.since(&before);
+        assert_eq!((during.commits, during.units), (10, 20));
+        assert!((during.transaction_ms - 100.0).abs() < 1e-6, "{during:?}");
+        assert!((during.commit_ms - 50.0).abs() < 1e-6, "{during:?}");
+        assert_eq!(
+            during.to_string(),
+            "10 commits of 20 units, 10.00 ms per transaction, of which COMMIT 5.00 ms"
+        );
+        assert_eq!(WriterFigures::parse("http_requests_total 3\n"), None);
     }
 }

@@ -169,6 +169,13 @@ fn mib(kib: Option<u64>) -> Option<f64> {
     kib.map(|kib| kib as f64 / 1024.0)
 }
 
+/// The value of the unlabelled series `name` on a Prometheus text page.
+fn metric_value(page: &str, name: &str) -> Option<f64> {
+    page.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+}
+
 /// A loopback HTTP client (no proxy) with room for `connections` idle keep-alive connections.
 fn http_client(connections: usize, timeout: Duration) -> Result<reqwest::Client, BenchError> {
     Ok(reqwest::Client::builder()

@@ -256,14 +256,9 @@ pub(super) struct WriterBatches {
 impl WriterBatches {
     /// Reads the histogram's `_count` and `_sum` from a Prometheus text page.
     pub(super) fn parse(page: &str) -> Option<WriterBatches> {
-        let value = |name: &str| {
-            page.lines()
-                .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-                .and_then(|value| value.trim().parse().ok())
-        };
         Some(WriterBatches {
-            commits: value("inbox_writer_batch_size_count")?,
-            units: value("inbox_writer_batch_size_sum")?,
+            commits: super::metric_value(page, "inbox_writer_batch_size_count")?,
+            units: super::metric_value(page, "inbox_writer_batch_size_sum")?,
         })
     }
 
