@@ -1,7 +1,8 @@
 //! The publisher's lease: one row in the store (`gate_publisher_lease`: holder, epoch, expiry)
 //! saying which gate of the store publishes its output. A gate takes the lease when there is
-//! none or when it lapsed, which bumps the epoch; the holder renews it once a third of its term has passed, and a renewal
-//! that finds another holder or another epoch means it lost the lease and stands by.
+//! none or when it lapsed, which bumps the epoch; the holder renews it once a third of its term
+//! has passed, and a renewal that finds another holder or another epoch means it lost the lease
+//! and stands by.
 //!
 //! Expiry is measured on the store's clock (`clock_timestamp()` on PostgreSQL, the SQLite
 //! file's host), never a gate's: gates on different machines share one database but not one

@@ -5,8 +5,7 @@
 //!
 //! One gate of a store publishes at a time: the holder of the store's lease
 //! ([`crate::lease`]), renewed at the first round after a third of its term (and after a
-//! fence); the other gates stand by and take over
-//! once it lapses. Order: within one aggregate strictly in sequence order, sequence n+1
+//! fence); the other gates stand by and take over once it lapses. Order: within one aggregate strictly in sequence order, sequence n+1
 //! published only after n's PubAck; different aggregates are published concurrently. A NATS
 //! failure stops that aggregate's run at the failed row (never skipped), the rows acknowledged
 //! before it are marked, and the publisher backs off (100 ms doubling to 2 s) and retries.
@@ -340,8 +339,8 @@ impl Publisher {
 
     async fn hold_lease_fenced(&mut self) -> Result<bool, PublisherError> {
         if let Some(lease) = &self.lease {
-            // Renewing at every round cost a commit of the store each round; a third of the
-            // term leaves two thirds of it for the renewal to get through.
+            // A renewal at every round would cost the store a commit each round; a third of
+            // the term leaves two thirds of it for the renewal to get through.
             if self
                 .renewed_at
                 .is_some_and(|at| at.elapsed() < self.lease_duration / 3)
@@ -506,7 +505,7 @@ pub fn nats_message_id(row: &OutputEntry) -> String {
 /// The published body: the row without its `appliedAt`, in the order of
 /// [`PublishedBody`]'s fields.
 pub fn body(row: &OutputEntry) -> Result<Vec<u8>, serde_json::Error> {
-    // Serialized from borrowed fields: building a `Value` first cloned every payload.
+    // Serialized from borrowed fields: a `Value` built first would clone every payload.
     serde_json::to_vec(&PublishedBody {
         aggregate_id: &row.aggregate_id,
         sequence: row.sequence,

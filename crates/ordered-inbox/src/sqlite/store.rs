@@ -879,18 +879,6 @@ mod tests {
             .unwrap();
     }
 
-    /// Waits until the writer took every unit queued (the queue is empty).
-    async fn wait_until_taken(store: &Store) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while store.queue_depth() > 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the writer never took the queued units"
-            );
-            tokio::task::yield_now().await;
-        }
-    }
-
     /// Holds the writer until the returned sender is used, so the units sent meanwhile queue up
     /// and share the next batch.
     async fn hold_writer(store: &Store) -> (std::sync::mpsc::Sender<()>, HolderTask) {
@@ -939,10 +927,23 @@ mod tests {
         })
     }
 
+    /// Waits until at least `depth` units are queued for the writer.
     async fn wait_for_queue(store: &Store, depth: u64) {
+        wait_for_depth(store, &format!("{depth} units queued"), |queued| {
+            queued >= depth
+        })
+        .await;
+    }
+
+    /// Waits until the writer took every unit queued (the queue is empty).
+    async fn wait_until_taken(store: &Store) {
+        wait_for_depth(store, "the queued units taken", |queued| queued == 0).await;
+    }
+
+    async fn wait_for_depth(store: &Store, what: &str, done: impl Fn(u64) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while store.queue_depth() < depth {
-            assert!(Instant::now() < deadline, "{depth} units never queued");
+        while !done(store.queue_depth()) {
+            assert!(Instant::now() < deadline, "never: {what}");
             tokio::task::yield_now().await;
         }
     }
