@@ -16,6 +16,7 @@ use std::net::TcpListener;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use crate::process::{parent_pid, process_cpu_ticks, reaped_children_cpu_ticks};
 
@@ -131,6 +132,17 @@ pub fn find_bindir() -> Result<PathBuf, ClusterError> {
         Some(dir) if complete(&dir) => Ok(dir),
         _ => Err(ClusterError::MissingBinaries),
     }
+}
+
+/// The live processes whose parent is `parent`, from /proc.
+fn children_of(parent: u32) -> Option<Vec<u32>> {
+    let children = std::fs::read_dir("/proc")
+        .ok()?
+        .filter_map(Result::ok)
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| parent_pid(*pid) == Some(parent))
+        .collect();
+    Some(children)
 }
 
 fn running_as_root() -> bool {
@@ -422,24 +434,43 @@ impl PrivateCluster {
     /// CPU time (user + system, in clock ticks) used so far by the postmaster and its
     /// children: the live ones (the backends serving connections) and those that ended (the
     /// backends of clients that disconnected, such as pgbench's), where /proc tells it.
+    ///
+    /// A backend that ends while this reads is in neither sum: read after the clients that
+    /// disconnected have had their backends reaped ([`PrivateCluster::wait_for_children`]).
     pub fn cpu_ticks(&self) -> Option<u64> {
-        let pid_file = std::fs::read_to_string(self.data.join("postmaster.pid")).ok()?;
-        let postmaster: u32 = pid_file.lines().next()?.trim().parse().ok()?;
+        let postmaster = self.postmaster()?;
         let mut total =
             process_cpu_ticks(postmaster)? + reaped_children_cpu_ticks(postmaster).unwrap_or(0);
-        for entry in std::fs::read_dir("/proc").ok()?.filter_map(Result::ok) {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            if parent_pid(pid) == Some(postmaster) {
-                total += process_cpu_ticks(pid).unwrap_or(0);
-            }
+        for pid in children_of(postmaster)? {
+            total += process_cpu_ticks(pid).unwrap_or(0);
         }
         Some(total)
+    }
+
+    /// The postmaster's live child processes (backends and background workers), if known.
+    pub fn child_count(&self) -> Option<usize> {
+        Some(children_of(self.postmaster()?)?.len())
+    }
+
+    /// Waits, at most `limit`, until the postmaster has at most `count` children: the
+    /// backends of clients that disconnected have ended and been reaped, so their CPU is in
+    /// the postmaster's count of reaped children. Answers whether it came to that.
+    pub fn wait_for_children(&self, count: usize, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.child_count().is_some_and(|now| now <= count) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn postmaster(&self) -> Option<u32> {
+        let pid_file = std::fs::read_to_string(self.data.join("postmaster.pid")).ok()?;
+        pid_file.lines().next()?.trim().parse().ok()
     }
 
     /// Serves TLS with `certificate_pem` and `key_pem`, and asks every TCP client for a

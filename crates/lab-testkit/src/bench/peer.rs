@@ -11,6 +11,7 @@
 
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use ordered_inbox::Limits;
 use ordered_inbox::postgres::PostgresInbox;
@@ -26,6 +27,10 @@ pub const PEER_SECONDS: u32 = 10;
 
 /// The apply, one call per message: the aggregate's row and the id read, the inbox row
 /// inserted, the position and the total written.
+/// How long pgbench's backends may take to end after it exits (an autovacuum worker that
+/// started during the load counts too: the wait is for the postmaster's children before it).
+const BACKENDS_ENDING: Duration = Duration::from_secs(10);
+
 const PEER_FUNCTION: &str = r#"
 CREATE FUNCTION peer_apply(client integer, amount bigint) RETURNS text LANGUAGE plpgsql AS $$
 DECLARE
@@ -120,8 +125,17 @@ pub async fn run_peer(
         .map_err(|error| startup("its script", &error))?;
     std::fs::write(script.path(), PEER_SCRIPT).map_err(|error| startup("its script", &error))?;
     let mark = probe.mark().await?;
+    let children = cluster.child_count();
     let before = cluster.cpu_ticks();
     let output = pgbench(cluster, clients, script.path())?;
+    // pgbench's backends end as it exits; read once they are reaped, or their CPU is missed.
+    if let Some(children) = children
+        && !cluster.wait_for_children(children, BACKENDS_ENDING)
+    {
+        return Err(BenchError::Verification(format!(
+            "pgbench's backends were still running {BACKENDS_ENDING:?} after it exited"
+        )));
+    }
     let postgres_ticks = ticks_since(cluster.cpu_ticks(), before);
     let (transactions, transactions_per_second) = pgbench_figures(&output)?;
     let postgres_cost = probe.since(mark, "bench_peer", transactions).await?;
