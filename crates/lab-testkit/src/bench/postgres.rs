@@ -3,6 +3,10 @@
 //! end state verified through the PostgreSQL inbox, and the figures printed next to the SQLite
 //! server's, measured in the same run on the same load, and as a ratio to the PL/pgSQL peer
 //! ([`super::peer`]) run on the same cluster in the same run.
+//!
+//! A third PostgreSQL load runs one server at twice the clients, so that its groups are about
+//! twice as large: the two one-server loads then split PostgreSQL's CPU per message into a part
+//! per group and a part per delivery ([`GroupCost`]).
 
 use std::time::Duration;
 
@@ -25,6 +29,8 @@ pub struct LoadFigures {
     /// Where the ordered inbox was: `sqlite` or `postgres`.
     pub store: &'static str,
     pub servers: usize,
+    /// Concurrent HTTP clients across the servers.
+    pub clients: usize,
     pub messages_per_second: f64,
     pub p50_ms: f64,
     pub p95_ms: f64,
@@ -62,10 +68,11 @@ impl std::fmt::Display for LoadFigures {
             .collect();
         write!(
             f,
-            "  {:<8} {} server{}: {:>8.0} msg/s   p50 {:.2}  p95 {:.2}  p99 {:.2}  max {:.2} ms   peak RSS {} MiB",
+            "  {:<8} {} server{}, {:>3} clients: {:>8.0} msg/s   p50 {:.2}  p95 {:.2}  p99 {:.2}  max {:.2} ms   peak RSS {} MiB",
             self.store,
             self.servers,
             if self.servers == 1 { " " } else { "s" },
+            self.clients,
             self.messages_per_second,
             self.p50_ms,
             self.p95_ms,
@@ -115,6 +122,112 @@ pub struct PostgresReport {
     /// The PL/pgSQL peer on the same cluster.
     pub peer: PeerFigures,
     pub runs: Vec<LoadFigures>,
+    /// PostgreSQL's CPU per message split into a part per group and a part per delivery, from
+    /// the two one-server loads; `None` when their groups were too alike to tell them apart.
+    pub group_cost: Option<GroupCost>,
+}
+
+/// PostgreSQL's CPU per message read as `per_group / deliveries per commit + per_delivery`,
+/// the line through the two one-server loads (one at the bench's clients, one at twice as
+/// many, whose groups are larger). The same split of the statements' execution time tells how
+/// much of each part is inside a statement; the rest is the protocol around the statements,
+/// the commit and the cluster's background work.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GroupCost {
+    pub smaller_group: f64,
+    pub larger_group: f64,
+    pub per_group_us: f64,
+    pub per_delivery_us: f64,
+    pub statements_per_group_us: f64,
+    pub statements_per_delivery_us: f64,
+    /// The part per delivery as a multiple of PostgreSQL's CPU per peer transaction.
+    pub per_delivery_to_peer: Option<f64>,
+}
+
+/// One one-server load's point for [`GroupCost::fit`]: deliveries per commit, PostgreSQL's CPU
+/// per message, and its statements' execution time per message.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupPoint {
+    pub deliveries_per_commit: f64,
+    pub cpu_us: f64,
+    pub statements_us: f64,
+}
+
+impl GroupPoint {
+    /// The point of a PostgreSQL load, when it counted its groups, CPU and statements.
+    fn of(load: &LoadFigures) -> Option<GroupPoint> {
+        let cost = load.postgres_cost.as_ref()?;
+        Some(GroupPoint {
+            deliveries_per_commit: load.deliveries_per_commit?,
+            cpu_us: load.postgres_cpu_us_per_message?,
+            statements_us: cost
+                .statements
+                .iter()
+                .filter(|statement| statement.top_level)
+                .map(|statement| statement.us_per_message)
+                .sum(),
+        })
+    }
+}
+
+impl GroupCost {
+    /// Groups closer in size than this (in deliveries) give no split worth printing: the line
+    /// through two nearly equal points is mostly the runs' noise.
+    const MIN_SPREAD: f64 = 2.0;
+
+    /// The line through two loads whose groups differ in size; `None` when they do not.
+    pub fn fit(a: GroupPoint, b: GroupPoint, peer_cpu_us: Option<f64>) -> Option<GroupCost> {
+        let (small, large) = if a.deliveries_per_commit <= b.deliveries_per_commit {
+            (a, b)
+        } else {
+            (b, a)
+        };
+        if large.deliveries_per_commit - small.deliveries_per_commit < Self::MIN_SPREAD
+            || small.deliveries_per_commit <= 0.0
+        {
+            return None;
+        }
+        let spread = 1.0 / small.deliveries_per_commit - 1.0 / large.deliveries_per_commit;
+        let per_group = |small: f64, large: f64| (small - large) / spread;
+        let per_group_us = per_group(small.cpu_us, large.cpu_us);
+        let statements_per_group_us = per_group(small.statements_us, large.statements_us);
+        let per_delivery_us = small.cpu_us - per_group_us / small.deliveries_per_commit;
+        Some(GroupCost {
+            smaller_group: small.deliveries_per_commit,
+            larger_group: large.deliveries_per_commit,
+            per_group_us,
+            per_delivery_us,
+            statements_per_group_us,
+            statements_per_delivery_us: small.statements_us
+                - statements_per_group_us / small.deliveries_per_commit,
+            per_delivery_to_peer: peer_cpu_us
+                .filter(|peer| *peer > 0.0)
+                .map(|peer| per_delivery_us / peer),
+        })
+    }
+}
+
+impl std::fmt::Display for GroupCost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "  PostgreSQL CPU per message, split by the one-server loads (groups of {:.1} and {:.1}): {:.0} µs per group (statements {:.0} µs) + {:.1} µs per delivery (statements {:.1} µs)",
+            self.smaller_group,
+            self.larger_group,
+            self.per_group_us,
+            self.statements_per_group_us,
+            self.per_delivery_us,
+            self.statements_per_delivery_us,
+        )?;
+        if let Some(ratio) = self.per_delivery_to_peer {
+            write!(
+                f,
+                "; the part per delivery is {ratio:.2}x the peer's per transaction"
+            )?;
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Display for PostgresReport {
@@ -130,6 +243,13 @@ impl std::fmt::Display for PostgresReport {
         )?;
         let lines: Vec<String> = self.runs.iter().map(ToString::to_string).collect();
         writeln!(f, "{}", lines.join("\n"))?;
+        match &self.group_cost {
+            Some(split) => writeln!(f, "{split}")?,
+            None => writeln!(
+                f,
+                "  PostgreSQL CPU per message, split: the one-server loads' groups were too alike"
+            )?,
+        }
         write!(f, "{}", self.peer)
     }
 }
@@ -147,7 +267,12 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
         .map_err(|error| BenchError::Startup(format!("a private PostgreSQL: {error}")))?;
     let probe = ClusterProbe::connect(&cluster).await?;
     let peer = run_peer(&cluster, &probe, options.concurrency).await?;
-    for (run, servers) in [(1usize, 1usize), (2, 2)] {
+    let doubled = options.concurrency.saturating_mul(2);
+    for (run, servers, clients) in [
+        (1usize, 1usize, options.concurrency),
+        (2, 2, options.concurrency),
+        (3, 1, doubled),
+    ] {
         let database = format!("bench_{run}");
         let url = cluster
             .create_database(&database)
@@ -158,7 +283,7 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
             database: &database,
             url: &url,
         };
-        let mut figures = postgres_run(&load, servers, options, &streams).await?;
+        let mut figures = postgres_run(&load, servers, clients, options, &streams).await?;
         figures.ratio_to_peer = Some(figures.messages_per_second / peer.transactions_per_second);
         figures.postgres_cpu_to_peer = figures
             .postgres_cpu_us_per_message
@@ -169,6 +294,17 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
     }
     drop(probe);
     drop(cluster);
+    let one_server: Vec<GroupPoint> = runs
+        .iter()
+        .filter(|load| load.store == "postgres" && load.servers == 1)
+        .filter_map(GroupPoint::of)
+        .collect();
+    let group_cost = match one_server.as_slice() {
+        [at_clients, at_double] => {
+            GroupCost::fit(*at_clients, *at_double, peer.postgres_cpu_us_per_message)
+        }
+        _ => None,
+    };
     Ok(PostgresReport {
         aggregates: options.aggregates,
         messages: options.messages,
@@ -179,6 +315,7 @@ pub async fn ordered_postgres(options: &OrderedOptions) -> Result<PostgresReport
             .unwrap_or_default(),
         peer,
         runs,
+        group_cost,
     })
 }
 
@@ -201,7 +338,14 @@ async fn sqlite_run(
     let rss = vec![server.peak_rss_kib()];
     let stopped = server.stop()?;
     verify_end_state(&stopped.database, streams)?;
-    let mut sqlite = figures("sqlite", options.messages, elapsed, &latencies, rss);
+    let mut sqlite = figures(
+        "sqlite",
+        options.messages,
+        options.concurrency,
+        elapsed,
+        &latencies,
+        rss,
+    );
     sqlite.server_cpu_us_per_message = cpu_us_per_message(server_ticks, options.messages);
     Ok(sqlite)
 }
@@ -214,30 +358,39 @@ struct PostgresLoad<'a> {
     url: &'a str,
 }
 
-/// The load through `servers` servers on the load's database, with their CPU and the
-/// cluster's, its WAL and statements, and the round trips and retries the servers counted.
+/// The load of `clients` clients through `servers` servers on the load's database, with their
+/// CPU and the cluster's, its WAL and statements, and the round trips and retries the servers
+/// counted.
 async fn postgres_run(
     load: &PostgresLoad<'_>,
     servers: usize,
+    clients: usize,
     options: &OrderedOptions,
     streams: &[AggregateStream],
 ) -> Result<LoadFigures, BenchError> {
     let (cluster, url) = (load.cluster, load.url);
     let extra = ["--inbox".to_owned(), url.to_owned()];
     let started: Vec<ServerUnderTest> = (0..servers)
-        .map(|_| ServerUnderTest::start_with(options.synchronous, options.concurrency, &extra))
+        .map(|_| ServerUnderTest::start_with(options.synchronous, clients, &extra))
         .collect::<Result<_, _>>()?;
     let addresses: Vec<String> = started.iter().map(|s| s.address.clone()).collect();
     let mark = load.probe.mark().await?;
     let servers_before = servers_cpu_ticks(&started);
     let postgres_before = cluster.cpu_ticks();
-    let label = format!("bench ordered: HTTP to {servers} server(s)");
-    let (elapsed, latencies) = http_load(&label, &addresses, streams, options.concurrency).await?;
+    let label = format!("bench ordered: HTTP to {servers} server(s), {clients} clients");
+    let (elapsed, latencies) = http_load(&label, &addresses, streams, clients).await?;
     // Read before the servers stop: their connections' backends are still alive.
     let postgres_ticks = ticks_since(cluster.cpu_ticks(), postgres_before);
     let server_ticks = ticks_since(servers_cpu_ticks(&started), servers_before);
     let rss = started.iter().map(ServerUnderTest::peak_rss_kib).collect();
-    let mut run = figures("postgres", options.messages, elapsed, &latencies, rss);
+    let mut run = figures(
+        "postgres",
+        options.messages,
+        clients,
+        elapsed,
+        &latencies,
+        rss,
+    );
     run.server_cpu_us_per_message = cpu_us_per_message(server_ticks, options.messages);
     run.postgres_cpu_us_per_message = cpu_us_per_message(postgres_ticks, options.messages);
     let messages = u64::try_from(options.messages).unwrap_or(u64::MAX);
@@ -276,9 +429,11 @@ fn servers_cpu_ticks(servers: &[ServerUnderTest]) -> Option<u64> {
     servers.iter().map(ServerUnderTest::cpu_ticks).sum()
 }
 
+/// A load's figures from its duration, its answers' latencies and its servers' peak RSS.
 fn figures(
     store: &'static str,
     messages: usize,
+    clients: usize,
     elapsed: Duration,
     latencies: &[Duration],
     rss_kib: Vec<Option<u64>>,
@@ -286,6 +441,7 @@ fn figures(
     LoadFigures {
         store,
         servers: rss_kib.len(),
+        clients,
         messages_per_second: messages as f64 / elapsed.as_secs_f64(),
         p50_ms: percentile(latencies, 0.50),
         p95_ms: percentile(latencies, 0.95),
@@ -349,4 +505,46 @@ async fn verify_postgres_end_state(
     drop(client);
     inbox.close();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(deliveries_per_commit: f64, per_group: f64, per_delivery: f64) -> GroupPoint {
+        GroupPoint {
+            deliveries_per_commit,
+            cpu_us: per_group / deliveries_per_commit + per_delivery,
+            statements_us: per_group / 4.0 / deliveries_per_commit + per_delivery / 2.0,
+        }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn two_group_sizes_split_the_cpu_into_a_part_per_group_and_a_part_per_delivery() {
+        let split = GroupCost::fit(
+            point(31.5, 440.0, 27.0),
+            point(16.0, 440.0, 27.0),
+            Some(90.0),
+        )
+        .expect("groups of 16 and 31.5 are far enough apart");
+        assert!(close(split.smaller_group, 16.0) && close(split.larger_group, 31.5));
+        assert!(close(split.per_group_us, 440.0), "{split:?}");
+        assert!(close(split.per_delivery_us, 27.0), "{split:?}");
+        assert!(close(split.statements_per_group_us, 110.0), "{split:?}");
+        assert!(close(split.statements_per_delivery_us, 13.5), "{split:?}");
+        assert!(
+            close(split.per_delivery_to_peer.unwrap_or(0.0), 0.3),
+            "{split:?}"
+        );
+    }
+
+    #[test]
+    fn groups_of_nearly_one_size_give_no_split() {
+        let alike = GroupCost::fit(point(16.0, 440.0, 27.0), point(17.0, 300.0, 35.0), None);
+        assert_eq!(alike, None);
+    }
 }
