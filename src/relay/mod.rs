@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use futures_util::future::join_all;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -393,8 +394,11 @@ async fn relay_batch(
     report.unpublished += sent.unpublished as u64;
     if sent.unpublished > 0 {
         eprintln!(
-            "relay {}: {} events got no PubAck from {}; they stay pending for the next lease",
-            options.owner, sent.unpublished, peers.urls
+            "relay {}: {} events got no PubAck from {} (connection {:?}); they stay pending for the next lease",
+            options.owner,
+            sent.unpublished,
+            peers.urls,
+            peers.client.connection_state()
         );
     }
     if sent.published.is_empty() {
@@ -462,16 +466,22 @@ async fn publish_attempt<'a>(
 ) -> Vec<&'a Leased> {
     let mut failed = Vec::new();
     // Sent in order on one connection, so each aggregate's events reach the stream in
-    // sequence order; the PubAcks are awaited afterwards, all together.
-    let mut acks = Vec::with_capacity(events.len());
+    // sequence order; the PubAcks are awaited afterwards, all together. Together, not one after
+    // another: a PubAck's timeout starts when it is awaited, so a batch whose PubAcks were lost
+    // (its stream's leader killed) would wait the timeout once per event, minutes for a batch.
+    let mut pending = Vec::with_capacity(events.len());
     for event in events {
-        acks.push((event, publish(peers, options, event, sent.id_header).await));
+        pending.push((event, publish(peers, options, event, sent.id_header).await));
     }
-    for (event, ack) in acks {
+    let answers = join_all(pending.into_iter().map(|(event, ack)| async move {
         let ack = match ack {
             Ok(future) => future.await.map_err(|error| error.to_string()),
             Err(error) => Err(error),
         };
+        (event, ack)
+    }))
+    .await;
+    for (event, ack) in answers {
         match ack {
             Ok(ack) => {
                 if ack.duplicate {

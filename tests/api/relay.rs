@@ -740,6 +740,45 @@ async fn a_relay_carries_32_aggregates_of_100_events_to_the_inbox_once_and_stops
     );
 }
 
+/// A nats-server whose anonymous clients may publish anything but receive nothing on reply
+/// inboxes: every PubAck (and every "no responders") is dropped before it reaches the relay.
+const PUBACKS_NEVER_ARRIVE: &str = "authorization {
+  users = [
+    { user: relay, password: unused,
+      permissions: { publish: \">\", subscribe: { deny: \"_INBOX.>\" } } }
+  ]
+}
+no_auth_user: relay
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_pubacks_never_come_is_given_up_after_one_timeout_per_attempt_not_one_per_event()
+ {
+    let nats =
+        NatsServer::start(Some(PUBACKS_NEVER_ARRIVE)).unwrap_or_else(|error| panic!("{error}"));
+    let (dir, settings) = settings_dir();
+    let a = ServerProcess::start(&dir.path().join("a.db"), &settings, &[]);
+    // All 64 events are in the outbox before the relay starts, so its first lease is one batch
+    // of 64.
+    write_events(&a.address, &aggregate_names("lost", 4), 16).await;
+    let mut relay = Relay::start(&a.address, &nats.url, "one", &["--batch", "64"]);
+    // Five attempts with a 2 s timeout each and pauses of 0.2 to 1.6 s come to about 13 s; a
+    // timeout per event would be 64 x 2 s for the first attempt alone.
+    poll_until_within(
+        "the relay gives the batch up and leaves it pending",
+        Duration::from_secs(45),
+        || std::future::ready(relay.stderr_text()),
+        |said| said.contains("64 events got no PubAck"),
+    )
+    .await;
+    assert_eq!(outbox_counts(&a.address).await, (64, 0), "nothing acked");
+    // SIGTERM lets a batch under way finish its attempts (another 13 s at most) first.
+    relay.signal("TERM");
+    let (code, report) = relay.finish(Duration::from_secs(30)).await;
+    assert_eq!(code, Some(0), "{report}\n{}", relay.stderr_text());
+    assert_eq!(figure(&report, "published"), 0, "{report}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_during_a_batch_finishes_and_acks_it_before_the_relay_exits_zero() {
     let nats = start_nats();
@@ -1242,7 +1281,21 @@ async fn a_three_node_cluster_losing_a_node_mid_run_still_applies_every_event_ex
     );
 
     write_sequences(&pair.a.address, &aggregates, 26..=50).await;
-    applied_at_b(&pair.b_database, 1600, Duration::from_secs(90)).await;
+    // A's outbox and the relay's last give-up beside B's rows, so that a stall names its hop:
+    // the relay's (events pending) or B's consumer's (all sent, fewer applied).
+    poll_until_within(
+        "B applied 1600 events (B's applied rows, A's outbox pending and sent, the relay's last give-up)",
+        Duration::from_secs(90),
+        || async {
+            let applied = applied_rows(&pair.b_database);
+            let said = relay.stderr_text();
+            let given_up = said.lines().rfind(|line| line.contains("stay pending"));
+            let given_up = given_up.unwrap_or_default().to_owned();
+            (applied, outbox_counts(&pair.a.address).await, given_up)
+        },
+        |(applied, _, _)| *applied >= 1600,
+    )
+    .await;
     poll_until_within(
         "A's outbox all sent",
         Duration::from_secs(30),
