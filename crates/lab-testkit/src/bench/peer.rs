@@ -25,12 +25,12 @@ use crate::process::{cpu_us_per_message, ticks_since};
 /// How long pgbench runs.
 pub const PEER_SECONDS: u32 = 10;
 
-/// The apply, one call per message: the aggregate's row and the id read, the inbox row
-/// inserted, the position and the total written.
 /// How long pgbench's backends may take to end after it exits (an autovacuum worker that
 /// started during the load counts too: the wait is for the postmaster's children before it).
 const BACKENDS_ENDING: Duration = Duration::from_secs(10);
 
+/// The apply, one call per message: the aggregate's row and the id read, the inbox row
+/// inserted, the position and the total written.
 const PEER_FUNCTION: &str = r#"
 CREATE FUNCTION peer_apply(client integer, amount bigint) RETURNS text LANGUAGE plpgsql AS $$
 DECLARE

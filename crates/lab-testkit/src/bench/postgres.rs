@@ -157,16 +157,10 @@ pub struct GroupPoint {
 impl GroupPoint {
     /// The point of a PostgreSQL load, when it counted its groups, CPU and statements.
     fn of(load: &LoadFigures) -> Option<GroupPoint> {
-        let cost = load.postgres_cost.as_ref()?;
         Some(GroupPoint {
             deliveries_per_commit: load.deliveries_per_commit?,
             cpu_us: load.postgres_cpu_us_per_message?,
-            statements_us: cost
-                .statements
-                .iter()
-                .filter(|statement| statement.top_level)
-                .map(|statement| statement.us_per_message)
-                .sum(),
+            statements_us: load.postgres_cost.as_ref()?.top_level_us_per_message(),
         })
     }
 }

@@ -53,6 +53,18 @@ pub struct StatementCost {
     pub wal_bytes_per_message: f64,
 }
 
+impl PostgresCost {
+    /// The execution time of the load's top-level statements per message, in microseconds (a
+    /// nested statement's time is already its function's).
+    pub fn top_level_us_per_message(&self) -> f64 {
+        self.statements
+            .iter()
+            .filter(|statement| statement.top_level)
+            .map(|statement| statement.us_per_message)
+            .sum()
+    }
+}
+
 impl ClusterProbe {
     /// Connects to the cluster's `postgres` database and creates the extension's view there.
     pub async fn connect(cluster: &PrivateCluster) -> Result<ClusterProbe, BenchError> {
@@ -123,20 +135,17 @@ impl ClusterProbe {
                 wal_bytes_per_message: per_message(wal_bytes),
             });
         }
-        let top_level: f64 = statements
-            .iter()
-            .filter(|statement| statement.top_level)
-            .map(|statement| statement.us_per_message)
-            .sum();
+        let mut cost = PostgresCost {
+            wal_bytes_per_message: per_message(wal as f64),
+            statements,
+        };
+        let top_level = cost.top_level_us_per_message();
         if top_level > 0.0 {
-            for statement in &mut statements {
+            for statement in &mut cost.statements {
                 statement.share = statement.us_per_message / top_level;
             }
         }
-        Ok(PostgresCost {
-            wal_bytes_per_message: per_message(wal as f64),
-            statements,
-        })
+        Ok(cost)
     }
 
     async fn wal_position(&self) -> Result<i64, BenchError> {
