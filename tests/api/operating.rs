@@ -709,20 +709,26 @@ fn sample_bytes(sample: &Value) -> u64 {
     sample["bytes"].as_u64().expect("a sample's bytes")
 }
 
-/// The size of the first sample at or past `messages`, and the largest from there on.
-fn size_from(samples: &[Value], messages: u64) -> (u64, u64) {
+/// How much the store grew from the first sample at or past `messages` to the largest from there on.
+fn growth_from(samples: &[Value], messages: u64) -> u64 {
     let after: Vec<u64> = samples
         .iter()
         .filter(|sample| sample["messages"].as_u64().is_some_and(|m| m >= messages))
         .map(sample_bytes)
         .collect();
     let first = *after.first().expect("samples after the warm-up");
-    (first, after.into_iter().max().unwrap_or(first))
+    after.into_iter().max().unwrap_or(first) - first
 }
 
-/// A small `bench retention`: the gate's store with a one-second retention keeps its size after
-/// the warm-up while the same load without retention keeps growing over the same stretch, and
-/// the pruner deleted identities, output rows and timeline events.
+/// A small `bench retention`: after the warm-up, the gate's store with a short retention grows
+/// by less than a third of what the same messages add without retention, and the pruner deleted
+/// identities, output rows and timeline events.
+///
+/// A window of time holds as many rows as the rate of the moment puts in it, so a comparison of
+/// sizes alone would depend on how busy the machine is during the run: a run slowed at its
+/// warm-up and fast after it would hold more at its end. What the same messages add without
+/// retention depends only on their number, and what a 200 ms window adds at most is far below
+/// it at any rate this bench reaches.
 #[tokio::test]
 async fn bench_retention_keeps_the_gate_store_bounded_where_the_same_load_without_retention_grows()
 {
@@ -732,11 +738,11 @@ async fn bench_retention_keeps_the_gate_store_bounded_where_the_same_load_withou
         let json_path = json_path.clone();
         move || {
             command()
-                .args(["bench", "retention", "--messages", "30000"])
+                .args(["bench", "retention", "--messages", "40000"])
                 .args(["--aggregates", "100", "--sample-every", "2000"])
                 .args([
                     "--retention-ms",
-                    "1000",
+                    "200",
                     "--prune-interval-ms",
                     "100",
                     "--json",
@@ -752,7 +758,7 @@ async fn bench_retention_keeps_the_gate_store_bounded_where_the_same_load_withou
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
     assert!(
-        stdout.starts_with("bench retention: sqlite, 30000 messages over 100 aggregates"),
+        stdout.starts_with("bench retention: sqlite, 40000 messages over 100 aggregates"),
         "{stdout}"
     );
     assert!(stdout.contains("  verdict: "), "{stdout}");
@@ -761,21 +767,21 @@ async fn bench_retention_keeps_the_gate_store_bounded_where_the_same_load_withou
             .expect("JSON figures");
     let on = figures["on"]["samples"].as_array().expect("on samples");
     let off = figures["off"]["samples"].as_array().expect("off samples");
-    assert_eq!((on.len(), off.len()), (15, 15), "{figures}");
+    assert_eq!((on.len(), off.len()), (20, 20), "{figures}");
     assert!(on.iter().chain(off).all(|sample| sample_bytes(sample) > 0));
 
     let warm_up = figures["bound"]["warmUpMessages"]
         .as_u64()
         .unwrap_or_else(|| panic!("no bound after warm-up: nothing pruned?\n{stdout}"));
-    let (on_at_warm_up, on_largest) = size_from(on, warm_up);
-    let (off_at_warm_up, off_largest) = size_from(off, warm_up);
+    let (on_growth, off_growth) = (growth_from(on, warm_up), growth_from(off, warm_up));
     assert!(
-        (off_largest as f64) > 1.25 * off_at_warm_up as f64,
-        "without retention the store should grow past the warm-up:\n{stdout}"
+        off_growth > 4 << 20,
+        "without retention the store should grow by megabytes past the warm-up:\n{stdout}"
     );
     assert!(
-        (on_largest as f64) <= 1.25 * on_at_warm_up as f64,
-        "with retention the store grew past the warm-up:\n{stdout}"
+        on_growth * 3 < off_growth,
+        "with retention the store grew by {on_growth} bytes past the warm-up, \
+         without it by {off_growth}:\n{stdout}"
     );
     let pruned = &figures["on"]["pruned"];
     for kind in ["identities", "output", "timeline"] {
