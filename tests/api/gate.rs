@@ -1025,6 +1025,69 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
     );
 }
 
+/// Two gates on one PostgreSQL database: each message the standby applies is announced to the
+/// publishing gate through PostgreSQL (`NOTIFY`), which counts the notifications and publishes
+/// the messages; the publishing gate's own applies announce nothing to the standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_standby_gates_applies_are_announced_to_the_publishing_gate_through_postgresql() {
+    let nats = crate::broker::start_nats(None);
+    let certificate = Certificate::new();
+    let files = GateFiles::new(&certificate, &nats).on_postgres();
+    let database = crate::postgres::fresh_database();
+    let env = [("GATE_DATABASE_URL", database.as_str())];
+    let first = GateProcess::start_with_env(&files.config(), &env);
+    let second = GateProcess::start_with_env(&files.config(), &env);
+    let operator = add_operator_on(&["--inbox".into(), database.as_str().into()], "alice");
+    let client = certificate.client();
+    let producer = add_producer(&client, &first, &operator, "shop").await;
+    let js = crate::broker::jetstream_of(&nats).await;
+    let holder = lease_holder(&client, [&first, &second]).await;
+    let standby = if std::ptr::eq(holder, &first) {
+        &second
+    } else {
+        &first
+    };
+    const NOTIFICATIONS: &str = "gate_output_notifications_total";
+    assert_eq!(scraped(&client, holder, NOTIFICATIONS).await, Some(0.0));
+
+    for message in messages_of("order-1", 5) {
+        let sent = deliver_until_decided(&client, &standby.address, &producer, &message).await;
+        assert_eq!(sent, 200);
+    }
+    poll_until_within(
+        "the standby's five messages in the output stream",
+        Duration::from_secs(30),
+        || output_count(&js),
+        |count| *count >= 5,
+    )
+    .await;
+    poll_until_within(
+        "the publishing gate heard of them",
+        Duration::from_secs(30),
+        || scraped(&client, holder, NOTIFICATIONS),
+        |heard| heard.is_some_and(|count| count >= 1.0),
+    )
+    .await;
+
+    for message in messages_of("order-2", 5) {
+        let sent = deliver_until_decided(&client, &holder.address, &producer, &message).await;
+        assert_eq!(sent, 200);
+    }
+    poll_until_within(
+        "all ten messages in the output stream",
+        Duration::from_secs(30),
+        || output_count(&js),
+        |count| *count >= 10,
+    )
+    .await;
+    let expected: BTreeMap<String, i64> = [("order-1".to_owned(), 5), ("order-2".to_owned(), 5)]
+        .into_iter()
+        .collect();
+    assert_in_order_once(&read_output(&js).await, &expected);
+    assert_eq!(scraped(&client, standby, NOTIFICATIONS).await, Some(0.0));
+    assert!(holds_the_lease(&client, holder).await);
+}
+
 /// Sends `sequences` of each aggregate in `expected`'s keys to `gates` in turn, every
 /// aggregate's in order, the aggregates at once, each until decided.
 async fn deliver_range(

@@ -22,8 +22,9 @@ use super::config::{GateConfig, GateNats, GateStore, PostgresAccess};
 use super::handler::{GateHandler, SharedTypes};
 use super::health::{self, Health, NatsClients};
 use super::lag::{self, LagSamples, LagState};
+use super::notices::{self, Announcer};
 use super::output::{self, OutputStore};
-use super::publisher::{PublishedRows, Publisher};
+use super::publisher::{HeldEpoch, PublishedRows, Publisher};
 use super::reload::Reloader;
 use super::retention::Pruner;
 use super::routes::{self, GateMessageInput, GateParts, GateState, RegistryStore};
@@ -59,6 +60,9 @@ struct Background {
     inbox: SharedInbox,
     metrics: Metrics,
     nats: Option<Nats>,
+    /// The PostgreSQL store on which other gates announce their output rows, if any, and this
+    /// gate's announcer.
+    listening: Option<(Target, Announcer)>,
     changes: InboxChanges,
     wake: Arc<Notify>,
     /// The output's lag samples, which `/v1/lag` answers.
@@ -106,8 +110,13 @@ impl GateApplication {
         };
         let metrics = Metrics::new();
         let types: SharedTypes = Arc::new(ArcSwap::from_pointee(types));
-        let handler = Arc::new(GateHandler::with_shared_types(types.clone()));
-        let stores = Stores::open(&config, handler, &metrics).await?;
+        let held_epoch = HeldEpoch::default();
+        let announcer = Announcer::new(held_epoch.clone());
+        let mut handler = GateHandler::with_shared_types(types.clone());
+        if config.nats.is_some() {
+            handler = handler.with_announcer(announcer.clone());
+        }
+        let stores = Stores::open(&config, Arc::new(handler), &metrics).await?;
         let changes = InboxChanges::new();
         let inbox: SharedInbox = Arc::new(ObservedInbox::new(
             stores.inbox.clone(),
@@ -124,6 +133,7 @@ impl GateApplication {
                     &metrics,
                     config.auth.anonymous_writes,
                     wake.clone(),
+                    held_epoch,
                 )
                 .await?,
             ),
@@ -136,10 +146,16 @@ impl GateApplication {
             retention: config.retention,
             metrics: metrics.clone(),
         };
+        // Other gates of a PostgreSQL store announce their output to whichever publishes.
+        let listening = match (&nats, &stores.postgres) {
+            (Some(_), Some(postgres)) => Some((postgres.target().clone(), announcer)),
+            _ => None,
+        };
         let background = Background {
             inbox,
             metrics,
             nats,
+            listening,
             changes,
             wake,
             lag: LagSamples::default(),
@@ -281,6 +297,15 @@ impl Background {
         println!("{}", nats.consumer.describe());
         tasks.spawn(nats.consumer.run(self.inbox, shutdown.clone()));
         tasks.spawn(nats.publisher.run(shutdown.clone()));
+        if let Some((target, announcer)) = self.listening {
+            tasks.spawn(notices::wake_on_notifications(
+                target,
+                announcer,
+                self.wake.clone(),
+                self.metrics.clone(),
+                shutdown.clone(),
+            ));
+        }
         tasks.spawn(wake_on_changes(self.changes, self.wake, shutdown.clone()));
     }
 }
@@ -403,6 +428,7 @@ impl Nats {
         metrics: &Metrics,
         anonymous_writes: bool,
         wake: Arc<Notify>,
+        held_epoch: HeldEpoch,
     ) -> Result<Nats, StartupError> {
         let mut input = BrokerConfig::with_checked_urls(settings.urls.clone());
         input.stream = settings.input.stream.clone();
@@ -432,7 +458,8 @@ impl Nats {
             wake,
         )
         .with_metrics(metrics.clone())
-        .with_lease(lease);
+        .with_lease(lease)
+        .with_held_epoch(held_epoch);
         publisher
             .ensure_stream()
             .await

@@ -8,6 +8,10 @@
 //! carries every sequence of an aggregate exactly once, and a downstream tells a deliberate skip
 //! from a loss.
 //!
+//! On PostgreSQL, several gates share the store and one of them publishes. A transaction of a
+//! gate that is not publishing notifies the channel [`OUTPUT_CHANNEL`] when it writes output
+//! rows, so that the publishing gate sends them at once rather than at its next tick.
+//!
 //! The applied event's detail is `{"type": T}`, the quarantined event's is `{"reason": …,
 //! "type": T}`; the state of an aggregate (a resolution's audit row) is `{"emitted": n}`, the
 //! count of its output rows.
@@ -25,6 +29,7 @@ use rusqlite::Connection;
 use serde_json::{Value, json};
 use tokio_postgres::types::Type;
 
+use super::notices::{Announcer, OUTPUT_CHANNEL};
 use super::schemas::{MessageTypes, SKIPPED_TYPE};
 
 /// The reason of a message whose payload is not a gate envelope (no door of the gate builds
@@ -58,6 +63,10 @@ const POSTGRES_INSERT_SKIPPED: &str = "
 INSERT INTO gate_output(aggregate_id, sequence, message_id, message_type, payload, applied_at)
 SELECT $1, sequence, $4 || sequence, $5, $6, $7 FROM generate_series($2::bigint, $3::bigint) AS sequence";
 
+/// Notifies [`OUTPUT_CHANNEL`] at commit (not at all on rollback). PostgreSQL folds the same
+/// notification sent twice in one transaction into one.
+const POSTGRES_NOTIFY_OUTPUT: &str = "SELECT pg_notify($1, $2)";
+
 const SQLITE_EMITTED: &str = "SELECT COUNT(*) FROM gate_output WHERE aggregate_id = ?1";
 const POSTGRES_EMITTED: &str = "SELECT COUNT(*) FROM gate_output WHERE aggregate_id = $1";
 
@@ -85,6 +94,9 @@ pub type SharedTypes = Arc<ArcSwap<MessageTypes>>;
 #[derive(Debug, Clone)]
 pub struct GateHandler {
     pub types: SharedTypes,
+    /// This gate's announcer, if it runs a publisher: while that does not hold the lease, a
+    /// PostgreSQL transaction that writes output rows notifies the gate that holds it.
+    announcer: Option<Announcer>,
 }
 
 impl GateHandler {
@@ -95,7 +107,29 @@ impl GateHandler {
 
     /// A handler checking against whichever set `types` holds at each check.
     pub fn with_shared_types(types: SharedTypes) -> GateHandler {
-        GateHandler { types }
+        GateHandler {
+            types,
+            announcer: None,
+        }
+    }
+
+    /// Announces this gate's output rows to the publishing gate by `announcer`.
+    pub fn with_announcer(mut self, announcer: Announcer) -> GateHandler {
+        self.announcer = Some(announcer);
+        self
+    }
+
+    /// Notifies the publishing gate, if another gate's publisher may be the one holding the
+    /// lease: one statement in the transaction that wrote output rows.
+    async fn announce(&self, client: &HandlerClient) -> Result<(), HandlerError> {
+        let Some(payload) = self.announcer.as_ref().and_then(Announcer::payload) else {
+            return Ok(());
+        };
+        let notify = client
+            .prepare_typed_cached(POSTGRES_NOTIFY_OUTPUT, &[Type::TEXT, Type::TEXT])
+            .await?;
+        client.query(&notify, &[&OUTPUT_CHANNEL, &payload]).await?;
+        Ok(())
     }
 }
 
@@ -255,6 +289,7 @@ impl PostgresHandler for GateHandler {
                 ],
             )
             .await?;
+        self.announce(client).await?;
         Ok(row.applied())
     }
 
@@ -278,6 +313,7 @@ impl PostgresHandler for GateHandler {
         }
         if !rows.is_empty() {
             insert_many(client, &rows).await?;
+            self.announce(client).await?;
         }
         let mut outcomes: Vec<ApplyOutcome> = rows.iter().map(OutputRow::applied).collect();
         outcomes.extend(poison);
@@ -333,6 +369,7 @@ impl PostgresHandler for GateHandler {
                 ],
             )
             .await?;
+        self.announce(client).await?;
         Ok(())
     }
 }

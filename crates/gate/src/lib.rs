@@ -17,6 +17,7 @@
 //! - [`publisher`]: the in-process relay from the output table to JetStream, one gate of a
 //!   store at a time, fenced by JetStream;
 //! - [`lease`]: the store's publisher lease (holder, epoch, expiry);
+//! - [`notices`]: on PostgreSQL, the other gates' commits of output rows waking the publisher;
 //! - [`auth`]: producer, reader and operator credentials as extractors; producers' rate limits;
 //! - [`routes`]: the `/v1` routes and their OpenAPI document;
 //! - [`edge`]: what is refused from a request's head (conflicting framing, a declared length
@@ -42,6 +43,7 @@ pub mod handler;
 pub mod health;
 pub mod lag;
 pub mod lease;
+pub mod notices;
 pub mod output;
 pub mod overdue;
 pub mod planted;

@@ -193,6 +193,12 @@ impl Publisher {
         self
     }
 
+    /// Shows the lease this publisher holds in `held` (the gate's handler reads it too).
+    pub fn with_held_epoch(mut self, held: HeldEpoch) -> Publisher {
+        self.held_epoch = held;
+        self
+    }
+
     /// The epoch of the lease it holds, as it changes.
     pub fn held_epoch(&self) -> HeldEpoch {
         self.held_epoch.clone()

@@ -47,6 +47,7 @@ pub const OUTBOX_ACKS: &str = "outbox_acks_total";
 pub const HTTP_REQUESTS: &str = "http_requests_total";
 pub const GATE_PUBLISHED: &str = "gate_output_published_total";
 pub const GATE_PUBLISH_FAILURES: &str = "gate_publish_failures_total";
+pub const GATE_OUTPUT_NOTIFICATIONS: &str = "gate_output_notifications_total";
 pub const GATE_CONFIG_GENERATION: &str = "gate_config_generation";
 pub const GATE_PUBLISHER_HOLDING: &str = "gate_publisher_holding";
 pub const GATE_PUBLISHER_FENCED: &str = "gate_publisher_fenced_total";
@@ -153,6 +154,10 @@ const DESCRIPTIONS: &[Description] = &[
     Description::counter(
         GATE_PUBLISH_FAILURES,
         "Gate publisher rounds that ended on a failure (NATS or the store), each retried after a pause",
+    ),
+    Description::counter(
+        GATE_OUTPUT_NOTIFICATIONS,
+        "Notifications that another gate of the PostgreSQL store committed output rows, each waking this gate's publisher",
     ),
     Description::gauge(
         GATE_PUBLISHER_HOLDING,
@@ -437,6 +442,7 @@ impl Metrics {
             metrics::counter!(GATE_PUBLISHED).increment(0);
             metrics::counter!(GATE_PUBLISH_FAILURES).increment(0);
             metrics::counter!(GATE_PUBLISHER_FENCED).increment(0);
+            metrics::counter!(GATE_OUTPUT_NOTIFICATIONS).increment(0);
             metrics::gauge!(GATE_PUBLISHER_HOLDING).set(0.0);
         });
     }
@@ -493,6 +499,11 @@ impl Metrics {
     /// Counts the gate's output rows one publisher round got acknowledged and marked.
     pub fn gate_published(&self, rows: usize) {
         self.with(|| metrics::counter!(GATE_PUBLISHED).increment(rows as u64));
+    }
+
+    /// Counts one notification that another gate of the store committed output rows.
+    pub fn gate_output_notification(&self) {
+        self.with(|| metrics::counter!(GATE_OUTPUT_NOTIFICATIONS).increment(1));
     }
 
     /// Counts one publisher round that ended on a failure.

@@ -143,6 +143,81 @@ impl Target {
     }
 }
 
+impl Target {
+    /// Opens one connection outside any pool that listens on `channel` (`LISTEN`), for as long
+    /// as the answer is kept. Notifications are coalesced: one not yet taken stands for every
+    /// later one, which suits a caller that only needs to know that something happened. Those
+    /// whose payload is `except` (a caller's own, say) are left out.
+    pub async fn listen(
+        &self,
+        channel: &str,
+        except: Option<String>,
+    ) -> Result<Listening, PostgresError> {
+        let failed = |error: tokio_postgres::Error| connect_failure(&self.description, &error);
+        let (heard, receiver) = tokio::sync::mpsc::channel(1);
+        let client = match &self.tls {
+            Some(tls) => {
+                let (client, connection) =
+                    self.config.connect(tls.clone()).await.map_err(failed)?;
+                tokio::spawn(forward_notifications(connection, heard, except.clone()));
+                client
+            }
+            None => {
+                let (client, connection) = self.config.connect(NoTls).await.map_err(failed)?;
+                tokio::spawn(forward_notifications(connection, heard, except.clone()));
+                client
+            }
+        };
+        let quoted = channel.replace('"', "\"\"");
+        client
+            .batch_execute(&format!("LISTEN \"{quoted}\""))
+            .await
+            .map_err(failed)?;
+        Ok(Listening {
+            _client: client,
+            heard: receiver,
+        })
+    }
+}
+
+/// A connection listening on a channel ([`Target::listen`]); dropping it closes the connection.
+pub struct Listening {
+    /// Kept for the connection's sake: it ends when its last client is dropped.
+    _client: tokio_postgres::Client,
+    heard: tokio::sync::mpsc::Receiver<()>,
+}
+
+impl Listening {
+    /// Waits for the next notification: `false` once the connection has ended.
+    pub async fn notified(&mut self) -> bool {
+        self.heard.recv().await.is_some()
+    }
+}
+
+/// Drives `connection` until it ends, passing each notification whose payload is not `except`
+/// on to `heard`, unless one is already waiting there.
+async fn forward_notifications<S, T>(
+    mut connection: tokio_postgres::Connection<S, T>,
+    heard: tokio::sync::mpsc::Sender<()>,
+    except: Option<String>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use futures_util::StreamExt;
+    let mut messages = futures_util::stream::poll_fn(|cx| connection.poll_message(cx));
+    while let Some(Ok(message)) = messages.next().await {
+        let tokio_postgres::AsyncMessage::Notification(notification) = message else {
+            continue;
+        };
+        if except.as_deref() != Some(notification.payload())
+            && let Err(tokio::sync::mpsc::error::TrySendError::Closed(())) = heard.try_send(())
+        {
+            return;
+        }
+    }
+}
+
 /// Why a connection could not be opened, sorted so that a caller can name its setting: the
 /// server's certificate, the password, or anything else.
 fn connect_failure(target: &str, error: &tokio_postgres::Error) -> PostgresError {

@@ -63,7 +63,8 @@ use async_trait::async_trait;
 use deadpool_postgres::{ManagerConfig, Pool, RecyclingMethod, Runtime};
 
 pub use connection::{
-    ATTEMPTS, CONNECT_TIMEOUT, Counters, POOL_SIZE, POOL_WAIT, PostgresError, PostgresStats, Target,
+    ATTEMPTS, CONNECT_TIMEOUT, Counters, Listening, POOL_SIZE, POOL_WAIT, PostgresError,
+    PostgresStats, Target,
 };
 pub use handler::{HandlerClient, PostgresHandler, apply_one_by_one};
 pub use tls::{ClientCertificate, Remote, SslMode};
