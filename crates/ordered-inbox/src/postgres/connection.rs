@@ -29,6 +29,12 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an operation waits for a free pooled connection.
 pub const POOL_WAIT: Duration = Duration::from_secs(10);
 
+/// A listening connection's TCP keepalive: its first probe after this much silence, then one
+/// every interval; after the retries unanswered it ends, and its owner can open another.
+const LISTEN_KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const LISTEN_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const LISTEN_KEEPALIVE_RETRIES: u32 = 3;
+
 /// A checked connection target: loopback or a Unix socket directory ([`Target::parse`]), or any
 /// host with the TLS settings and password its caller gives ([`Target::parse_remote`]).
 #[derive(Clone)]
@@ -155,16 +161,23 @@ impl Target {
     ) -> Result<Listening, PostgresError> {
         let failed = |error: tokio_postgres::Error| connect_failure(&self.description, &error);
         let (heard, receiver) = tokio::sync::mpsc::channel(1);
+        // A listener never sends: without probes, a peer that vanished unseen (a restart behind
+        // a partition) would leave it waiting forever for notifications that cannot come.
+        let mut config = self.config.clone();
+        config
+            .keepalives(true)
+            .keepalives_idle(LISTEN_KEEPALIVE_IDLE)
+            .keepalives_interval(LISTEN_KEEPALIVE_INTERVAL)
+            .keepalives_retries(LISTEN_KEEPALIVE_RETRIES);
         let client = match &self.tls {
             Some(tls) => {
-                let (client, connection) =
-                    self.config.connect(tls.clone()).await.map_err(failed)?;
-                tokio::spawn(forward_notifications(connection, heard, except.clone()));
+                let (client, connection) = config.connect(tls.clone()).await.map_err(failed)?;
+                tokio::spawn(forward_notifications(connection, heard, except));
                 client
             }
             None => {
-                let (client, connection) = self.config.connect(NoTls).await.map_err(failed)?;
-                tokio::spawn(forward_notifications(connection, heard, except.clone()));
+                let (client, connection) = config.connect(NoTls).await.map_err(failed)?;
+                tokio::spawn(forward_notifications(connection, heard, except));
                 client
             }
         };
