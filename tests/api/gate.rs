@@ -943,8 +943,19 @@ async fn sigterm_lets_the_gate_finish_and_exit_cleanly() {
     assert!(exited.is_some_and(|status| status.success()), "{exited:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order() {
+/// Two gates on one fresh PostgreSQL database and one nats-server, and the producer `shop`.
+struct TwoGates {
+    files: GateFiles,
+    first: GateProcess,
+    second: GateProcess,
+    client: HttpsClient,
+    producer: Producer,
+    js: jetstream::Context,
+    /// Kept for its process: dropping it stops the server.
+    _nats: NatsServer,
+}
+
+async fn two_gates_on_postgresql() -> TwoGates {
     let nats = crate::broker::start_nats(None);
     let certificate = Certificate::new();
     let files = GateFiles::new(&certificate, &nats).on_postgres();
@@ -956,6 +967,22 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
     let client = certificate.client();
     let producer = add_producer(&client, &first, &operator, "shop").await;
     let js = crate::broker::jetstream_of(&nats).await;
+    TwoGates {
+        files,
+        first,
+        second,
+        client,
+        producer,
+        js,
+        _nats: nats,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order() {
+    let gates = two_gates_on_postgresql().await;
+    let (client, js) = (&gates.client, &gates.js);
+    let (first, second) = (&gates.first, &gates.second);
 
     // Four orders of 30 messages, shuffled, each sent to one gate or the other until decided.
     let expected: BTreeMap<String, i64> = (0..4).map(|i| (format!("order-{i}"), 30)).collect();
@@ -966,8 +993,9 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
     sends.shuffle(&mut rand::rng());
     let mut senders = tokio::task::JoinSet::new();
     for (index, message) in sends.into_iter().enumerate() {
-        let gate = if index % 2 == 0 { &first } else { &second };
-        let (client, url, producer) = (client.clone(), gate.address.clone(), producer.clone());
+        let gate = if index % 2 == 0 { first } else { second };
+        let (client, url) = (client.clone(), gate.address.clone());
+        let producer = gates.producer.clone();
         senders
             .spawn(async move { deliver_until_decided(&client, &url, &producer, &message).await });
     }
@@ -977,21 +1005,22 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
     poll_until_within(
         "every message in the output stream",
         Duration::from_secs(60),
-        || output_count(&js),
+        || output_count(js),
         |count| *count >= 120,
     )
     .await;
-    let output = read_output(&js).await;
+    let output = read_output(js).await;
     assert_in_order_once(&output, &expected);
     assert_eq!(output.ids.len(), 120, "nothing more than the 120 rows");
     // The second gate found the store installed: its start logged no notice of it.
-    assert!(!files.log().contains("NOTICE"), "{}", files.log());
+    let log = gates.files.log();
+    assert!(!log.contains("NOTICE"), "{log}");
     // One gate of the store published; the other stood by.
     let counts = [
-        published_rows(&client, &first)
+        published_rows(client, first)
             .await
             .expect("the first's count"),
-        published_rows(&client, &second)
+        published_rows(client, second)
             .await
             .expect("the second's count"),
     ];
@@ -1000,8 +1029,8 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
         "published by each gate: {counts:?}"
     );
     let holding = [
-        holds_the_lease(&client, &first).await,
-        holds_the_lease(&client, &second).await,
+        holds_the_lease(client, first).await,
+        holds_the_lease(client, second).await,
     ];
     assert_eq!(
         holding.iter().filter(|held| **held).count(),
@@ -1010,8 +1039,8 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
     );
     // `/ready` names the holder and the standby, both at the holder's epoch.
     let mut statuses = [
-        publisher_status(&client, &first).await,
-        publisher_status(&client, &second).await,
+        publisher_status(client, first).await,
+        publisher_status(client, second).await,
     ];
     statuses.sort();
     assert_eq!(
@@ -1030,62 +1059,58 @@ async fn two_gates_on_one_postgresql_database_emit_one_output_once_and_in_order(
 /// the messages; the publishing gate's own applies announce nothing to the standby.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_standby_gates_applies_are_announced_to_the_publishing_gate_through_postgresql() {
-    let nats = crate::broker::start_nats(None);
-    let certificate = Certificate::new();
-    let files = GateFiles::new(&certificate, &nats).on_postgres();
-    let database = crate::postgres::fresh_database();
-    let env = [("GATE_DATABASE_URL", database.as_str())];
-    let first = GateProcess::start_with_env(&files.config(), &env);
-    let second = GateProcess::start_with_env(&files.config(), &env);
-    let operator = add_operator_on(&["--inbox".into(), database.as_str().into()], "alice");
-    let client = certificate.client();
-    let producer = add_producer(&client, &first, &operator, "shop").await;
-    let js = crate::broker::jetstream_of(&nats).await;
-    let holder = lease_holder(&client, [&first, &second]).await;
-    let standby = if std::ptr::eq(holder, &first) {
-        &second
+    let gates = two_gates_on_postgresql().await;
+    let (client, js) = (&gates.client, &gates.js);
+    let holder = lease_holder(client, [&gates.first, &gates.second]).await;
+    let standby = if std::ptr::eq(holder, &gates.first) {
+        &gates.second
     } else {
-        &first
+        &gates.first
     };
     const NOTIFICATIONS: &str = "gate_output_notifications_total";
-    assert_eq!(scraped(&client, holder, NOTIFICATIONS).await, Some(0.0));
+    assert_eq!(scraped(client, holder, NOTIFICATIONS).await, Some(0.0));
 
-    for message in messages_of("order-1", 5) {
-        let sent = deliver_until_decided(&client, &standby.address, &producer, &message).await;
-        assert_eq!(sent, 200);
-    }
-    poll_until_within(
-        "the standby's five messages in the output stream",
-        Duration::from_secs(30),
-        || output_count(&js),
-        |count| *count >= 5,
-    )
-    .await;
+    let through =
+        |gate: &GateProcess| (client.clone(), gate.address.clone(), gates.producer.clone());
+    deliver_five_in_order(through(standby), "order-1", js, 5).await;
     poll_until_within(
         "the publishing gate heard of them",
         Duration::from_secs(30),
-        || scraped(&client, holder, NOTIFICATIONS),
+        || scraped(client, holder, NOTIFICATIONS),
         |heard| heard.is_some_and(|count| count >= 1.0),
     )
     .await;
 
-    for message in messages_of("order-2", 5) {
-        let sent = deliver_until_decided(&client, &holder.address, &producer, &message).await;
-        assert_eq!(sent, 200);
-    }
-    poll_until_within(
-        "all ten messages in the output stream",
-        Duration::from_secs(30),
-        || output_count(&js),
-        |count| *count >= 10,
-    )
-    .await;
+    deliver_five_in_order(through(holder), "order-2", js, 10).await;
     let expected: BTreeMap<String, i64> = [("order-1".to_owned(), 5), ("order-2".to_owned(), 5)]
         .into_iter()
         .collect();
-    assert_in_order_once(&read_output(&js).await, &expected);
-    assert_eq!(scraped(&client, standby, NOTIFICATIONS).await, Some(0.0));
-    assert!(holds_the_lease(&client, holder).await);
+    assert_in_order_once(&read_output(js).await, &expected);
+    assert_eq!(scraped(client, standby, NOTIFICATIONS).await, Some(0.0));
+    assert!(holds_the_lease(client, holder).await);
+}
+
+/// Delivers `aggregate`'s sequences 1 to 5 in order through the gate at `url` as `producer`,
+/// then waits until the output stream holds `total` messages.
+async fn deliver_five_in_order(
+    (client, url, producer): (HttpsClient, String, Producer),
+    aggregate: &str,
+    js: &jetstream::Context,
+    total: u64,
+) {
+    for message in messages_of(aggregate, 5) {
+        assert_eq!(
+            deliver_until_decided(&client, &url, &producer, &message).await,
+            200
+        );
+    }
+    poll_until_within(
+        &format!("{total} messages in the output stream"),
+        Duration::from_secs(30),
+        || output_count(js),
+        |count| *count >= total,
+    )
+    .await;
 }
 
 /// Sends `sequences` of each aggregate in `expected`'s keys to `gates` in turn, every
