@@ -147,9 +147,7 @@ impl Target {
             }
         }
     }
-}
 
-impl Target {
     /// Opens one connection outside any pool that listens on `channel` (`LISTEN`), for as long
     /// as the answer is kept. Notifications are coalesced: one not yet taken stands for every
     /// later one, which suits a caller that only needs to know that something happened. Those
